@@ -1,0 +1,15 @@
+//! Contracts shared by every lockstep component.
+//!
+//! Nothing in here knows about processes, ptrace or sockets: it is the vocabulary
+//! (checksums, signatures, votes, events, exit statuses) that the components agree on.
+
+pub mod checksum;
+pub mod events;
+pub mod exit;
+pub mod signature;
+pub mod vote;
+
+pub use checksum::crc32c;
+pub use events::{Event, EventSink};
+pub use signature::Signature;
+pub use vote::{vote, Verdict};
