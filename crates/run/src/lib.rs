@@ -1,1 +1,68 @@
+//! `lockstep run`: redundant co-execution of an unmodified Linux program.
+//!
+//! N replicas (2 = DMR, 3 = TMR) run the same program. Every syscall that is not purely
+//! local stops in the monitor, where the replicas' calls to it meet ("rendezvous"), are
+//! compared, and are executed according to the syscall's class (see
+//! `lockstep_trace::syscalls`). DMR halts on a divergence; TMR votes the faulty replica
+//! out, continues, and forks a fresh replica from a healthy one.
+//!
+//! Map of this crate:
+//! * [`options`]: what the user asked for.
+//! * [`spawn`]: identical starts of replicas.
+//! * [`backend`]: the seam between policy and mechanism (ptrace today).
+//! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
+//! * [`rendezvous`]: what happens when all replicas of a task have arrived.
+//! * [`data`]: reading syscall arguments and copying results between replicas.
+//! * [`stats`]: counters printed by `--stats`.
 
+pub mod backend;
+pub mod data;
+pub mod options;
+pub mod rendezvous;
+pub mod session;
+pub mod spawn;
+pub mod stats;
+
+pub use options::{CompareMode, FlipSpec, FlipTarget, Options};
+
+/// Exit status a replica uses when it cannot install the seccomp filter before exec.
+pub(crate) const EXIT_SETUP_FAILED: i32 = 121;
+
+/// Why `lockstep run` could not do its job (as opposed to a divergence, which is an outcome).
+#[derive(Debug)]
+pub enum Error {
+    Usage(String),
+    NotFound(String),
+    Setup(String),
+    Io(&'static str, std::io::Error),
+    Unsupported(String),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::Usage(m) => write!(f, "{m}"),
+            Error::NotFound(m) => write!(f, "{m}"),
+            Error::Setup(m) => write!(f, "cannot start the replicas: {m}"),
+            Error::Io(what, e) => write!(f, "{what} failed: {e}"),
+            Error::Unsupported(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl Error {
+    /// The documented exit status for this error.
+    pub fn exit_status(&self) -> i32 {
+        use lockstep_core::exit;
+        match self {
+            Error::Usage(_) => exit::USAGE,
+            Error::NotFound(_) => exit::NOT_FOUND,
+            Error::Setup(_) | Error::Io(..) | Error::Unsupported(_) => exit::LOCKSTEP_FAILURE,
+        }
+    }
+}
+
+/// Runs the program under the given options and returns lockstep's exit status.
+pub fn run(options: Options) -> Result<i32, Error> {
+    session::Session::start(options)?.run()
+}

@@ -1,1 +1,26 @@
-pub mod x {}
+//! Tracee primitives shared by `lockstep run` and `lockstep inject`.
+//!
+//! * [`ptrace`]: stops, resumes, registers and events of one traced thread.
+//! * [`mem`]: reading and writing a tracee's memory.
+//! * [`seccomp`]: the BPF filter that decides which syscalls stop, and the user-notification
+//!   listener used to install file descriptors into a tracee.
+//! * [`syscalls`]: the one table that classifies every x86-64 syscall.
+//! * [`regs`]: register names, for fault injection and diagnostics.
+//!
+//! This crate knows nothing about replicas or votes.
+
+pub mod mem;
+pub mod ptrace;
+pub mod regs;
+pub mod seccomp;
+pub mod syscalls;
+
+pub use ptrace::{Regs, Stop, Tid};
+
+/// A syscall number that no kernel implements: natively it fails with ENOSYS, so
+/// `lockstep_trace()` is a no-op outside lockstep. Under lockstep the monitor folds its
+/// buffer into the caller's signature. Keep in sync with `clib/include/lockstep.h`.
+pub const SYS_LOCKSTEP_TRACE: u64 = 0x4c53;
+/// A syscall number the filter answers with a user notification. The monitor rewrites a
+/// follower's syscall to this number to install file descriptors into it.
+pub const SYS_LOCKSTEP_INSTALL: u64 = 0x4c54;

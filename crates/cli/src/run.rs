@@ -1,0 +1,158 @@
+//! `lockstep run`.
+
+use clap::Args;
+use lockstep_core::exit;
+use lockstep_run::{CompareMode, FlipSpec, Options};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const AFTER_HELP: &str = "\
+How it works:
+  Every replica runs the unmodified program on its own core, with ASLR off, identical
+  AT_RANDOM bytes, the vDSO hidden (so time is a syscall) and RDTSC trapped. Each syscall
+  that is not purely local stops all replicas at the same point. Inputs (read, recv,
+  clock_gettime, getrandom, ...) run once in the leader and are copied to the followers;
+  outputs (write, send, unlink, ...) are compared first and then run once.
+
+  -r 2 (DMR): any divergence stops everything with exit status 86 before the divergent
+              output leaves.
+  -r 3 (TMR): the faulty replica is voted out, the others go on, and a fresh third
+              replica is forked from a healthy one (single-threaded, single-process
+              programs; see docs/run.md).
+
+Exit status:
+  the program's own status; 128+N if it was killed by signal N; 86 corruption detected
+  and stopped; 2 usage error; 125 lockstep failure (e.g. an unsupported syscall, named on
+  stderr); 126 command not executable; 127 command not found.
+
+Examples:
+  lockstep run -r 3 -- sha256sum big.iso
+  lockstep run -r 2 --compare every --events ev.jsonl -- python3 job.py
+  lockstep run -r 3 --stats -- redis-server --port 7000";
+
+/// Run a program as 2 (DMR) or 3 (TMR) replicas that vote on every output.
+#[derive(Args)]
+#[command(after_help = AFTER_HELP)]
+pub struct RunArgs {
+    /// Number of replicas: 2 detects (DMR), 3 detects and masks (TMR).
+    #[arg(short = 'r', long = "replicas", default_value_t = 2, value_name = "N")]
+    replicas: u32,
+
+    /// What is compared: `io` compares only outputs; `args` folds every syscall into a
+    /// per-replica signature voted at outputs; `every` votes at every syscall.
+    #[arg(long, default_value = "args", value_name = "MODE", value_parser = ["io", "args", "every"])]
+    compare: String,
+
+    /// Seconds the replicas that reached a rendezvous wait for a straggler before it is
+    /// declared faulty (TMR) or the run halts (DMR).
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    timeout: f64,
+
+    /// Write one JSON object per event (divergence, vote, re-integration, ...) to FILE.
+    #[arg(long, value_name = "FILE")]
+    events: Option<PathBuf>,
+
+    /// Print syscall, vote and timing counters on stderr at exit.
+    #[arg(long)]
+    stats: bool,
+
+    /// Pin replica i to the i-th CPU of LIST (e.g. 0,1 or 0-2). Default: spread replicas
+    /// round-robin over the CPUs lockstep may use.
+    #[arg(long, value_name = "LIST")]
+    cpus: Option<String>,
+
+    /// After voting out a replica, stay with the remaining ones instead of forking a new one.
+    #[arg(long)]
+    no_reintegrate: bool,
+
+    /// Do not print event lines on stderr.
+    #[arg(short, long)]
+    quiet: bool,
+
+    /// Test only: REPLICA:SYSCALL:TARGET:BIT flips BIT of TARGET (a register, or
+    /// mem:REG+OFF) in REPLICA at its SYSCALL-th intercepted syscall; TARGET `kill` or
+    /// `hang` kills the replica or makes it spin there.
+    #[arg(long = "test-flip", value_name = "SPEC", hide = true)]
+    test_flip: Vec<String>,
+
+    /// The program and its arguments.
+    #[arg(last = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+fn parse_cpus(list: &str) -> Result<Vec<usize>, String> {
+    let mut cpus = Vec::new();
+    for part in list.split(',').filter(|p| !p.is_empty()) {
+        let bad = || format!("bad CPU list '{list}' (expected e.g. 0,1 or 0-3)");
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+                if a > b {
+                    return Err(bad());
+                }
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(part.parse().map_err(|_| bad())?),
+        }
+    }
+    if cpus.is_empty() {
+        return Err(format!("empty CPU list '{list}'"));
+    }
+    Ok(cpus)
+}
+
+fn usage(msg: &str) -> i32 {
+    eprintln!("lockstep run: {msg}");
+    eprintln!("Try 'lockstep run --help' for more information.");
+    exit::USAGE
+}
+
+pub fn main(a: RunArgs) -> i32 {
+    let compare: CompareMode = match a.compare.parse() {
+        Ok(c) => c,
+        Err(e) => return usage(&e),
+    };
+    if !(a.timeout > 0.0 && a.timeout.is_finite()) {
+        return usage("--timeout must be a positive number of seconds");
+    }
+    let cpus = match a.cpus.as_deref().map(parse_cpus).transpose() {
+        Ok(c) => c.unwrap_or_default(),
+        Err(e) => return usage(&e),
+    };
+    let mut flips = Vec::new();
+    for f in &a.test_flip {
+        match f.parse::<FlipSpec>() {
+            Ok(spec) if spec.replica < a.replicas => flips.push(spec),
+            Ok(spec) => return usage(&format!("--test-flip names replica {} but there are {}", spec.replica, a.replicas)),
+            Err(e) => return usage(&e),
+        }
+    }
+    let options = Options {
+        replicas: a.replicas,
+        compare,
+        timeout: Duration::from_secs_f64(a.timeout),
+        events: a.events,
+        stats: a.stats,
+        cpus,
+        reintegrate: !a.no_reintegrate,
+        flips,
+        quiet: a.quiet,
+        command: a.command,
+    };
+    match lockstep_run::run(options) {
+        Ok(status) => status,
+        Err(e) => {
+            let code = e.exit_status();
+            if code == exit::USAGE {
+                return usage(&e.to_string());
+            }
+            let msg = e.to_string();
+            if msg.starts_with("lockstep run:") {
+                eprintln!("{msg}");
+            } else {
+                eprintln!("lockstep run: {msg}");
+            }
+            code
+        }
+    }
+}

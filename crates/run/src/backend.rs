@@ -1,0 +1,64 @@
+//! The seam between the monitor's policy (who executes what, votes, recovery) and the
+//! mechanism that stops and steers replica threads.
+//!
+//! Today the only mechanism is ptrace + seccomp. Everything the monitor does to a replica
+//! goes through [`Backend`], so an in-process fast path (for example a syscall shim that
+//! talks to the monitor over shared memory) can replace it without touching the policy.
+
+use lockstep_trace::{mem, ptrace, Regs, Tid};
+use std::io;
+
+/// How to resume a stopped replica thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resume {
+    /// Run until the next intercepted syscall or event.
+    Run,
+    /// Run, delivering this signal now.
+    Signal(i32),
+    /// Run the syscall we are stopped at and stop again at its exit.
+    ToExit,
+}
+
+/// Mechanism for steering replica threads.
+pub trait Backend {
+    fn regs(&self, tid: Tid) -> io::Result<Regs>;
+    fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()>;
+    fn read(&self, tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()>;
+    fn write(&self, tid: Tid, addr: u64, data: &[u8]) -> io::Result<()>;
+    fn resume(&self, tid: Tid, how: Resume) -> io::Result<()>;
+    /// Stops a thread that is blocked in a syscall (the syscall returns ERESTART*).
+    fn interrupt(&self, tid: Tid) -> io::Result<()>;
+    fn read_vec(&self, tid: Tid, addr: u64, len: usize) -> io::Result<Vec<u8>> {
+        let mut v = vec![0u8; len];
+        self.read(tid, addr, &mut v)?;
+        Ok(v)
+    }
+}
+
+/// The ptrace backend.
+pub struct Ptrace;
+
+impl Backend for Ptrace {
+    fn regs(&self, tid: Tid) -> io::Result<Regs> {
+        ptrace::get_regs(tid)
+    }
+    fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()> {
+        ptrace::set_regs(tid, regs)
+    }
+    fn read(&self, tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+        mem::read(tid, addr, buf)
+    }
+    fn write(&self, tid: Tid, addr: u64, data: &[u8]) -> io::Result<()> {
+        mem::write(tid, addr, data)
+    }
+    fn resume(&self, tid: Tid, how: Resume) -> io::Result<()> {
+        match how {
+            Resume::Run => ptrace::cont(tid, 0),
+            Resume::Signal(sig) => ptrace::cont(tid, sig),
+            Resume::ToExit => ptrace::cont_syscall(tid, 0),
+        }
+    }
+    fn interrupt(&self, tid: Tid) -> io::Result<()> {
+        ptrace::interrupt(tid)
+    }
+}

@@ -1,0 +1,232 @@
+//! Syscall data: digests of what a replica passes to the kernel, and the buffers the
+//! kernel fills, copied from the leader into the followers.
+
+use crate::backend::Backend;
+use lockstep_trace::syscalls::{Arg, Desc, Len, SOCKADDR_LIMIT};
+use lockstep_trace::Tid;
+
+/// Largest single buffer we read from a replica (larger syscalls are still executed;
+/// their data beyond this is not compared, which is reported once).
+pub const MAX_BUFFER: usize = 64 << 20;
+/// Longest path we read.
+const MAX_PATH: usize = 4096;
+const IOVEC: usize = 16;
+const MSGHDR: usize = 56;
+
+/// What one replica passed to one syscall, reduced for comparison.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CallDigest {
+    pub crc: u32,
+    /// Bytes of pointed-to data that went into the digest.
+    pub bytes: u64,
+}
+
+fn u64_at(b: &[u8], off: usize) -> u64 {
+    u64::from_le_bytes(b[off..off + 8].try_into().expect("8 bytes"))
+}
+
+fn u32_at(b: &[u8], off: usize) -> u32 {
+    u32::from_le_bytes(b[off..off + 4].try_into().expect("4 bytes"))
+}
+
+/// Length of a buffer described by `len`, before (`ret` = None) or after the call.
+fn length(be: &dyn Backend, tid: Tid, len: Len, args: &[u64; 6], ret: Option<i64>) -> Option<usize> {
+    let n = match len {
+        Len::Fixed(n) => n,
+        Len::OfArg(i) => args[i as usize] as usize,
+        Len::ArgTimes(i, k) => (args[i as usize] as usize).saturating_mul(k),
+        Len::Ret => ret.filter(|r| *r >= 0)? as usize,
+        Len::RetTimes(k) => (ret.filter(|r| *r >= 0)? as usize).saturating_mul(k),
+        Len::SockLen(i) => {
+            let mut b = [0u8; 4];
+            be.read(tid, args[i as usize], &mut b).ok()?;
+            (u32::from_le_bytes(b) as usize).min(SOCKADDR_LIMIT)
+        }
+        Len::FdSet(i) => (args[i as usize] as usize).div_ceil(64) * 8,
+    };
+    Some(n.min(MAX_BUFFER))
+}
+
+/// Reads an iovec array: (base, len) pairs.
+fn iovecs(be: &dyn Backend, tid: Tid, addr: u64, count: u64) -> Vec<(u64, usize)> {
+    let count = (count as usize).min(1024);
+    let Ok(raw) = be.read_vec(tid, addr, count * IOVEC) else { return Vec::new() };
+    (0..count).map(|i| (u64_at(&raw, i * IOVEC), u64_at(&raw, i * IOVEC + 8) as usize)).collect()
+}
+
+/// The content of the input data of a call, appended to `out`.
+fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &mut Vec<u8>) {
+    let push_mem = |out: &mut Vec<u8>, addr: u64, len: usize| {
+        if addr == 0 || len == 0 {
+            out.extend_from_slice(&[0xff; 4]);
+            return;
+        }
+        let start = out.len();
+        out.resize(start + len, 0);
+        if be.read(tid, addr, &mut out[start..]).is_err() {
+            // An unreadable buffer is itself an observable difference.
+            out.truncate(start);
+            out.extend_from_slice(b"<EFAULT>");
+        }
+    };
+    for (i, arg) in desc.args.iter().enumerate() {
+        let a = args[i];
+        match *arg {
+            Arg::Val | Arg::Fd => out.extend_from_slice(&a.to_le_bytes()),
+            Arg::Path => match lockstep_trace::mem::read_cstr(tid, a, MAX_PATH) {
+                Ok(s) if a != 0 => {
+                    out.extend_from_slice(&s);
+                    out.push(0);
+                }
+                _ => out.extend_from_slice(b"<EFAULT>"),
+            },
+            Arg::In(len) | Arg::InOut(len) => {
+                let n = length(be, tid, len, args, None).unwrap_or(0);
+                push_mem(out, a, n);
+            }
+            Arg::IovIn(c) => {
+                for (base, len) in iovecs(be, tid, a, args[c as usize]) {
+                    push_mem(out, base, len.min(MAX_BUFFER));
+                }
+            }
+            Arg::MsgIn => {
+                let Ok(h) = be.read_vec(tid, a, MSGHDR) else {
+                    out.extend_from_slice(b"<EFAULT>");
+                    continue;
+                };
+                push_mem(out, u64_at(&h, 0), u32_at(&h, 8) as usize);
+                for (base, len) in iovecs(be, tid, u64_at(&h, 16), u64_at(&h, 24)) {
+                    push_mem(out, base, len.min(MAX_BUFFER));
+                }
+                push_mem(out, u64_at(&h, 32), (u64_at(&h, 40) as usize).min(4096));
+            }
+            Arg::Out(_) | Arg::IovOut(_) | Arg::MsgOut | Arg::Ignore => {}
+        }
+    }
+}
+
+/// Digest of everything a replica passes to syscall `nr`: the number, the values, and the
+/// content behind pointer arguments. `scratch` is reused between calls.
+pub fn digest_call(be: &dyn Backend, tid: Tid, nr: u64, desc: Option<&Desc>, args: &[u64; 6], scratch: &mut Vec<u8>) -> CallDigest {
+    scratch.clear();
+    scratch.extend_from_slice(&nr.to_le_bytes());
+    match desc {
+        Some(d) => input_bytes(be, tid, d, args, scratch),
+        None => args.iter().for_each(|a| scratch.extend_from_slice(&a.to_le_bytes())),
+    }
+    CallDigest { crc: lockstep_core::crc32c(scratch), bytes: scratch.len() as u64 }
+}
+
+/// A short printable preview of the bytes an output call would emit (for event messages).
+pub fn output_preview(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6]) -> String {
+    let mut bytes = Vec::new();
+    input_bytes(be, tid, desc, args, &mut bytes);
+    // Skip the values of leading non-pointer arguments (the fd).
+    let skip = desc.args.iter().take_while(|a| matches!(a, Arg::Val | Arg::Fd)).count() * 8;
+    let shown: String = bytes.iter().skip(skip).take(48).flat_map(|b| std::ascii::escape_default(*b)).map(char::from).collect();
+    format!("\"{shown}\"")
+}
+
+/// The buffers the kernel filled in the leader's call, as (address, bytes), plus any file
+/// descriptors passed in SCM_RIGHTS control messages (which must be installed too).
+pub struct Outputs {
+    pub chunks: Vec<(u64, Vec<u8>)>,
+    pub passed_fds: Vec<i32>,
+}
+
+impl Outputs {
+    pub fn bytes(&self) -> u64 {
+        self.chunks.iter().map(|(_, b)| b.len() as u64).sum()
+    }
+}
+
+/// Collects the outputs of the leader's completed call `desc(args) = ret`.
+pub fn collect_outputs(be: &dyn Backend, leader: Tid, desc: &Desc, args: &[u64; 6], ret: i64) -> Outputs {
+    let mut out = Outputs { chunks: Vec::new(), passed_fds: Vec::new() };
+    if ret < 0 {
+        return out;
+    }
+    let grab = |addr: u64, len: usize, out: &mut Outputs| {
+        if addr != 0 && len > 0 {
+            if let Ok(v) = be.read_vec(leader, addr, len.min(MAX_BUFFER)) {
+                out.chunks.push((addr, v));
+            }
+        }
+    };
+    for (i, arg) in desc.args.iter().enumerate() {
+        let a = args[i];
+        match *arg {
+            Arg::Out(len) | Arg::InOut(len) => {
+                if let Some(n) = length(be, leader, len, args, Some(ret)) {
+                    grab(a, n, &mut out);
+                }
+            }
+            Arg::IovOut(c) => {
+                let mut left = ret as usize;
+                for (base, len) in iovecs(be, leader, a, args[c as usize]) {
+                    let n = len.min(left);
+                    grab(base, n, &mut out);
+                    left -= n;
+                    if left == 0 {
+                        break;
+                    }
+                }
+            }
+            Arg::MsgOut => {
+                let Ok(h) = be.read_vec(leader, a, MSGHDR) else { continue };
+                grab(u64_at(&h, 0), (u32_at(&h, 8) as usize).min(SOCKADDR_LIMIT), &mut out);
+                let mut left = ret as usize;
+                for (base, len) in iovecs(be, leader, u64_at(&h, 16), u64_at(&h, 24)) {
+                    let n = len.min(left);
+                    grab(base, n, &mut out);
+                    left -= n;
+                }
+                let control_len = (u64_at(&h, 40) as usize).min(4096);
+                if let Ok(control) = be.read_vec(leader, u64_at(&h, 32), control_len) {
+                    out.passed_fds = scm_rights(&control);
+                    out.chunks.push((u64_at(&h, 32), control));
+                }
+                out.chunks.push((a, h));
+            }
+            _ => {}
+        }
+    }
+    if desc.nr == libc::SYS_ioctl as u64 {
+        if let Some(n) = lockstep_trace::syscalls::ioctl_out_len(args[1]) {
+            grab(args[2], n, &mut out);
+        }
+    }
+    if desc.nr == libc::SYS_fcntl as u64 && matches!(args[1] as i32, libc::F_GETLK | libc::F_OFD_GETLK) {
+        grab(args[2], lockstep_trace::syscalls::FLOCK_SIZE, &mut out);
+    }
+    out
+}
+
+/// File descriptors carried by SCM_RIGHTS messages in a control buffer.
+fn scm_rights(control: &[u8]) -> Vec<i32> {
+    let mut fds = Vec::new();
+    let mut off = 0;
+    while off + 16 <= control.len() {
+        let len = u64_at(control, off) as usize;
+        let level = u32_at(control, off + 8) as i32;
+        let kind = u32_at(control, off + 12) as i32;
+        if len < 16 || off + len > control.len() {
+            break;
+        }
+        if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
+            let mut p = off + 16;
+            while p + 4 <= off + len {
+                fds.push(u32_at(control, p) as i32);
+                p += 4;
+            }
+        }
+        off += len.div_ceil(8) * 8;
+    }
+    fds
+}
+
+/// Writes the leader's outputs into a follower. Failures mean the follower's pointers
+/// differ from the leader's, which the next vote will catch; they are counted, not fatal.
+pub fn apply_outputs(be: &dyn Backend, follower: Tid, outputs: &Outputs) -> usize {
+    outputs.chunks.iter().filter(|(addr, bytes)| be.write(follower, *addr, bytes).is_err()).count()
+}

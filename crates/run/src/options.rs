@@ -1,0 +1,149 @@
+//! What the user asked `lockstep run` to do.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// What is compared at a rendezvous (RCoE's N/A/S modes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompareMode {
+    /// Only externally visible outputs: their arguments and buffers.
+    Io,
+    /// Every intercepted syscall is folded into a running per-replica signature, which is
+    /// voted at outputs.
+    Args,
+    /// Like `Args`, but the signature is voted at every intercepted syscall.
+    Every,
+}
+
+impl std::str::FromStr for CompareMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "io" => Ok(CompareMode::Io),
+            "args" => Ok(CompareMode::Args),
+            "every" => Ok(CompareMode::Every),
+            _ => Err(format!("unknown compare mode '{s}' (expected io, args or every)")),
+        }
+    }
+}
+
+/// Where a test-only fault goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FlipTarget {
+    Register(String),
+    /// The byte at (register + offset).
+    Memory { base: String, offset: i64 },
+    /// SIGKILL the replica.
+    Kill,
+    /// Make the replica spin forever (a straggler).
+    Hang,
+}
+
+/// A deterministic, test-only fault: at the `syscall`-th intercepted syscall of
+/// `replica`'s main thread, flip `bit` of `target`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlipSpec {
+    pub replica: u32,
+    pub syscall: u64,
+    pub target: FlipTarget,
+    pub bit: u32,
+}
+
+impl std::str::FromStr for FlipSpec {
+    type Err = String;
+    /// `REPLICA:SYSCALL:TARGET:BIT`, TARGET = register | mem:REG+OFF | kill | hang.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("bad flip '{s}': expected REPLICA:SYSCALL:TARGET:BIT, TARGET = a register, mem:REG+OFFSET, kill or hang");
+        let parts: Vec<&str> = s.split(':').collect();
+        let (replica, syscall, target, bit) = match parts.as_slice() {
+            [r, k, t, b] => (r, k, t.to_string(), b),
+            [r, k, "mem", m, b] => (r, k, format!("mem:{m}"), b),
+            _ => return Err(bad()),
+        };
+        let replica = replica.parse().map_err(|_| bad())?;
+        let syscall = syscall.parse().map_err(|_| bad())?;
+        let bit: u32 = bit.parse().map_err(|_| bad())?;
+        let target = match target.as_str() {
+            "kill" => FlipTarget::Kill,
+            "hang" => FlipTarget::Hang,
+            t if t.starts_with("mem:") => {
+                let spec = &t[4..];
+                let (base, offset) = match spec.find(['+', '-']) {
+                    Some(i) => (&spec[..i], spec[i..].trim_start_matches('+').parse::<i64>().map_err(|_| bad())?),
+                    None => (spec, 0),
+                };
+                if !lockstep_trace::regs::NAMES.contains(&base) {
+                    return Err(bad());
+                }
+                if bit > 7 {
+                    return Err(format!("bad flip '{s}': a memory byte has bits 0..7"));
+                }
+                FlipTarget::Memory { base: base.to_string(), offset }
+            }
+            r if lockstep_trace::regs::NAMES.contains(&r) => {
+                if bit > 63 {
+                    return Err(format!("bad flip '{s}': a register has bits 0..63"));
+                }
+                FlipTarget::Register(r.to_string())
+            }
+            _ => return Err(bad()),
+        };
+        if syscall == 0 {
+            return Err(format!("bad flip '{s}': syscalls are counted from 1"));
+        }
+        Ok(FlipSpec { replica, syscall, target, bit })
+    }
+}
+
+/// Everything `lockstep run` needs.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub replicas: u32,
+    pub compare: CompareMode,
+    /// How long the first replica to reach a rendezvous waits for the others.
+    pub timeout: Duration,
+    pub events: Option<PathBuf>,
+    pub stats: bool,
+    /// CPUs to pin replicas to, in order; empty = spread over the CPUs we may use.
+    pub cpus: Vec<usize>,
+    pub reintegrate: bool,
+    pub flips: Vec<FlipSpec>,
+    /// Print one line per event on stderr.
+    pub quiet: bool,
+    pub command: Vec<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            replicas: 2,
+            compare: CompareMode::Args,
+            timeout: Duration::from_secs(10),
+            events: None,
+            stats: false,
+            cpus: Vec::new(),
+            reintegrate: true,
+            flips: Vec::new(),
+            quiet: false,
+            command: Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_flips() {
+        let f: FlipSpec = "1:12:mem:rsi+3:2".parse().unwrap();
+        assert_eq!(f.target, FlipTarget::Memory { base: "rsi".into(), offset: 3 });
+        let f: FlipSpec = "0:5:rbx:63".parse().unwrap();
+        assert_eq!(f.target, FlipTarget::Register("rbx".into()));
+        assert_eq!("2:7:kill:0".parse::<FlipSpec>().unwrap().target, FlipTarget::Kill);
+        assert!("2:0:kill:0".parse::<FlipSpec>().is_err());
+        assert!("x".parse::<FlipSpec>().is_err());
+        assert!("0:1:rbx:64".parse::<FlipSpec>().is_err());
+        assert!("0:1:mem:rsi:8".parse::<FlipSpec>().is_err());
+    }
+}

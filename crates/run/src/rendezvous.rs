@@ -1,0 +1,754 @@
+//! What happens when every live replica of a task has arrived: vote, then execute the
+//! syscall according to its class, deliver a fault or a signal, or emulate RDTSC.
+
+use crate::backend::{Backend, Resume};
+use crate::data;
+use crate::options::CompareMode;
+use crate::session::{describe_death, Arrival, Death, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId};
+use crate::Error;
+use lockstep_core::{vote, Event, Verdict};
+use lockstep_trace::syscalls::{self, Class, Desc, NewFds};
+use lockstep_trace::{ptrace, Tid, SYS_LOCKSTEP_INSTALL, SYS_LOCKSTEP_TRACE};
+use std::time::Instant;
+
+/// What the replicas are compared on at one rendezvous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Key {
+    kind: u8,
+    a: u64,
+    b: u64,
+}
+
+const AT_NULL: u64 = 0;
+const AT_IGNORE: u64 = 1;
+const AT_RANDOM: u64 = 25;
+const AT_SYSINFO_EHDR: u64 = 33;
+const NR_CLONE: u64 = libc::SYS_clone as u64;
+
+fn is_nr(nr: u64, sys: libc::c_long) -> bool {
+    nr == sys as u64
+}
+
+impl Session {
+    pub fn try_decide(&mut self, task: TaskId) -> Result<(), Stopped> {
+        let t = &self.tasks[task];
+        if t.finished || t.phase != Phase::Collect {
+            return Ok(());
+        }
+        let live = self.live_slots(task);
+        // Every live replica must have its thread for this task (a new thread may not be
+        // registered in all replicas yet) and that thread must have arrived.
+        if live.is_empty() || live.len() != self.live_replicas().len() || live.iter().any(|&r| self.slot(task, r).arrival.is_none()) {
+            return Ok(());
+        }
+        // While a process is going down, wait until every replica's thread is gone.
+        let exiting = self.processes[t.process].exiting;
+        if exiting && live.iter().any(|&r| self.slot(task, r).state != SlotState::Dead) {
+            return Ok(());
+        }
+        self.decide(task, &live)
+    }
+
+    /// The comparison key of replica `r` at this rendezvous; folds the call into the
+    /// replica's running signature as a side effect (once per rendezvous).
+    fn key(&mut self, task: TaskId, r: ReplicaId) -> (Key, String) {
+        let slot = self.slot(task, r);
+        match slot.arrival.expect("arrived") {
+            Arrival::Died(d) => {
+                let code = match d {
+                    Death::Exited(c) => c as u64,
+                    Death::Killed(s) => 0x1000 + s as u64,
+                };
+                (Key { kind: 1, a: code, b: 0 }, describe_death(d))
+            }
+            Arrival::Fault { sig, addr } => (Key { kind: 2, a: sig as u64, b: addr }, format!("signal {sig} at {addr:#x}")),
+            Arrival::Rdtsc { len } => (Key { kind: 3, a: len as u64, b: 0 }, "rdtsc".into()),
+            Arrival::Syscall { nr, args } => {
+                let tid = slot.tid;
+                let desc = syscalls::describe(nr);
+                let class = desc.map(|d| syscalls::classify(d, &args)).unwrap_or(Class::Unsupported);
+                let is_output = class == Class::Output || is_nr(nr, libc::SYS_exit_group);
+                let mode = self.opts.compare;
+                let need_digest = mode != CompareMode::Io || is_output;
+                let digest = if need_digest {
+                    let d = data::digest_call(&self.be, tid, nr, desc, &args, &mut self.scratch);
+                    self.stats.bytes_compared += d.bytes;
+                    d
+                } else {
+                    data::CallDigest::default()
+                };
+                let slot = self.slot_mut(task, r);
+                if mode != CompareMode::Io {
+                    slot.signature.begin_event();
+                    slot.signature.fold_u64(nr);
+                    slot.signature.fold_u32(digest.crc);
+                }
+                let b = match mode {
+                    CompareMode::Io if is_output => (digest.crc as u64) << 32 | (digest.bytes & 0xffff_ffff),
+                    CompareMode::Io => 0,
+                    CompareMode::Args if is_output => slot.signature.digest() ^ slot.signature.events.rotate_left(17),
+                    CompareMode::Args => 0,
+                    CompareMode::Every => slot.signature.digest() ^ slot.signature.events.rotate_left(17),
+                };
+                let name = syscalls::name(nr);
+                let text = if is_output && desc.is_some() {
+                    format!("{name}({}) {}", args[0] as i64, data::output_preview(&self.be, tid, desc.expect("some"), &args))
+                } else if b != 0 {
+                    format!("{name} signature {}", slot.signature)
+                } else {
+                    name
+                };
+                (Key { kind: 4, a: nr, b }, text)
+            }
+        }
+    }
+
+    fn decide(&mut self, task: TaskId, live: &[ReplicaId]) -> Result<(), Stopped> {
+        let t0 = Instant::now();
+        let mut members: Vec<ReplicaId> = live.to_vec();
+        let mut keyed: Vec<(Key, String)> = members.iter().map(|&r| self.key(task, r)).collect();
+        if members.len() > 1 {
+            self.stats.votes += 1;
+        }
+        loop {
+            let keys: Vec<Key> = keyed.iter().map(|k| k.0).collect();
+            match vote(&keys) {
+                Verdict::Unanimous => break,
+                Verdict::Faulty(i) => {
+                    let r = members[i];
+                    self.stats.divergences += 1;
+                    let values: Vec<String> = members.iter().zip(&keyed).map(|(m, k)| format!("replica {m}: {}", k.1)).collect();
+                    let what = &keyed[i].1;
+                    self.emit(
+                        Event::new("run", "divergence", "vote")
+                            .replica(r)
+                            .object(format!("task {task}"))
+                            .values(values)
+                            .duration_us(t0.elapsed().as_micros() as u64)
+                            .message(format!("replica {r} diverged at task {task}: {what}")),
+                    );
+                    self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
+                    members.remove(i);
+                    keyed.remove(i);
+                }
+                Verdict::NoConsensus => {
+                    self.stats.divergences += 1;
+                    let values: Vec<String> = members.iter().zip(&keyed).map(|(m, k)| format!("replica {m}: {}", k.1)).collect();
+                    self.emit(
+                        Event::new("run", "divergence", "halt")
+                            .object(format!("task {task}"))
+                            .values(values.clone())
+                            .message(format!("replicas disagree at task {task}: {}", values.join(" / "))),
+                    );
+                    return Err(self.halt("no majority agrees on the faulty replica".into()));
+                }
+            }
+        }
+        let leader = self.leader;
+        let arrival = self.slot(task, leader).arrival.expect("arrived");
+        self.tasks[task].first_arrival = None;
+        match arrival {
+            Arrival::Died(death) => {
+                self.tasks[task].finished = true;
+                if task == 0 {
+                    self.root_death = Some(death);
+                }
+                Ok(())
+            }
+            Arrival::Fault { sig, .. } => {
+                // Every replica faulted identically: the program's own behaviour.
+                self.processes[self.tasks[task].process].exiting = true;
+                for r in self.live_slots(task) {
+                    self.resume(task, r, Resume::Signal(sig), SlotState::Running);
+                }
+                Ok(())
+            }
+            Arrival::Rdtsc { len } => {
+                self.stats.rdtsc += 1;
+                // SAFETY: RDTSC has no preconditions; the monitor itself is not trapped.
+                let tsc = unsafe { core::arch::x86_64::_rdtsc() };
+                for r in self.live_slots(task) {
+                    let mut regs = self.slot(task, r).regs;
+                    regs.rax = tsc & 0xffff_ffff;
+                    regs.rdx = tsc >> 32;
+                    if len == 3 {
+                        regs.rcx = 0;
+                    }
+                    regs.rip += len as u64;
+                    let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
+                    self.resume(task, r, Resume::Run, SlotState::Running);
+                }
+                Ok(())
+            }
+            Arrival::Syscall { nr, args } => {
+                if let Some(sig) = self.tasks[task].pending.first().copied() {
+                    self.tasks[task].pending.remove(0);
+                    self.deliver_before(task, nr, sig);
+                    return Ok(());
+                }
+                if self.reintegration_due && self.reintegrate(task)? {
+                    return Ok(());
+                }
+                self.execute(task, nr, args)
+            }
+        }
+    }
+
+    /// Delivers `sig` to every replica just before the syscall they are stopped at: the
+    /// call is skipped and rewound, so it runs again once the handler returns.
+    fn deliver_before(&mut self, task: TaskId, nr: u64, sig: i32) {
+        self.stats.signals_delivered += 1;
+        self.tasks[task].kicked = false;
+        for r in self.live_slots(task) {
+            let mut regs = self.slot(task, r).regs;
+            ptrace::rewind_to_syscall(&mut regs, nr);
+            let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
+            let _ = self.be.set_regs(tid, &regs);
+            self.slot_mut(task, r).deliver = Some(sig);
+            let _ = ptrace::tgkill(tgid, tid, sig);
+            self.resume(task, r, Resume::Run, SlotState::Running);
+        }
+    }
+
+    fn execute(&mut self, task: TaskId, nr: u64, args: [u64; 6]) -> Result<(), Stopped> {
+        let desc = syscalls::describe(nr);
+        let class = desc.map(|d| syscalls::classify(d, &args)).unwrap_or(Class::Unsupported);
+        self.stats.count(class);
+        self.stats.rendezvous += 1;
+        let leader = self.leader;
+        match class {
+            Class::Passthrough | Class::Emulated => self.emulate(task, nr, args),
+            Class::Unsupported => {
+                let name = syscalls::name(nr);
+                let msg = format!("unsupported system call {name} (number {nr}); lockstep cannot replicate it safely");
+                self.emit(Event::new("run", "unsupported", "stop").object(name).message(msg.clone()));
+                self.kill_everything();
+                Err(Stopped::Failure(Error::Unsupported(format!("lockstep run: {msg}"))))
+            }
+            Class::Input | Class::Output | Class::FdCreate => {
+                self.tasks[task].phase = Phase::Leader { nr, args, class };
+                self.resume(task, leader, Resume::ToExit, SlotState::Executing);
+                Ok(())
+            }
+            Class::AllAfterLeader => {
+                self.tasks[task].phase = Phase::LeaderFirst { nr, args };
+                self.translate_pid_args(task, leader, nr, &args);
+                self.resume(task, leader, Resume::ToExit, SlotState::Executing);
+                Ok(())
+            }
+            Class::All => {
+                if is_nr(nr, libc::SYS_exit_group) {
+                    self.processes[self.tasks[task].process].exiting = true;
+                    for r in self.live_slots(task) {
+                        self.resume(task, r, Resume::Run, SlotState::Running);
+                    }
+                    return Ok(());
+                }
+                self.tasks[task].phase = Phase::All { nr, args };
+                self.tasks[task].spawned = None;
+                for r in self.live_slots(task) {
+                    self.translate_pid_args(task, r, nr, &args);
+                    self.resume(task, r, Resume::ToExit, SlotState::Executing);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Syscalls answered by the monitor: every replica gets the same answer.
+    fn emulate(&mut self, task: TaskId, nr: u64, args: [u64; 6]) -> Result<(), Stopped> {
+        let process = self.tasks[task].process;
+        let result: i64 = match nr as i64 {
+            libc::SYS_getpid => self.processes[process].logical_pid as i64,
+            libc::SYS_gettid => self.tasks[task].logical_tid as i64,
+            libc::SYS_getppid => match self.processes[process].parent {
+                Some(p) => self.processes[p].logical_pid as i64,
+                // The root's parent is the namespace stub (pid 1), or lockstep itself.
+                None if self.replicas[self.leader as usize].stub > 0 => 1,
+                // SAFETY: getpid has no preconditions.
+                None => (unsafe { libc::getpid() }) as i64,
+            },
+            // Replicas stay on the cores lockstep chose.
+            libc::SYS_sched_setaffinity => 0,
+            libc::SYS_prctl if args[0] == syscalls::PR_GET_TSC => {
+                const PR_TSC_ENABLE: u32 = 1;
+                for r in self.live_slots(task) {
+                    let _ = self.be.write(self.slot(task, r).tid, args[1], &PR_TSC_ENABLE.to_le_bytes());
+                }
+                0
+            }
+            libc::SYS_prctl => 0,
+            n if n as u64 == SYS_LOCKSTEP_TRACE => {
+                for r in self.live_slots(task) {
+                    let tid = self.slot(task, r).tid;
+                    let len = (args[1] as usize).min(data::MAX_BUFFER);
+                    let bytes = self.be.read_vec(tid, args[0], len).unwrap_or_else(|_| b"<EFAULT>".to_vec());
+                    self.slot_mut(task, r).signature.fold_bytes(&bytes);
+                }
+                0
+            }
+            _ => -(libc::ENOSYS as i64),
+        };
+        for r in self.live_slots(task) {
+            let mut regs = self.slot(task, r).regs;
+            ptrace::skip_with_result(&mut regs, result);
+            let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
+            self.resume(task, r, Resume::Run, SlotState::Running);
+        }
+        Ok(())
+    }
+
+    pub fn on_syscall_exit(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
+        let tid = self.slot(task, r).tid;
+        let Ok(mut regs) = self.be.regs(tid) else { return Ok(()) };
+        let ret = regs.rax as i64;
+        match self.tasks[task].phase {
+            Phase::Leader { nr, .. } | Phase::LeaderFirst { nr, .. } if ptrace::is_restart(ret) => {
+                // Interrupted (by a signal or our kick): run it again from the start; the
+                // followers are still parked at the same call.
+                ptrace::rewind_to_syscall(&mut regs, nr);
+                let _ = self.be.set_regs(tid, &regs);
+                self.tasks[task].phase = Phase::Collect;
+                self.tasks[task].first_arrival = None;
+                self.resume(task, r, Resume::Run, SlotState::Running);
+                Ok(())
+            }
+            Phase::Leader { nr, args, class } => self.finish_leader_call(task, nr, args, class, ret),
+            Phase::LeaderFirst { nr, args } => {
+                self.slot_mut(task, r).result = ret;
+                self.slot_mut(task, r).state = SlotState::Done;
+                self.tasks[task].phase = Phase::Followers { nr, args };
+                for f in self.live_slots(task) {
+                    if f != self.leader && self.slot(task, f).state == SlotState::Arrived {
+                        self.translate_pid_args(task, f, nr, &args);
+                        self.resume(task, f, Resume::ToExit, SlotState::Executing);
+                    }
+                }
+                self.maybe_complete_all(task)
+            }
+            Phase::Followers { .. } => {
+                self.slot_mut(task, r).result = ret;
+                self.slot_mut(task, r).state = SlotState::Done;
+                self.maybe_complete_all(task)
+            }
+            Phase::All { nr, .. } => {
+                if self.tasks[task].kicked && ptrace::is_restart(ret) {
+                    ptrace::rewind_to_syscall(&mut regs, nr);
+                    let _ = self.be.set_regs(tid, &regs);
+                    self.resume(task, r, Resume::Run, SlotState::Running);
+                    return Ok(());
+                }
+                self.slot_mut(task, r).result = ret;
+                self.slot_mut(task, r).state = SlotState::Done;
+                self.maybe_complete_all(task)
+            }
+            Phase::Collect => {
+                // An exit we did not ask for (e.g. after a rewind race): just go on.
+                let _ = self.be.resume(tid, Resume::Run);
+                Ok(())
+            }
+        }
+    }
+
+    /// The leader finished an input, output or descriptor-creating call: hand its result
+    /// to the parked followers.
+    fn finish_leader_call(&mut self, task: TaskId, nr: u64, args: [u64; 6], class: Class, ret: i64) -> Result<(), Stopped> {
+        let leader = self.leader;
+        let (ltid, ltgid) = (self.slot(task, leader).tid, self.slot(task, leader).tgid);
+        let desc = syscalls::describe(nr).expect("executed calls are in the table");
+        let outputs = data::collect_outputs(&self.be, ltid, desc, &args, ret);
+        let mut fds: Vec<i32> = Vec::new();
+        if class == Class::FdCreate && ret >= 0 {
+            fds = new_fds(desc, &args, ret, &outputs);
+        }
+        fds.extend(&outputs.passed_fds);
+        for f in self.live_slots(task) {
+            if f == leader || self.slot(task, f).state != SlotState::Arrived {
+                continue;
+            }
+            let ftid = self.slot(task, f).tid;
+            if data::apply_outputs(&self.be, ftid, &outputs) > 0 {
+                self.emit(Event::new("run", "copy", "continue").replica(f).message(format!(
+                    "could not copy {}'s results into replica {f} (its buffers differ); the next vote decides",
+                    desc.name
+                )));
+            }
+            self.stats.bytes_copied += outputs.bytes();
+            if fds.is_empty() {
+                let mut regs = self.slot(task, f).regs;
+                ptrace::skip_with_result(&mut regs, ret);
+                let _ = self.be.set_regs(ftid, &regs);
+                self.resume(task, f, Resume::Run, SlotState::Running);
+            } else {
+                self.install_fds(task, f, ltgid, &fds, ret)?;
+            }
+        }
+        self.tasks[task].phase = Phase::Collect;
+        self.resume(task, leader, Resume::Run, SlotState::Running);
+        Ok(())
+    }
+
+    /// Makes follower `f` return `ret` from its call while installing the leader's open
+    /// file descriptions at the same descriptor numbers (seccomp user notification).
+    fn install_fds(&mut self, task: TaskId, f: ReplicaId, leader_tgid: Tid, fds: &[i32], ret: i64) -> Result<(), Stopped> {
+        let pidfd = lockstep_trace::seccomp::pidfd_open(leader_tgid).map_err(|e| Error::Io("pidfd_open", e))?;
+        let mut ours = Vec::new();
+        for &fd in fds {
+            let dup = lockstep_trace::seccomp::pidfd_getfd(&pidfd, fd).map_err(|e| Error::Io("pidfd_getfd", e))?;
+            ours.push((fd, dup, fd_cloexec(leader_tgid, fd)));
+        }
+        let ftid = self.slot(task, f).tid;
+        let mut regs = self.slot(task, f).regs;
+        regs.orig_rax = SYS_LOCKSTEP_INSTALL;
+        let _ = self.be.set_regs(ftid, &regs);
+        self.resume(task, f, Resume::Run, SlotState::Running);
+        let listener = self.replicas[f as usize].listener.clone();
+        let notif = listener.recv(5000).map_err(|e| Error::Io("waiting for the descriptor-install notification", e))?;
+        if notif.pid as Tid != ftid {
+            return Err(Stopped::Failure(Error::Setup(format!("descriptor install: expected thread {ftid}, got {}", notif.pid))));
+        }
+        for (fd, dup, cloexec) in &ours {
+            use std::os::fd::AsRawFd;
+            listener.add_fd(notif.id, dup.as_raw_fd(), *fd, *cloexec).map_err(|e| Error::Io("SECCOMP_IOCTL_NOTIF_ADDFD", e))?;
+        }
+        listener.respond(notif.id, ret).map_err(|e| Error::Io("SECCOMP_IOCTL_NOTIF_SEND", e))?;
+        Ok(())
+    }
+
+    /// Every replica has finished its part of an all-replica call: compare the results.
+    pub fn maybe_complete_all(&mut self, task: TaskId) -> Result<(), Stopped> {
+        let (nr, args, leader_first) = match self.tasks[task].phase {
+            Phase::All { nr, args } => (nr, args, false),
+            Phase::Followers { nr, args } => (nr, args, true),
+            _ => return Ok(()),
+        };
+        let live: Vec<ReplicaId> = self.live_slots(task).into_iter().filter(|&r| self.slot(task, r).state != SlotState::Dead).collect();
+        if live.is_empty() || live.iter().any(|&r| self.slot(task, r).state != SlotState::Done) {
+            return Ok(());
+        }
+        let leader = self.leader;
+        let lead_ret = self.slot(task, leader).result;
+        let returns_pid = [libc::SYS_clone, libc::SYS_clone3, libc::SYS_fork, libc::SYS_vfork].iter().any(|&s| is_nr(nr, s));
+        let waits = is_nr(nr, libc::SYS_wait4) || is_nr(nr, libc::SYS_waitid);
+        if returns_pid && lead_ret > 0 {
+            if let Some(child) = self.tasks[task].spawned {
+                self.tasks[child].logical_tid = lead_ret as i32;
+                let p = self.tasks[child].process;
+                if self.processes[p].logical_pid == 0 {
+                    self.processes[p].logical_pid = lead_ret as i32;
+                }
+            }
+        }
+        // Results as the program sees them (pids translated to logical ones).
+        let mut results = Vec::new();
+        for &r in &live {
+            let own = self.slot(task, r).result;
+            let logical = if returns_pid && own > 0 {
+                if own != lead_ret {
+                    let rep = &mut self.replicas[r as usize];
+                    rep.to_local.insert(lead_ret as i32, own as i32);
+                    rep.to_logical.insert(own as i32, lead_ret as i32);
+                }
+                lead_ret
+            } else if waits && own > 0 {
+                self.to_logical(r, own as i32) as i64
+            } else {
+                own
+            };
+            results.push(logical);
+        }
+        let desc = syscalls::describe(nr);
+        let name = syscalls::name(nr);
+        // Per-replica outputs that legitimately differ (rusage, siginfo times) come from
+        // the leader, like inputs.
+        let outputs = match (leader_first || waits, desc) {
+            (true, Some(d)) => Some(data::collect_outputs(&self.be, self.slot(task, leader).tid, d, &args, lead_ret)),
+            _ => None,
+        };
+        for (i, &r) in live.iter().enumerate() {
+            let tid = self.slot(task, r).tid;
+            if r != leader {
+                if let Some(o) = &outputs {
+                    data::apply_outputs(&self.be, tid, o);
+                }
+            }
+            if let Ok(mut regs) = self.be.regs(tid) {
+                if regs.rax as i64 != results[i] {
+                    regs.rax = results[i] as u64;
+                    let _ = self.be.set_regs(tid, &regs);
+                }
+            }
+            if self.opts.compare != CompareMode::Io {
+                self.slot_mut(task, r).signature.fold_u64(results[i] as u64);
+            }
+        }
+        let succeeded_exec = (is_nr(nr, libc::SYS_execve) || is_nr(nr, libc::SYS_execveat)) && lead_ret == 0;
+        if succeeded_exec {
+            self.after_exec(task, &live);
+        }
+        self.tasks[task].phase = Phase::Collect;
+        self.tasks[task].kicked = false;
+        // Vote on the results: the call ran in every replica.
+        let mut members = live.clone();
+        loop {
+            let rs: Vec<i64> = members.iter().map(|m| results[live.iter().position(|x| x == m).expect("member")]).collect();
+            match vote(&rs) {
+                Verdict::Unanimous => break,
+                Verdict::Faulty(i) => {
+                    let r = members[i];
+                    let values = members.iter().zip(&rs).map(|(m, v)| format!("replica {m}: {name} = {v}")).collect();
+                    self.stats.divergences += 1;
+                    self.emit(
+                        Event::new("run", "divergence", "vote")
+                            .replica(r)
+                            .object(format!("task {task}"))
+                            .values(values)
+                            .message(format!("replica {r} got a different result from {name}")),
+                    );
+                    self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
+                    members.remove(i);
+                }
+                Verdict::NoConsensus => {
+                    let values: Vec<String> = members.iter().zip(&rs).map(|(m, v)| format!("replica {m}: {name} = {v}")).collect();
+                    self.emit(Event::new("run", "divergence", "halt").values(values.clone()).message(format!("results of {name} differ: {}", values.join(" / "))));
+                    return Err(self.halt("no majority agrees on the result".into()));
+                }
+            }
+        }
+        for r in members {
+            self.resume(task, r, Resume::Run, SlotState::Running);
+        }
+        Ok(())
+    }
+
+    /// Makes the fresh images identical: hides the vDSO (so time is a syscall) and gives
+    /// every replica the leader's AT_RANDOM bytes.
+    fn after_exec(&mut self, task: TaskId, live: &[ReplicaId]) {
+        let leader = self.leader;
+        let mut random = None;
+        let mut order: Vec<ReplicaId> = vec![leader];
+        order.extend(live.iter().copied().filter(|&r| r != leader));
+        for r in order {
+            let tid = self.slot(task, r).tid;
+            let Some(at_random) = patch_auxv(&self.be, tid) else { continue };
+            match random {
+                None => random = self.be.read_vec(tid, at_random, 16).ok(),
+                Some(ref bytes) => {
+                    let _ = self.be.write(tid, at_random, bytes);
+                }
+            }
+        }
+    }
+
+    /// Pid arguments are logical; a re-integrated replica may use other numbers.
+    fn translate_pid_args(&mut self, task: TaskId, r: ReplicaId, nr: u64, args: &[u64; 6]) {
+        if self.replicas[r as usize].to_local.is_empty() {
+            return;
+        }
+        let positions: &[usize] = match nr as i64 {
+            libc::SYS_kill | libc::SYS_tkill | libc::SYS_wait4 | libc::SYS_getpgid | libc::SYS_getsid | libc::SYS_pidfd_open => &[0],
+            libc::SYS_prlimit64 | libc::SYS_sched_setscheduler | libc::SYS_sched_setparam | libc::SYS_rt_sigqueueinfo => &[0],
+            libc::SYS_tgkill | libc::SYS_setpgid | libc::SYS_rt_tgsigqueueinfo => &[0, 1],
+            libc::SYS_waitid if args[0] == libc::P_PID as u64 || args[0] == libc::P_PGID as u64 => &[1],
+            _ => return,
+        };
+        let tid = self.slot(task, r).tid;
+        let mut regs = self.slot(task, r).regs;
+        let mut changed = false;
+        for &i in positions {
+            let old = args[i] as i64 as i32;
+            let new = self.to_local(r, old);
+            if new != old {
+                changed = true;
+                match i {
+                    0 => regs.rdi = new as i64 as u64,
+                    _ => regs.rsi = new as i64 as u64,
+                }
+            }
+        }
+        if changed {
+            let _ = self.be.set_regs(tid, &regs);
+        }
+    }
+
+    /// Forks a fresh replica from a healthy one when the program is a single
+    /// single-threaded process. Returns true when it did (the task's replicas will
+    /// arrive again at the same call).
+    fn reintegrate(&mut self, task: TaskId) -> Result<bool, Stopped> {
+        let live_tasks: Vec<TaskId> = (0..self.tasks.len()).filter(|&t| !self.tasks[t].finished).collect();
+        if live_tasks != [task] {
+            if !self.reintegration_note_given {
+                self.reintegration_note_given = true;
+                self.emit(Event::new("run", "reintegrate", "defer").message(format!(
+                    "re-integration waits: the program has {} live threads/processes, only a single single-threaded process can be forked",
+                    live_tasks.len()
+                )));
+            }
+            return Ok(false);
+        }
+        let t0 = Instant::now();
+        let live = self.live_slots(task);
+        let source = live.iter().copied().find(|&r| r != self.leader).unwrap_or(self.leader);
+        let dead = self.replicas.iter().find(|r| !r.alive).map(|r| r.cpu).unwrap_or(None);
+        let (stid, stgid) = (self.slot(task, source).tid, self.slot(task, source).tgid);
+        let saved = self.slot(task, source).regs;
+        let nr = saved.orig_rax;
+        let mut inject = saved;
+        inject.orig_rax = NR_CLONE;
+        inject.rdi = (libc::CLONE_PARENT | libc::SIGCHLD) as u64;
+        inject.rsi = 0;
+        inject.rdx = 0;
+        inject.r10 = 0;
+        inject.r8 = 0;
+        self.be.set_regs(stid, &inject).map_err(|e| Error::Io("PTRACE_SETREGS", e))?;
+        self.be.resume(stid, Resume::ToExit).map_err(|e| Error::Io("PTRACE_SYSCALL", e))?;
+        let mut child: Tid = 0;
+        loop {
+            match ptrace::wait_tid(stid).map_err(|e| Error::Io("waitpid", e))? {
+                lockstep_trace::Stop::Event(libc::PTRACE_EVENT_FORK) => {
+                    child = ptrace::event_msg(stid).map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
+                    let _ = self.be.resume(stid, Resume::ToExit);
+                }
+                lockstep_trace::Stop::SyscallExit => break,
+                lockstep_trace::Stop::Signal(sig) => {
+                    // Keep the leader's copy for deterministic delivery later.
+                    if source == self.leader {
+                        self.async_signal(task, sig);
+                    }
+                    let _ = self.be.resume(stid, Resume::ToExit);
+                }
+                lockstep_trace::Stop::Exited(_) | lockstep_trace::Stop::Killed(_) => {
+                    return Err(Stopped::Failure(Error::Setup("the re-integration source died".into())))
+                }
+                _ => {
+                    let _ = self.be.resume(stid, Resume::ToExit);
+                }
+            }
+        }
+        let local_pid = self.be.regs(stid).map(|r| r.rax as i64).unwrap_or(-1);
+        if child <= 0 || local_pid <= 0 {
+            let _ = self.be.set_regs(stid, &saved);
+            self.emit(Event::new("run", "reintegrate", "fail").replica(source).message(format!("fork of replica {source} failed ({local_pid})")));
+            self.reintegration_due = false;
+            self.slot_mut(task, source).state = SlotState::Arrived;
+            return Ok(false);
+        }
+        // Both the source and the new replica run the interrupted call again from scratch.
+        let mut rewound = saved;
+        ptrace::rewind_to_syscall(&mut rewound, nr);
+        let _ = self.be.set_regs(stid, &rewound);
+        loop {
+            match ptrace::wait_tid(child).map_err(|e| Error::Io("waitpid", e))? {
+                lockstep_trace::Stop::EventStop(_) | lockstep_trace::Stop::Signal(libc::SIGSTOP) => break,
+                lockstep_trace::Stop::Exited(_) | lockstep_trace::Stop::Killed(_) => {
+                    return Err(Stopped::Failure(Error::Setup("the new replica died at birth".into())))
+                }
+                _ => {}
+            }
+        }
+        self.early_stops.remove(&child);
+        let _ = self.be.set_regs(child, &rewound);
+        if let Some(cpu) = dead {
+            // SAFETY: zeroed set with one CPU; failure leaves the inherited pin.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                libc::sched_setaffinity(child, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+        }
+        let id = self.replicas.len() as ReplicaId;
+        let listener = self.replicas[source as usize].listener.clone();
+        let stub = self.replicas[source as usize].stub;
+        let mut to_local = self.replicas[source as usize].to_local.clone();
+        let mut to_logical = self.replicas[source as usize].to_logical.clone();
+        let process = self.tasks[task].process;
+        let logical = self.processes[process].logical_pid;
+        if local_pid as i32 != logical {
+            to_local.insert(logical, local_pid as i32);
+            to_logical.insert(local_pid as i32, logical);
+        }
+        self.replicas.push(crate::session::Replica { id, alive: true, cpu: dead, listener, stub, to_local, to_logical });
+        for t in self.tasks.iter_mut() {
+            t.slots.push(None);
+        }
+        let mut slot = Slot::new(child, child, SlotState::Running);
+        slot.signature = self.slot(task, source).signature;
+        slot.stops = self.slot(task, source).stops;
+        let _ = stgid;
+        self.tasks[task].slots[id as usize] = Some(slot);
+        self.by_tid.insert(child, (task, id));
+        self.resume(task, source, Resume::Run, SlotState::Running);
+        let _ = self.be.resume(child, Resume::Run);
+        self.reintegration_due = self.live_replicas().len() < self.want_replicas as usize;
+        self.stats.reintegrations += 1;
+        let rss = std::fs::read_to_string(format!("/proc/{child}/statm"))
+            .ok()
+            .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+            .unwrap_or(0)
+            * 4;
+        let us = t0.elapsed().as_micros() as u64;
+        self.emit(
+            Event::new("run", "reintegrate", "fork")
+                .replica(id)
+                .duration_us(us)
+                .message(format!("replica {id} forked from replica {source} ({rss} KiB resident); back to {} replicas", self.live_replicas().len())),
+        );
+        Ok(true)
+    }
+}
+
+/// The descriptors a descriptor-creating call produced in the leader.
+fn new_fds(desc: &Desc, args: &[u64; 6], ret: i64, outputs: &data::Outputs) -> Vec<i32> {
+    match desc.new_fds {
+        NewFds::None => Vec::new(),
+        NewFds::Ret => vec![ret as i32],
+        NewFds::PairAt(i) => outputs
+            .chunks
+            .iter()
+            .find(|(addr, b)| *addr == args[i as usize] && b.len() >= 8)
+            .map(|(_, b)| vec![i32::from_le_bytes(b[0..4].try_into().expect("4")), i32::from_le_bytes(b[4..8].try_into().expect("4"))])
+            .unwrap_or_default(),
+    }
+}
+
+/// Whether descriptor `fd` of process `pid` is close-on-exec.
+fn fd_cloexec(pid: Tid, fd: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("flags:").map(|v| v.trim().to_string())))
+        .and_then(|v| u64::from_str_radix(&v, 8).ok())
+        .map(|flags| flags & libc::O_CLOEXEC as u64 != 0)
+        .unwrap_or(false)
+}
+
+/// Walks the new stack at exec (argc, argv, envp, auxv) and hides the vDSO. Returns the
+/// address of the 16 AT_RANDOM bytes.
+fn patch_auxv(be: &dyn Backend, tid: Tid) -> Option<u64> {
+    let regs = be.regs(tid).ok()?;
+    let word = |addr: u64| -> Option<u64> {
+        let mut b = [0u8; 8];
+        be.read(tid, addr, &mut b).ok()?;
+        Some(u64::from_le_bytes(b))
+    };
+    let mut p = regs.rsp;
+    let argc = word(p)?;
+    p += 8 * (argc + 2); // argc, argv[], NULL
+    while word(p)? != 0 {
+        p += 8; // envp[]
+    }
+    p += 8;
+    let mut random = None;
+    for _ in 0..64 {
+        let (kind, value) = (word(p)?, word(p + 8)?);
+        match kind {
+            AT_NULL => break,
+            AT_SYSINFO_EHDR => {
+                be.write(tid, p, &AT_IGNORE.to_le_bytes()).ok()?;
+            }
+            AT_RANDOM => random = Some(value),
+            _ => {}
+        }
+        p += 16;
+    }
+    random
+}

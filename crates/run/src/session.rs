@@ -1,0 +1,964 @@
+//! The monitor: replicas, logical processes and tasks, and the event loop.
+//!
+//! Nouns (after rr):
+//! * a **replica** is one copy of the whole program (its own process tree);
+//! * a **process** is a logical process: the same process in every replica;
+//! * a **task** is a logical thread: the same thread in every replica, matched by creation
+//!   order; its per-replica threads are **slots**;
+//! * a **rendezvous** is the point where every live replica's slot of a task has stopped
+//!   at the same kind of event (a syscall, a fault, an RDTSC, its death).
+//!
+//! Each task moves through [`Phase`]s: `Collect` (waiting for arrivals), then one of the
+//! execution phases, then back to `Collect`. See `rendezvous.rs` for the decisions.
+
+use crate::backend::{Backend, Ptrace, Resume};
+use crate::options::{FlipSpec, FlipTarget, Options};
+use crate::spawn;
+use crate::stats::Stats;
+use crate::Error;
+use lockstep_core::{exit, Event, EventSink, Signature};
+use lockstep_trace::seccomp::Listener;
+use lockstep_trace::syscalls::Class;
+use lockstep_trace::{ptrace, Regs, Stop, Tid};
+use std::collections::{HashMap, HashSet};
+use std::ffi::CString;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub type TaskId = usize;
+pub type ProcId = usize;
+pub type ReplicaId = u32;
+
+/// How a thread ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Death {
+    Exited(i32),
+    Killed(i32),
+}
+
+impl Death {
+    pub fn exit_status(self) -> i32 {
+        match self {
+            Death::Exited(c) => c,
+            Death::Killed(s) => exit::SIGNAL_BASE + s,
+        }
+    }
+}
+
+/// What a slot stopped at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    Syscall { nr: u64, args: [u64; 6] },
+    /// A synchronous fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP).
+    Fault { sig: i32, addr: u64 },
+    /// A trapped RDTSC (2 bytes) or RDTSCP (3 bytes).
+    Rdtsc { len: u8 },
+    Died(Death),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// Auto-attached, waiting for its first stop.
+    Starting,
+    Running,
+    /// Stopped at a rendezvous (also: parked while the leader executes).
+    Arrived,
+    /// Inside a syscall we will see the exit of.
+    Executing,
+    /// Finished its part of an all-replica syscall; stopped at the syscall exit.
+    Done,
+    Dead,
+}
+
+pub struct Slot {
+    pub tid: Tid,
+    /// The slot's process id (thread group) in our namespace.
+    pub tgid: Tid,
+    pub state: SlotState,
+    pub arrival: Option<Arrival>,
+    pub regs: Regs,
+    pub signature: Signature,
+    /// Intercepted syscall stops so far (for test flips).
+    pub stops: u64,
+    /// A signal we sent on purpose: let it through at its delivery stop.
+    pub deliver: Option<i32>,
+    /// Result of this slot's execution in an all-replica phase.
+    pub result: i64,
+}
+
+impl Slot {
+    pub fn new(tid: Tid, tgid: Tid, state: SlotState) -> Self {
+        Slot {
+            tid,
+            tgid,
+            state,
+            arrival: None,
+            // SAFETY: all-zero is a valid user_regs_struct.
+            regs: unsafe { std::mem::zeroed() },
+            signature: Signature::new(),
+            stops: 0,
+            deliver: None,
+            result: 0,
+        }
+    }
+}
+
+/// Where a task is in its current rendezvous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Collect,
+    /// The leader executes an input/output/fd-creating call; followers are parked.
+    Leader { nr: u64, args: [u64; 6], class: Class },
+    /// The leader executes a call that every replica then executes (wait4).
+    LeaderFirst { nr: u64, args: [u64; 6] },
+    /// Followers execute after the leader.
+    Followers { nr: u64, args: [u64; 6] },
+    /// Every replica executes the call at once.
+    All { nr: u64, args: [u64; 6] },
+}
+
+pub struct Task {
+    pub id: TaskId,
+    pub process: ProcId,
+    /// Indexed by replica id.
+    pub slots: Vec<Option<Slot>>,
+    pub phase: Phase,
+    pub first_arrival: Option<Instant>,
+    /// Asynchronous signals waiting to be delivered at this task's next rendezvous.
+    pub pending: Vec<i32>,
+    /// We interrupted the current execution to deliver a pending signal.
+    pub kicked: bool,
+    /// The logical child created by the clone/fork rendezvous in progress.
+    pub spawned: Option<TaskId>,
+    /// The logical thread id the program sees.
+    pub logical_tid: i32,
+    pub finished: bool,
+}
+
+pub struct Process {
+    pub logical_pid: i32,
+    pub parent: Option<ProcId>,
+    pub tasks: Vec<TaskId>,
+    /// exit_group or a fatal signal is under way: deaths are expected.
+    pub exiting: bool,
+}
+
+pub struct Replica {
+    pub id: ReplicaId,
+    pub alive: bool,
+    pub cpu: Option<usize>,
+    pub listener: Rc<Listener>,
+    pub stub: Tid,
+    /// Logical pid -> this replica's own pid, where they differ.
+    pub to_local: HashMap<i32, i32>,
+    pub to_logical: HashMap<i32, i32>,
+}
+
+/// Signals lockstep itself received, as a bit mask, set by the signal handler.
+static RECEIVED: AtomicU64 = AtomicU64::new(0);
+const FORWARDED: [i32; 6] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGUSR1, libc::SIGUSR2];
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    if sig != libc::SIGALRM {
+        RECEIVED.fetch_or(1 << sig, Ordering::SeqCst);
+    }
+}
+
+fn install_signal_handlers() {
+    // SAFETY: the handler only touches an atomic; no SA_RESTART so waitpid returns EINTR.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_signal as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        for sig in FORWARDED.iter().chain([libc::SIGALRM].iter()) {
+            libc::sigaction(*sig, &sa, std::ptr::null_mut());
+        }
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        // A periodic tick wakes waitpid so timeouts and forwarded signals are handled.
+        let tick = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
+        let timer = libc::itimerval { it_interval: tick, it_value: tick };
+        libc::setitimer(libc::ITIMER_REAL, &timer, std::ptr::null_mut());
+    }
+}
+
+/// Why the event loop stopped early.
+pub enum Stopped {
+    /// Corruption detected and contained: exit 86.
+    Halt,
+    Failure(Error),
+}
+
+impl From<Error> for Stopped {
+    fn from(e: Error) -> Self {
+        Stopped::Failure(e)
+    }
+}
+
+pub struct Session {
+    pub opts: Options,
+    pub be: Ptrace,
+    pub replicas: Vec<Replica>,
+    pub leader: ReplicaId,
+    pub tasks: Vec<Task>,
+    pub processes: Vec<Process>,
+    pub by_tid: HashMap<Tid, (TaskId, ReplicaId)>,
+    /// Threads that stopped before we learned which task they belong to.
+    pub early_stops: HashSet<Tid>,
+    pub events: EventSink,
+    pub stats: Stats,
+    pub started: Instant,
+    pub root_death: Option<Death>,
+    pub want_replicas: u32,
+    pub reintegration_due: bool,
+    pub reintegration_note_given: bool,
+    pub scratch: Vec<u8>,
+}
+
+/// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
+fn resolve(cmd: &str) -> Result<String, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &std::path::Path| p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false);
+    if cmd.contains('/') {
+        let p = std::path::Path::new(cmd);
+        if !p.exists() {
+            return Err(Error::NotFound(format!("{cmd}: no such file")));
+        }
+        return Ok(cmd.to_string());
+    }
+    let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
+    for dir in path.split(':').filter(|d| !d.is_empty()) {
+        let candidate = std::path::Path::new(dir).join(cmd);
+        if executable(&candidate) {
+            return Ok(candidate.to_string_lossy().into_owned());
+        }
+    }
+    Err(Error::NotFound(format!("{cmd}: command not found")))
+}
+
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: zeroed cpu_set_t filled by the kernel.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
+    }
+}
+
+fn cstring(s: &str) -> Result<CString, Error> {
+    CString::new(s).map_err(|_| Error::Usage(format!("argument contains a NUL byte: {s:?}")))
+}
+
+impl Session {
+    pub fn start(opts: Options) -> Result<Session, Error> {
+        if !(2..=3).contains(&opts.replicas) {
+            return Err(Error::Usage(format!("unsupported replica count {} (use -r 2 for DMR or -r 3 for TMR)", opts.replicas)));
+        }
+        let Some(cmd) = opts.command.first() else {
+            return Err(Error::Usage("no command given (usage: lockstep run [OPTIONS] -- CMD [ARGS...])".into()));
+        };
+        let path = cstring(&resolve(cmd)?)?;
+        let argv = opts.command.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
+        let envp = std::env::vars_os()
+            .map(|(k, v)| {
+                let mut kv = k.into_encoded_bytes();
+                kv.push(b'=');
+                kv.extend(v.into_encoded_bytes());
+                CString::new(kv).map_err(|_| Error::Usage("environment contains a NUL byte".into()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let avail = allowed_cpus();
+        for c in &opts.cpus {
+            if !avail.contains(c) {
+                return Err(Error::Usage(format!("CPU {c} is not available (allowed: {avail:?})")));
+            }
+        }
+        let cpus: &[usize] = if opts.cpus.is_empty() { &avail } else { &opts.cpus };
+        let events = EventSink::new(opts.events.as_deref(), !opts.quiet).map_err(|e| Error::Io("creating the events file", e))?;
+        install_signal_handlers();
+        let filter = lockstep_trace::seccomp::build_filter();
+        let (argv_ptrs, envp_ptrs) = (spawn::ptrs(&argv), spawn::ptrs(&envp));
+        let mut replicas = Vec::new();
+        let mut mains = Vec::new();
+        // SAFETY: geteuid has no preconditions.
+        let mut namespaces = unsafe { libc::geteuid() } == 0;
+        for id in 0..opts.replicas {
+            let cpu = (!cpus.is_empty()).then(|| cpus[id as usize % cpus.len()]);
+            let plan = spawn::Plan { path: &path, argv: &argv_ptrs, envp: &envp_ptrs, cpu, namespaces, filter: &filter };
+            let spawned = match spawn::spawn(&plan) {
+                Err(Error::Io("clone", e)) if namespaces && id == 0 && e.raw_os_error() == Some(libc::EPERM) => {
+                    namespaces = false;
+                    let plan = spawn::Plan { namespaces, ..plan };
+                    spawn::spawn(&plan)?
+                }
+                other => other?,
+            };
+            mains.push(spawned.main);
+            replicas.push(Replica {
+                id,
+                alive: true,
+                cpu,
+                listener: Rc::new(spawned.listener),
+                stub: spawned.stub,
+                to_local: HashMap::new(),
+                to_logical: HashMap::new(),
+            });
+        }
+        // The program's pid as the program sees it: 2 inside our namespace (the stub is 1).
+        let logical_pid = if namespaces { 2 } else { mains[0] };
+        if !namespaces {
+            for (r, &m) in replicas.iter_mut().zip(&mains) {
+                if m != logical_pid {
+                    r.to_local.insert(logical_pid, m);
+                    r.to_logical.insert(m, logical_pid);
+                }
+            }
+        }
+        let mut session = Session {
+            want_replicas: opts.replicas,
+            opts,
+            be: Ptrace,
+            replicas,
+            leader: 0,
+            tasks: Vec::new(),
+            processes: vec![Process { logical_pid, parent: None, tasks: vec![0], exiting: false }],
+            by_tid: HashMap::new(),
+            early_stops: HashSet::new(),
+            events,
+            stats: Stats::default(),
+            started: Instant::now(),
+            root_death: None,
+            reintegration_due: false,
+            reintegration_note_given: false,
+            scratch: Vec::with_capacity(4096),
+        };
+        let mut task = session.new_task(0, logical_pid);
+        for (r, &m) in mains.iter().enumerate() {
+            task.slots[r] = Some(Slot::new(m, m, SlotState::Running));
+            session.by_tid.insert(m, (0, r as ReplicaId));
+        }
+        session.tasks.push(task);
+        // Every replica is stopped at its first execve: record those arrivals.
+        for &m in &mains {
+            session.on_stop(m, Stop::Seccomp).map_err(|s| match s {
+                Stopped::Failure(e) => e,
+                Stopped::Halt => Error::Setup("halted during start-up".into()),
+            })?;
+        }
+        Ok(session)
+    }
+
+    pub fn new_task(&self, process: ProcId, logical_tid: i32) -> Task {
+        let id = self.tasks.len();
+        Task {
+            id,
+            process,
+            slots: (0..self.replicas.len()).map(|_| None).collect(),
+            phase: Phase::Collect,
+            first_arrival: None,
+            pending: Vec::new(),
+            kicked: false,
+            spawned: None,
+            logical_tid,
+            finished: false,
+        }
+    }
+
+    /// Runs the event loop to the end and returns lockstep's exit status.
+    pub fn run(mut self) -> Result<i32, Error> {
+        let result = self.event_loop();
+        let status = match result {
+            Ok(()) => Ok(self.root_death.map(Death::exit_status).unwrap_or(0)),
+            Err(Stopped::Halt) => Ok(exit::DETECTED),
+            Err(Stopped::Failure(e)) => Err(e),
+        };
+        self.kill_everything();
+        if self.opts.stats {
+            eprint!("{}", self.stats.render(self.started.elapsed()));
+        }
+        status
+    }
+
+    fn event_loop(&mut self) -> Result<(), Stopped> {
+        while self.root_death.is_none() {
+            self.forward_received_signals()?;
+            self.check_timeouts()?;
+            let Some((tid, stop)) = ptrace::wait_any().map_err(|e| Error::Io("waitpid", e))? else { continue };
+            let t0 = Instant::now();
+            self.on_stop(tid, stop)?;
+            self.stats.monitor_time += t0.elapsed();
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs every replica process and namespace, then reaps what is left.
+    pub fn kill_everything(&mut self) {
+        for (&tid, _) in self.by_tid.iter() {
+            ptrace::kill(tid, libc::SIGKILL);
+        }
+        for r in &self.replicas {
+            if r.stub > 0 {
+                ptrace::kill(r.stub, libc::SIGKILL);
+            }
+        }
+        // Reap until no child is left, bounded so a kernel surprise cannot hang us.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let mut status = 0;
+            // SAFETY: plain waitpid.
+            let r = unsafe { libc::waitpid(-1, &mut status, libc::__WALL) };
+            if r < 0 {
+                if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                break;
+            }
+        }
+        self.by_tid.clear();
+    }
+
+    pub fn emit(&mut self, event: Event) {
+        self.events.emit(event);
+    }
+
+    pub fn live_replicas(&self) -> Vec<ReplicaId> {
+        self.replicas.iter().filter(|r| r.alive).map(|r| r.id).collect()
+    }
+
+    /// Replicas of `task` that take part in its rendezvous.
+    pub fn live_slots(&self, task: TaskId) -> Vec<ReplicaId> {
+        let t = &self.tasks[task];
+        self.replicas
+            .iter()
+            .filter(|r| r.alive && t.slots.get(r.id as usize).map(|s| s.is_some()).unwrap_or(false))
+            .map(|r| r.id)
+            .collect()
+    }
+
+    pub fn slot(&self, task: TaskId, r: ReplicaId) -> &Slot {
+        self.tasks[task].slots[r as usize].as_ref().expect("slot exists")
+    }
+
+    pub fn slot_mut(&mut self, task: TaskId, r: ReplicaId) -> &mut Slot {
+        self.tasks[task].slots[r as usize].as_mut().expect("slot exists")
+    }
+
+    /// Resumes a slot; a thread that vanished meanwhile is not an error here (its death
+    /// is reported by waitpid and handled there).
+    pub fn resume(&mut self, task: TaskId, r: ReplicaId, how: Resume, state: SlotState) {
+        let slot = self.slot_mut(task, r);
+        slot.state = state;
+        if state != SlotState::Arrived {
+            slot.arrival = None;
+        }
+        let tid = slot.tid;
+        let _ = self.be.resume(tid, how);
+    }
+
+    // ----- stops -----
+
+    pub fn on_stop(&mut self, tid: Tid, stop: Stop) -> Result<(), Stopped> {
+        let Some(&(task, r)) = self.by_tid.get(&tid) else {
+            match stop {
+                // A new thread can report its first stop before its parent's clone event.
+                Stop::EventStop(_) | Stop::Signal(_) => {
+                    self.early_stops.insert(tid);
+                }
+                _ => {}
+            }
+            return Ok(());
+        };
+        if !self.replicas[r as usize].alive {
+            // A voted-out replica that we already killed; only its death remains.
+            if matches!(stop, Stop::Exited(_) | Stop::Killed(_)) {
+                self.by_tid.remove(&tid);
+            } else {
+                let _ = self.be.resume(tid, Resume::Run);
+            }
+            return Ok(());
+        }
+        match stop {
+            Stop::Exited(code) => self.on_death(task, r, Death::Exited(code)),
+            Stop::Killed(sig) => self.on_death(task, r, Death::Killed(sig)),
+            Stop::Seccomp => self.on_seccomp(task, r),
+            Stop::SyscallExit => self.on_syscall_exit(task, r),
+            Stop::Event(e) if e == libc::PTRACE_EVENT_FORK || e == libc::PTRACE_EVENT_VFORK || e == libc::PTRACE_EVENT_CLONE => {
+                self.on_clone_event(task, r, e)?;
+                self.resume_same(task, r);
+                Ok(())
+            }
+            Stop::Event(libc::PTRACE_EVENT_EXEC) => {
+                self.on_exec_event(task, r);
+                self.resume_same(task, r);
+                Ok(())
+            }
+            Stop::Event(_) | Stop::EventStop(_) => {
+                if self.slot(task, r).state == SlotState::Starting {
+                    self.slot_mut(task, r).state = SlotState::Running;
+                }
+                self.resume_same(task, r);
+                Ok(())
+            }
+            Stop::Signal(sig) => self.on_signal(task, r, sig),
+        }
+    }
+
+    /// Resumes after an event stop the way the thread was running before.
+    fn resume_same(&mut self, task: TaskId, r: ReplicaId) {
+        let slot = self.slot(task, r);
+        let how = if slot.state == SlotState::Executing { Resume::ToExit } else { Resume::Run };
+        let _ = self.be.resume(slot.tid, how);
+    }
+
+    fn on_seccomp(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
+        let tid = self.slot(task, r).tid;
+        let Ok(mut regs) = self.be.regs(tid) else { return Ok(()) };
+        self.slot_mut(task, r).stops += 1;
+        if task == 0 {
+            let stops = self.slot(task, r).stops;
+            let flips: Vec<FlipSpec> = self.opts.flips.iter().filter(|f| f.replica == r && f.syscall == stops).cloned().collect();
+            for flip in flips {
+                if !self.apply_flip(task, r, &flip, &mut regs) {
+                    return Ok(()); // the replica was killed or set spinning
+                }
+            }
+        }
+        let nr = ptrace::syscall_nr(&regs);
+        let args = ptrace::syscall_args(&regs);
+        // Re-arrival during an all-replica phase: a replica whose call was interrupted
+        // runs it again, unless nobody completed it, in which case all meet again.
+        if let Phase::All { .. } = self.tasks[task].phase {
+            let someone_done = self.live_slots(task).iter().any(|&o| self.slot(task, o).state == SlotState::Done);
+            let slot = self.slot_mut(task, r);
+            slot.regs = regs;
+            if someone_done {
+                slot.state = SlotState::Executing;
+                let _ = self.be.resume(tid, Resume::ToExit);
+                return Ok(());
+            }
+            slot.state = SlotState::Arrived;
+            slot.arrival = Some(Arrival::Syscall { nr, args });
+            let all_back = self.live_slots(task).iter().all(|&o| self.slot(task, o).state == SlotState::Arrived);
+            if all_back {
+                self.tasks[task].phase = Phase::Collect;
+                return self.try_decide(task);
+            }
+            return Ok(());
+        }
+        let slot = self.slot_mut(task, r);
+        slot.regs = regs;
+        slot.state = SlotState::Arrived;
+        slot.arrival = Some(Arrival::Syscall { nr, args });
+        self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
+        self.try_decide(task)
+    }
+
+    /// Applies a test-only fault. Returns false when the replica will not arrive.
+    fn apply_flip(&mut self, task: TaskId, r: ReplicaId, flip: &FlipSpec, regs: &mut Regs) -> bool {
+        let tid = self.slot(task, r).tid;
+        let what = match &flip.target {
+            FlipTarget::Register(name) => {
+                if let Some(reg) = lockstep_trace::regs::by_name(regs, name) {
+                    *reg ^= 1u64 << flip.bit;
+                }
+                let _ = self.be.set_regs(tid, regs);
+                format!("bit {} of {name}", flip.bit)
+            }
+            FlipTarget::Memory { base, offset } => {
+                let mut copy = *regs;
+                let addr = lockstep_trace::regs::by_name(&mut copy, base).map(|v| v.wrapping_add(*offset as u64)).unwrap_or(0);
+                let mut b = [0u8];
+                if self.be.read(tid, addr, &mut b).is_ok() {
+                    b[0] ^= 1 << flip.bit;
+                    let _ = self.be.write(tid, addr, &b);
+                }
+                format!("bit {} of the byte at {base}{offset:+} ({addr:#x})", flip.bit)
+            }
+            FlipTarget::Kill => {
+                ptrace::kill(tid, libc::SIGKILL);
+                self.slot_mut(task, r).state = SlotState::Running;
+                "SIGKILL".to_string()
+            }
+            FlipTarget::Hang => {
+                // `jmp .` at the return address, then skip the syscall: the thread spins.
+                let _ = self.be.write(tid, regs.rip, &[0xeb, 0xfe]);
+                let mut spin = *regs;
+                ptrace::skip_with_result(&mut spin, 0);
+                let _ = self.be.set_regs(tid, &spin);
+                let _ = self.be.resume(tid, Resume::Run);
+                self.slot_mut(task, r).state = SlotState::Running;
+                "an endless loop".to_string()
+            }
+        };
+        let keep_going = matches!(flip.target, FlipTarget::Register(_) | FlipTarget::Memory { .. });
+        let msg = format!("test flip: injected {what} into replica {r} at syscall stop {}", flip.syscall);
+        self.emit(Event::new("run", "inject", "flip").replica(r).message(msg));
+        keep_going
+    }
+
+    fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
+        let tid = self.slot(task, r).tid;
+        if self.slot(task, r).deliver == Some(sig) {
+            self.slot_mut(task, r).deliver = None;
+            let _ = self.be.resume(tid, Resume::Signal(sig));
+            return Ok(());
+        }
+        let info = ptrace::siginfo(tid).ok();
+        let code = info.map(|i| i.si_code).unwrap_or(0);
+        let synchronous = matches!(sig, libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP) && code > 0;
+        if synchronous {
+            let regs = self.be.regs(tid).ok();
+            if let Some(regs) = regs {
+                if sig == libc::SIGSEGV {
+                    if let Some(len) = self.rdtsc_at(tid, regs.rip) {
+                        return self.arrive(task, r, regs, Arrival::Rdtsc { len });
+                    }
+                }
+                // SAFETY: si_addr is valid for these fault signals.
+                let addr = info.map(|i| unsafe { i.si_addr() } as u64).unwrap_or(0);
+                return self.arrive(task, r, regs, Arrival::Fault { sig, addr });
+            }
+        }
+        // Asynchronous: suppressed now, delivered at the same point in every replica.
+        // The leader's copy stands for all replicas (each replica generates its own).
+        if r == self.leader {
+            self.async_signal(task, sig);
+        }
+        self.resume_same(task, r);
+        Ok(())
+    }
+
+    fn rdtsc_at(&self, tid: Tid, rip: u64) -> Option<u8> {
+        let mut insn = [0u8; 3];
+        self.be.read(tid, rip, &mut insn).ok()?;
+        match insn {
+            [0x0f, 0x31, _] => Some(2),
+            [0x0f, 0x01, 0xf9] => Some(3),
+            _ => None,
+        }
+    }
+
+    fn arrive(&mut self, task: TaskId, r: ReplicaId, regs: Regs, arrival: Arrival) -> Result<(), Stopped> {
+        let slot = self.slot_mut(task, r);
+        slot.regs = regs;
+        slot.state = SlotState::Arrived;
+        slot.arrival = Some(arrival);
+        self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
+        self.try_decide(task)
+    }
+
+    fn on_death(&mut self, task: TaskId, r: ReplicaId, death: Death) -> Result<(), Stopped> {
+        let tid = self.slot(task, r).tid;
+        self.by_tid.remove(&tid);
+        let was_leader_executing = matches!(self.tasks[task].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. }) && r == self.leader;
+        let slot = self.slot_mut(task, r);
+        slot.state = SlotState::Dead;
+        slot.arrival = Some(Arrival::Died(death));
+        let process = self.tasks[task].process;
+        let expected = self.processes[process].exiting;
+        if was_leader_executing {
+            self.tasks[task].phase = Phase::Collect;
+        }
+        if let Phase::All { .. } | Phase::Followers { .. } = self.tasks[task].phase {
+            // The others finish their part; this replica's death is judged at the next vote.
+            return self.maybe_complete_all(task);
+        }
+        if !expected && matches!(death, Death::Killed(_)) {
+            // A replica thread died alone: that replica is faulty. No need to wait for
+            // the next rendezvous, where the others might be a long time coming.
+            let msg = format!("replica {r} died ({}) while the others are alive", describe_death(death));
+            return self.replica_failed(task, r, "divergence", msg);
+        }
+        self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
+        self.try_decide(task)
+    }
+
+    fn on_clone_event(&mut self, task: TaskId, r: ReplicaId, event: i32) -> Result<(), Stopped> {
+        let tid = self.slot(task, r).tid;
+        let child = ptrace::event_msg(tid).map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
+        let thread = event == libc::PTRACE_EVENT_CLONE && self.clone_is_thread(task);
+        let child_task = match self.tasks[task].spawned {
+            Some(t) => t,
+            None => {
+                let parent_process = self.tasks[task].process;
+                let process = if thread {
+                    parent_process
+                } else {
+                    self.processes.push(Process { logical_pid: 0, parent: Some(parent_process), tasks: Vec::new(), exiting: false });
+                    self.processes.len() - 1
+                };
+                let t = self.new_task(process, 0);
+                let id = t.id;
+                self.tasks.push(t);
+                self.processes[process].tasks.push(id);
+                self.tasks[task].spawned = Some(id);
+                id
+            }
+        };
+        let tgid = if thread { self.slot(task, r).tgid } else { child };
+        let state = if self.early_stops.remove(&child) { SlotState::Running } else { SlotState::Starting };
+        let mut slot = Slot::new(child, tgid, state);
+        slot.signature = self.slot(task, r).signature;
+        self.tasks[child_task].slots[r as usize] = Some(slot);
+        self.by_tid.insert(child, (child_task, r));
+        if state == SlotState::Running {
+            let _ = self.be.resume(child, Resume::Run);
+        }
+        Ok(())
+    }
+
+    fn clone_is_thread(&self, task: TaskId) -> bool {
+        match self.tasks[task].phase {
+            Phase::All { nr, args } if nr == libc::SYS_clone as u64 => args[0] & libc::CLONE_THREAD as u64 != 0,
+            Phase::All { nr, args } if nr == libc::SYS_clone3 as u64 => {
+                let leader = self.slot(task, self.leader).tid;
+                let mut flags = [0u8; 8];
+                self.be.read(leader, args[0], &mut flags).is_ok() && u64::from_le_bytes(flags) & libc::CLONE_THREAD as u64 != 0
+            }
+            _ => false,
+        }
+    }
+
+    fn on_exec_event(&mut self, task: TaskId, r: ReplicaId) {
+        // A multi-threaded exec: the execing thread takes over the thread-group id.
+        let tid = self.slot(task, r).tid;
+        let former = ptrace::event_msg(tid).unwrap_or(tid as u64) as Tid;
+        if former != tid {
+            if let Some((t, rr)) = self.by_tid.remove(&former) {
+                debug_assert_eq!(rr, r);
+                self.by_tid.insert(tid, (t, r));
+                self.slot_mut(t, r).tid = tid;
+            }
+        }
+    }
+
+    // ----- signals -----
+
+    /// What the program's process does with `sig`, read from /proc.
+    fn disposition(&self, tgid: Tid, sig: i32) -> SignalFate {
+        let status = std::fs::read_to_string(format!("/proc/{tgid}/status")).unwrap_or_default();
+        let mask = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+                .unwrap_or(0)
+        };
+        let bit = 1u64 << (sig - 1);
+        if mask("SigCgt:") & bit != 0 || mask("SigBlk:") & bit != 0 {
+            return SignalFate::Handled;
+        }
+        if mask("SigIgn:") & bit != 0 {
+            return SignalFate::Ignored;
+        }
+        match sig {
+            libc::SIGCHLD | libc::SIGURG | libc::SIGWINCH | libc::SIGCONT => SignalFate::Ignored,
+            // Job control is not replicated: stopping one replica would look like a hang.
+            libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU => SignalFate::Ignored,
+            _ => SignalFate::Fatal,
+        }
+    }
+
+    /// An asynchronous signal for `task` (its leader copy, or forwarded by lockstep).
+    pub fn async_signal(&mut self, task: TaskId, sig: i32) {
+        let tgid = self.slot(task, self.leader).tgid;
+        match self.disposition(tgid, sig) {
+            SignalFate::Ignored => {}
+            SignalFate::Fatal => self.kill_process(self.tasks[task].process, sig),
+            SignalFate::Handled => {
+                if !self.tasks[task].pending.contains(&sig) {
+                    self.tasks[task].pending.push(sig);
+                }
+                self.kick(task);
+            }
+        }
+    }
+
+    /// Interrupts a task that is blocked in a syscall so a pending signal can be delivered.
+    fn kick(&mut self, task: TaskId) {
+        let (nr, leader_only) = match self.tasks[task].phase {
+            Phase::Leader { nr, .. } | Phase::LeaderFirst { nr, .. } => (nr, true),
+            Phase::All { nr, .. } => (nr, false),
+            _ => return,
+        };
+        if !lockstep_trace::syscalls::describe(nr).map(|d| d.blocking).unwrap_or(false) {
+            return;
+        }
+        self.tasks[task].kicked = true;
+        for r in self.live_slots(task) {
+            if (!leader_only || r == self.leader) && self.slot(task, r).state == SlotState::Executing {
+                let _ = self.be.interrupt(self.slot(task, r).tid);
+            }
+        }
+    }
+
+    /// Kills logical process `p` with `sig` in every replica, at whatever point each is:
+    /// the signal is fatal and unhandled, so no user code runs after it anyway.
+    fn kill_process(&mut self, p: ProcId, sig: i32) {
+        self.processes[p].exiting = true;
+        let tasks = self.processes[p].tasks.clone();
+        for t in tasks {
+            for r in self.live_slots(t) {
+                let slot = self.slot(t, r);
+                if slot.state == SlotState::Dead {
+                    continue;
+                }
+                let (tgid, tid, state) = (slot.tgid, slot.tid, slot.state);
+                self.slot_mut(t, r).deliver = Some(sig);
+                let _ = ptrace::tgkill(tgid, tid, sig);
+                if matches!(state, SlotState::Arrived | SlotState::Done) {
+                    // Parked: let it return (EINTR) so the signal is delivered.
+                    let mut regs = self.slot(t, r).regs;
+                    if state == SlotState::Arrived {
+                        ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
+                        let _ = self.be.set_regs(tid, &regs);
+                    }
+                    self.resume(t, r, Resume::Run, SlotState::Running);
+                }
+            }
+            self.tasks[t].phase = Phase::Collect;
+        }
+    }
+
+    fn forward_received_signals(&mut self) -> Result<(), Stopped> {
+        let got = RECEIVED.swap(0, Ordering::SeqCst);
+        if got == 0 {
+            return Ok(());
+        }
+        for sig in FORWARDED {
+            if got & (1 << sig) != 0 {
+                // Deliver to the root process's main thread, or whatever thread of it is left.
+                let target = self.processes[0].tasks.iter().copied().find(|&t| !self.tasks[t].finished);
+                if let Some(t) = target {
+                    if self.tasks[t].slots[self.leader as usize].as_ref().map(|s| s.state != SlotState::Dead).unwrap_or(false) {
+                        self.async_signal(t, sig);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // ----- timeouts -----
+
+    fn check_timeouts(&mut self) -> Result<(), Stopped> {
+        let now = Instant::now();
+        for task in 0..self.tasks.len() {
+            let t = &self.tasks[task];
+            if t.finished || t.phase != Phase::Collect {
+                continue;
+            }
+            let Some(first) = t.first_arrival else { continue };
+            if now.duration_since(first) < self.opts.timeout {
+                continue;
+            }
+            let live = self.live_slots(task);
+            let missing: Vec<ReplicaId> = live.iter().copied().filter(|&r| self.slot(task, r).arrival.is_none()).collect();
+            if missing.is_empty() {
+                continue;
+            }
+            self.stats.divergences += 1;
+            let arrived = live.len() - missing.len();
+            let msg = format!(
+                "replica(s) {missing:?} did not reach the rendezvous of task {task} within {:.1} s",
+                self.opts.timeout.as_secs_f64()
+            );
+            self.emit(Event::new("run", "timeout", "vote").object(format!("task {task}")).message(msg));
+            if missing.len() == 1 && arrived * 2 > live.len() {
+                let r = missing[0];
+                self.vote_out(r, format!("replica {r} is a straggler"))?;
+                self.try_decide(task)?;
+            } else {
+                return Err(self.halt(format!("no majority reached the rendezvous of task {task} in time")));
+            }
+        }
+        Ok(())
+    }
+
+    // ----- failures -----
+
+    /// A replica failed outside a vote (it died alone).
+    fn replica_failed(&mut self, task: TaskId, r: ReplicaId, kind: &'static str, msg: String) -> Result<(), Stopped> {
+        self.stats.divergences += 1;
+        self.emit(Event::new("run", kind, "vote").replica(r).object(format!("task {task}")).message(msg));
+        if self.live_replicas().len() <= 2 {
+            return Err(self.halt(format!("replica {r} failed and no majority is left")));
+        }
+        self.vote_out(r, format!("replica {r} failed"))?;
+        // Its slots no longer count: rendezvous that waited only for it can go on.
+        for t in 0..self.tasks.len() {
+            if !self.tasks[t].finished {
+                if self.tasks[t].phase == Phase::Collect {
+                    self.try_decide(t)?;
+                } else {
+                    self.maybe_complete_all(t)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes replica `r`: kills its threads and, if it led, elects a new leader.
+    pub fn vote_out(&mut self, r: ReplicaId, why: String) -> Result<(), Stopped> {
+        let t0 = Instant::now();
+        self.replicas[r as usize].alive = false;
+        for t in &self.tasks {
+            if let Some(Some(s)) = t.slots.get(r as usize) {
+                if s.state != SlotState::Dead {
+                    ptrace::kill(s.tid, libc::SIGKILL);
+                }
+            }
+        }
+        let us = t0.elapsed().as_micros() as u64;
+        self.emit(Event::new("run", "vote", "kill").replica(r).duration_us(us).message(format!("{why}: replica {r} voted out")));
+        if r == self.leader {
+            let Some(&new) = self.live_replicas().first() else { return Err(self.halt("no replica left".into())) };
+            self.leader = new;
+            self.emit(Event::new("run", "leader", "elect").replica(new).message(format!("replica {new} is the new leader")));
+        }
+        if self.opts.reintegrate && self.live_replicas().len() < self.want_replicas as usize {
+            self.reintegration_due = true;
+        }
+        Ok(())
+    }
+
+    /// Stops everything: corruption was detected and cannot be masked.
+    pub fn halt(&mut self, why: String) -> Stopped {
+        self.emit(Event::new("run", "halt", "halt").message(format!("{why}; stopping all replicas (exit {})", exit::DETECTED)));
+        self.kill_everything();
+        Stopped::Halt
+    }
+
+    /// Logical pid -> replica-local pid.
+    pub fn to_local(&self, r: ReplicaId, pid: i32) -> i32 {
+        let map = &self.replicas[r as usize].to_local;
+        if map.is_empty() {
+            return pid;
+        }
+        if pid < -1 {
+            return -map.get(&-pid).copied().unwrap_or(-pid);
+        }
+        map.get(&pid).copied().unwrap_or(pid)
+    }
+
+    /// Replica-local pid -> logical pid.
+    pub fn to_logical(&self, r: ReplicaId, pid: i32) -> i32 {
+        self.replicas[r as usize].to_logical.get(&pid).copied().unwrap_or(pid)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SignalFate {
+    Handled,
+    Ignored,
+    Fatal,
+}
+
+pub fn describe_death(d: Death) -> String {
+    match d {
+        Death::Exited(c) => format!("exited with {c}"),
+        Death::Killed(s) => format!("killed by signal {s}"),
+    }
+}

@@ -1,0 +1,189 @@
+//! Starting one replica with an identical start: a fresh PID namespace (so process ids
+//! match across replicas), ASLR off, RDTSC trapping, a CPU pin, and the seccomp filter.
+//!
+//! Process shape of one replica (namespaces available, i.e. running as root):
+//!
+//! ```text
+//! lockstep ── stub (pid 1 in the replica's PID namespace: reaps orphans)
+//!                └── program (pid 2, traced; seccomp filter installed just before exec)
+//! ```
+//!
+//! The monitor seizes the stub before it forks, so the program is auto-attached and the
+//! fork event tells us its global pid. The stub is then detached. Without namespaces the
+//! monitor forks the program directly.
+
+use crate::Error;
+use lockstep_trace::{ptrace, seccomp, Stop, Tid};
+use std::ffi::CString;
+use std::io;
+use std::os::fd::OwnedFd;
+
+pub struct Spawned {
+    /// The namespace's init (0 when there is no namespace).
+    pub stub: Tid,
+    /// The program's main thread, stopped at its first seccomp stop (execve).
+    pub main: Tid,
+    pub listener: seccomp::Listener,
+}
+
+pub struct Plan<'a> {
+    pub path: &'a CString,
+    /// NULL-terminated pointer arrays, built once so every replica's execve gets the
+    /// same argument addresses.
+    pub argv: &'a [*const libc::c_char],
+    pub envp: &'a [*const libc::c_char],
+    pub cpu: Option<usize>,
+    pub namespaces: bool,
+    pub filter: &'a [libc::sock_filter],
+}
+
+fn errno() -> i32 {
+    io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// Runs in the program's process between fork and exec. Only async-signal-safe calls.
+unsafe fn become_program(plan: &Plan, argv: &[*const libc::c_char], envp: &[*const libc::c_char]) -> ! {
+    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+    // Signal dispositions set to "ignore" survive exec; the program must start clean.
+    for sig in 1..32 {
+        if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+            libc::signal(sig, libc::SIG_DFL);
+        }
+    }
+    let mut empty: libc::sigset_t = std::mem::zeroed();
+    libc::sigemptyset(&mut empty);
+    libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+    libc::personality(libc::ADDR_NO_RANDOMIZE as libc::c_ulong);
+    const PR_SET_TSC: i32 = 26;
+    const PR_TSC_SIGSEGV: libc::c_ulong = 2;
+    libc::prctl(PR_SET_TSC, PR_TSC_SIGSEGV, 0, 0, 0);
+    if let Some(cpu) = plan.cpu {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+    if seccomp::install(plan.filter).is_err() {
+        libc::_exit(crate::EXIT_SETUP_FAILED);
+    }
+    libc::execve(plan.path.as_ptr(), argv.as_ptr(), envp.as_ptr());
+    libc::_exit(lockstep_core::exit::CANNOT_EXECUTE);
+}
+
+pub fn ptrs(v: &[CString]) -> Vec<*const libc::c_char> {
+    v.iter().map(|s| s.as_ptr()).chain(std::iter::once(std::ptr::null())).collect()
+}
+
+/// Starts one replica and returns it stopped at the seccomp stop of its first execve.
+pub fn spawn(plan: &Plan) -> Result<Spawned, Error> {
+    let (argv, envp) = (plan.argv, plan.envp);
+    let mut go = [0i32; 2];
+    // SAFETY: plain pipe2 into a local array.
+    if unsafe { libc::pipe2(go.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(Error::Io("pipe2", io::Error::last_os_error()));
+    }
+    let flags = if plan.namespaces { libc::CLONE_NEWPID | libc::CLONE_NEWNS } else { 0 };
+    // SAFETY: a fork-like clone (no shared VM); the child only runs async-signal-safe code.
+    let first = unsafe { libc::syscall(libc::SYS_clone, (flags | libc::SIGCHLD) as libc::c_ulong, 0, 0, 0, 0) };
+    if first < 0 {
+        return Err(Error::Io("clone", io::Error::last_os_error()));
+    }
+    if first == 0 {
+        // SAFETY: child side of the fork; never returns.
+        unsafe {
+            libc::close(go[1]);
+            let mut byte = 0u8;
+            // Wait until the monitor has seized us, so that our fork is traced.
+            libc::read(go[0], (&mut byte as *mut u8).cast(), 1);
+            libc::close(go[0]);
+            if !plan.namespaces {
+                become_program(plan, argv, envp);
+            }
+            // The stub: its own process group, so the terminal's and `kill 0`'s signals
+            // reach lockstep and not the replicas directly; a private /proc for our pids.
+            libc::setpgid(0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            let none = c"none";
+            let root = c"/";
+            let proc_ = c"proc";
+            let procdir = c"/proc";
+            libc::mount(none.as_ptr(), root.as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null());
+            libc::mount(proc_.as_ptr(), procdir.as_ptr(), proc_.as_ptr(), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, std::ptr::null());
+            let child = libc::fork();
+            if child == 0 {
+                become_program(plan, argv, envp);
+            }
+            // Reap everything until the namespace is empty.
+            loop {
+                let r = libc::wait(std::ptr::null_mut());
+                if r < 0 && errno() != libc::EINTR {
+                    libc::_exit(0);
+                }
+            }
+        }
+    }
+    let first = first as Tid;
+    // SAFETY: closing our copy of the read end.
+    unsafe { libc::close(go[0]) };
+    let release = |fd: i32| {
+        // SAFETY: one byte from a local; then close our end.
+        unsafe {
+            libc::write(fd, b"g".as_ptr().cast(), 1);
+            libc::close(fd);
+        }
+    };
+    if let Err(e) = ptrace::seize(first) {
+        release(go[1]);
+        ptrace::kill(first, libc::SIGKILL);
+        return Err(Error::Io("ptrace(PTRACE_SEIZE)", e));
+    }
+    release(go[1]);
+    let (stub, main) = if plan.namespaces {
+        // The stub forks the program: take its pid from the fork event, then let go of the stub.
+        let main = loop {
+            match ptrace::wait_tid(first).map_err(|e| Error::Io("waitpid", e))? {
+                Stop::Event(libc::PTRACE_EVENT_FORK) => {
+                    let pid = ptrace::event_msg(first).map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
+                    ptrace::detach(first).map_err(|e| Error::Io("PTRACE_DETACH", e))?;
+                    break pid;
+                }
+                Stop::Exited(_) | Stop::Killed(_) => return Err(Error::Setup("the replica's namespace stub died".into())),
+                Stop::Signal(sig) => ptrace::cont(first, sig).map_err(|e| Error::Io("PTRACE_CONT", e))?,
+                _ => ptrace::cont(first, 0).map_err(|e| Error::Io("PTRACE_CONT", e))?,
+            }
+        };
+        (first, main)
+    } else {
+        (0, first)
+    };
+    // Run the program's set-up until its execve stops in seccomp.
+    loop {
+        match ptrace::wait_tid(main).map_err(|e| Error::Io("waitpid", e))? {
+            Stop::Seccomp => break,
+            Stop::Exited(code) if code == crate::EXIT_SETUP_FAILED => {
+                return Err(Error::Setup("installing the seccomp filter failed in the replica".into()))
+            }
+            Stop::Exited(code) => return Err(Error::Setup(format!("the replica exited with {code} before exec"))),
+            Stop::Killed(sig) => return Err(Error::Setup(format!("the replica was killed by signal {sig} before exec"))),
+            Stop::Signal(sig) => ptrace::cont(main, sig).map_err(|e| Error::Io("PTRACE_CONT", e))?,
+            _ => ptrace::cont(main, 0).map_err(|e| Error::Io("PTRACE_CONT", e))?,
+        }
+    }
+    let listener = grab_listener(main)?;
+    Ok(Spawned { stub, main, listener })
+}
+
+/// Copies the program's seccomp listener (still open, close-on-exec) into the monitor.
+fn grab_listener(main: Tid) -> Result<seccomp::Listener, Error> {
+    let dir = format!("/proc/{main}/fd");
+    let entries = std::fs::read_dir(&dir).map_err(|e| Error::Io("reading /proc/PID/fd", e))?;
+    for entry in entries.flatten() {
+        let Ok(target) = std::fs::read_link(entry.path()) else { continue };
+        if target.to_string_lossy().contains("seccomp notify") {
+            let fd: i32 = entry.file_name().to_string_lossy().parse().unwrap_or(-1);
+            let pidfd = seccomp::pidfd_open(main).map_err(|e| Error::Io("pidfd_open", e))?;
+            let ours: OwnedFd = seccomp::pidfd_getfd(&pidfd, fd).map_err(|e| Error::Io("pidfd_getfd", e))?;
+            return Ok(seccomp::Listener::from_fd(ours));
+        }
+    }
+    Err(Error::Setup("the replica's seccomp listener was not found".into()))
+}

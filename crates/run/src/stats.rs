@@ -1,0 +1,64 @@
+//! Counters for `--stats`.
+
+use lockstep_trace::syscalls::Class;
+use std::time::Duration;
+
+#[derive(Default, Debug)]
+pub struct Stats {
+    pub by_class: [u64; 8],
+    pub rendezvous: u64,
+    pub votes: u64,
+    pub bytes_compared: u64,
+    pub bytes_copied: u64,
+    pub rdtsc: u64,
+    pub signals_delivered: u64,
+    pub divergences: u64,
+    pub reintegrations: u64,
+    pub monitor_time: Duration,
+}
+
+pub fn class_index(c: Class) -> usize {
+    match c {
+        Class::Passthrough => 0,
+        Class::Input => 1,
+        Class::Output => 2,
+        Class::FdCreate => 3,
+        Class::AllAfterLeader => 4,
+        Class::All => 5,
+        Class::Emulated => 6,
+        Class::Unsupported => 7,
+    }
+}
+
+const NAMES: [&str; 8] = ["passthrough", "input", "output", "fd-create", "after-leader", "all", "emulated", "unsupported"];
+
+impl Stats {
+    pub fn count(&mut self, c: Class) {
+        self.by_class[class_index(c)] += 1;
+    }
+
+    pub fn render(&self, wall: Duration) -> String {
+        let total: u64 = self.by_class.iter().sum();
+        let mut s = format!("lockstep run: stats\n  syscalls intercepted: {total} (rendezvous)\n");
+        for (i, n) in self.by_class.iter().enumerate() {
+            if *n > 0 {
+                s.push_str(&format!("    {:<13} {n}\n", NAMES[i]));
+            }
+        }
+        s.push_str(&format!("  rdtsc emulated:       {}\n", self.rdtsc));
+        s.push_str(&format!("  votes:                {}\n", self.votes));
+        s.push_str(&format!("  bytes compared:       {}\n", self.bytes_compared));
+        s.push_str(&format!("  bytes copied:         {}\n", self.bytes_copied));
+        s.push_str(&format!("  signals delivered:    {}\n", self.signals_delivered));
+        s.push_str(&format!("  divergences:          {}\n", self.divergences));
+        s.push_str(&format!("  re-integrations:      {}\n", self.reintegrations));
+        let per = if total > 0 { self.monitor_time.as_nanos() as u64 / total } else { 0 };
+        s.push_str(&format!(
+            "  time in monitor:      {:.3} s of {:.3} s wall ({} ns per intercepted syscall)\n",
+            self.monitor_time.as_secs_f64(),
+            wall.as_secs_f64(),
+            per
+        ));
+        s
+    }
+}
