@@ -55,7 +55,8 @@ fn iovecs(be: &dyn Backend, tid: Tid, addr: u64, count: u64) -> Vec<(u64, usize)
 }
 
 /// The content of the input data of a call, appended to `out`.
-fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &mut Vec<u8>) {
+/// With `buffers_only`, values and paths are left out (for human-readable previews).
+fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &mut Vec<u8>, buffers_only: bool) {
     let push_mem = |out: &mut Vec<u8>, addr: u64, len: usize| {
         if addr == 0 || len == 0 {
             out.extend_from_slice(&[0xff; 4]);
@@ -72,6 +73,7 @@ fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &m
     for (i, arg) in desc.args.iter().enumerate() {
         let a = args[i];
         match *arg {
+            Arg::Val | Arg::Fd | Arg::Path if buffers_only => {}
             Arg::Val | Arg::Fd => out.extend_from_slice(&a.to_le_bytes()),
             Arg::Path => match lockstep_trace::mem::read_cstr(tid, a, MAX_PATH) {
                 Ok(s) if a != 0 => {
@@ -111,7 +113,7 @@ pub fn digest_call(be: &dyn Backend, tid: Tid, nr: u64, desc: Option<&Desc>, arg
     scratch.clear();
     scratch.extend_from_slice(&nr.to_le_bytes());
     match desc {
-        Some(d) => input_bytes(be, tid, d, args, scratch),
+        Some(d) => input_bytes(be, tid, d, args, scratch, false),
         None => args.iter().for_each(|a| scratch.extend_from_slice(&a.to_le_bytes())),
     }
     CallDigest { crc: lockstep_core::crc32c(scratch), bytes: scratch.len() as u64 }
@@ -120,10 +122,8 @@ pub fn digest_call(be: &dyn Backend, tid: Tid, nr: u64, desc: Option<&Desc>, arg
 /// A short printable preview of the bytes an output call would emit (for event messages).
 pub fn output_preview(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6]) -> String {
     let mut bytes = Vec::new();
-    input_bytes(be, tid, desc, args, &mut bytes);
-    // Skip the values of leading non-pointer arguments (the fd).
-    let skip = desc.args.iter().take_while(|a| matches!(a, Arg::Val | Arg::Fd)).count() * 8;
-    let shown: String = bytes.iter().skip(skip).take(48).flat_map(|b| std::ascii::escape_default(*b)).map(char::from).collect();
+    input_bytes(be, tid, desc, args, &mut bytes, true);
+    let shown: String = bytes.iter().take(48).flat_map(|b| std::ascii::escape_default(*b)).map(char::from).collect();
     format!("\"{shown}\"")
 }
 

@@ -199,6 +199,9 @@ impl Session {
     fn deliver_before(&mut self, task: TaskId, nr: u64, sig: i32) {
         self.stats.signals_delivered += 1;
         self.tasks[task].kicked = false;
+        if std::env::var_os("LOCKSTEP_DEBUG").is_some() {
+            eprintln!("lockstep debug: delivering signal {sig} to task {task} before {}", syscalls::name(nr));
+        }
         for r in self.live_slots(task) {
             let mut regs = self.slot(task, r).regs;
             ptrace::rewind_to_syscall(&mut regs, nr);

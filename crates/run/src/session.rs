@@ -747,7 +747,9 @@ impl Session {
                 .unwrap_or(0)
         };
         let bit = 1u64 << (sig - 1);
-        if mask("SigCgt:") & bit != 0 || mask("SigBlk:") & bit != 0 {
+        // A blocked signal never reaches a delivery stop while blocked, so only the
+        // handler and ignore masks matter here.
+        if mask("SigCgt:") & bit != 0 {
             return SignalFate::Handled;
         }
         if mask("SigIgn:") & bit != 0 {

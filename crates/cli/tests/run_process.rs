@@ -1,0 +1,230 @@
+//! Process-level behaviour of `lockstep run`: exit statuses, usage errors, --stats,
+//! signals, and never leaving processes behind.
+
+mod common;
+use common::*;
+use std::time::Duration;
+
+// --- exit statuses ------------------------------------------------------------------
+
+#[test]
+fn exit_status_passes_through_dmr() {
+    run(lockstep_run(&["-r", "2"], &["sh", "-c", "echo before; exit 7"])).assert_code(7).assert_stdout(b"before\n");
+}
+
+#[test]
+fn exit_status_passes_through_tmr() {
+    run(lockstep_run(&["-r", "3"], &["sh", "-c", "echo before; exit 7"])).assert_code(7).assert_stdout(b"before\n");
+}
+
+#[test]
+fn killed_by_signal_is_128_plus_n() {
+    let out = run(lockstep_run(&["-r", "2"], &["sh", "-c", "kill -TERM $$"]));
+    out.assert_code(143);
+    assert!(out.status.code().is_some(), "lockstep itself should exit with 143, not die by the signal\n{}", out.context());
+}
+
+/// (d) a crashing program: 128+SIGSEGV, and nothing left behind (checked by run()).
+#[test]
+fn program_crash_dmr() {
+    let out = run(lockstep_run(&["-r", "2"], &["sh", "-c", "ulimit -c 0; kill -SEGV $$"]));
+    out.assert_code(139);
+    assert!(out.status.code().is_some(), "{}", out.context());
+}
+
+#[test]
+fn program_crash_tmr() {
+    let out = run(lockstep_run(&["-r", "3"], &["sh", "-c", "ulimit -c 0; kill -SEGV $$"]));
+    out.assert_code(139);
+    assert!(out.status.code().is_some(), "{}", out.context());
+}
+
+// --- bad input ----------------------------------------------------------------------
+
+/// A usage error: exit 2, a message on stderr, and the command was not run.
+#[track_caller]
+fn usage_error(args: &[&str]) {
+    let mut c = lockstep();
+    c.args(args);
+    let out = run(c);
+    out.assert_code(2);
+    assert!(!out.stderr.trim().is_empty(), "no message for a usage error\n{}", out.context());
+    assert!(!out.stdout_str().contains("RAN"), "the command ran despite the usage error\n{}", out.context());
+}
+
+#[test]
+fn usage_no_command() {
+    usage_error(&["run"]);
+    usage_error(&["run", "-r", "2"]);
+    usage_error(&["run", "-r", "2", "--"]);
+}
+
+#[test]
+fn usage_bad_replica_count() {
+    for r in ["4", "1", "0", "x", "-3"] {
+        usage_error(&["run", "-r", r, "--", "sh", "-c", "echo RAN"]);
+    }
+}
+
+#[test]
+fn usage_unknown_option() {
+    usage_error(&["run", "--no-such-option", "--", "sh", "-c", "echo RAN"]);
+}
+
+#[test]
+fn usage_bad_option_values() {
+    usage_error(&["run", "-r", "2", "--compare", "sometimes", "--", "sh", "-c", "echo RAN"]);
+    usage_error(&["run", "-r", "2", "--timeout", "soon", "--", "sh", "-c", "echo RAN"]);
+    usage_error(&["run", "-r", "2", "--test-flip", "not-a-spec", "--", "sh", "-c", "echo RAN"]);
+    usage_error(&["run", "-r", "2", "--test-flip", "0:1:xmm0:1", "--", "sh", "-c", "echo RAN"]);
+}
+
+#[test]
+fn command_not_found() {
+    let path = format!("/nonexistent/{}", unique_marker("prog"));
+    for r in ["2", "3"] {
+        let out = run(lockstep_run(&["-r", r], &[path.as_str()]));
+        out.assert_code(127);
+        assert!(out.stderr.contains(&path), "the message should name {path}\n{}", out.context());
+    }
+}
+
+#[test]
+fn help_hides_test_flip() {
+    let mut c = lockstep();
+    c.args(["run", "--help"]);
+    let out = run(c);
+    out.assert_code(0);
+    let text = out.stdout_str();
+    for opt in ["--compare", "--timeout", "--events", "--stats", "--no-reintegrate"] {
+        assert!(text.contains(opt), "--help does not mention {opt}\n{}", out.context());
+    }
+    assert!(!text.contains("test-flip") && !out.stderr.contains("test-flip"), "--test-flip must be hidden\n{}", out.context());
+}
+
+// --- --stats ------------------------------------------------------------------------
+
+#[test]
+fn stats_summary() {
+    let out = run(lockstep_run(&["-r", "2", "--stats"], &["sh", "-c", "echo hello"]));
+    out.assert_code(0).assert_stdout(b"hello\n");
+    assert!(out.stderr.lines().any(|l| l.contains("syscalls")), "--stats printed no 'syscalls' line\n{}", out.context());
+    // and without --stats, no summary
+    let quiet = run(lockstep_run(&["-r", "2"], &["sh", "-c", "echo hello"]));
+    quiet.assert_code(0).assert_stdout(b"hello\n");
+    assert!(!quiet.stderr.contains("syscalls"), "summary printed without --stats\n{}", quiet.context());
+}
+
+// --- no orphans ---------------------------------------------------------------------
+
+/// `sh -c 'sleep 30; : MARKER'`: the marker is in sh's command line; all processes
+/// (replicas and their sleep children) also carry the run's marker in their
+/// environment.
+fn sleeper(tag: &str) -> Vec<String> {
+    vec!["sh".into(), "-c".into(), format!("sleep 30; : {}", unique_marker(tag))]
+}
+
+/// Waits until `n` replicas (sh processes, not lockstep itself) exist and at least
+/// one of them has started its sleep; returns the replica processes.
+fn wait_for_replicas(r: &mut Running, n: usize) -> Vec<ProcInfo> {
+    r.wait_for_processes(&format!("{n} replicas running sleep"), Duration::from_secs(30), |ps| {
+        ps.iter().filter(|p| p.argv0() == "sh").count() >= n && ps.iter().any(|p| p.argv0() == "sleep")
+    });
+    // Let the replicas settle in their wait for sleep.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut shs: Vec<ProcInfo> = r.marked_processes().into_iter().filter(|p| p.argv0() == "sh").collect();
+    shs.sort_by_key(|p| p.pid);
+    assert!(shs.len() >= n, "replicas vanished: {shs:#?}");
+    shs
+}
+
+fn sigkill(pid: u32) {
+    let rc = unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+    assert_eq!(rc, 0, "kill -9 {pid}: {}", std::io::Error::last_os_error());
+}
+
+/// (a) TMR: a replica killed from outside is a crashed replica: lockstep notices,
+/// carries on with the other two, and on SIGINT exits 130 leaving nothing behind.
+#[test]
+fn orphans_replica_killed_tmr() {
+    let ev = events_path("orph-a3");
+    let mut r = spawn(lockstep_run(&["-r", "3", "--events", ev.to_str().unwrap()], &sleeper("a3")));
+    let replicas = wait_for_replicas(&mut r, 3);
+    let victim = replicas.last().unwrap().clone();
+    sigkill(victim.pid);
+    // lockstep detects it ...
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !has_event(&read_events_partial(&ev), "divergence", None) {
+        assert!(r.is_running(), "lockstep exited after one of three replicas was killed\n{}", r.stdout_str());
+        assert!(std::time::Instant::now() < deadline, "no divergence event after killing replica {}", victim.pid);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // ... and keeps going.
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(r.is_running(), "TMR lockstep stopped after losing one replica");
+    r.signal(libc::SIGINT);
+    let out = r.finish(RUN_TIMEOUT);
+    out.assert_code(130);
+}
+
+/// (a) DMR: killing a replica stops the run with 86, leaving nothing behind.
+#[test]
+fn orphans_replica_killed_dmr() {
+    let mut r = spawn(lockstep_run(&["-r", "2"], &sleeper("a2")));
+    let replicas = wait_for_replicas(&mut r, 2);
+    sigkill(replicas.last().unwrap().pid);
+    let out = r.finish(RUN_TIMEOUT);
+    out.assert_code(86);
+    assert!(out.elapsed < Duration::from_secs(25), "DMR took too long to notice the dead replica\n{}", out.context());
+}
+
+/// (b) SIGKILL to lockstep itself: the replicas must die with it.
+#[test]
+fn orphans_lockstep_sigkilled() {
+    for n in [2usize, 3] {
+        let mut r = spawn(lockstep_run(&["-r", &n.to_string()], &sleeper("b")));
+        wait_for_replicas(&mut r, n);
+        r.signal(libc::SIGKILL);
+        // finish() waits for the pipes to close and for all marked processes to go.
+        let out = r.finish(RUN_TIMEOUT);
+        assert_eq!(out.status.code(), None, "{}", out.context());
+        no_orphans(&out.marker);
+    }
+}
+
+/// (c) SIGINT to lockstep: the program is interrupted, lockstep exits 130.
+#[test]
+fn orphans_lockstep_sigint() {
+    for n in [2usize, 3] {
+        let mut r = spawn(lockstep_run(&["-r", &n.to_string()], &sleeper("c")));
+        wait_for_replicas(&mut r, n);
+        r.signal(libc::SIGINT);
+        let out = r.finish(RUN_TIMEOUT);
+        out.assert_code(130);
+        assert!(out.elapsed < Duration::from_secs(25), "SIGINT did not stop sleep 30 promptly\n{}", out.context());
+    }
+}
+
+// --- signal forwarding ----------------------------------------------------------------
+
+/// SIGTERM to lockstep reaches the program, whose trap runs once (its output is
+/// written once) and whose exit status comes back.
+fn sigterm_forwarded(r: &str) {
+    let script = "trap 'echo got-term; exit 3' TERM; echo ready; while :; do sleep 0.1; done";
+    let mut run = spawn(lockstep_run(&["-r", r], &["sh", "-c", script]));
+    run.wait_for_stdout("ready\n", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(200));
+    run.signal(libc::SIGTERM);
+    let out = run.finish(RUN_TIMEOUT);
+    out.assert_code(3).assert_stdout(b"ready\ngot-term\n");
+}
+
+#[test]
+fn sigterm_forwarded_dmr() {
+    sigterm_forwarded("2");
+}
+
+#[test]
+fn sigterm_forwarded_tmr() {
+    sigterm_forwarded("3");
+}
