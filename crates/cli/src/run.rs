@@ -123,7 +123,12 @@ pub fn main(a: RunArgs) -> i32 {
     for f in &a.test_flip {
         match f.parse::<FlipSpec>() {
             Ok(spec) if spec.replica < a.replicas => flips.push(spec),
-            Ok(spec) => return usage(&format!("--test-flip names replica {} but there are {}", spec.replica, a.replicas)),
+            Ok(spec) => {
+                return usage(&format!(
+                    "--test-flip names replica {} but there are {}",
+                    spec.replica, a.replicas
+                ))
+            }
             Err(e) => return usage(&e),
         }
     }

@@ -34,7 +34,10 @@ pub struct Event {
 
 impl Event {
     pub fn new(component: &'static str, kind: &'static str, action: &'static str) -> Self {
-        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
         Event {
             ts,
             component,
@@ -99,7 +102,11 @@ impl EventSink {
 
     /// A sink that only prints to stderr.
     pub fn stderr_only() -> Self {
-        EventSink { file: None, stderr: true, count: 0 }
+        EventSink {
+            file: None,
+            stderr: true,
+            count: 0,
+        }
     }
 
     pub fn emit(&mut self, event: Event) {
@@ -132,7 +139,14 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("e.jsonl");
         let mut sink = EventSink::new(Some(&path), false).unwrap();
-        sink.emit(Event::new("run", "vote", "kill").replica(2).object("write(fd=1)").values(vec!["a".into(), "b".into()]).duration_us(5).message("m"));
+        sink.emit(
+            Event::new("run", "vote", "kill")
+                .replica(2)
+                .object("write(fd=1)")
+                .values(vec!["a".into(), "b".into()])
+                .duration_us(5)
+                .message("m"),
+        );
         sink.emit(Event::new("run", "halt", "halt").message("x"));
         drop(sink);
         let text = std::fs::read_to_string(&path).unwrap();

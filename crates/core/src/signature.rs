@@ -20,7 +20,11 @@ pub struct Signature {
 
 impl Signature {
     pub const fn new() -> Self {
-        Signature { events: 0, sum1: 0, sum2: 0 }
+        Signature {
+            events: 0,
+            sum1: 0,
+            sum2: 0,
+        }
     }
 
     /// Marks the start of a new event (a syscall, a trace record, a signal).

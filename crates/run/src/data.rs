@@ -50,8 +50,12 @@ fn length(be: &dyn Backend, tid: Tid, len: Len, args: &[u64; 6], ret: Option<i64
 /// Reads an iovec array: (base, len) pairs.
 fn iovecs(be: &dyn Backend, tid: Tid, addr: u64, count: u64) -> Vec<(u64, usize)> {
     let count = (count as usize).min(1024);
-    let Ok(raw) = be.read_vec(tid, addr, count * IOVEC) else { return Vec::new() };
-    (0..count).map(|i| (u64_at(&raw, i * IOVEC), u64_at(&raw, i * IOVEC + 8) as usize)).collect()
+    let Ok(raw) = be.read_vec(tid, addr, count * IOVEC) else {
+        return Vec::new();
+    };
+    (0..count)
+        .map(|i| (u64_at(&raw, i * IOVEC), u64_at(&raw, i * IOVEC + 8) as usize))
+        .collect()
 }
 
 /// The content of the input data of a call, appended to `out`.
@@ -109,21 +113,36 @@ fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &m
 
 /// Digest of everything a replica passes to syscall `nr`: the number, the values, and the
 /// content behind pointer arguments. `scratch` is reused between calls.
-pub fn digest_call(be: &dyn Backend, tid: Tid, nr: u64, desc: Option<&Desc>, args: &[u64; 6], scratch: &mut Vec<u8>) -> CallDigest {
+pub fn digest_call(
+    be: &dyn Backend,
+    tid: Tid,
+    nr: u64,
+    desc: Option<&Desc>,
+    args: &[u64; 6],
+    scratch: &mut Vec<u8>,
+) -> CallDigest {
     scratch.clear();
     scratch.extend_from_slice(&nr.to_le_bytes());
     match desc {
         Some(d) => input_bytes(be, tid, d, args, scratch, false),
         None => args.iter().for_each(|a| scratch.extend_from_slice(&a.to_le_bytes())),
     }
-    CallDigest { crc: lockstep_core::crc32c(scratch), bytes: scratch.len() as u64 }
+    CallDigest {
+        crc: lockstep_core::crc32c(scratch),
+        bytes: scratch.len() as u64,
+    }
 }
 
 /// A short printable preview of the bytes an output call would emit (for event messages).
 pub fn output_preview(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6]) -> String {
     let mut bytes = Vec::new();
     input_bytes(be, tid, desc, args, &mut bytes, true);
-    let shown: String = bytes.iter().take(48).flat_map(|b| std::ascii::escape_default(*b)).map(char::from).collect();
+    let shown: String = bytes
+        .iter()
+        .take(48)
+        .flat_map(|b| std::ascii::escape_default(*b))
+        .map(char::from)
+        .collect();
     format!("\"{shown}\"")
 }
 
@@ -142,7 +161,10 @@ impl Outputs {
 
 /// Collects the outputs of the leader's completed call `desc(args) = ret`.
 pub fn collect_outputs(be: &dyn Backend, leader: Tid, desc: &Desc, args: &[u64; 6], ret: i64) -> Outputs {
-    let mut out = Outputs { chunks: Vec::new(), passed_fds: Vec::new() };
+    let mut out = Outputs {
+        chunks: Vec::new(),
+        passed_fds: Vec::new(),
+    };
     if ret < 0 {
         return out;
     }
@@ -173,7 +195,9 @@ pub fn collect_outputs(be: &dyn Backend, leader: Tid, desc: &Desc, args: &[u64; 
                 }
             }
             Arg::MsgOut => {
-                let Ok(h) = be.read_vec(leader, a, MSGHDR) else { continue };
+                let Ok(h) = be.read_vec(leader, a, MSGHDR) else {
+                    continue;
+                };
                 grab(u64_at(&h, 0), (u32_at(&h, 8) as usize).min(SOCKADDR_LIMIT), &mut out);
                 let mut left = ret as usize;
                 for (base, len) in iovecs(be, leader, u64_at(&h, 16), u64_at(&h, 24)) {
@@ -228,5 +252,9 @@ fn scm_rights(control: &[u8]) -> Vec<i32> {
 /// Writes the leader's outputs into a follower. Failures mean the follower's pointers
 /// differ from the leader's, which the next vote will catch; they are counted, not fatal.
 pub fn apply_outputs(be: &dyn Backend, follower: Tid, outputs: &Outputs) -> usize {
-    outputs.chunks.iter().filter(|(addr, bytes)| be.write(follower, *addr, bytes).is_err()).count()
+    outputs
+        .chunks
+        .iter()
+        .filter(|(addr, bytes)| be.write(follower, *addr, bytes).is_err())
+        .count()
 }

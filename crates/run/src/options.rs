@@ -32,7 +32,10 @@ impl std::str::FromStr for CompareMode {
 pub enum FlipTarget {
     Register(String),
     /// The byte at (register + offset).
-    Memory { base: String, offset: i64 },
+    Memory {
+        base: String,
+        offset: i64,
+    },
     /// SIGKILL the replica.
     Kill,
     /// Make the replica spin forever (a straggler).
@@ -53,7 +56,9 @@ impl std::str::FromStr for FlipSpec {
     type Err = String;
     /// `REPLICA:SYSCALL:TARGET:BIT`, TARGET = register | mem:REG+OFF | kill | hang.
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("bad flip '{s}': expected REPLICA:SYSCALL:TARGET:BIT, TARGET = a register, mem:REG+OFFSET, kill or hang");
+        let bad = || {
+            format!("bad flip '{s}': expected REPLICA:SYSCALL:TARGET:BIT, TARGET = a register, mem:REG+OFFSET, kill or hang")
+        };
         let parts: Vec<&str> = s.split(':').collect();
         let (replica, syscall, target, bit) = match parts.as_slice() {
             [r, k, t, b] => (r, k, t.to_string(), b),
@@ -69,7 +74,10 @@ impl std::str::FromStr for FlipSpec {
             t if t.starts_with("mem:") => {
                 let spec = &t[4..];
                 let (base, offset) = match spec.find(['+', '-']) {
-                    Some(i) => (&spec[..i], spec[i..].trim_start_matches('+').parse::<i64>().map_err(|_| bad())?),
+                    Some(i) => (
+                        &spec[..i],
+                        spec[i..].trim_start_matches('+').parse::<i64>().map_err(|_| bad())?,
+                    ),
                     None => (spec, 0),
                 };
                 if !lockstep_trace::regs::NAMES.contains(&base) {
@@ -78,7 +86,10 @@ impl std::str::FromStr for FlipSpec {
                 if bit > 7 {
                     return Err(format!("bad flip '{s}': a memory byte has bits 0..7"));
                 }
-                FlipTarget::Memory { base: base.to_string(), offset }
+                FlipTarget::Memory {
+                    base: base.to_string(),
+                    offset,
+                }
             }
             r if lockstep_trace::regs::NAMES.contains(&r) => {
                 if bit > 63 {
@@ -91,7 +102,12 @@ impl std::str::FromStr for FlipSpec {
         if syscall == 0 {
             return Err(format!("bad flip '{s}': syscalls are counted from 1"));
         }
-        Ok(FlipSpec { replica, syscall, target, bit })
+        Ok(FlipSpec {
+            replica,
+            syscall,
+            target,
+            bit,
+        })
     }
 }
 
@@ -137,7 +153,13 @@ mod tests {
     #[test]
     fn parses_flips() {
         let f: FlipSpec = "1:12:mem:rsi+3:2".parse().unwrap();
-        assert_eq!(f.target, FlipTarget::Memory { base: "rsi".into(), offset: 3 });
+        assert_eq!(
+            f.target,
+            FlipTarget::Memory {
+                base: "rsi".into(),
+                offset: 3
+            }
+        );
         let f: FlipSpec = "0:5:rbx:63".parse().unwrap();
         assert_eq!(f.target, FlipTarget::Register("rbx".into()));
         assert_eq!("2:7:kill:0".parse::<FlipSpec>().unwrap().target, FlipTarget::Kill);

@@ -38,7 +38,10 @@ impl Session {
         let live = self.live_slots(task);
         // Every live replica must have its thread for this task (a new thread may not be
         // registered in all replicas yet) and that thread must have arrived.
-        if live.is_empty() || live.len() != self.live_replicas().len() || live.iter().any(|&r| self.slot(task, r).arrival.is_none()) {
+        if live.is_empty()
+            || live.len() != self.live_replicas().len()
+            || live.iter().any(|&r| self.slot(task, r).arrival.is_none())
+        {
             return Ok(());
         }
         // While a process is going down, wait until every replica's thread is gone.
@@ -61,8 +64,22 @@ impl Session {
                 };
                 (Key { kind: 1, a: code, b: 0 }, describe_death(d))
             }
-            Arrival::Fault { sig, addr } => (Key { kind: 2, a: sig as u64, b: addr }, format!("signal {sig} at {addr:#x}")),
-            Arrival::Rdtsc { len } => (Key { kind: 3, a: len as u64, b: 0 }, "rdtsc".into()),
+            Arrival::Fault { sig, addr } => (
+                Key {
+                    kind: 2,
+                    a: sig as u64,
+                    b: addr,
+                },
+                format!("signal {sig} at {addr:#x}"),
+            ),
+            Arrival::Rdtsc { len } => (
+                Key {
+                    kind: 3,
+                    a: len as u64,
+                    b: 0,
+                },
+                "rdtsc".into(),
+            ),
             Arrival::Syscall { nr, args } => {
                 let tid = slot.tid;
                 let desc = syscalls::describe(nr);
@@ -91,8 +108,12 @@ impl Session {
                     CompareMode::Every => slot.signature.digest() ^ slot.signature.events.rotate_left(17),
                 };
                 let name = syscalls::name(nr);
-                let text = if is_output && desc.is_some() {
-                    format!("{name}({}) {}", args[0] as i64, data::output_preview(&self.be, tid, desc.expect("some"), &args))
+                let text = if let (true, Some(d)) = (is_output, desc) {
+                    format!(
+                        "{name}({}) {}",
+                        args[0] as i64,
+                        data::output_preview(&self.be, tid, d, &args)
+                    )
                 } else if b != 0 {
                     format!("{name} signature {}", slot.signature)
                 } else {
@@ -117,15 +138,22 @@ impl Session {
                 Verdict::Faulty(i) => {
                     let r = members[i];
                     self.stats.divergences += 1;
-                    let values: Vec<String> = members.iter().zip(&keyed).map(|(m, k)| format!("replica {m}: {}", k.1)).collect();
+                    let values: Vec<String> = members
+                        .iter()
+                        .zip(&keyed)
+                        .map(|(m, k)| format!("replica {m}: {}", k.1))
+                        .collect();
                     let what = &keyed[i].1;
+                    let majority = &keyed[if i == 0 { 1 } else { 0 }].1;
                     self.emit(
                         Event::new("run", "divergence", "vote")
                             .replica(r)
                             .object(format!("task {task}"))
                             .values(values)
                             .duration_us(t0.elapsed().as_micros() as u64)
-                            .message(format!("replica {r} diverged at task {task}: {what}")),
+                            .message(format!(
+                                "replica {r} diverged at task {task}: {what}; the majority has {majority}"
+                            )),
                     );
                     self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
                     members.remove(i);
@@ -133,7 +161,11 @@ impl Session {
                 }
                 Verdict::NoConsensus => {
                     self.stats.divergences += 1;
-                    let values: Vec<String> = members.iter().zip(&keyed).map(|(m, k)| format!("replica {m}: {}", k.1)).collect();
+                    let values: Vec<String> = members
+                        .iter()
+                        .zip(&keyed)
+                        .map(|(m, k)| format!("replica {m}: {}", k.1))
+                        .collect();
                     self.emit(
                         Event::new("run", "divergence", "halt")
                             .object(format!("task {task}"))
@@ -200,7 +232,10 @@ impl Session {
         self.stats.signals_delivered += 1;
         self.tasks[task].kicked = false;
         if std::env::var_os("LOCKSTEP_DEBUG").is_some() {
-            eprintln!("lockstep debug: delivering signal {sig} to task {task} before {}", syscalls::name(nr));
+            eprintln!(
+                "lockstep debug: delivering signal {sig} to task {task} before {}",
+                syscalls::name(nr)
+            );
         }
         for r in self.live_slots(task) {
             let mut regs = self.slot(task, r).regs;
@@ -224,7 +259,11 @@ impl Session {
             Class::Unsupported => {
                 let name = syscalls::name(nr);
                 let msg = format!("unsupported system call {name} (number {nr}); lockstep cannot replicate it safely");
-                self.emit(Event::new("run", "unsupported", "stop").object(name).message(msg.clone()));
+                self.emit(
+                    Event::new("run", "unsupported", "stop")
+                        .object(name)
+                        .message(msg.clone()),
+                );
                 self.kill_everything();
                 Err(Stopped::Failure(Error::Unsupported(format!("lockstep run: {msg}"))))
             }
@@ -276,7 +315,9 @@ impl Session {
             libc::SYS_prctl if args[0] == syscalls::PR_GET_TSC => {
                 const PR_TSC_ENABLE: u32 = 1;
                 for r in self.live_slots(task) {
-                    let _ = self.be.write(self.slot(task, r).tid, args[1], &PR_TSC_ENABLE.to_le_bytes());
+                    let _ = self
+                        .be
+                        .write(self.slot(task, r).tid, args[1], &PR_TSC_ENABLE.to_le_bytes());
                 }
                 0
             }
@@ -285,7 +326,10 @@ impl Session {
                 for r in self.live_slots(task) {
                     let tid = self.slot(task, r).tid;
                     let len = (args[1] as usize).min(data::MAX_BUFFER);
-                    let bytes = self.be.read_vec(tid, args[0], len).unwrap_or_else(|_| b"<EFAULT>".to_vec());
+                    let bytes = self
+                        .be
+                        .read_vec(tid, args[0], len)
+                        .unwrap_or_else(|_| b"<EFAULT>".to_vec());
                     self.slot_mut(task, r).signature.fold_bytes(&bytes);
                 }
                 0
@@ -303,7 +347,9 @@ impl Session {
 
     pub fn on_syscall_exit(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
-        let Ok(mut regs) = self.be.regs(tid) else { return Ok(()) };
+        let Ok(mut regs) = self.be.regs(tid) else {
+            return Ok(());
+        };
         let ret = regs.rax as i64;
         match self.tasks[task].phase {
             Phase::Leader { nr, .. } | Phase::LeaderFirst { nr, .. } if ptrace::is_restart(ret) => {
@@ -355,7 +401,14 @@ impl Session {
 
     /// The leader finished an input, output or descriptor-creating call: hand its result
     /// to the parked followers.
-    fn finish_leader_call(&mut self, task: TaskId, nr: u64, args: [u64; 6], class: Class, ret: i64) -> Result<(), Stopped> {
+    fn finish_leader_call(
+        &mut self,
+        task: TaskId,
+        nr: u64,
+        args: [u64; 6],
+        class: Class,
+        ret: i64,
+    ) -> Result<(), Stopped> {
         let leader = self.leader;
         let (ltid, ltgid) = (self.slot(task, leader).tid, self.slot(task, leader).tgid);
         let desc = syscalls::describe(nr).expect("executed calls are in the table");
@@ -393,7 +446,14 @@ impl Session {
 
     /// Makes follower `f` return `ret` from its call while installing the leader's open
     /// file descriptions at the same descriptor numbers (seccomp user notification).
-    fn install_fds(&mut self, task: TaskId, f: ReplicaId, leader_tgid: Tid, fds: &[i32], ret: i64) -> Result<(), Stopped> {
+    fn install_fds(
+        &mut self,
+        task: TaskId,
+        f: ReplicaId,
+        leader_tgid: Tid,
+        fds: &[i32],
+        ret: i64,
+    ) -> Result<(), Stopped> {
         let pidfd = lockstep_trace::seccomp::pidfd_open(leader_tgid).map_err(|e| Error::Io("pidfd_open", e))?;
         let mut ours = Vec::new();
         for &fd in fds {
@@ -406,15 +466,24 @@ impl Session {
         let _ = self.be.set_regs(ftid, &regs);
         self.resume(task, f, Resume::Run, SlotState::Running);
         let listener = self.replicas[f as usize].listener.clone();
-        let notif = listener.recv(5000).map_err(|e| Error::Io("waiting for the descriptor-install notification", e))?;
+        let notif = listener
+            .recv(5000)
+            .map_err(|e| Error::Io("waiting for the descriptor-install notification", e))?;
         if notif.pid as Tid != ftid {
-            return Err(Stopped::Failure(Error::Setup(format!("descriptor install: expected thread {ftid}, got {}", notif.pid))));
+            return Err(Stopped::Failure(Error::Setup(format!(
+                "descriptor install: expected thread {ftid}, got {}",
+                notif.pid
+            ))));
         }
         for (fd, dup, cloexec) in &ours {
             use std::os::fd::AsRawFd;
-            listener.add_fd(notif.id, dup.as_raw_fd(), *fd, *cloexec).map_err(|e| Error::Io("SECCOMP_IOCTL_NOTIF_ADDFD", e))?;
+            listener
+                .add_fd(notif.id, dup.as_raw_fd(), *fd, *cloexec)
+                .map_err(|e| Error::Io("SECCOMP_IOCTL_NOTIF_ADDFD", e))?;
         }
-        listener.respond(notif.id, ret).map_err(|e| Error::Io("SECCOMP_IOCTL_NOTIF_SEND", e))?;
+        listener
+            .respond(notif.id, ret)
+            .map_err(|e| Error::Io("SECCOMP_IOCTL_NOTIF_SEND", e))?;
         Ok(())
     }
 
@@ -425,13 +494,19 @@ impl Session {
             Phase::Followers { nr, args } => (nr, args, true),
             _ => return Ok(()),
         };
-        let live: Vec<ReplicaId> = self.live_slots(task).into_iter().filter(|&r| self.slot(task, r).state != SlotState::Dead).collect();
+        let live: Vec<ReplicaId> = self
+            .live_slots(task)
+            .into_iter()
+            .filter(|&r| self.slot(task, r).state != SlotState::Dead)
+            .collect();
         if live.is_empty() || live.iter().any(|&r| self.slot(task, r).state != SlotState::Done) {
             return Ok(());
         }
         let leader = self.leader;
         let lead_ret = self.slot(task, leader).result;
-        let returns_pid = [libc::SYS_clone, libc::SYS_clone3, libc::SYS_fork, libc::SYS_vfork].iter().any(|&s| is_nr(nr, s));
+        let returns_pid = [libc::SYS_clone, libc::SYS_clone3, libc::SYS_fork, libc::SYS_vfork]
+            .iter()
+            .any(|&s| is_nr(nr, s));
         let waits = is_nr(nr, libc::SYS_wait4) || is_nr(nr, libc::SYS_waitid);
         if returns_pid && lead_ret > 0 {
             if let Some(child) = self.tasks[task].spawned {
@@ -465,7 +540,13 @@ impl Session {
         // Per-replica outputs that legitimately differ (rusage, siginfo times) come from
         // the leader, like inputs.
         let outputs = match (leader_first || waits, desc) {
-            (true, Some(d)) => Some(data::collect_outputs(&self.be, self.slot(task, leader).tid, d, &args, lead_ret)),
+            (true, Some(d)) => Some(data::collect_outputs(
+                &self.be,
+                self.slot(task, leader).tid,
+                d,
+                &args,
+                lead_ret,
+            )),
             _ => None,
         };
         for (i, &r) in live.iter().enumerate() {
@@ -494,12 +575,19 @@ impl Session {
         // Vote on the results: the call ran in every replica.
         let mut members = live.clone();
         loop {
-            let rs: Vec<i64> = members.iter().map(|m| results[live.iter().position(|x| x == m).expect("member")]).collect();
+            let rs: Vec<i64> = members
+                .iter()
+                .map(|m| results[live.iter().position(|x| x == m).expect("member")])
+                .collect();
             match vote(&rs) {
                 Verdict::Unanimous => break,
                 Verdict::Faulty(i) => {
                     let r = members[i];
-                    let values = members.iter().zip(&rs).map(|(m, v)| format!("replica {m}: {name} = {v}")).collect();
+                    let values = members
+                        .iter()
+                        .zip(&rs)
+                        .map(|(m, v)| format!("replica {m}: {name} = {v}"))
+                        .collect();
                     self.stats.divergences += 1;
                     self.emit(
                         Event::new("run", "divergence", "vote")
@@ -512,8 +600,16 @@ impl Session {
                     members.remove(i);
                 }
                 Verdict::NoConsensus => {
-                    let values: Vec<String> = members.iter().zip(&rs).map(|(m, v)| format!("replica {m}: {name} = {v}")).collect();
-                    self.emit(Event::new("run", "divergence", "halt").values(values.clone()).message(format!("results of {name} differ: {}", values.join(" / "))));
+                    let values: Vec<String> = members
+                        .iter()
+                        .zip(&rs)
+                        .map(|(m, v)| format!("replica {m}: {name} = {v}"))
+                        .collect();
+                    self.emit(
+                        Event::new("run", "divergence", "halt")
+                            .values(values.clone())
+                            .message(format!("results of {name} differ: {}", values.join(" / "))),
+                    );
                     return Err(self.halt("no majority agrees on the result".into()));
                 }
             }
@@ -533,7 +629,9 @@ impl Session {
         order.extend(live.iter().copied().filter(|&r| r != leader));
         for r in order {
             let tid = self.slot(task, r).tid;
-            let Some(at_random) = patch_auxv(&self.be, tid) else { continue };
+            let Some(at_random) = patch_auxv(&self.be, tid) else {
+                continue;
+            };
             match random {
                 None => random = self.be.read_vec(tid, at_random, 16).ok(),
                 Some(ref bytes) => {
@@ -549,8 +647,16 @@ impl Session {
             return;
         }
         let positions: &[usize] = match nr as i64 {
-            libc::SYS_kill | libc::SYS_tkill | libc::SYS_wait4 | libc::SYS_getpgid | libc::SYS_getsid | libc::SYS_pidfd_open => &[0],
-            libc::SYS_prlimit64 | libc::SYS_sched_setscheduler | libc::SYS_sched_setparam | libc::SYS_rt_sigqueueinfo => &[0],
+            libc::SYS_kill
+            | libc::SYS_tkill
+            | libc::SYS_wait4
+            | libc::SYS_getpgid
+            | libc::SYS_getsid
+            | libc::SYS_pidfd_open => &[0],
+            libc::SYS_prlimit64
+            | libc::SYS_sched_setscheduler
+            | libc::SYS_sched_setparam
+            | libc::SYS_rt_sigqueueinfo => &[0],
             libc::SYS_tgkill | libc::SYS_setpgid | libc::SYS_rt_tgsigqueueinfo => &[0, 1],
             libc::SYS_waitid if args[0] == libc::P_PID as u64 || args[0] == libc::P_PGID as u64 => &[1],
             _ => return,
@@ -603,8 +709,12 @@ impl Session {
         inject.rdx = 0;
         inject.r10 = 0;
         inject.r8 = 0;
-        self.be.set_regs(stid, &inject).map_err(|e| Error::Io("PTRACE_SETREGS", e))?;
-        self.be.resume(stid, Resume::ToExit).map_err(|e| Error::Io("PTRACE_SYSCALL", e))?;
+        self.be
+            .set_regs(stid, &inject)
+            .map_err(|e| Error::Io("PTRACE_SETREGS", e))?;
+        self.be
+            .resume(stid, Resume::ToExit)
+            .map_err(|e| Error::Io("PTRACE_SYSCALL", e))?;
         let mut child: Tid = 0;
         loop {
             match ptrace::wait_tid(stid).map_err(|e| Error::Io("waitpid", e))? {
@@ -631,7 +741,11 @@ impl Session {
         let local_pid = self.be.regs(stid).map(|r| r.rax as i64).unwrap_or(-1);
         if child <= 0 || local_pid <= 0 {
             let _ = self.be.set_regs(stid, &saved);
-            self.emit(Event::new("run", "reintegrate", "fail").replica(source).message(format!("fork of replica {source} failed ({local_pid})")));
+            self.emit(
+                Event::new("run", "reintegrate", "fail")
+                    .replica(source)
+                    .message(format!("fork of replica {source} failed ({local_pid})")),
+            );
             self.reintegration_due = false;
             self.slot_mut(task, source).state = SlotState::Arrived;
             return Ok(false);
@@ -670,7 +784,15 @@ impl Session {
             to_local.insert(logical, local_pid as i32);
             to_logical.insert(local_pid as i32, logical);
         }
-        self.replicas.push(crate::session::Replica { id, alive: true, cpu: dead, listener, stub, to_local, to_logical });
+        self.replicas.push(crate::session::Replica {
+            id,
+            alive: true,
+            cpu: dead,
+            listener,
+            stub,
+            to_local,
+            to_logical,
+        });
         for t in self.tasks.iter_mut() {
             t.slots.push(None);
         }
@@ -694,7 +816,10 @@ impl Session {
             Event::new("run", "reintegrate", "fork")
                 .replica(id)
                 .duration_us(us)
-                .message(format!("replica {id} forked from replica {source} ({rss} KiB resident); back to {} replicas", self.live_replicas().len())),
+                .message(format!(
+                    "replica {id} forked from replica {source} ({rss} KiB resident); back to {} replicas",
+                    self.live_replicas().len()
+                )),
         );
         Ok(true)
     }
@@ -709,7 +834,12 @@ fn new_fds(desc: &Desc, args: &[u64; 6], ret: i64, outputs: &data::Outputs) -> V
             .chunks
             .iter()
             .find(|(addr, b)| *addr == args[i as usize] && b.len() >= 8)
-            .map(|(_, b)| vec![i32::from_le_bytes(b[0..4].try_into().expect("4")), i32::from_le_bytes(b[4..8].try_into().expect("4"))])
+            .map(|(_, b)| {
+                vec![
+                    i32::from_le_bytes(b[0..4].try_into().expect("4")),
+                    i32::from_le_bytes(b[4..8].try_into().expect("4")),
+                ]
+            })
             .unwrap_or_default(),
     }
 }
@@ -718,7 +848,10 @@ fn new_fds(desc: &Desc, args: &[u64; 6], ret: i64, outputs: &data::Outputs) -> V
 fn fd_cloexec(pid: Tid, fd: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("flags:").map(|v| v.trim().to_string())))
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("flags:").map(|v| v.trim().to_string()))
+        })
         .and_then(|v| u64::from_str_radix(&v, 8).ok())
         .map(|flags| flags & libc::O_CLOEXEC as u64 != 0)
         .unwrap_or(false)

@@ -49,11 +49,19 @@ impl Death {
 /// What a slot stopped at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arrival {
-    Syscall { nr: u64, args: [u64; 6] },
+    Syscall {
+        nr: u64,
+        args: [u64; 6],
+    },
     /// A synchronous fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP).
-    Fault { sig: i32, addr: u64 },
+    Fault {
+        sig: i32,
+        addr: u64,
+    },
     /// A trapped RDTSC (2 bytes) or RDTSCP (3 bytes).
-    Rdtsc { len: u8 },
+    Rdtsc {
+        len: u8,
+    },
     Died(Death),
 }
 
@@ -109,13 +117,26 @@ impl Slot {
 pub enum Phase {
     Collect,
     /// The leader executes an input/output/fd-creating call; followers are parked.
-    Leader { nr: u64, args: [u64; 6], class: Class },
+    Leader {
+        nr: u64,
+        args: [u64; 6],
+        class: Class,
+    },
     /// The leader executes a call that every replica then executes (wait4).
-    LeaderFirst { nr: u64, args: [u64; 6] },
+    LeaderFirst {
+        nr: u64,
+        args: [u64; 6],
+    },
     /// Followers execute after the leader.
-    Followers { nr: u64, args: [u64; 6] },
+    Followers {
+        nr: u64,
+        args: [u64; 6],
+    },
     /// Every replica executes the call at once.
-    All { nr: u64, args: [u64; 6] },
+    All {
+        nr: u64,
+        args: [u64; 6],
+    },
 }
 
 pub struct Task {
@@ -157,7 +178,14 @@ pub struct Replica {
 
 /// Signals lockstep itself received, as a bit mask, set by the signal handler.
 static RECEIVED: AtomicU64 = AtomicU64::new(0);
-const FORWARDED: [i32; 6] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGUSR1, libc::SIGUSR2];
+const FORWARDED: [i32; 6] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+];
 
 extern "C" fn on_signal(sig: libc::c_int) {
     if sig != libc::SIGALRM {
@@ -176,8 +204,14 @@ fn install_signal_handlers() {
         }
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         // A periodic tick wakes waitpid so timeouts and forwarded signals are handled.
-        let tick = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
-        let timer = libc::itimerval { it_interval: tick, it_value: tick };
+        let tick = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 50_000,
+        };
+        let timer = libc::itimerval {
+            it_interval: tick,
+            it_value: tick,
+        };
         libc::setitimer(libc::ITIMER_REAL, &timer, std::ptr::null_mut());
     }
 }
@@ -218,7 +252,11 @@ pub struct Session {
 /// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
 fn resolve(cmd: &str) -> Result<String, Error> {
     use std::os::unix::fs::PermissionsExt;
-    let executable = |p: &std::path::Path| p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false);
+    let executable = |p: &std::path::Path| {
+        p.metadata()
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    };
     if cmd.contains('/') {
         let p = std::path::Path::new(cmd);
         if !p.exists() {
@@ -243,7 +281,9 @@ fn allowed_cpus() -> Vec<usize> {
         if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
             return Vec::new();
         }
-        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
     }
 }
 
@@ -254,10 +294,15 @@ fn cstring(s: &str) -> Result<CString, Error> {
 impl Session {
     pub fn start(opts: Options) -> Result<Session, Error> {
         if !(2..=3).contains(&opts.replicas) {
-            return Err(Error::Usage(format!("unsupported replica count {} (use -r 2 for DMR or -r 3 for TMR)", opts.replicas)));
+            return Err(Error::Usage(format!(
+                "unsupported replica count {} (use -r 2 for DMR or -r 3 for TMR)",
+                opts.replicas
+            )));
         }
         let Some(cmd) = opts.command.first() else {
-            return Err(Error::Usage("no command given (usage: lockstep run [OPTIONS] -- CMD [ARGS...])".into()));
+            return Err(Error::Usage(
+                "no command given (usage: lockstep run [OPTIONS] -- CMD [ARGS...])".into(),
+            ));
         };
         let path = cstring(&resolve(cmd)?)?;
         let argv = opts.command.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
@@ -276,7 +321,8 @@ impl Session {
             }
         }
         let cpus: &[usize] = if opts.cpus.is_empty() { &avail } else { &opts.cpus };
-        let events = EventSink::new(opts.events.as_deref(), !opts.quiet).map_err(|e| Error::Io("creating the events file", e))?;
+        let events = EventSink::new(opts.events.as_deref(), !opts.quiet)
+            .map_err(|e| Error::Io("creating the events file", e))?;
         install_signal_handlers();
         let filter = lockstep_trace::seccomp::build_filter();
         let (argv_ptrs, envp_ptrs) = (spawn::ptrs(&argv), spawn::ptrs(&envp));
@@ -286,7 +332,14 @@ impl Session {
         let mut namespaces = unsafe { libc::geteuid() } == 0;
         for id in 0..opts.replicas {
             let cpu = (!cpus.is_empty()).then(|| cpus[id as usize % cpus.len()]);
-            let plan = spawn::Plan { path: &path, argv: &argv_ptrs, envp: &envp_ptrs, cpu, namespaces, filter: &filter };
+            let plan = spawn::Plan {
+                path: &path,
+                argv: &argv_ptrs,
+                envp: &envp_ptrs,
+                cpu,
+                namespaces,
+                filter: &filter,
+            };
             let spawned = match spawn::spawn(&plan) {
                 Err(Error::Io("clone", e)) if namespaces && id == 0 && e.raw_os_error() == Some(libc::EPERM) => {
                     namespaces = false;
@@ -323,7 +376,12 @@ impl Session {
             replicas,
             leader: 0,
             tasks: Vec::new(),
-            processes: vec![Process { logical_pid, parent: None, tasks: vec![0], exiting: false }],
+            processes: vec![Process {
+                logical_pid,
+                parent: None,
+                tasks: vec![0],
+                exiting: false,
+            }],
             by_tid: HashMap::new(),
             early_stops: HashSet::new(),
             events,
@@ -385,7 +443,9 @@ impl Session {
         while self.root_death.is_none() {
             self.forward_received_signals()?;
             self.check_timeouts()?;
-            let Some((tid, stop)) = ptrace::wait_any().map_err(|e| Error::Io("waitpid", e))? else { continue };
+            let Some((tid, stop)) = ptrace::wait_any().map_err(|e| Error::Io("waitpid", e))? else {
+                continue;
+            };
             let t0 = Instant::now();
             self.on_stop(tid, stop)?;
             self.stats.monitor_time += t0.elapsed();
@@ -484,7 +544,9 @@ impl Session {
             Stop::Killed(sig) => self.on_death(task, r, Death::Killed(sig)),
             Stop::Seccomp => self.on_seccomp(task, r),
             Stop::SyscallExit => self.on_syscall_exit(task, r),
-            Stop::Event(e) if e == libc::PTRACE_EVENT_FORK || e == libc::PTRACE_EVENT_VFORK || e == libc::PTRACE_EVENT_CLONE => {
+            Stop::Event(e)
+                if e == libc::PTRACE_EVENT_FORK || e == libc::PTRACE_EVENT_VFORK || e == libc::PTRACE_EVENT_CLONE =>
+            {
                 self.on_clone_event(task, r, e)?;
                 self.resume_same(task, r);
                 Ok(())
@@ -508,17 +570,29 @@ impl Session {
     /// Resumes after an event stop the way the thread was running before.
     fn resume_same(&mut self, task: TaskId, r: ReplicaId) {
         let slot = self.slot(task, r);
-        let how = if slot.state == SlotState::Executing { Resume::ToExit } else { Resume::Run };
+        let how = if slot.state == SlotState::Executing {
+            Resume::ToExit
+        } else {
+            Resume::Run
+        };
         let _ = self.be.resume(slot.tid, how);
     }
 
     fn on_seccomp(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
-        let Ok(mut regs) = self.be.regs(tid) else { return Ok(()) };
+        let Ok(mut regs) = self.be.regs(tid) else {
+            return Ok(());
+        };
         self.slot_mut(task, r).stops += 1;
         if task == 0 {
             let stops = self.slot(task, r).stops;
-            let flips: Vec<FlipSpec> = self.opts.flips.iter().filter(|f| f.replica == r && f.syscall == stops).cloned().collect();
+            let flips: Vec<FlipSpec> = self
+                .opts
+                .flips
+                .iter()
+                .filter(|f| f.replica == r && f.syscall == stops)
+                .cloned()
+                .collect();
             for flip in flips {
                 if !self.apply_flip(task, r, &flip, &mut regs) {
                     return Ok(()); // the replica was killed or set spinning
@@ -530,7 +604,10 @@ impl Session {
         // Re-arrival during an all-replica phase: a replica whose call was interrupted
         // runs it again, unless nobody completed it, in which case all meet again.
         if let Phase::All { .. } = self.tasks[task].phase {
-            let someone_done = self.live_slots(task).iter().any(|&o| self.slot(task, o).state == SlotState::Done);
+            let someone_done = self
+                .live_slots(task)
+                .iter()
+                .any(|&o| self.slot(task, o).state == SlotState::Done);
             let slot = self.slot_mut(task, r);
             slot.regs = regs;
             if someone_done {
@@ -540,7 +617,10 @@ impl Session {
             }
             slot.state = SlotState::Arrived;
             slot.arrival = Some(Arrival::Syscall { nr, args });
-            let all_back = self.live_slots(task).iter().all(|&o| self.slot(task, o).state == SlotState::Arrived);
+            let all_back = self
+                .live_slots(task)
+                .iter()
+                .all(|&o| self.slot(task, o).state == SlotState::Arrived);
             if all_back {
                 self.tasks[task].phase = Phase::Collect;
                 return self.try_decide(task);
@@ -568,7 +648,9 @@ impl Session {
             }
             FlipTarget::Memory { base, offset } => {
                 let mut copy = *regs;
-                let addr = lockstep_trace::regs::by_name(&mut copy, base).map(|v| v.wrapping_add(*offset as u64)).unwrap_or(0);
+                let addr = lockstep_trace::regs::by_name(&mut copy, base)
+                    .map(|v| v.wrapping_add(*offset as u64))
+                    .unwrap_or(0);
                 let mut b = [0u8];
                 if self.be.read(tid, addr, &mut b).is_ok() {
                     b[0] ^= 1 << flip.bit;
@@ -593,7 +675,10 @@ impl Session {
             }
         };
         let keep_going = matches!(flip.target, FlipTarget::Register(_) | FlipTarget::Memory { .. });
-        let msg = format!("test flip: injected {what} into replica {r} at syscall stop {}", flip.syscall);
+        let msg = format!(
+            "test flip: injected {what} into replica {r} at syscall stop {}",
+            flip.syscall
+        );
         self.emit(Event::new("run", "inject", "flip").replica(r).message(msg));
         keep_going
     }
@@ -607,7 +692,10 @@ impl Session {
         }
         let info = ptrace::siginfo(tid).ok();
         let code = info.map(|i| i.si_code).unwrap_or(0);
-        let synchronous = matches!(sig, libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP) && code > 0;
+        let synchronous = matches!(
+            sig,
+            libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP
+        ) && code > 0;
         if synchronous {
             let regs = self.be.regs(tid).ok();
             if let Some(regs) = regs {
@@ -652,7 +740,8 @@ impl Session {
     fn on_death(&mut self, task: TaskId, r: ReplicaId, death: Death) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
         self.by_tid.remove(&tid);
-        let was_leader_executing = matches!(self.tasks[task].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. }) && r == self.leader;
+        let was_leader_executing =
+            matches!(self.tasks[task].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. }) && r == self.leader;
         let slot = self.slot_mut(task, r);
         slot.state = SlotState::Dead;
         slot.arrival = Some(Arrival::Died(death));
@@ -668,7 +757,10 @@ impl Session {
         if !expected && matches!(death, Death::Killed(_)) {
             // A replica thread died alone: that replica is faulty. No need to wait for
             // the next rendezvous, where the others might be a long time coming.
-            let msg = format!("replica {r} died ({}) while the others are alive", describe_death(death));
+            let msg = format!(
+                "replica {r} died ({}) while the others are alive",
+                describe_death(death)
+            );
             return self.replica_failed(task, r, "divergence", msg);
         }
         self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
@@ -686,7 +778,12 @@ impl Session {
                 let process = if thread {
                     parent_process
                 } else {
-                    self.processes.push(Process { logical_pid: 0, parent: Some(parent_process), tasks: Vec::new(), exiting: false });
+                    self.processes.push(Process {
+                        logical_pid: 0,
+                        parent: Some(parent_process),
+                        tasks: Vec::new(),
+                        exiting: false,
+                    });
                     self.processes.len() - 1
                 };
                 let t = self.new_task(process, 0);
@@ -698,7 +795,11 @@ impl Session {
             }
         };
         let tgid = if thread { self.slot(task, r).tgid } else { child };
-        let state = if self.early_stops.remove(&child) { SlotState::Running } else { SlotState::Starting };
+        let state = if self.early_stops.remove(&child) {
+            SlotState::Running
+        } else {
+            SlotState::Starting
+        };
         let mut slot = Slot::new(child, tgid, state);
         slot.signature = self.slot(task, r).signature;
         self.tasks[child_task].slots[r as usize] = Some(slot);
@@ -715,7 +816,8 @@ impl Session {
             Phase::All { nr, args } if nr == libc::SYS_clone3 as u64 => {
                 let leader = self.slot(task, self.leader).tid;
                 let mut flags = [0u8; 8];
-                self.be.read(leader, args[0], &mut flags).is_ok() && u64::from_le_bytes(flags) & libc::CLONE_THREAD as u64 != 0
+                self.be.read(leader, args[0], &mut flags).is_ok()
+                    && u64::from_le_bytes(flags) & libc::CLONE_THREAD as u64 != 0
             }
             _ => false,
         }
@@ -785,7 +887,10 @@ impl Session {
             Phase::All { nr, .. } => (nr, false),
             _ => return,
         };
-        if !lockstep_trace::syscalls::describe(nr).map(|d| d.blocking).unwrap_or(false) {
+        if !lockstep_trace::syscalls::describe(nr)
+            .map(|d| d.blocking)
+            .unwrap_or(false)
+        {
             return;
         }
         self.tasks[task].kicked = true;
@@ -832,9 +937,17 @@ impl Session {
         for sig in FORWARDED {
             if got & (1 << sig) != 0 {
                 // Deliver to the root process's main thread, or whatever thread of it is left.
-                let target = self.processes[0].tasks.iter().copied().find(|&t| !self.tasks[t].finished);
+                let target = self.processes[0]
+                    .tasks
+                    .iter()
+                    .copied()
+                    .find(|&t| !self.tasks[t].finished);
                 if let Some(t) = target {
-                    if self.tasks[t].slots[self.leader as usize].as_ref().map(|s| s.state != SlotState::Dead).unwrap_or(false) {
+                    if self.tasks[t].slots[self.leader as usize]
+                        .as_ref()
+                        .map(|s| s.state != SlotState::Dead)
+                        .unwrap_or(false)
+                    {
                         self.async_signal(t, sig);
                     }
                 }
@@ -852,12 +965,18 @@ impl Session {
             if t.finished || t.phase != Phase::Collect {
                 continue;
             }
-            let Some(first) = t.first_arrival else { continue };
+            let Some(first) = t.first_arrival else {
+                continue;
+            };
             if now.duration_since(first) < self.opts.timeout {
                 continue;
             }
             let live = self.live_slots(task);
-            let missing: Vec<ReplicaId> = live.iter().copied().filter(|&r| self.slot(task, r).arrival.is_none()).collect();
+            let missing: Vec<ReplicaId> = live
+                .iter()
+                .copied()
+                .filter(|&r| self.slot(task, r).arrival.is_none())
+                .collect();
             if missing.is_empty() {
                 continue;
             }
@@ -867,7 +986,11 @@ impl Session {
                 "replica(s) {missing:?} did not reach the rendezvous of task {task} within {:.1} s",
                 self.opts.timeout.as_secs_f64()
             );
-            self.emit(Event::new("run", "timeout", "vote").object(format!("task {task}")).message(msg));
+            self.emit(
+                Event::new("run", "timeout", "vote")
+                    .object(format!("task {task}"))
+                    .message(msg),
+            );
             if missing.len() == 1 && arrived * 2 > live.len() {
                 let r = missing[0];
                 self.vote_out(r, format!("replica {r} is a straggler"))?;
@@ -884,7 +1007,12 @@ impl Session {
     /// A replica failed outside a vote (it died alone).
     fn replica_failed(&mut self, task: TaskId, r: ReplicaId, kind: &'static str, msg: String) -> Result<(), Stopped> {
         self.stats.divergences += 1;
-        self.emit(Event::new("run", kind, "vote").replica(r).object(format!("task {task}")).message(msg));
+        self.emit(
+            Event::new("run", kind, "vote")
+                .replica(r)
+                .object(format!("task {task}"))
+                .message(msg),
+        );
         if self.live_replicas().len() <= 2 {
             return Err(self.halt(format!("replica {r} failed and no majority is left")));
         }
@@ -914,11 +1042,22 @@ impl Session {
             }
         }
         let us = t0.elapsed().as_micros() as u64;
-        self.emit(Event::new("run", "vote", "kill").replica(r).duration_us(us).message(format!("{why}: replica {r} voted out")));
+        self.emit(
+            Event::new("run", "vote", "kill")
+                .replica(r)
+                .duration_us(us)
+                .message(format!("{why}: replica {r} voted out")),
+        );
         if r == self.leader {
-            let Some(&new) = self.live_replicas().first() else { return Err(self.halt("no replica left".into())) };
+            let Some(&new) = self.live_replicas().first() else {
+                return Err(self.halt("no replica left".into()));
+            };
             self.leader = new;
-            self.emit(Event::new("run", "leader", "elect").replica(new).message(format!("replica {new} is the new leader")));
+            self.emit(
+                Event::new("run", "leader", "elect")
+                    .replica(new)
+                    .message(format!("replica {new} is the new leader")),
+            );
         }
         if self.opts.reintegrate && self.live_replicas().len() < self.want_replicas as usize {
             self.reintegration_due = true;
@@ -928,7 +1067,10 @@ impl Session {
 
     /// Stops everything: corruption was detected and cannot be masked.
     pub fn halt(&mut self, why: String) -> Stopped {
-        self.emit(Event::new("run", "halt", "halt").message(format!("{why}; stopping all replicas (exit {})", exit::DETECTED)));
+        self.emit(
+            Event::new("run", "halt", "halt")
+                .message(format!("{why}; stopping all replicas (exit {})", exit::DETECTED)),
+        );
         self.kill_everything();
         Stopped::Halt
     }

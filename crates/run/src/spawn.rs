@@ -70,7 +70,10 @@ unsafe fn become_program(plan: &Plan, argv: &[*const libc::c_char], envp: &[*con
 }
 
 pub fn ptrs(v: &[CString]) -> Vec<*const libc::c_char> {
-    v.iter().map(|s| s.as_ptr()).chain(std::iter::once(std::ptr::null())).collect()
+    v.iter()
+        .map(|s| s.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect()
 }
 
 /// Starts one replica and returns it stopped at the seccomp stop of its first execve.
@@ -81,7 +84,11 @@ pub fn spawn(plan: &Plan) -> Result<Spawned, Error> {
     if unsafe { libc::pipe2(go.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
         return Err(Error::Io("pipe2", io::Error::last_os_error()));
     }
-    let flags = if plan.namespaces { libc::CLONE_NEWPID | libc::CLONE_NEWNS } else { 0 };
+    let flags = if plan.namespaces {
+        libc::CLONE_NEWPID | libc::CLONE_NEWNS
+    } else {
+        0
+    };
     // SAFETY: a fork-like clone (no shared VM); the child only runs async-signal-safe code.
     let first = unsafe { libc::syscall(libc::SYS_clone, (flags | libc::SIGCHLD) as libc::c_ulong, 0, 0, 0, 0) };
     if first < 0 {
@@ -106,8 +113,20 @@ pub fn spawn(plan: &Plan) -> Result<Spawned, Error> {
             let root = c"/";
             let proc_ = c"proc";
             let procdir = c"/proc";
-            libc::mount(none.as_ptr(), root.as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null());
-            libc::mount(proc_.as_ptr(), procdir.as_ptr(), proc_.as_ptr(), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, std::ptr::null());
+            libc::mount(
+                none.as_ptr(),
+                root.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            );
+            libc::mount(
+                proc_.as_ptr(),
+                procdir.as_ptr(),
+                proc_.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                std::ptr::null(),
+            );
             let child = libc::fork();
             if child == 0 {
                 become_program(plan, argv, envp);
@@ -146,7 +165,9 @@ pub fn spawn(plan: &Plan) -> Result<Spawned, Error> {
                     ptrace::detach(first).map_err(|e| Error::Io("PTRACE_DETACH", e))?;
                     break pid;
                 }
-                Stop::Exited(_) | Stop::Killed(_) => return Err(Error::Setup("the replica's namespace stub died".into())),
+                Stop::Exited(_) | Stop::Killed(_) => {
+                    return Err(Error::Setup("the replica's namespace stub died".into()))
+                }
                 Stop::Signal(sig) => ptrace::cont(first, sig).map_err(|e| Error::Io("PTRACE_CONT", e))?,
                 _ => ptrace::cont(first, 0).map_err(|e| Error::Io("PTRACE_CONT", e))?,
             }
@@ -160,10 +181,16 @@ pub fn spawn(plan: &Plan) -> Result<Spawned, Error> {
         match ptrace::wait_tid(main).map_err(|e| Error::Io("waitpid", e))? {
             Stop::Seccomp => break,
             Stop::Exited(code) if code == crate::EXIT_SETUP_FAILED => {
-                return Err(Error::Setup("installing the seccomp filter failed in the replica".into()))
+                return Err(Error::Setup(
+                    "installing the seccomp filter failed in the replica".into(),
+                ))
             }
             Stop::Exited(code) => return Err(Error::Setup(format!("the replica exited with {code} before exec"))),
-            Stop::Killed(sig) => return Err(Error::Setup(format!("the replica was killed by signal {sig} before exec"))),
+            Stop::Killed(sig) => {
+                return Err(Error::Setup(format!(
+                    "the replica was killed by signal {sig} before exec"
+                )))
+            }
             Stop::Signal(sig) => ptrace::cont(main, sig).map_err(|e| Error::Io("PTRACE_CONT", e))?,
             _ => ptrace::cont(main, 0).map_err(|e| Error::Io("PTRACE_CONT", e))?,
         }
@@ -177,7 +204,9 @@ fn grab_listener(main: Tid) -> Result<seccomp::Listener, Error> {
     let dir = format!("/proc/{main}/fd");
     let entries = std::fs::read_dir(&dir).map_err(|e| Error::Io("reading /proc/PID/fd", e))?;
     for entry in entries.flatten() {
-        let Ok(target) = std::fs::read_link(entry.path()) else { continue };
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
         if target.to_string_lossy().contains("seccomp notify") {
             let fd: i32 = entry.file_name().to_string_lossy().parse().unwrap_or(-1);
             let pidfd = seccomp::pidfd_open(main).map_err(|e| Error::Io("pidfd_open", e))?;

@@ -30,7 +30,16 @@ pub fn class_index(c: Class) -> usize {
     }
 }
 
-const NAMES: [&str; 8] = ["passthrough", "input", "output", "fd-create", "after-leader", "all", "emulated", "unsupported"];
+const NAMES: [&str; 8] = [
+    "passthrough",
+    "input",
+    "output",
+    "fd-create",
+    "after-leader",
+    "all",
+    "emulated",
+    "unsupported",
+];
 
 impl Stats {
     pub fn count(&mut self, c: Class) {
@@ -52,7 +61,7 @@ impl Stats {
         s.push_str(&format!("  signals delivered:    {}\n", self.signals_delivered));
         s.push_str(&format!("  divergences:          {}\n", self.divergences));
         s.push_str(&format!("  re-integrations:      {}\n", self.reintegrations));
-        let per = if total > 0 { self.monitor_time.as_nanos() as u64 / total } else { 0 };
+        let per = (self.monitor_time.as_nanos() as u64).checked_div(total).unwrap_or(0);
         s.push_str(&format!(
             "  time in monitor:      {:.3} s of {:.3} s wall ({} ns per intercepted syscall)\n",
             self.monitor_time.as_secs_f64(),

@@ -11,8 +11,14 @@ pub fn read(tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
     if buf.is_empty() {
         return Ok(());
     }
-    let local = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: buf.len() };
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
     // SAFETY: `local` points at our own buffer of the stated length.
     let n = unsafe { libc::process_vm_readv(tid, &local, 1, &remote, 1, 0) };
     if n == buf.len() as isize {
@@ -34,14 +40,22 @@ pub fn write(tid: Tid, addr: u64, data: &[u8]) -> io::Result<()> {
     if data.is_empty() {
         return Ok(());
     }
-    let local = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
-    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: data.len() };
+    let local = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: data.len(),
+    };
     // SAFETY: `local` points at our own buffer of the stated length.
     let n = unsafe { libc::process_vm_writev(tid, &local, 1, &remote, 1, 0) };
     if n == data.len() as isize {
         return Ok(());
     }
-    let f = std::fs::OpenOptions::new().write(true).open(format!("/proc/{tid}/mem"))?;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{tid}/mem"))?;
     f.write_all_at(data, addr)
 }
 

@@ -81,14 +81,24 @@ pub fn set_regs(tid: Tid, regs: &Regs) -> io::Result<()> {
 
 pub fn event_msg(tid: Tid) -> io::Result<u64> {
     let mut msg: libc::c_ulong = 0;
-    req(libc::PTRACE_GETEVENTMSG, tid, 0, &mut msg as *mut libc::c_ulong as usize)?;
+    req(
+        libc::PTRACE_GETEVENTMSG,
+        tid,
+        0,
+        &mut msg as *mut libc::c_ulong as usize,
+    )?;
     Ok(msg)
 }
 
 pub fn siginfo(tid: Tid) -> io::Result<libc::siginfo_t> {
     // SAFETY: all-zero is a valid siginfo_t.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    req(libc::PTRACE_GETSIGINFO, tid, 0, &mut info as *mut libc::siginfo_t as usize)?;
+    req(
+        libc::PTRACE_GETSIGINFO,
+        tid,
+        0,
+        &mut info as *mut libc::siginfo_t as usize,
+    )?;
     Ok(info)
 }
 

@@ -63,8 +63,18 @@ pub fn build_filter() -> Vec<libc::sock_filter> {
 /// # Safety
 /// Must be called in a single-threaded child after fork, with `filter` built beforehand.
 pub unsafe fn install(filter: &[libc::sock_filter]) -> Result<RawFd, i32> {
-    let prog = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr() as *mut libc::sock_filter };
-    let call = || libc::syscall(libc::SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
+    let prog = libc::sock_fprog {
+        len: filter.len() as u16,
+        filter: filter.as_ptr() as *mut libc::sock_filter,
+    };
+    let call = || {
+        libc::syscall(
+            libc::SYS_seccomp,
+            SECCOMP_SET_MODE_FILTER,
+            SECCOMP_FILTER_FLAG_NEW_LISTENER,
+            &prog,
+        )
+    };
     let mut fd = call();
     if fd < 0 && *libc::__errno_location() == libc::EACCES {
         // Without CAP_SYS_ADMIN the kernel requires no_new_privs first.
@@ -137,11 +147,18 @@ impl Listener {
 
     /// Waits up to `timeout_ms` for the next notification.
     pub fn recv(&self, timeout_ms: i32) -> io::Result<Notif> {
-        let mut pfd = libc::pollfd { fd: self.raw(), events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd: self.raw(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd.
         let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
         if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "no seccomp notification arrived"));
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no seccomp notification arrived",
+            ));
         }
         if n < 0 {
             return Err(io::Error::last_os_error());
@@ -173,7 +190,12 @@ impl Listener {
 
     /// Lets the notifying task return `val` from its syscall.
     pub fn respond(&self, id: u64, val: i64) -> io::Result<()> {
-        let mut resp = NotifResp { id, val, error: 0, flags: 0 };
+        let mut resp = NotifResp {
+            id,
+            val,
+            error: 0,
+            flags: 0,
+        };
         // SAFETY: struct seccomp_notif_resp of exactly this layout.
         if unsafe { libc::ioctl(self.raw(), NOTIF_SEND, &mut resp) } < 0 {
             return Err(io::Error::last_os_error());

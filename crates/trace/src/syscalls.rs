@@ -202,15 +202,69 @@ static ROWS: &[Desc] = &[
     row!(SYS_readv, Input, [Fd, IovOut(2), Val], blocking),
     row!(SYS_preadv, Input, [Fd, IovOut(2), Val, Val, Val]),
     row!(SYS_preadv2, Input, [Fd, IovOut(2), Val, Val, Val, Val]),
-    row!(SYS_recvfrom, Input, [Fd, Out(Ret), Val, Val, Out(SockLen(5)), InOut(Fixed(4))], blocking),
+    row!(
+        SYS_recvfrom,
+        Input,
+        [Fd, Out(Ret), Val, Val, Out(SockLen(5)), InOut(Fixed(4))],
+        blocking
+    ),
     row!(SYS_recvmsg, Input, [Fd, MsgOut, Val], blocking),
     row!(SYS_poll, Input, [InOut(ArgTimes(1, POLLFD)), Val, Val], blocking),
-    row!(SYS_ppoll, Input, [InOut(ArgTimes(1, POLLFD)), Val, InOut(Fixed(TIMESPEC)), In(OfArg(4)), Val], blocking),
-    row!(SYS_select, Input, [Val, InOut(FdSet(0)), InOut(FdSet(0)), InOut(FdSet(0)), InOut(Fixed(TIMESPEC))], blocking),
-    row!(SYS_pselect6, Input, [Val, InOut(FdSet(0)), InOut(FdSet(0)), InOut(FdSet(0)), InOut(Fixed(TIMESPEC)), Ignore], blocking),
-    row!(SYS_epoll_wait, Input, [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Val], blocking),
-    row!(SYS_epoll_pwait, Input, [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Val, Ignore, Val], blocking),
-    row!(SYS_epoll_pwait2, Input, [Fd, Out(RetTimes(EPOLL_EVENT)), Val, In(Fixed(TIMESPEC)), Ignore, Val], blocking),
+    row!(
+        SYS_ppoll,
+        Input,
+        [
+            InOut(ArgTimes(1, POLLFD)),
+            Val,
+            InOut(Fixed(TIMESPEC)),
+            In(OfArg(4)),
+            Val
+        ],
+        blocking
+    ),
+    row!(
+        SYS_select,
+        Input,
+        [
+            Val,
+            InOut(FdSet(0)),
+            InOut(FdSet(0)),
+            InOut(FdSet(0)),
+            InOut(Fixed(TIMESPEC))
+        ],
+        blocking
+    ),
+    row!(
+        SYS_pselect6,
+        Input,
+        [
+            Val,
+            InOut(FdSet(0)),
+            InOut(FdSet(0)),
+            InOut(FdSet(0)),
+            InOut(Fixed(TIMESPEC)),
+            Ignore
+        ],
+        blocking
+    ),
+    row!(
+        SYS_epoll_wait,
+        Input,
+        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Val],
+        blocking
+    ),
+    row!(
+        SYS_epoll_pwait,
+        Input,
+        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Val, Ignore, Val],
+        blocking
+    ),
+    row!(
+        SYS_epoll_pwait2,
+        Input,
+        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, In(Fixed(TIMESPEC)), Ignore, Val],
+        blocking
+    ),
     row!(SYS_clock_gettime, Input, [Val, Out(Fixed(TIMESPEC))]),
     row!(SYS_clock_getres, Input, [Val, Out(Fixed(TIMESPEC))]),
     row!(SYS_gettimeofday, Input, [Out(Fixed(16)), Out(Fixed(8))]),
@@ -257,19 +311,37 @@ static ROWS: &[Desc] = &[
     row!(SYS_writev, Output, [Fd, IovIn(2), Val], blocking),
     row!(SYS_pwritev, Output, [Fd, IovIn(2), Val, Val, Val]),
     row!(SYS_pwritev2, Output, [Fd, IovIn(2), Val, Val, Val, Val]),
-    row!(SYS_sendto, Output, [Fd, In(OfArg(2)), Val, Val, In(OfArg(5)), Val], blocking),
+    row!(
+        SYS_sendto,
+        Output,
+        [Fd, In(OfArg(2)), Val, Val, In(OfArg(5)), Val],
+        blocking
+    ),
     row!(SYS_sendmsg, Output, [Fd, MsgIn, Val], blocking),
     row!(SYS_sendfile, Output, [Fd, Fd, InOut(Fixed(8)), Val], blocking),
-    row!(SYS_splice, Output, [Fd, InOut(Fixed(8)), Fd, InOut(Fixed(8)), Val, Val], blocking),
+    row!(
+        SYS_splice,
+        Output,
+        [Fd, InOut(Fixed(8)), Fd, InOut(Fixed(8)), Val, Val],
+        blocking
+    ),
     row!(SYS_tee, Output, [Fd, Fd, Val, Val], blocking),
-    row!(SYS_copy_file_range, Output, [Fd, InOut(Fixed(8)), Fd, InOut(Fixed(8)), Val, Val]),
+    row!(
+        SYS_copy_file_range,
+        Output,
+        [Fd, InOut(Fixed(8)), Fd, InOut(Fixed(8)), Val, Val]
+    ),
     row!(SYS_connect, Output, [Fd, In(OfArg(2)), Val], blocking),
     row!(SYS_bind, Output, [Fd, In(OfArg(2)), Val]),
     row!(SYS_listen, Output, [Fd, Val]),
     row!(SYS_shutdown, Output, [Fd, Val]),
     row!(SYS_setsockopt, Output, [Fd, Val, Val, In(OfArg(4)), Val]),
     row!(SYS_epoll_ctl, Output, [Fd, Val, Fd, In(Fixed(EPOLL_EVENT))]),
-    row!(SYS_timerfd_settime, Output, [Fd, Val, In(Fixed(ITIMERSPEC)), Out(Fixed(ITIMERSPEC))]),
+    row!(
+        SYS_timerfd_settime,
+        Output,
+        [Fd, Val, In(Fixed(ITIMERSPEC)), Out(Fixed(ITIMERSPEC))]
+    ),
     row!(SYS_inotify_add_watch, Output, [Fd, Path, Val]),
     row!(SYS_inotify_rm_watch, Output, [Fd, Val]),
     row!(SYS_unlink, Output, [Path]),
@@ -321,9 +393,27 @@ static ROWS: &[Desc] = &[
     row!(SYS_openat2, FdCreate, [Fd, Path, In(OfArg(3)), Val], NewFds::Ret, true),
     row!(SYS_creat, FdCreate, [Path, Val], NewFds::Ret, false),
     row!(SYS_socket, FdCreate, [Val, Val, Val], NewFds::Ret, false),
-    row!(SYS_accept, FdCreate, [Fd, Out(SockLen(2)), InOut(Fixed(4))], NewFds::Ret, true),
-    row!(SYS_accept4, FdCreate, [Fd, Out(SockLen(2)), InOut(Fixed(4)), Val], NewFds::Ret, true),
-    row!(SYS_socketpair, FdCreate, [Val, Val, Val, Out(Fixed(8))], NewFds::PairAt(3), false),
+    row!(
+        SYS_accept,
+        FdCreate,
+        [Fd, Out(SockLen(2)), InOut(Fixed(4))],
+        NewFds::Ret,
+        true
+    ),
+    row!(
+        SYS_accept4,
+        FdCreate,
+        [Fd, Out(SockLen(2)), InOut(Fixed(4)), Val],
+        NewFds::Ret,
+        true
+    ),
+    row!(
+        SYS_socketpair,
+        FdCreate,
+        [Val, Val, Val, Out(Fixed(8))],
+        NewFds::PairAt(3),
+        false
+    ),
     row!(SYS_pipe, FdCreate, [Out(Fixed(8))], NewFds::PairAt(0), false),
     row!(SYS_pipe2, FdCreate, [Out(Fixed(8)), Val], NewFds::PairAt(0), false),
     row!(SYS_eventfd, FdCreate, [Val], NewFds::Ret, false),
@@ -332,12 +422,28 @@ static ROWS: &[Desc] = &[
     row!(SYS_epoll_create1, FdCreate, [Val], NewFds::Ret, false),
     row!(SYS_timerfd_create, FdCreate, [Val, Val], NewFds::Ret, false),
     row!(SYS_signalfd, FdCreate, [Fd, In(Fixed(8)), Val], NewFds::Ret, false),
-    row!(SYS_signalfd4, FdCreate, [Fd, In(Fixed(8)), Val, Val], NewFds::Ret, false),
+    row!(
+        SYS_signalfd4,
+        FdCreate,
+        [Fd, In(Fixed(8)), Val, Val],
+        NewFds::Ret,
+        false
+    ),
     row!(SYS_inotify_init, FdCreate, [], NewFds::Ret, false),
     row!(SYS_inotify_init1, FdCreate, [Val], NewFds::Ret, false),
     // --- per-process effects: every replica executes them ---
-    row!(SYS_wait4, AllAfterLeader, [Val, Out(Fixed(4)), Val, Out(Fixed(RUSAGE))], blocking),
-    row!(SYS_waitid, AllAfterLeader, [Val, Val, Out(Fixed(SIGINFO)), Val, Out(Fixed(RUSAGE))], blocking),
+    row!(
+        SYS_wait4,
+        AllAfterLeader,
+        [Val, Out(Fixed(4)), Val, Out(Fixed(RUSAGE))],
+        blocking
+    ),
+    row!(
+        SYS_waitid,
+        AllAfterLeader,
+        [Val, Val, Out(Fixed(SIGINFO)), Val, Out(Fixed(RUSAGE))],
+        blocking
+    ),
     row!(SYS_clone, All, [Val, Val, Val, Val, Val]),
     row!(SYS_clone3, All, [In(OfArg(1)), Val]),
     row!(SYS_fork, All, []),
@@ -384,10 +490,20 @@ static ROWS: &[Desc] = &[
     row!(SYS_rt_tgsigqueueinfo, All, [Val, Val, Val, Val]),
     row!(SYS_rt_sigsuspend, All, [In(Fixed(8)), Val], blocking),
     row!(SYS_pause, All, [], blocking),
-    row!(SYS_rt_sigtimedwait, All, [In(Fixed(8)), Out(Fixed(SIGINFO)), Val, Val], blocking),
+    row!(
+        SYS_rt_sigtimedwait,
+        All,
+        [In(Fixed(8)), Out(Fixed(SIGINFO)), Val, Val],
+        blocking
+    ),
     row!(SYS_rt_sigpending, All, [Out(Fixed(8)), Val]),
     row!(SYS_nanosleep, All, [In(Fixed(TIMESPEC)), Ignore], blocking),
-    row!(SYS_clock_nanosleep, All, [Val, Val, In(Fixed(TIMESPEC)), Ignore], blocking),
+    row!(
+        SYS_clock_nanosleep,
+        All,
+        [Val, Val, In(Fixed(TIMESPEC)), Ignore],
+        blocking
+    ),
     row!(SYS_alarm, All, [Val]),
     row!(SYS_setitimer, All, [Val, In(Fixed(ITIMERVAL)), Ignore]),
     row!(SYS_timer_create, All, [Val, Val, Out(Fixed(4))]),
@@ -470,7 +586,9 @@ pub fn table() -> &'static [Desc] {
 
 /// Name of syscall `nr` for messages ("syscall 999" when unknown).
 pub fn name(nr: u64) -> String {
-    describe(nr).map(|d| d.name.to_string()).unwrap_or_else(|| format!("syscall {nr}"))
+    describe(nr)
+        .map(|d| d.name.to_string())
+        .unwrap_or_else(|| format!("syscall {nr}"))
 }
 
 pub const PR_SET_TSC: u64 = 26;
@@ -496,8 +614,8 @@ pub fn classify(desc: &Desc, args: &[u64; 6]) -> Class {
 /// size/direction bits of newer ones. `None`: nothing to copy.
 pub fn ioctl_out_len(request: u64) -> Option<usize> {
     match request as u32 {
-        0x5401 => Some(36),             // TCGETS: struct termios (kernel layout)
-        0x5413 => Some(8),              // TIOCGWINSZ
+        0x5401 => Some(36),                  // TCGETS: struct termios (kernel layout)
+        0x5413 => Some(8),                   // TIOCGWINSZ
         0x541B | 0x540F | 0x5429 => Some(4), // FIONREAD, TIOCGPGRP, TIOCGSID
         r => {
             let dir = r >> 30;

@@ -1,0 +1,48 @@
+# lockstep entry points. `make demo` and `make test` each install what they need.
+SHELL := /bin/bash
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+CARGO ?= cargo
+BUILD := build
+CFLAGS_STRICT := -O2 -Wall -Wextra -Werror
+
+.PHONY: all deps build clib demo test bench lint clean
+
+all: build
+
+deps:
+	@scripts/deps.sh test
+
+build: deps clib
+	$(CARGO) build --release --locked
+
+# The C side: the lockstep_trace() library and the demo workload.
+clib: $(BUILD)/liblockstep.a $(BUILD)/demo-ledger
+
+$(BUILD)/liblockstep.a: clib/lockstep_trace.c clib/include/lockstep.h
+	@mkdir -p $(BUILD)
+	gcc $(CFLAGS_STRICT) -Iclib/include -c clib/lockstep_trace.c -o $(BUILD)/lockstep_trace.o
+	ar rcs $@ $(BUILD)/lockstep_trace.o
+
+$(BUILD)/demo-ledger: examples/demo/ledger.c
+	@mkdir -p $(BUILD)
+	gcc $(CFLAGS_STRICT) -static -o $@ $<
+
+demo: build
+	@scripts/demo.sh
+
+test: deps clib
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	$(CARGO) test --workspace --locked -- --test-threads=2
+
+bench: build
+	@scripts/deps.sh bench
+	@echo "benchmarks: not yet implemented (see docs/results.md)"
+
+lint:
+	$(CARGO) fmt --all
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+clean:
+	rm -rf $(BUILD)
+	$(CARGO) clean

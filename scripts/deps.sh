@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what lockstep's build, tests and demo need, and nothing twice.
+# Usage: scripts/deps.sh [test|bench]
+set -euo pipefail
+want=(gcc make libc6-dev coreutils python3 strace)
+if [ "${1:-test}" = bench ]; then
+    want+=(redis-server redis-tools xz-utils)
+fi
+missing=()
+for p in "${want[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "deps: installing ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+    if [ -x "$HOME/.cargo/bin/cargo" ]; then
+        echo "deps: cargo is in ~/.cargo/bin; add it to PATH"
+    else
+        echo "deps: cargo not found; install Rust with rustup" >&2
+        exit 1
+    fi
+fi
