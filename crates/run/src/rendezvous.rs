@@ -131,10 +131,23 @@ impl Session {
         if members.len() > 1 {
             self.stats.votes += 1;
         }
+        let mut masked = false;
         loop {
             let keys: Vec<Key> = keyed.iter().map(|k| k.0).collect();
             match vote(&keys) {
-                Verdict::Unanimous => break,
+                Verdict::Unanimous => {
+                    if masked {
+                        let us = t0.elapsed().as_micros() as u64;
+                        let msg = format!("fault masked; {} replicas continue", members.len());
+                        self.emit(
+                            Event::new("run", "mask", "continue")
+                                .object(format!("task {task}"))
+                                .duration_us(us)
+                                .message(msg),
+                        );
+                    }
+                    break;
+                }
                 Verdict::Faulty(i) => {
                     let r = members[i];
                     self.stats.divergences += 1;
@@ -158,6 +171,7 @@ impl Session {
                     self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
                     members.remove(i);
                     keyed.remove(i);
+                    masked = true;
                 }
                 Verdict::NoConsensus => {
                     self.stats.divergences += 1;
@@ -815,6 +829,7 @@ impl Session {
         self.emit(
             Event::new("run", "reintegrate", "fork")
                 .replica(id)
+                .values(vec![format!("source={source}"), format!("resident_kib={rss}")])
                 .duration_us(us)
                 .message(format!(
                     "replica {id} forked from replica {source} ({rss} KiB resident); back to {} replicas",

@@ -62,6 +62,16 @@ impl Stats {
         s.push_str(&format!("  divergences:          {}\n", self.divergences));
         s.push_str(&format!("  re-integrations:      {}\n", self.reintegrations));
         let per = (self.monitor_time.as_nanos() as u64).checked_div(total).unwrap_or(0);
+        // SAFETY: getrusage into a zeroed struct.
+        let cpu = unsafe {
+            let mut u: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_SELF, &mut u);
+            u.ru_utime.tv_sec as f64
+                + u.ru_utime.tv_usec as f64 / 1e6
+                + u.ru_stime.tv_sec as f64
+                + u.ru_stime.tv_usec as f64 / 1e6
+        };
+        s.push_str(&format!("  monitor CPU time:     {cpu:.3} s\n"));
         s.push_str(&format!(
             "  time in monitor:      {:.3} s of {:.3} s wall ({} ns per intercepted syscall)\n",
             self.monitor_time.as_secs_f64(),
