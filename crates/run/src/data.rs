@@ -5,8 +5,8 @@ use crate::backend::Backend;
 use lockstep_trace::syscalls::{Arg, Desc, Len, SOCKADDR_LIMIT};
 use lockstep_trace::Tid;
 
-/// Largest single buffer we read from a replica (larger syscalls are still executed;
-/// their data beyond this is not compared, which is reported once).
+/// Largest single buffer we read from a replica. Larger calls are still executed, but
+/// their data beyond this limit is neither compared nor copied (documented in run.md).
 pub const MAX_BUFFER: usize = 64 << 20;
 /// Longest path we read.
 const MAX_PATH: usize = 4096;

@@ -336,6 +336,7 @@ impl Session {
                 0
             }
             libc::SYS_prctl => 0,
+            libc::SYS_rseq => -(libc::ENOSYS as i64),
             n if n as u64 == SYS_LOCKSTEP_TRACE => {
                 for r in self.live_slots(task) {
                     let tid = self.slot(task, r).tid;

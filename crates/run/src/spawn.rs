@@ -103,6 +103,8 @@ pub fn spawn(plan: &Plan) -> Result<Spawned, Error> {
             libc::read(go[0], (&mut byte as *mut u8).cast(), 1);
             libc::close(go[0]);
             if !plan.namespaces {
+                // Own process group, as with the stub: terminal signals reach lockstep only.
+                libc::setpgid(0, 0);
                 become_program(plan, argv, envp);
             }
             // The stub: its own process group, so the terminal's and `kill 0`'s signals
