@@ -153,7 +153,10 @@ fn tmr_latent_register_flip_masked() {
 
 #[test]
 fn tmr_no_reintegrate_still_masks() {
-    let (out, ev) = run_flip(&["-r", "3", "--no-reintegrate"], &[flip(1, FLIP_K, "mem:rsi+0", MEM_FLIP_BIT as u32)]);
+    let (out, ev) = run_flip(
+        &["-r", "3", "--no-reintegrate"],
+        &[flip(1, FLIP_K, "mem:rsi+0", MEM_FLIP_BIT as u32)],
+    );
     assert_masked(&out, &ev, 1, false);
 }
 
@@ -167,8 +170,16 @@ fn tmr_reintegration_masks_a_second_fault() {
     ];
     let (out, ev) = run_flip(&["-r", "3"], &flips);
     out.assert_code(0).assert_stdout(&flip_target_native());
-    let kills = ev.iter().filter(|e| e["kind"] == "vote" && e["action"] == "kill").count();
-    assert!(kills >= 2, "expected two replicas voted out; events:\n{}\n{}", events_summary(&ev), out.context());
+    let kills = ev
+        .iter()
+        .filter(|e| e["kind"] == "vote" && e["action"] == "kill")
+        .count();
+    assert!(
+        kills >= 2,
+        "expected two replicas voted out; events:\n{}\n{}",
+        events_summary(&ev),
+        out.context()
+    );
     assert_event(&ev, "reintegrate", Some("fork"), &out);
     assert_no_event(&ev, "halt", &out);
 }
@@ -241,12 +252,19 @@ fn events_file_schema() {
     let (out, ev) = run_flip(&["-r", "3"], &[flip(1, FLIP_K, "mem:rsi+0", MEM_FLIP_BIT as u32)]);
     let t1 = now_f64();
     out.assert_code(0);
-    assert!(ev.len() >= 3, "expected at least divergence, vote and reintegrate events:\n{}", events_summary(&ev));
+    assert!(
+        ev.len() >= 3,
+        "expected at least divergence, vote and reintegrate events:\n{}",
+        events_summary(&ev)
+    );
     let mut last_ts = 0.0;
     for e in &ev {
         check_event_schema(e);
         let ts = e["ts"].as_f64().unwrap();
-        assert!(ts >= t0 - 1.0 && ts <= t1 + 1.0, "event ts {ts} outside the run [{t0}, {t1}]: {e}");
+        assert!(
+            ts >= t0 - 1.0 && ts <= t1 + 1.0,
+            "event ts {ts} outside the run [{t0}, {t1}]: {e}"
+        );
         assert!(ts >= last_ts, "event timestamps go backwards: {e}");
         last_ts = ts;
     }
@@ -265,6 +283,11 @@ fn events_file_schema() {
         let in_file = events_of(&ev, kind).len();
         let prefix = format!("lockstep run: [{kind}]");
         let on_stderr = out.stderr.lines().filter(|l| l.starts_with(&prefix)).count();
-        assert_eq!(in_file, on_stderr, "{kind}: {in_file} events in the file but {on_stderr} stderr lines\n{}", out.context());
+        assert_eq!(
+            in_file,
+            on_stderr,
+            "{kind}: {in_file} events in the file but {on_stderr} stderr lines\n{}",
+            out.context()
+        );
     }
 }

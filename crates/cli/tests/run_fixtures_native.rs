@@ -22,7 +22,12 @@ fn fixtures_compile_with_warnings_as_errors() {
 fn flip_target_syscall_sequence_is_as_documented() {
     let bin = fixture("flip_target");
     let trace = work_dir().join(format!("flip_target-{}.strace", unique_marker("strace")));
-    let res = Command::new("strace").arg("-qq").arg("-o").arg(&trace).arg(&bin).output();
+    let res = Command::new("strace")
+        .arg("-qq")
+        .arg("-o")
+        .arg(&trace)
+        .arg(&bin)
+        .output();
     let res = match res {
         Ok(r) => r,
         Err(e) => {
@@ -31,7 +36,10 @@ fn flip_target_syscall_sequence_is_as_documented() {
         }
     };
     if !res.status.success() && !trace.exists() {
-        eprintln!("strace cannot trace here; skipping: {}", String::from_utf8_lossy(&res.stderr));
+        eprintln!(
+            "strace cannot trace here; skipping: {}",
+            String::from_utf8_lossy(&res.stderr)
+        );
         return;
     }
     assert!(res.status.success(), "flip_target under strace failed: {res:?}");
@@ -42,9 +50,12 @@ fn flip_target_syscall_sequence_is_as_documented() {
         .filter(|n| !n.is_empty() && !n.starts_with('+'))
         .collect();
     let mut expected = vec!["execve".to_string()];
-    expected.extend(std::iter::repeat("write".to_string()).take(FLIP_LINES));
+    expected.extend((0..FLIP_LINES).map(|_| "write".to_string()));
     expected.push("exit_group".to_string());
-    assert_eq!(names, expected, "flip_target syscalls changed; FLIP_K must be re-derived. strace:\n{text}");
+    assert_eq!(
+        names, expected,
+        "flip_target syscalls changed; FLIP_K must be re-derived. strace:\n{text}"
+    );
     for l in text.lines().filter(|l| l.starts_with("write(")) {
         assert!(l.starts_with("write(1, \"step "), "unexpected write {l}");
     }
@@ -75,11 +86,24 @@ fn rdtsc_clock_native() {
 #[test]
 fn mmap_file_native_is_deterministic() {
     let input = random_file(300_000);
-    let a = native_stdout(&[fixture("mmap_file").into_os_string(), input.clone().into(), scratch_dir("mm").join("o").into()]);
-    let b = native_stdout(&[fixture("mmap_file").into_os_string(), input.into(), scratch_dir("mm").join("o").into()]);
+    let a = native_stdout(&[
+        fixture("mmap_file").into_os_string(),
+        input.clone().into(),
+        scratch_dir("mm").join("o").into(),
+    ]);
+    let b = native_stdout(&[
+        fixture("mmap_file").into_os_string(),
+        input.into(),
+        scratch_dir("mm").join("o").into(),
+    ]);
     assert_eq!(a, b);
     let s = String::from_utf8_lossy(&a);
-    assert!(s.contains("size 300000\n") && s.contains("private-equals-shared yes\n") && s.contains("mapped-back-matches yes\n"), "{s}");
+    assert!(
+        s.contains("size 300000\n")
+            && s.contains("private-equals-shared yes\n")
+            && s.contains("mapped-back-matches yes\n"),
+        "{s}"
+    );
 }
 
 #[test]
@@ -98,20 +122,33 @@ fn threads_native() {
 
 #[test]
 fn echo_server_native() {
-    let mut r = spawn(native_cmd(&[fixture("echo_server").into_os_string(), "0".into(), "2".into()]));
+    let mut r = spawn(native_cmd(&[
+        fixture("echo_server").into_os_string(),
+        "0".into(),
+        "2".into(),
+    ]));
     let port = parse_port(&r.wait_for_stdout("\n", Duration::from_secs(20)));
     assert_eq!(echo_client(port, &["hello", "a b c", "", "last"]), 4);
     assert_eq!(echo_client(port, &["again"]), 1);
     let out = r.finish(RUN_TIMEOUT);
-    out.assert_code(0).assert_stdout(format!("PORT {port}\nserved 5 lines\n").as_bytes());
+    out.assert_code(0)
+        .assert_stdout(format!("PORT {port}\nserved 5 lines\n").as_bytes());
 }
 
 #[test]
 fn py_workload_native() {
     let py = python3();
     let t0 = now_f64();
-    let a = run(native_cmd(&[py.clone().into_os_string(), fixture_file("py_workload.py").into(), scratch_dir("py").into()]));
-    let b = run(native_cmd(&[py.into_os_string(), fixture_file("py_workload.py").into(), scratch_dir("py").into()]));
+    let a = run(native_cmd(&[
+        py.clone().into_os_string(),
+        fixture_file("py_workload.py").into(),
+        scratch_dir("py").into(),
+    ]));
+    let b = run(native_cmd(&[
+        py.into_os_string(),
+        fixture_file("py_workload.py").into(),
+        scratch_dir("py").into(),
+    ]));
     let t1 = now_f64();
     a.assert_code(0);
     b.assert_code(0);
@@ -126,7 +163,10 @@ fn py_workload_native() {
 fn sh_pipeline_native() {
     let out = native_stdout(&["sh", "-c", PIPELINE]);
     let s = String::from_utf8_lossy(&out);
-    assert!(s.starts_with("faa\nejj\n") && s.ends_with("done\n") && s.lines().count() == 21, "{s}");
+    assert!(
+        s.starts_with("faa\nejj\n") && s.ends_with("done\n") && s.lines().count() == 21,
+        "{s}"
+    );
 }
 
 #[test]
@@ -134,6 +174,8 @@ fn helpers_detect_orphans() {
     // A command that leaves a background process behind must be caught by the
     // pipe check in finish() (it keeps stdout open) - i.e. the orphan detection works.
     let r = spawn(native_cmd(&["sh", "-c", "sleep 20 & echo started"]));
-    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || r.finish_with_grace(Duration::from_secs(20), Duration::from_secs(1))));
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        r.finish_with_grace(Duration::from_secs(20), Duration::from_secs(1))
+    }));
     assert!(res.is_err(), "a leftover background process was not detected");
 }

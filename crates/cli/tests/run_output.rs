@@ -82,7 +82,11 @@ fn python_workload_tmr() {
     let py = python3().into_os_string();
     let script: OsString = fixture_file("py_workload.py").into();
     let t0 = now_f64();
-    let native = run(native_cmd(&[py.clone(), script.clone(), scratch_dir("py-native").into()]));
+    let native = run(native_cmd(&[
+        py.clone(),
+        script.clone(),
+        scratch_dir("py-native").into(),
+    ]));
     native.assert_code(0);
     let ev = events_path("py");
     let out = run(lockstep_run(
@@ -92,8 +96,18 @@ fn python_workload_tmr() {
     let t1 = now_f64();
     out.assert_code(0);
     let (n, l) = (native.stdout_str(), out.stdout_str());
-    assert_eq!(py_det_lines(&l), py_det_lines(&n), "deterministic lines differ\n{}", out.context());
-    assert_eq!(line_shapes(&l, 2), line_shapes(&n, 2), "output structure differs\n{}", out.context());
+    assert_eq!(
+        py_det_lines(&l),
+        py_det_lines(&n),
+        "deterministic lines differ\n{}",
+        out.context()
+    );
+    assert_eq!(
+        line_shapes(&l, 2),
+        line_shapes(&n, 2),
+        "output structure differs\n{}",
+        out.context()
+    );
     check_py_nondet(&l, t0, t1);
     assert_agreed(&read_events_of(&ev, &out), &out);
 }
@@ -102,12 +116,20 @@ fn python_workload_tmr() {
 
 fn mmap_case(r: &str) {
     let input = random_file(300_000);
-    let native = native_stdout(&[fixture("mmap_file").into_os_string(), input.clone().into(), scratch_dir("mm").join("out").into()]);
+    let native = native_stdout(&[
+        fixture("mmap_file").into_os_string(),
+        input.clone().into(),
+        scratch_dir("mm").join("out").into(),
+    ]);
     let outdir = scratch_dir("mm");
     let ev = events_path("mmap");
     let out = run(lockstep_run(
         &["-r", r, "--events", ev.to_str().unwrap()],
-        &[fixture("mmap_file").into_os_string(), input.into(), outdir.join("out").into()],
+        &[
+            fixture("mmap_file").into_os_string(),
+            input.into(),
+            outdir.join("out").into(),
+        ],
     ));
     out.assert_code(0).assert_stdout(&native);
     assert_agreed(&read_events_of(&ev, &out), &out);
@@ -132,12 +154,20 @@ fn rdtsc_case(r: &str) {
     let native = String::from_utf8(native_stdout(&[fixture("rdtsc_clock")])).unwrap();
     let ev = events_path("rdtsc");
     let t0 = now_f64();
-    let out = run(lockstep_run(&["-r", r, "--events", ev.to_str().unwrap()], &[fixture("rdtsc_clock")]));
+    let out = run(lockstep_run(
+        &["-r", r, "--events", ev.to_str().unwrap()],
+        &[fixture("rdtsc_clock")],
+    ));
     let t1 = now_f64();
     out.assert_code(0);
     let s = out.stdout_str();
     check_rdtsc_output(&s, t0, t1);
-    assert_eq!(line_shapes(&s, 1), line_shapes(&native, 1), "structure differs from native\n{}", out.context());
+    assert_eq!(
+        line_shapes(&s, 1),
+        line_shapes(&native, 1),
+        "structure differs from native\n{}",
+        out.context()
+    );
     assert_agreed(&read_events_of(&ev, &out), &out);
 }
 
@@ -176,15 +206,20 @@ fn echo_server_tmr() {
     assert_eq!(echo_client(port, &["hello", "lockstep", "", "x y z"]), 4);
     assert_eq!(echo_client(port, &["second connection", "bye"]), 2);
     let out = r.finish(RUN_TIMEOUT);
-    out.assert_code(0).assert_stdout(format!("PORT {port}\nserved 6 lines\n").as_bytes());
+    out.assert_code(0)
+        .assert_stdout(format!("PORT {port}\nserved 6 lines\n").as_bytes());
     assert_agreed(&read_events_of(&ev, &out), &out);
 }
 
 #[test]
 fn echo_server_dmr() {
-    let mut r = spawn(lockstep_run(&["-r", "2"], &[fixture("echo_server").into_os_string(), "0".into(), "1".into()]));
+    let mut r = spawn(lockstep_run(
+        &["-r", "2"],
+        &[fixture("echo_server").into_os_string(), "0".into(), "1".into()],
+    ));
     let port = parse_port(&r.wait_for_stdout("\n", Duration::from_secs(30)));
     assert_eq!(echo_client(port, &["one", "two"]), 2);
     let out = r.finish(RUN_TIMEOUT);
-    out.assert_code(0).assert_stdout(format!("PORT {port}\nserved 2 lines\n").as_bytes());
+    out.assert_code(0)
+        .assert_stdout(format!("PORT {port}\nserved 2 lines\n").as_bytes());
 }

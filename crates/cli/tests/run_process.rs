@@ -9,19 +9,27 @@ use std::time::Duration;
 
 #[test]
 fn exit_status_passes_through_dmr() {
-    run(lockstep_run(&["-r", "2"], &["sh", "-c", "echo before; exit 7"])).assert_code(7).assert_stdout(b"before\n");
+    run(lockstep_run(&["-r", "2"], &["sh", "-c", "echo before; exit 7"]))
+        .assert_code(7)
+        .assert_stdout(b"before\n");
 }
 
 #[test]
 fn exit_status_passes_through_tmr() {
-    run(lockstep_run(&["-r", "3"], &["sh", "-c", "echo before; exit 7"])).assert_code(7).assert_stdout(b"before\n");
+    run(lockstep_run(&["-r", "3"], &["sh", "-c", "echo before; exit 7"]))
+        .assert_code(7)
+        .assert_stdout(b"before\n");
 }
 
 #[test]
 fn killed_by_signal_is_128_plus_n() {
     let out = run(lockstep_run(&["-r", "2"], &["sh", "-c", "kill -TERM $$"]));
     out.assert_code(143);
-    assert!(out.status.code().is_some(), "lockstep itself should exit with 143, not die by the signal\n{}", out.context());
+    assert!(
+        out.status.code().is_some(),
+        "lockstep itself should exit with 143, not die by the signal\n{}",
+        out.context()
+    );
 }
 
 /// (d) a crashing program: 128+SIGSEGV, and nothing left behind (checked by run()).
@@ -48,8 +56,16 @@ fn usage_error(args: &[&str]) {
     c.args(args);
     let out = run(c);
     out.assert_code(2);
-    assert!(!out.stderr.trim().is_empty(), "no message for a usage error\n{}", out.context());
-    assert!(!out.stdout_str().contains("RAN"), "the command ran despite the usage error\n{}", out.context());
+    assert!(
+        !out.stderr.trim().is_empty(),
+        "no message for a usage error\n{}",
+        out.context()
+    );
+    assert!(
+        !out.stdout_str().contains("RAN"),
+        "the command ran despite the usage error\n{}",
+        out.context()
+    );
 }
 
 #[test]
@@ -75,8 +91,28 @@ fn usage_unknown_option() {
 fn usage_bad_option_values() {
     usage_error(&["run", "-r", "2", "--compare", "sometimes", "--", "sh", "-c", "echo RAN"]);
     usage_error(&["run", "-r", "2", "--timeout", "soon", "--", "sh", "-c", "echo RAN"]);
-    usage_error(&["run", "-r", "2", "--test-flip", "not-a-spec", "--", "sh", "-c", "echo RAN"]);
-    usage_error(&["run", "-r", "2", "--test-flip", "0:1:xmm0:1", "--", "sh", "-c", "echo RAN"]);
+    usage_error(&[
+        "run",
+        "-r",
+        "2",
+        "--test-flip",
+        "not-a-spec",
+        "--",
+        "sh",
+        "-c",
+        "echo RAN",
+    ]);
+    usage_error(&[
+        "run",
+        "-r",
+        "2",
+        "--test-flip",
+        "0:1:xmm0:1",
+        "--",
+        "sh",
+        "-c",
+        "echo RAN",
+    ]);
 }
 
 #[test]
@@ -85,7 +121,11 @@ fn command_not_found() {
     for r in ["2", "3"] {
         let out = run(lockstep_run(&["-r", r], &[path.as_str()]));
         out.assert_code(127);
-        assert!(out.stderr.contains(&path), "the message should name {path}\n{}", out.context());
+        assert!(
+            out.stderr.contains(&path),
+            "the message should name {path}\n{}",
+            out.context()
+        );
     }
 }
 
@@ -99,7 +139,11 @@ fn help_hides_test_flip() {
     for opt in ["--compare", "--timeout", "--events", "--stats", "--no-reintegrate"] {
         assert!(text.contains(opt), "--help does not mention {opt}\n{}", out.context());
     }
-    assert!(!text.contains("test-flip") && !out.stderr.contains("test-flip"), "--test-flip must be hidden\n{}", out.context());
+    assert!(
+        !text.contains("test-flip") && !out.stderr.contains("test-flip"),
+        "--test-flip must be hidden\n{}",
+        out.context()
+    );
 }
 
 // --- --stats ------------------------------------------------------------------------
@@ -108,11 +152,19 @@ fn help_hides_test_flip() {
 fn stats_summary() {
     let out = run(lockstep_run(&["-r", "2", "--stats"], &["sh", "-c", "echo hello"]));
     out.assert_code(0).assert_stdout(b"hello\n");
-    assert!(out.stderr.lines().any(|l| l.contains("syscalls")), "--stats printed no 'syscalls' line\n{}", out.context());
+    assert!(
+        out.stderr.lines().any(|l| l.contains("syscalls")),
+        "--stats printed no 'syscalls' line\n{}",
+        out.context()
+    );
     // and without --stats, no summary
     let quiet = run(lockstep_run(&["-r", "2"], &["sh", "-c", "echo hello"]));
     quiet.assert_code(0).assert_stdout(b"hello\n");
-    assert!(!quiet.stderr.contains("syscalls"), "summary printed without --stats\n{}", quiet.context());
+    assert!(
+        !quiet.stderr.contains("syscalls"),
+        "summary printed without --stats\n{}",
+        quiet.context()
+    );
 }
 
 // --- no orphans ---------------------------------------------------------------------
@@ -148,15 +200,26 @@ fn sigkill(pid: u32) {
 #[test]
 fn orphans_replica_killed_tmr() {
     let ev = events_path("orph-a3");
-    let mut r = spawn(lockstep_run(&["-r", "3", "--events", ev.to_str().unwrap()], &sleeper("a3")));
+    let mut r = spawn(lockstep_run(
+        &["-r", "3", "--events", ev.to_str().unwrap()],
+        &sleeper("a3"),
+    ));
     let replicas = wait_for_replicas(&mut r, 3);
     let victim = replicas.last().unwrap().clone();
     sigkill(victim.pid);
     // lockstep detects it ...
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while !has_event(&read_events_partial(&ev), "divergence", None) {
-        assert!(r.is_running(), "lockstep exited after one of three replicas was killed\n{}", r.stdout_str());
-        assert!(std::time::Instant::now() < deadline, "no divergence event after killing replica {}", victim.pid);
+        assert!(
+            r.is_running(),
+            "lockstep exited after one of three replicas was killed\n{}",
+            r.stdout_str()
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no divergence event after killing replica {}",
+            victim.pid
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     // ... and keeps going.
@@ -175,7 +238,11 @@ fn orphans_replica_killed_dmr() {
     sigkill(replicas.last().unwrap().pid);
     let out = r.finish(RUN_TIMEOUT);
     out.assert_code(86);
-    assert!(out.elapsed < Duration::from_secs(25), "DMR took too long to notice the dead replica\n{}", out.context());
+    assert!(
+        out.elapsed < Duration::from_secs(25),
+        "DMR took too long to notice the dead replica\n{}",
+        out.context()
+    );
 }
 
 /// (b) SIGKILL to lockstep itself: the replicas must die with it.
@@ -201,7 +268,11 @@ fn orphans_lockstep_sigint() {
         r.signal(libc::SIGINT);
         let out = r.finish(RUN_TIMEOUT);
         out.assert_code(130);
-        assert!(out.elapsed < Duration::from_secs(25), "SIGINT did not stop sleep 30 promptly\n{}", out.context());
+        assert!(
+            out.elapsed < Duration::from_secs(25),
+            "SIGINT did not stop sleep 30 promptly\n{}",
+            out.context()
+        );
     }
 }
 

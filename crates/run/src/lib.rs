@@ -13,9 +13,11 @@
 //! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
 //! * [`rendezvous`]: what happens when all replicas of a task have arrived.
 //! * [`data`]: reading syscall arguments and copying results between replicas.
+//! * [`clock`]: clock reads, answered from per-task value sequences without a rendezvous.
 //! * [`stats`]: counters printed by `--stats`.
 
 pub mod backend;
+pub mod clock;
 pub mod data;
 pub mod options;
 pub mod rendezvous;

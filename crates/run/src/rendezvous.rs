@@ -713,6 +713,11 @@ impl Session {
         let t0 = Instant::now();
         let live = self.live_slots(task);
         let source = live.iter().copied().find(|&r| r != self.leader).unwrap_or(self.leader);
+        // A fork does not copy child processes: a source with children (even zombies it
+        // has not reaped yet) would give the new replica a different wait() result.
+        if has_children(self.slot(task, source).tgid) {
+            return Ok(false);
+        }
         let dead = self.replicas.iter().find(|r| !r.alive).map(|r| r.cpu).unwrap_or(None);
         let (stid, stgid) = (self.slot(task, source).tid, self.slot(task, source).tgid);
         let saved = self.slot(task, source).regs;
@@ -811,6 +816,9 @@ impl Session {
         for t in self.tasks.iter_mut() {
             t.slots.push(None);
         }
+        for seq in self.tasks[task].clocks.values_mut() {
+            seq.fork(source, id);
+        }
         let mut slot = Slot::new(child, child, SlotState::Running);
         slot.signature = self.slot(task, source).signature;
         slot.stops = self.slot(task, source).stops;
@@ -858,6 +866,25 @@ fn new_fds(desc: &Desc, args: &[u64; 6], ret: i64, outputs: &data::Outputs) -> V
             })
             .unwrap_or_default(),
     }
+}
+
+/// Whether any process (including a zombie) has `pid` as its parent.
+fn has_children(pid: Tid) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    dir.flatten()
+        .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+        .any(|e| {
+            std::fs::read_to_string(e.path().join("stat"))
+                .ok()
+                .and_then(|st| {
+                    st.rsplit_once(')')
+                        .and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string))
+                })
+                .and_then(|ppid| ppid.parse::<Tid>().ok())
+                == Some(pid)
+        })
 }
 
 /// Whether descriptor `fd` of process `pid` is close-on-exec.

@@ -155,6 +155,8 @@ pub struct Task {
     /// The logical thread id the program sees.
     pub logical_tid: i32,
     pub finished: bool,
+    /// Clock values, per clock id (see `clock.rs`).
+    pub clocks: HashMap<i32, crate::clock::Sequence>,
 }
 
 pub struct Process {
@@ -247,6 +249,8 @@ pub struct Session {
     pub reintegration_due: bool,
     pub reintegration_note_given: bool,
     pub scratch: Vec<u8>,
+    /// LOCKSTEP_DEBUG set: trace every stop on stderr.
+    pub debug: bool,
 }
 
 /// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
@@ -391,6 +395,7 @@ impl Session {
             reintegration_due: false,
             reintegration_note_given: false,
             scratch: Vec::with_capacity(4096),
+            debug: std::env::var_os("LOCKSTEP_DEBUG").is_some(),
         };
         let mut task = session.new_task(0, logical_pid);
         for (r, &m) in mains.iter().enumerate() {
@@ -421,6 +426,7 @@ impl Session {
             spawned: None,
             logical_tid,
             finished: false,
+            clocks: HashMap::new(),
         }
     }
 
@@ -520,6 +526,16 @@ impl Session {
     // ----- stops -----
 
     pub fn on_stop(&mut self, tid: Tid, stop: Stop) -> Result<(), Stopped> {
+        if self.debug {
+            let at = self
+                .by_tid
+                .get(&tid)
+                .map(|&(t, r)| format!("task {t} replica {r} phase {:?}", self.tasks[t].phase));
+            eprintln!(
+                "lockstep debug: tid {tid} {stop:?} {}",
+                at.unwrap_or_else(|| "unknown".into())
+            );
+        }
         let Some(&(task, r)) = self.by_tid.get(&tid) else {
             match stop {
                 // A new thread can report its first stop before its parent's clone event.
@@ -601,6 +617,25 @@ impl Session {
         }
         let nr = ptrace::syscall_nr(&regs);
         let args = ptrace::syscall_args(&regs);
+        if self.debug {
+            eprintln!(
+                "lockstep debug:   syscall {} {args:x?}",
+                lockstep_trace::syscalls::name(nr)
+            );
+        }
+        let process = self.tasks[task].process;
+        if self.processes[process].exiting && self.slot(task, r).deliver.is_some() {
+            // This process is being killed by a signal we sent: do not park the thread at
+            // a rendezvous; let it return so the signal is delivered.
+            ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
+            let _ = self.be.set_regs(tid, &regs);
+            let _ = self.be.resume(tid, Resume::Run);
+            return Ok(());
+        }
+        if let Some(clock) = crate::clock::clock_of(nr, &args) {
+            self.answer_clock(task, r, regs, nr, args, clock);
+            return Ok(());
+        }
         // Re-arrival during an all-replica phase: a replica whose call was interrupted
         // runs it again, unless nobody completed it, in which case all meet again.
         if let Phase::All { .. } = self.tasks[task].phase {
@@ -633,6 +668,49 @@ impl Session {
         slot.arrival = Some(Arrival::Syscall { nr, args });
         self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
         self.try_decide(task)
+    }
+
+    /// Answers a clock read at once from the task's sequence for that clock.
+    fn answer_clock(&mut self, task: TaskId, r: ReplicaId, mut regs: Regs, nr: u64, args: [u64; 6], clock: i32) {
+        let live = self.live_replicas();
+        let (tgid, tid) = (self.slot(task, r).tgid, self.slot(task, r).tid);
+        let seq = self.tasks[task].clocks.entry(clock).or_default();
+        let ts = seq.next(r, &live, || crate::clock::read(clock, tgid, tid));
+        self.stats.clock_reads += 1;
+        let (sec, nsec) = (ts.tv_sec, ts.tv_nsec);
+        let result = match nr as i64 {
+            libc::SYS_clock_gettime => {
+                let mut b = [0u8; 16];
+                b[..8].copy_from_slice(&sec.to_le_bytes());
+                b[8..].copy_from_slice(&nsec.to_le_bytes());
+                if args[1] != 0 && self.be.write(tid, args[1], &b).is_err() {
+                    -(libc::EFAULT as i64)
+                } else {
+                    0
+                }
+            }
+            libc::SYS_gettimeofday => {
+                let mut b = [0u8; 16];
+                b[..8].copy_from_slice(&sec.to_le_bytes());
+                b[8..].copy_from_slice(&(nsec / 1000).to_le_bytes());
+                let ok = (args[0] == 0 || self.be.write(tid, args[0], &b).is_ok())
+                    && (args[1] == 0 || self.be.write(tid, args[1], &[0u8; 8]).is_ok());
+                if ok {
+                    0
+                } else {
+                    -(libc::EFAULT as i64)
+                }
+            }
+            _ => {
+                if args[0] != 0 {
+                    let _ = self.be.write(tid, args[0], &sec.to_le_bytes());
+                }
+                sec
+            }
+        };
+        ptrace::skip_with_result(&mut regs, result);
+        let _ = self.be.set_regs(tid, &regs);
+        let _ = self.be.resume(tid, Resume::Run);
     }
 
     /// Applies a test-only fault. Returns false when the replica will not arrive.
@@ -904,6 +982,9 @@ impl Session {
     /// Kills logical process `p` with `sig` in every replica, at whatever point each is:
     /// the signal is fatal and unhandled, so no user code runs after it anyway.
     fn kill_process(&mut self, p: ProcId, sig: i32) {
+        if self.debug {
+            eprintln!("lockstep debug: killing process {p} with signal {sig}");
+        }
         self.processes[p].exiting = true;
         let tasks = self.processes[p].tasks.clone();
         for t in tasks {
@@ -935,21 +1016,25 @@ impl Session {
             return Ok(());
         }
         for sig in FORWARDED {
-            if got & (1 << sig) != 0 {
-                // Deliver to the root process's main thread, or whatever thread of it is left.
-                let target = self.processes[0]
-                    .tasks
-                    .iter()
-                    .copied()
-                    .find(|&t| !self.tasks[t].finished);
+            if got & (1 << sig) == 0 {
+                continue;
+            }
+            // Like timeout(1) with its process group: every process of the program gets
+            // the signal, each through its first live thread.
+            for p in 0..self.processes.len() {
+                if self.processes[p].exiting {
+                    continue;
+                }
+                let leader = self.leader as usize;
+                let target = self.processes[p].tasks.iter().copied().find(|&t| {
+                    !self.tasks[t].finished
+                        && self.tasks[t].slots[leader]
+                            .as_ref()
+                            .map(|s| s.state != SlotState::Dead)
+                            .unwrap_or(false)
+                });
                 if let Some(t) = target {
-                    if self.tasks[t].slots[self.leader as usize]
-                        .as_ref()
-                        .map(|s| s.state != SlotState::Dead)
-                        .unwrap_or(false)
-                    {
-                        self.async_signal(t, sig);
-                    }
+                    self.async_signal(t, sig);
                 }
             }
         }

@@ -11,6 +11,7 @@ pub struct Stats {
     pub bytes_compared: u64,
     pub bytes_copied: u64,
     pub rdtsc: u64,
+    pub clock_reads: u64,
     pub signals_delivered: u64,
     pub divergences: u64,
     pub reintegrations: u64,
@@ -55,6 +56,10 @@ impl Stats {
             }
         }
         s.push_str(&format!("  rdtsc emulated:       {}\n", self.rdtsc));
+        s.push_str(&format!(
+            "  clock reads:          {} (answered without rendezvous)\n",
+            self.clock_reads
+        ));
         s.push_str(&format!("  votes:                {}\n", self.votes));
         s.push_str(&format!("  bytes compared:       {}\n", self.bytes_compared));
         s.push_str(&format!("  bytes copied:         {}\n", self.bytes_copied));

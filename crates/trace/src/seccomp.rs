@@ -147,28 +147,37 @@ impl Listener {
 
     /// Waits up to `timeout_ms` for the next notification.
     pub fn recv(&self, timeout_ms: i32) -> io::Result<Notif> {
-        let mut pfd = libc::pollfd {
-            fd: self.raw(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "no seccomp notification arrived",
-            ));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+        loop {
+            let left = deadline
+                .saturating_duration_since(std::time::Instant::now())
+                .as_millis() as i32;
+            let mut pfd = libc::pollfd {
+                fd: self.raw(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let n = unsafe { libc::poll(&mut pfd, 1, left) };
+            if n < 0 && interrupted() {
+                continue;
+            }
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no seccomp notification arrived",
+                ));
+            }
+            let mut notif = Notif::default();
+            // SAFETY: the kernel fills a struct seccomp_notif of exactly this layout.
+            if retry(|| unsafe { libc::ioctl(self.raw(), NOTIF_RECV, &mut notif) }) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            return Ok(notif);
         }
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let mut notif = Notif::default();
-        // SAFETY: the kernel fills a struct seccomp_notif of exactly this layout.
-        if unsafe { libc::ioctl(self.raw(), NOTIF_RECV, &mut notif) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(notif)
     }
 
     /// Installs our `srcfd` into the notifying task at exactly `newfd`.
@@ -181,7 +190,7 @@ impl Listener {
             newfd_flags: if cloexec { libc::O_CLOEXEC as u32 } else { 0 },
         };
         // SAFETY: struct seccomp_notif_addfd of exactly this layout.
-        let r = unsafe { libc::ioctl(self.raw(), NOTIF_ADDFD, &req) };
+        let r = retry(|| unsafe { libc::ioctl(self.raw(), NOTIF_ADDFD, &req) });
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -197,10 +206,24 @@ impl Listener {
             flags: 0,
         };
         // SAFETY: struct seccomp_notif_resp of exactly this layout.
-        if unsafe { libc::ioctl(self.raw(), NOTIF_SEND, &mut resp) } < 0 {
+        if retry(|| unsafe { libc::ioctl(self.raw(), NOTIF_SEND, &mut resp) }) < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(())
+    }
+}
+
+fn interrupted() -> bool {
+    io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+}
+
+/// Repeats a call that the monitor's own timer signal interrupted.
+fn retry(mut call: impl FnMut() -> libc::c_int) -> libc::c_int {
+    loop {
+        let r = call();
+        if r >= 0 || !interrupted() {
+            return r;
+        }
     }
 }
 

@@ -65,7 +65,10 @@ pub const PIPELINE: &str = "seq 1 500 | sort -rn | head -20 | tr 0-9 a-j; echo d
 
 /// The workspace root (…/main).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("workspace root")
 }
 
 pub fn fixtures_dir() -> PathBuf {
@@ -117,7 +120,14 @@ pub fn unique_marker(tag: &str) -> String {
 pub fn fixture_flags(name: &str) -> &'static [&'static str] {
     match name {
         // freestanding + static: the syscall sequence is exactly execve, 20 writes, exit_group
-        "flip_target" => &["-static", "-nostdlib", "-ffreestanding", "-fno-stack-protector", "-fno-pie", "-no-pie"],
+        "flip_target" => &[
+            "-static",
+            "-nostdlib",
+            "-ffreestanding",
+            "-fno-stack-protector",
+            "-fno-pie",
+            "-no-pie",
+        ],
         "threads" => &["-pthread"],
         _ => &[],
     }
@@ -126,7 +136,10 @@ pub fn fixture_flags(name: &str) -> &'static [&'static str] {
 /// Path of the compiled fixture `tests/fixtures/<name>.c` (compiled on first use).
 pub fn fixture(name: &str) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
-    let mut built = BUILT.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner());
+    let mut built = BUILT
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     if let Some(p) = built.get(name) {
         return p.clone();
     }
@@ -178,7 +191,10 @@ pub fn python3() -> PathBuf {
 /// A deterministic pseudo-random file of `size` bytes (xorshift64), cached per size.
 pub fn random_file(size: usize) -> PathBuf {
     static FILES: OnceLock<Mutex<HashMap<usize, PathBuf>>> = OnceLock::new();
-    let mut files = FILES.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner());
+    let mut files = FILES
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     if let Some(p) = files.get(&size) {
         return p.clone();
     }
@@ -459,12 +475,21 @@ impl Running {
     /// Sends signal `sig` to the process (not to its group).
     pub fn signal(&self, sig: i32) {
         let r = unsafe { libc::kill(self.pid as libc::pid_t, sig) };
-        assert_eq!(r, 0, "kill({}, {sig}) failed: {}", self.pid, std::io::Error::last_os_error());
+        assert_eq!(
+            r,
+            0,
+            "kill({}, {sig}) failed: {}",
+            self.pid,
+            std::io::Error::last_os_error()
+        );
     }
 
     /// Processes (other than this one itself) that carry this run's marker.
     pub fn marked_processes(&self) -> Vec<ProcInfo> {
-        marked_processes(&self.marker).into_iter().filter(|p| p.pid != self.pid).collect()
+        marked_processes(&self.marker)
+            .into_iter()
+            .filter(|p| p.pid != self.pid)
+            .collect()
     }
 
     /// Waits until `pred` holds for the marked processes (other than lockstep
@@ -595,7 +620,10 @@ pub struct ProcInfo {
 impl ProcInfo {
     /// Base name of argv[0].
     pub fn argv0(&self) -> String {
-        self.cmdline.first().map(|a| a.rsplit('/').next().unwrap_or(a).to_string()).unwrap_or_default()
+        self.cmdline
+            .first()
+            .map(|a| a.rsplit('/').next().unwrap_or(a).to_string())
+            .unwrap_or_default()
     }
 }
 
@@ -608,9 +636,13 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 pub fn marked_processes(marker: &str) -> Vec<ProcInfo> {
     let me = std::process::id();
     let mut found = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return found };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return found;
+    };
     for e in rd.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
         if pid == me {
             continue;
         }
@@ -634,7 +666,12 @@ pub fn marked_processes(marker: &str) -> Vec<ProcInfo> {
             .filter(|a| !a.is_empty())
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
-        found.push(ProcInfo { pid, ppid, state, cmdline });
+        found.push(ProcInfo {
+            pid,
+            ppid,
+            state,
+            cmdline,
+        });
     }
     found
 }
@@ -656,7 +693,9 @@ fn check_no_orphans(marker: &str, grace: Duration) -> Result<(), String> {
         }
         if Instant::now() >= deadline {
             kill_marked(marker); // clean up what we started, then fail
-            return Err(format!("processes left behind (marker {marker}) after {grace:?}: {procs:#?}"));
+            return Err(format!(
+                "processes left behind (marker {marker}) after {grace:?}: {procs:#?}"
+            ));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -684,13 +723,14 @@ pub fn events_path(tag: &str) -> PathBuf {
 /// the file is missing or any line is not a JSON object.
 #[track_caller]
 pub fn read_events(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read events file {}: {e}", path.display()));
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read events file {}: {e}", path.display()));
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .enumerate()
         .map(|(i, l)| {
-            let v: Value = serde_json::from_str(l)
-                .unwrap_or_else(|e| panic!("events line {} is not JSON ({e}): {l}", i + 1));
+            let v: Value =
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("events line {} is not JSON ({e}): {l}", i + 1));
             assert!(v.is_object(), "events line {} is not a JSON object: {l}", i + 1);
             v
         })
@@ -725,7 +765,13 @@ pub fn events_of<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
 }
 
 pub fn has_event(events: &[Value], kind: &str, action: Option<&str>) -> bool {
-    events.iter().any(|e| e["kind"] == kind && action.map_or(true, |a| e["action"] == a))
+    events.iter().any(|e| {
+        e["kind"] == kind
+            && match action {
+                None => true,
+                Some(a) => e["action"] == a,
+            }
+    })
 }
 
 /// One line per event, for assertion messages.
@@ -781,11 +827,21 @@ pub fn assert_agreed(events: &[Value], out: &Output) {
 #[track_caller]
 pub fn check_event_schema(e: &Value) {
     let obj = e.as_object().expect("event is an object");
-    let ts = obj.get("ts").and_then(Value::as_f64).unwrap_or_else(|| panic!("ts missing or not a number: {e}"));
+    let ts = obj
+        .get("ts")
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("ts missing or not a number: {e}"));
     assert!(ts > 1.0e9, "ts {ts} is not seconds since the epoch: {e}");
-    assert_eq!(obj.get("component").and_then(Value::as_str), Some("run"), "component: {e}");
+    assert_eq!(
+        obj.get("component").and_then(Value::as_str),
+        Some("run"),
+        "component: {e}"
+    );
     for key in ["kind", "action", "message"] {
-        let s = obj.get(key).and_then(Value::as_str).unwrap_or_else(|| panic!("{key} missing or not a string: {e}"));
+        let s = obj
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_else(|| panic!("{key} missing or not a string: {e}"));
         if key != "message" {
             assert!(!s.is_empty(), "{key} is empty: {e}");
         }
@@ -821,7 +877,11 @@ pub fn assert_line_prefix(out: &Output, native: &[u8], lines: std::ops::RangeInc
         String::from_utf8_lossy(native),
         out.context()
     );
-    assert!(got.is_empty() || got.ends_with(b"\n"), "stdout ends in the middle of a line\n{}", out.context());
+    assert!(
+        got.is_empty() || got.ends_with(b"\n"),
+        "stdout ends in the middle of a line\n{}",
+        out.context()
+    );
     let n = got.iter().filter(|b| **b == b'\n').count();
     assert!(
         lines.contains(&n),
@@ -872,7 +932,11 @@ pub fn check_flip_target_output(s: &str) {
     for (i, l) in lines.iter().enumerate() {
         let f: Vec<&str> = l.split(' ').collect();
         assert!(
-            f.len() == 4 && f[0] == "step" && f[1] == (i + 1).to_string() && f[2] == "value" && f[3].parse::<u64>().is_ok(),
+            f.len() == 4
+                && f[0] == "step"
+                && f[1] == (i + 1).to_string()
+                && f[2] == "value"
+                && f[3].parse::<u64>().is_ok(),
             "bad flip_target line {l:?}"
         );
     }
@@ -920,7 +984,11 @@ pub fn check_rdtsc_output(s: &str, t0: f64, t1: f64) {
                 assert!(nsec < 1_000_000_000, "nsec out of range: {line:?}");
                 mix_in(sec);
                 mix_in(nsec);
-                if f[0] == "realtime" { realtimes.push((sec, nsec)) } else { monos.push((sec, nsec)) }
+                if f[0] == "realtime" {
+                    realtimes.push((sec, nsec))
+                } else {
+                    monos.push((sec, nsec))
+                }
             }
             "tsc-delta" => delta = Some(num(f[1])),
             "mono-delta-ns" => mono_delta = Some(num(f[1])),
@@ -930,13 +998,26 @@ pub fn check_rdtsc_output(s: &str, t0: f64, t1: f64) {
         }
     }
     assert!(done, "rdtsc_clock output incomplete:\n{s}");
-    assert!(tscs.len() >= 5 && realtimes.len() >= 5 && monos.len() >= 5, "too few readings:\n{s}");
+    assert!(
+        tscs.len() >= 5 && realtimes.len() >= 5 && monos.len() >= 5,
+        "too few readings:\n{s}"
+    );
     assert!(tscs.windows(2).all(|w| w[0] <= w[1]), "TSC readings decrease:\n{s}");
     assert!(tscs[0] > 0, "TSC is zero:\n{s}");
-    assert_eq!(delta, Some(tscs.last().unwrap() - first_tsc.unwrap()), "tsc-delta inconsistent:\n{s}");
+    assert_eq!(
+        delta,
+        Some(tscs.last().unwrap() - first_tsc.unwrap()),
+        "tsc-delta inconsistent:\n{s}"
+    );
     let ns = |(a, b): (u64, u64)| a as u128 * 1_000_000_000 + b as u128;
-    assert!(monos.windows(2).all(|w| ns(w[0]) <= ns(w[1])), "CLOCK_MONOTONIC decreases:\n{s}");
-    assert!(realtimes.windows(2).all(|w| ns(w[0]) <= ns(w[1])), "CLOCK_REALTIME decreases:\n{s}");
+    assert!(
+        monos.windows(2).all(|w| ns(w[0]) <= ns(w[1])),
+        "CLOCK_MONOTONIC decreases:\n{s}"
+    );
+    assert!(
+        realtimes.windows(2).all(|w| ns(w[0]) <= ns(w[1])),
+        "CLOCK_REALTIME decreases:\n{s}"
+    );
     assert_eq!(
         mono_delta.map(|d| d as u128),
         Some(ns(*monos.last().unwrap()) - ns(monos[0])),
@@ -944,7 +1025,10 @@ pub fn check_rdtsc_output(s: &str, t0: f64, t1: f64) {
     );
     for &(sec, nsec) in &realtimes {
         let t = sec as f64 + nsec as f64 * 1e-9;
-        assert!(t >= t0 - 5.0 && t <= t1 + 5.0, "CLOCK_REALTIME {t} not within 5 s of [{t0}, {t1}]:\n{s}");
+        assert!(
+            t >= t0 - 5.0 && t <= t1 + 5.0,
+            "CLOCK_REALTIME {t} not within 5 s of [{t0}, {t1}]:\n{s}"
+        );
     }
     assert_eq!(printed_mix, Some(mix), "mix does not match the printed values:\n{s}");
 }
@@ -952,12 +1036,17 @@ pub fn check_rdtsc_output(s: &str, t0: f64, t1: f64) {
 /// The first `words` words of each line: the shape of an output whose values vary
 /// (1 for rdtsc_clock, 2 for py_workload's "det KEY" / "nondet KEY").
 pub fn line_shapes(s: &str, words: usize) -> Vec<String> {
-    s.lines().map(|l| l.split(' ').take(words).collect::<Vec<_>>().join(" ")).collect()
+    s.lines()
+        .map(|l| l.split(' ').take(words).collect::<Vec<_>>().join(" "))
+        .collect()
 }
 
 /// The deterministic lines ("det ...") of py_workload output.
 pub fn py_det_lines(s: &str) -> Vec<String> {
-    s.lines().filter(|l| l.starts_with("det ")).map(str::to_string).collect()
+    s.lines()
+        .filter(|l| l.starts_with("det "))
+        .map(str::to_string)
+        .collect()
 }
 
 /// Checks the nondeterministic lines of py_workload output for well-formedness.
@@ -1036,6 +1125,12 @@ pub fn echo_client(port: u16, lines: &[&str]) -> usize {
 /// Parses "PORT <n>" from echo_server's first line.
 #[track_caller]
 pub fn parse_port(stdout: &str) -> u16 {
-    let line = stdout.lines().find(|l| l.starts_with("PORT ")).unwrap_or_else(|| panic!("no PORT line in {stdout:?}"));
-    line[5..].trim().parse().unwrap_or_else(|_| panic!("bad PORT line {line:?}"))
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("PORT "))
+        .unwrap_or_else(|| panic!("no PORT line in {stdout:?}"));
+    line[5..]
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("bad PORT line {line:?}"))
 }
