@@ -6,7 +6,9 @@
 //! replicas. Instead each task keeps, per clock, one sequence of values: the i-th read of
 //! that clock in any replica returns the i-th value, taken from the real clock by
 //! whichever replica got there first. Replicas that read the clock the same number of
-//! times see exactly the same values; extra reads only see later values.
+//! times see exactly the same values; extra reads only see later values. Sequences are
+//! restarted at every rendezvous of the task (all replicas pass it together), so extra
+//! reads only shift values up to the task's next synchronised syscall.
 
 use crate::session::ReplicaId;
 use lockstep_trace::Tid;

@@ -146,84 +146,150 @@ pub fn output_preview(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6]) 
     format!("\"{shown}\"")
 }
 
-/// The buffers the kernel filled in the leader's call, as (address, bytes), plus any file
-/// descriptors passed in SCM_RIGHTS control messages (which must be installed too).
+/// The buffers the kernel filled in the leader's call, in a fixed order (see
+/// [`locations`]), plus any file descriptors passed in SCM_RIGHTS control messages
+/// (which must be installed too).
 pub struct Outputs {
-    pub chunks: Vec<(u64, Vec<u8>)>,
+    pub pieces: Vec<(u64, Vec<u8>)>,
     pub passed_fds: Vec<i32>,
 }
 
 impl Outputs {
     pub fn bytes(&self) -> u64 {
-        self.chunks.iter().map(|(_, b)| b.len() as u64).sum()
+        self.pieces.iter().map(|(_, b)| b.len() as u64).sum()
+    }
+
+    /// The piece the leader's kernel wrote at `addr` (in the leader's address space).
+    pub fn at(&self, addr: u64) -> Option<&[u8]> {
+        self.pieces.iter().find(|(a, _)| *a == addr).map(|(_, b)| b.as_slice())
     }
 }
 
-/// Collects the outputs of the leader's completed call `desc(args) = ret`.
-pub fn collect_outputs(be: &dyn Backend, leader: Tid, desc: &Desc, args: &[u64; 6], ret: i64) -> Outputs {
-    let mut out = Outputs {
-        chunks: Vec::new(),
-        passed_fds: Vec::new(),
+/// Where a call's outputs are, in one replica: (address, length) per piece, in a fixed
+/// order. Each replica's own pointers are used, because addresses may legitimately differ
+/// between replicas (thread stacks, heap arenas). For the leader (`lens` = None) lengths
+/// come from the completed call; for a follower they are the leader's piece lengths.
+fn locations(
+    be: &dyn Backend,
+    tid: Tid,
+    desc: &Desc,
+    args: &[u64; 6],
+    ret: i64,
+    lens: Option<&[usize]>,
+) -> Vec<(u64, usize)> {
+    let mut locs: Vec<(u64, usize)> = Vec::new();
+    let piece = |locs: &mut Vec<(u64, usize)>, addr: u64, computed: usize| {
+        let len = match lens {
+            Some(l) => l.get(locs.len()).copied().unwrap_or(0),
+            None => computed,
+        };
+        locs.push((addr, if addr == 0 { 0 } else { len.min(MAX_BUFFER) }));
     };
     if ret < 0 {
-        return out;
+        return locs;
     }
-    let grab = |addr: u64, len: usize, out: &mut Outputs| {
-        if addr != 0 && len > 0 {
-            if let Ok(v) = be.read_vec(leader, addr, len.min(MAX_BUFFER)) {
-                out.chunks.push((addr, v));
-            }
-        }
-    };
     for (i, arg) in desc.args.iter().enumerate() {
         let a = args[i];
         match *arg {
             Arg::Out(len) | Arg::InOut(len) => {
-                if let Some(n) = length(be, leader, len, args, Some(ret)) {
-                    grab(a, n, &mut out);
-                }
+                let n = if lens.is_none() {
+                    length(be, tid, len, args, Some(ret)).unwrap_or(0)
+                } else {
+                    0
+                };
+                piece(&mut locs, a, n);
             }
             Arg::IovOut(c) => {
                 let mut left = ret as usize;
-                for (base, len) in iovecs(be, leader, a, args[c as usize]) {
+                for (base, len) in iovecs(be, tid, a, args[c as usize]) {
                     let n = len.min(left);
-                    grab(base, n, &mut out);
+                    piece(&mut locs, base, n);
                     left -= n;
-                    if left == 0 {
-                        break;
-                    }
                 }
             }
             Arg::MsgOut => {
-                let Ok(h) = be.read_vec(leader, a, MSGHDR) else {
-                    continue;
+                let Ok(h) = be.read_vec(tid, a, MSGHDR) else { continue };
+                // Lengths and flags the kernel updates in the header; never its pointers.
+                piece(&mut locs, a + 8, 4); // msg_namelen
+                piece(&mut locs, a + 40, 8); // msg_controllen
+                piece(&mut locs, a + 48, 4); // msg_flags
+                let after = |off: usize| u64_at(&h, off);
+                let name_len = if lens.is_none() {
+                    (u32_at(&h, 8) as usize).min(SOCKADDR_LIMIT)
+                } else {
+                    0
                 };
-                grab(u64_at(&h, 0), (u32_at(&h, 8) as usize).min(SOCKADDR_LIMIT), &mut out);
+                piece(&mut locs, after(0), name_len);
+                let control_len = if lens.is_none() {
+                    (after(40) as usize).min(4096)
+                } else {
+                    0
+                };
+                piece(&mut locs, after(32), control_len);
                 let mut left = ret as usize;
-                for (base, len) in iovecs(be, leader, u64_at(&h, 16), u64_at(&h, 24)) {
+                for (base, len) in iovecs(be, tid, after(16), after(24)) {
                     let n = len.min(left);
-                    grab(base, n, &mut out);
+                    piece(&mut locs, base, n);
                     left -= n;
                 }
-                let control_len = (u64_at(&h, 40) as usize).min(4096);
-                if let Ok(control) = be.read_vec(leader, u64_at(&h, 32), control_len) {
-                    out.passed_fds = scm_rights(&control);
-                    out.chunks.push((u64_at(&h, 32), control));
-                }
-                out.chunks.push((a, h));
             }
             _ => {}
         }
     }
     if desc.nr == libc::SYS_ioctl as u64 {
         if let Some(n) = lockstep_trace::syscalls::ioctl_out_len(args[1]) {
-            grab(args[2], n, &mut out);
+            piece(&mut locs, args[2], n);
         }
     }
     if desc.nr == libc::SYS_fcntl as u64 && matches!(args[1] as i32, libc::F_GETLK | libc::F_OFD_GETLK) {
-        grab(args[2], lockstep_trace::syscalls::FLOCK_SIZE, &mut out);
+        piece(&mut locs, args[2], lockstep_trace::syscalls::FLOCK_SIZE);
+    }
+    locs
+}
+
+/// Collects the outputs of the leader's completed call `desc(args) = ret`.
+pub fn collect_outputs(be: &dyn Backend, leader: Tid, desc: &Desc, args: &[u64; 6], ret: i64) -> Outputs {
+    let mut out = Outputs {
+        pieces: Vec::new(),
+        passed_fds: Vec::new(),
+    };
+    for (addr, len) in locations(be, leader, desc, args, ret, None) {
+        let bytes = if len == 0 {
+            Vec::new()
+        } else {
+            be.read_vec(leader, addr, len).unwrap_or_default()
+        };
+        out.pieces.push((addr, bytes));
+    }
+    if desc.args.contains(&Arg::MsgOut) {
+        // The control buffer is the fifth piece of a message header (see `locations`).
+        if let Some((_, control)) = out.pieces.get(4) {
+            out.passed_fds = scm_rights(control);
+        }
     }
     out
+}
+
+/// Writes the leader's outputs into a follower, at the follower's own addresses.
+/// Returns how many pieces could not be written: the follower's pointers are bad, which
+/// the next vote will catch.
+pub fn apply_outputs(
+    be: &dyn Backend,
+    follower: Tid,
+    desc: &Desc,
+    args: &[u64; 6],
+    ret: i64,
+    outputs: &Outputs,
+) -> usize {
+    let lens: Vec<usize> = outputs.pieces.iter().map(|(_, b)| b.len()).collect();
+    let locs = locations(be, follower, desc, args, ret, Some(&lens));
+    let mut failed = 0;
+    for ((addr, _), (_, bytes)) in locs.iter().zip(&outputs.pieces) {
+        if !bytes.is_empty() && be.write(follower, *addr, bytes).is_err() {
+            failed += 1;
+        }
+    }
+    failed + outputs.pieces.len().saturating_sub(locs.len())
 }
 
 /// File descriptors carried by SCM_RIGHTS messages in a control buffer.
@@ -247,14 +313,4 @@ fn scm_rights(control: &[u8]) -> Vec<i32> {
         off += len.div_ceil(8) * 8;
     }
     fds
-}
-
-/// Writes the leader's outputs into a follower. Failures mean the follower's pointers
-/// differ from the leader's, which the next vote will catch; they are counted, not fatal.
-pub fn apply_outputs(be: &dyn Backend, follower: Tid, outputs: &Outputs) -> usize {
-    outputs
-        .chunks
-        .iter()
-        .filter(|(addr, bytes)| be.write(follower, *addr, bytes).is_err())
-        .count()
 }

@@ -128,6 +128,15 @@ impl Session {
         let t0 = Instant::now();
         let mut members: Vec<ReplicaId> = live.to_vec();
         let mut keyed: Vec<(Key, String)> = members.iter().map(|&r| self.key(task, r)).collect();
+        if self.debug {
+            for (m, k) in members.iter().zip(&keyed) {
+                let d = self.slot(task, *m).signature;
+                eprintln!(
+                    "lockstep debug: rendezvous task {task} replica {m}: {:?} {} sig {d}",
+                    k.0, k.1
+                );
+            }
+        }
         if members.len() > 1 {
             self.stats.votes += 1;
         }
@@ -193,6 +202,9 @@ impl Session {
         let leader = self.leader;
         let arrival = self.slot(task, leader).arrival.expect("arrived");
         self.tasks[task].first_arrival = None;
+        // A rendezvous is a barrier for this task: clock reads start a fresh sequence, so
+        // extra reads before it (a timing-dependent poll) cannot shift later values.
+        self.tasks[task].clocks.clear();
         match arrival {
             Arrival::Died(death) => {
                 self.tasks[task].finished = true;
@@ -329,9 +341,8 @@ impl Session {
             libc::SYS_prctl if args[0] == syscalls::PR_GET_TSC => {
                 const PR_TSC_ENABLE: u32 = 1;
                 for r in self.live_slots(task) {
-                    let _ = self
-                        .be
-                        .write(self.slot(task, r).tid, args[1], &PR_TSC_ENABLE.to_le_bytes());
+                    let (tid, own) = (self.slot(task, r).tid, ptrace::syscall_args(&self.slot(task, r).regs));
+                    let _ = self.be.write(tid, own[1], &PR_TSC_ENABLE.to_le_bytes());
                 }
                 0
             }
@@ -339,11 +350,11 @@ impl Session {
             libc::SYS_rseq => -(libc::ENOSYS as i64),
             n if n as u64 == SYS_LOCKSTEP_TRACE => {
                 for r in self.live_slots(task) {
-                    let tid = self.slot(task, r).tid;
-                    let len = (args[1] as usize).min(data::MAX_BUFFER);
+                    let (tid, own) = (self.slot(task, r).tid, ptrace::syscall_args(&self.slot(task, r).regs));
+                    let len = (own[1] as usize).min(data::MAX_BUFFER);
                     let bytes = self
                         .be
-                        .read_vec(tid, args[0], len)
+                        .read_vec(tid, own[0], len)
                         .unwrap_or_else(|_| b"<EFAULT>".to_vec());
                     self.slot_mut(task, r).signature.fold_bytes(&bytes);
                 }
@@ -382,13 +393,41 @@ impl Session {
                 self.slot_mut(task, r).result = ret;
                 self.slot_mut(task, r).state = SlotState::Done;
                 self.tasks[task].phase = Phase::Followers { nr, args };
+                let reaped = self.reaped_child(task, nr, &args, ret);
                 for f in self.live_slots(task) {
-                    if f != self.leader && self.slot(task, f).state == SlotState::Arrived {
-                        self.translate_pid_args(task, f, nr, &args);
-                        self.resume(task, f, Resume::ToExit, SlotState::Executing);
+                    if f == self.leader || self.slot(task, f).state != SlotState::Arrived {
+                        continue;
+                    }
+                    match reaped {
+                        // The leader's WNOHANG wait found nothing: so do the followers.
+                        Some(0) => {
+                            let ftid = self.slot(task, f).tid;
+                            let mut regs = self.slot(task, f).regs;
+                            ptrace::skip_with_result(&mut regs, 0);
+                            let _ = self.be.set_regs(ftid, &regs);
+                            self.slot_mut(task, f).result = 0;
+                            self.slot_mut(task, f).state = SlotState::Done;
+                        }
+                        // Reap exactly the child the leader reaped, whatever finished first here.
+                        Some(child) => {
+                            self.wait_for_child(task, f, nr, self.to_local(f, child));
+                            self.resume(task, f, Resume::ToExit, SlotState::Executing);
+                        }
+                        None => {
+                            self.translate_pid_args(task, f, nr, &args);
+                            self.resume(task, f, Resume::ToExit, SlotState::Executing);
+                        }
                     }
                 }
                 self.maybe_complete_all(task)
+            }
+            Phase::Followers { nr, .. } | Phase::All { nr, .. }
+                if ptrace::is_restart(ret) && !self.tasks[task].kicked =>
+            {
+                ptrace::rewind_to_syscall(&mut regs, nr);
+                let _ = self.be.set_regs(tid, &regs);
+                self.resume(task, r, Resume::Run, SlotState::Rerun);
+                Ok(())
             }
             Phase::Followers { .. } => {
                 self.slot_mut(task, r).result = ret;
@@ -438,7 +477,8 @@ impl Session {
                 continue;
             }
             let ftid = self.slot(task, f).tid;
-            if data::apply_outputs(&self.be, ftid, &outputs) > 0 {
+            let fargs = ptrace::syscall_args(&self.slot(task, f).regs);
+            if data::apply_outputs(&self.be, ftid, desc, &fargs, ret, &outputs) > 0 {
                 self.emit(Event::new("run", "copy", "continue").replica(f).message(format!(
                     "could not copy {}'s results into replica {f} (its buffers differ); the next vote decides",
                     desc.name
@@ -567,8 +607,9 @@ impl Session {
         for (i, &r) in live.iter().enumerate() {
             let tid = self.slot(task, r).tid;
             if r != leader {
-                if let Some(o) = &outputs {
-                    data::apply_outputs(&self.be, tid, o);
+                if let (Some(o), Some(d)) = (&outputs, desc) {
+                    let own = ptrace::syscall_args(&self.slot(task, r).regs);
+                    data::apply_outputs(&self.be, tid, d, &own, lead_ret, o);
                 }
             }
             if let Ok(mut regs) = self.be.regs(tid) {
@@ -654,6 +695,39 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// The logical pid the leader's wait4/waitid reaped (0: none was ready), or None when
+    /// the call failed and the followers should simply repeat it.
+    fn reaped_child(&self, task: TaskId, nr: u64, args: &[u64; 6], ret: i64) -> Option<i32> {
+        let leader = self.leader;
+        if is_nr(nr, libc::SYS_wait4) {
+            return (ret >= 0).then(|| self.to_logical(leader, ret as i32));
+        }
+        if is_nr(nr, libc::SYS_waitid) && ret == 0 && args[2] != 0 {
+            let mut pid = [0u8; 4];
+            self.be.read(self.slot(task, leader).tid, args[2] + 16, &mut pid).ok()?;
+            return Some(self.to_logical(leader, i32::from_le_bytes(pid)));
+        }
+        None
+    }
+
+    /// Rewrites a follower's wait call to wait for exactly `pid`, blocking: that child's
+    /// exit rendezvous has released every replica of it, so it is about to be a zombie
+    /// here too even if it is not one yet.
+    fn wait_for_child(&mut self, task: TaskId, f: ReplicaId, nr: u64, pid: i32) {
+        let tid = self.slot(task, f).tid;
+        let mut regs = self.slot(task, f).regs;
+        let no_hang = !(libc::WNOHANG as u64);
+        if is_nr(nr, libc::SYS_wait4) {
+            regs.rdi = pid as i64 as u64;
+            regs.rdx &= no_hang;
+        } else {
+            regs.rdi = libc::P_PID as u64;
+            regs.rsi = pid as u64;
+            regs.r10 &= no_hang;
+        }
+        let _ = self.be.set_regs(tid, &regs);
     }
 
     /// Pid arguments are logical; a re-integrated replica may use other numbers.
@@ -855,10 +929,9 @@ fn new_fds(desc: &Desc, args: &[u64; 6], ret: i64, outputs: &data::Outputs) -> V
         NewFds::None => Vec::new(),
         NewFds::Ret => vec![ret as i32],
         NewFds::PairAt(i) => outputs
-            .chunks
-            .iter()
-            .find(|(addr, b)| *addr == args[i as usize] && b.len() >= 8)
-            .map(|(_, b)| {
+            .at(args[i as usize])
+            .filter(|b| b.len() >= 8)
+            .map(|b| {
                 vec![
                     i32::from_le_bytes(b[0..4].try_into().expect("4")),
                     i32::from_le_bytes(b[4..8].try_into().expect("4")),

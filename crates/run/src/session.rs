@@ -76,6 +76,9 @@ pub enum SlotState {
     Executing,
     /// Finished its part of an all-replica syscall; stopped at the syscall exit.
     Done,
+    /// Its part was interrupted by one of its own (suppressed) signals: it runs the same
+    /// call again when it next stops at it.
+    Rerun,
     Dead,
 }
 
@@ -599,6 +602,11 @@ impl Session {
         let Ok(mut regs) = self.be.regs(tid) else {
             return Ok(());
         };
+        if self.slot(task, r).state == SlotState::Rerun {
+            self.slot_mut(task, r).state = SlotState::Executing;
+            let _ = self.be.resume(tid, Resume::ToExit);
+            return Ok(());
+        }
         self.slot_mut(task, r).stops += 1;
         if task == 0 {
             let stops = self.slot(task, r).stops;

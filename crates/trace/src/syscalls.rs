@@ -56,7 +56,8 @@ pub enum Len {
 /// How one argument is treated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arg {
-    /// A plain value (or a pointer whose content does not matter): folded as is.
+    /// A plain value: folded as is. Never a pointer: pointer values depend on allocation
+    /// timing (thread stacks, heap arenas), so pointers are `In`, `Out` or `Ignore`.
     Val,
     /// A file descriptor.
     Fd,
@@ -304,9 +305,9 @@ static ROWS: &[Desc] = &[
     row!(SYS_flistxattr, Input, [Fd, Out(Ret), Val]),
     row!(SYS_timerfd_gettime, Input, [Fd, Out(Fixed(ITIMERSPEC))]),
     row!(SYS_getitimer, Input, [Val, Out(Fixed(ITIMERVAL))]),
-    row!(SYS_ioctl, Input, [Fd, Val, Val]),
+    row!(SYS_ioctl, Input, [Fd, Val, Ignore]),
     row!(SYS_fcntl, Input, [Fd, Val, Val]),
-    row!(SYS_sysfs, Input, [Val, Val, Val]),
+    row!(SYS_sysfs, Input, [Val, Ignore, Ignore]),
     // --- outputs: compared, then executed once by the leader ---
     row!(SYS_write, Output, [Fd, In(OfArg(2)), Val], blocking),
     row!(SYS_pwrite64, Output, [Fd, In(OfArg(2)), Val, Val]),
@@ -388,7 +389,7 @@ static ROWS: &[Desc] = &[
     row!(SYS_removexattr, Output, [Path, Path]),
     row!(SYS_lremovexattr, Output, [Path, Path]),
     row!(SYS_fremovexattr, Output, [Fd, Path]),
-    row!(SYS_syslog, Output, [Val, Val, Val]),
+    row!(SYS_syslog, Output, [Val, Ignore, Val]),
     // --- descriptor creation: the leader opens, followers share the description ---
     row!(SYS_open, FdCreate, [Path, Val, Val], NewFds::Ret, true),
     row!(SYS_openat, FdCreate, [Fd, Path, Val, Val], NewFds::Ret, true),
@@ -446,12 +447,15 @@ static ROWS: &[Desc] = &[
         [Val, Val, Out(Fixed(SIGINFO)), Val, Out(Fixed(RUSAGE))],
         blocking
     ),
-    row!(SYS_clone, All, [Val, Val, Val, Val, Val]),
-    row!(SYS_clone3, All, [In(OfArg(1)), Val]),
+    // Stack, tid and TLS pointers depend on allocation timing (thread-stack reuse): only
+    // the flags are compared.
+    row!(SYS_clone, All, [Val, Ignore, Ignore, Ignore, Ignore]),
+    // The first field of struct clone_args is the flags; the rest are pointers and sizes.
+    row!(SYS_clone3, All, [In(Fixed(8)), Val]),
     row!(SYS_fork, All, []),
     row!(SYS_vfork, All, []),
-    row!(SYS_execve, All, [Path, Val, Val]),
-    row!(SYS_execveat, All, [Fd, Path, Val, Val, Val]),
+    row!(SYS_execve, All, [Path, Ignore, Ignore]),
+    row!(SYS_execveat, All, [Fd, Path, Ignore, Ignore, Val]),
     row!(SYS_exit_group, All, [Val]),
     row!(SYS_close, All, [Fd]),
     row!(SYS_close_range, All, [Val, Val, Val]),
@@ -473,23 +477,23 @@ static ROWS: &[Desc] = &[
     row!(SYS_setregid, All, [Val, Val]),
     row!(SYS_setresuid, All, [Val, Val, Val]),
     row!(SYS_setresgid, All, [Val, Val, Val]),
-    row!(SYS_setgroups, All, [Val, Val]),
+    row!(SYS_setgroups, All, [Val, In(ArgTimes(0, 4))]),
     row!(SYS_setfsuid, All, [Val]),
     row!(SYS_setfsgid, All, [Val]),
-    row!(SYS_capset, All, [Val, Val]),
+    row!(SYS_capset, All, [Ignore, Ignore]),
     row!(SYS_setrlimit, All, [Val, In(Fixed(16))]),
-    row!(SYS_prlimit64, All, [Val, Val, Val, Out(Fixed(16))]),
+    row!(SYS_prlimit64, All, [Val, Val, In(Fixed(16)), Out(Fixed(16))]),
     row!(SYS_setpriority, All, [Val, Val, Val]),
     row!(SYS_getpriority, All, [Val, Val]),
-    row!(SYS_sched_setscheduler, All, [Val, Val, Val]),
-    row!(SYS_sched_setparam, All, [Val, Val]),
-    row!(SYS_prctl, All, [Val, Val, Val, Val, Val]),
-    row!(SYS_seccomp, All, [Val, Val, Val]),
+    row!(SYS_sched_setscheduler, All, [Val, Val, In(Fixed(4))]),
+    row!(SYS_sched_setparam, All, [Val, In(Fixed(4))]),
+    row!(SYS_prctl, All, [Val, Val, Ignore, Ignore, Ignore]),
+    row!(SYS_seccomp, All, [Val, Val, Ignore]),
     row!(SYS_kill, All, [Val, Val]),
     row!(SYS_tkill, All, [Val, Val]),
     row!(SYS_tgkill, All, [Val, Val, Val]),
-    row!(SYS_rt_sigqueueinfo, All, [Val, Val, Val]),
-    row!(SYS_rt_tgsigqueueinfo, All, [Val, Val, Val, Val]),
+    row!(SYS_rt_sigqueueinfo, All, [Val, Val, Ignore]),
+    row!(SYS_rt_tgsigqueueinfo, All, [Val, Val, Val, Ignore]),
     row!(SYS_rt_sigsuspend, All, [In(Fixed(8)), Val], blocking),
     row!(SYS_pause, All, [], blocking),
     row!(
@@ -508,14 +512,14 @@ static ROWS: &[Desc] = &[
     ),
     row!(SYS_alarm, All, [Val]),
     row!(SYS_setitimer, All, [Val, In(Fixed(ITIMERVAL)), Ignore]),
-    row!(SYS_timer_create, All, [Val, Val, Out(Fixed(4))]),
+    row!(SYS_timer_create, All, [Val, Ignore, Out(Fixed(4))]),
     row!(SYS_timer_settime, All, [Val, Val, In(Fixed(ITIMERSPEC)), Ignore]),
     row!(SYS_timer_gettime, All, [Val, Ignore]),
     row!(SYS_timer_getoverrun, All, [Val]),
     row!(SYS_timer_delete, All, [Val]),
     row!(SYS_memfd_create, All, [Path, Val]),
     row!(SYS_pidfd_open, All, [Val, Val]),
-    row!(SYS_pidfd_send_signal, All, [Fd, Val, Val, Val]),
+    row!(SYS_pidfd_send_signal, All, [Fd, Val, Ignore, Val]),
     // --- refused: they would let a replica escape the monitor or share state ---
     row!(SYS_ptrace, Unsupported, []),
     row!(SYS_process_vm_readv, Unsupported, []),
