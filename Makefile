@@ -20,7 +20,7 @@ clib: $(BUILD)/liblockstep.a $(BUILD)/demo-ledger
 
 $(BUILD)/liblockstep.a: clib/lockstep_trace.c clib/include/lockstep.h
 	@mkdir -p $(BUILD)
-	gcc $(CFLAGS_STRICT) -Iclib/include -c clib/lockstep_trace.c -o $(BUILD)/lockstep_trace.o
+	gcc $(CFLAGS_STRICT) -c clib/lockstep_trace.c -o $(BUILD)/lockstep_trace.o
 	ar rcs $@ $(BUILD)/lockstep_trace.o
 
 $(BUILD)/demo-ledger: examples/demo/ledger.c
@@ -37,7 +37,7 @@ test: deps clib
 
 bench: build
 	@scripts/deps.sh bench
-	@echo "benchmarks: not yet implemented (see docs/results.md)"
+	python3 bench/run.py
 
 lint:
 	$(CARGO) fmt --all

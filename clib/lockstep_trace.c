@@ -1,5 +1,5 @@
 /* The out-of-line lockstep_trace(); see include/lockstep.h. */
-#include "lockstep.h"
+#include "include/lockstep.h"
 
 #include <errno.h>
 #include <sys/syscall.h>

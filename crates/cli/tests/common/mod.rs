@@ -129,7 +129,23 @@ pub fn fixture_flags(name: &str) -> &'static [&'static str] {
             "-no-pie",
         ],
         "threads" => &["-pthread"],
+        "trace_user" => &[
+            "-static",
+            "-nostdlib",
+            "-ffreestanding",
+            "-fno-stack-protector",
+            "-fno-pie",
+            "-no-pie",
+        ],
         _ => &[],
+    }
+}
+
+/// Other sources a fixture is linked with: `trace_native` uses the real liblockstep code.
+fn extra_sources(name: &str) -> Vec<PathBuf> {
+    match name {
+        "trace_native" => vec![repo_root().join("clib/lockstep_trace.c")],
+        _ => Vec::new(),
     }
 }
 
@@ -152,6 +168,7 @@ pub fn fixture(name: &str) -> PathBuf {
         .arg("-o")
         .arg(&out)
         .arg(&src)
+        .args(extra_sources(name))
         .output()
         .expect("cannot run gcc");
     assert!(

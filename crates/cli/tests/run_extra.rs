@@ -1,0 +1,152 @@
+//! Refused syscalls, the lockstep_trace() API, CPU placement, and a real build with make.
+
+mod common;
+use common::*;
+use std::time::Duration;
+
+#[test]
+fn unsupported_syscall_is_named_and_stops_with_125() {
+    let prog = fixture("unsupported");
+    let out = run(lockstep_run(&["-r", "2"], &[prog.as_os_str()]));
+    out.assert_code(125);
+    let err = &out.stderr;
+    assert!(
+        err.contains("userfaultfd"),
+        "stderr must name the syscall:\n{}",
+        out.context()
+    );
+    // Everything before the refused call got out, nothing after it.
+    assert_eq!(out.stdout_str(), "before\n", "{}", out.context());
+}
+
+#[test]
+fn lockstep_trace_is_a_noop_natively() {
+    let prog = fixture("trace_native");
+    let out = run(native_cmd(&[prog.as_os_str()]));
+    out.assert_code(0);
+    assert_eq!(out.stdout_str(), "ok\n");
+}
+
+/// Flips a bit of the traced buffer in replica 1 at its trace call (stop 2).
+fn traced_flip(mode: &str) -> (Output, Vec<serde_json::Value>) {
+    let prog = fixture("trace_user");
+    let ev = events_path("trace");
+    let evs = ev.to_string_lossy().into_owned();
+    let opts = [
+        "-r",
+        "2",
+        "--compare",
+        mode,
+        "--events",
+        &evs,
+        "--test-flip",
+        "1:2:mem:rdi+0:3",
+    ];
+    let out = run(lockstep_run(&opts, &[prog.as_os_str()]));
+    let events = read_events_of(&ev, &out);
+    (out, events)
+}
+
+#[test]
+fn lockstep_trace_without_fault_agrees() {
+    let prog = fixture("trace_user");
+    for mode in ["io", "args", "every"] {
+        let out = run(lockstep_run(&["-r", "2", "--compare", mode], &[prog.as_os_str()]));
+        out.assert_code(0);
+    }
+}
+
+#[test]
+fn lockstep_trace_catches_a_silent_fault_in_args_mode() {
+    // The program prints nothing, so only the traced state can reveal the flip; args mode
+    // votes the signature at exit.
+    let (out, events) = traced_flip("args");
+    out.assert_code(86);
+    assert_event(&events, "halt", Some("halt"), &out);
+}
+
+#[test]
+fn lockstep_trace_is_voted_at_the_call_in_every_mode() {
+    let (out, events) = traced_flip("every");
+    out.assert_code(86);
+    let divergence = events_of(&events, "divergence");
+    assert!(
+        divergence
+            .iter()
+            .any(|e| e["values"].to_string().contains("lockstep_trace")),
+        "the divergence must be found at the lockstep_trace call itself:\n{}",
+        out.context()
+    );
+}
+
+#[test]
+fn lockstep_trace_is_not_compared_in_io_mode() {
+    // io mode compares externally visible outputs only; this program has none.
+    let (out, _) = traced_flip("io");
+    out.assert_code(0);
+}
+
+#[test]
+fn cpus_pin_each_replica() {
+    let mut running = spawn(lockstep_run(&["-r", "2", "--cpus", "0,1"], &["sleep", "5"]));
+    let procs = running.wait_for_processes("two sleep replicas", Duration::from_secs(10), |ps| {
+        ps.iter().filter(|p| p.argv0() == "sleep").count() == 2
+    });
+    let mut cpus: Vec<String> = procs
+        .iter()
+        .filter(|p| p.argv0() == "sleep")
+        .map(|p| {
+            let status = std::fs::read_to_string(format!("/proc/{}/status", p.pid)).unwrap_or_default();
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        })
+        .collect();
+    cpus.sort();
+    running.kill_everything();
+    assert_eq!(cpus, ["0", "1"], "replica 0 on CPU 0 and replica 1 on CPU 1");
+}
+
+#[test]
+fn cpus_outside_the_allowed_set_are_a_usage_error() {
+    let out = run(lockstep_run(&["-r", "2", "--cpus", "4095"], &["true"]));
+    out.assert_code(2);
+    let out = run(lockstep_run(&["-r", "2", "--cpus", "x-y"], &["true"]));
+    out.assert_code(2);
+}
+
+#[test]
+fn make_builds_a_c_program_with_every_child_replicated() {
+    let make_tree = |tag: &str| {
+        let dir = scratch_dir(tag);
+        std::fs::write(
+            dir.join("Makefile"),
+            "all: hello\nhello: hello.o util.o\n\t$(CC) -o $@ $^\n%.o: %.c\n\t$(CC) -O1 -c $< -o $@\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("hello.c"),
+            "#include <stdio.h>\nint util(int);\nint main(void){printf(\"%d\\n\", util(20));return 0;}\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("util.c"), "int util(int x){return x*2+2;}\n").unwrap();
+        dir
+    };
+    let native_dir = make_tree("make-native");
+    let native = run(native_cmd(&["make", "-s", "-C", native_dir.to_str().unwrap()]));
+    native.assert_code(0);
+    let dir = make_tree("make-lockstep");
+    let ev = events_path("make");
+    let evs = ev.to_string_lossy().into_owned();
+    let out = run(lockstep_run(
+        &["-r", "3", "--events", &evs],
+        &["make", "-s", "-C", dir.to_str().unwrap()],
+    ));
+    out.assert_code(0);
+    assert_agreed(&read_events_of(&ev, &out), &out);
+    let built = run(native_cmd(&[dir.join("hello").as_os_str()]));
+    built.assert_code(0);
+    assert_eq!(built.stdout_str(), "42\n");
+}
