@@ -5,7 +5,7 @@
 //! goes through [`Backend`], so an in-process fast path (for example a syscall shim that
 //! talks to the monitor over shared memory) can replace it without touching the policy.
 
-use lockstep_trace::{mem, ptrace, Regs, Tid};
+use lockstep_trace::{mem, ptrace, Regs, Stop, Tid};
 use std::io;
 
 /// How to resume a stopped replica thread.
@@ -28,6 +28,19 @@ pub trait Backend {
     fn resume(&self, tid: Tid, how: Resume) -> io::Result<()>;
     /// Stops a thread that is blocked in a syscall (the syscall returns ERESTART*).
     fn interrupt(&self, tid: Tid) -> io::Result<()>;
+    /// The next stop of any replica thread; `None` when interrupted by lockstep's own
+    /// signals (timer tick, forwarded signals).
+    fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>>;
+    /// The next stop of one thread.
+    fn wait_tid(&self, tid: Tid) -> io::Result<Stop>;
+    /// The message of the event the thread is stopped at (a new thread's id, ...).
+    fn event_msg(&self, tid: Tid) -> io::Result<u64>;
+    /// The signal the thread is about to receive.
+    fn siginfo(&self, tid: Tid) -> io::Result<libc::siginfo_t>;
+    /// Sends `sig` to one thread.
+    fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()>;
+    /// SIGKILLs a thread or process; it may already be gone.
+    fn kill(&self, pid: Tid);
     fn read_vec(&self, tid: Tid, addr: u64, len: usize) -> io::Result<Vec<u8>> {
         let mut v = vec![0u8; len];
         self.read(tid, addr, &mut v)?;
@@ -60,5 +73,23 @@ impl Backend for Ptrace {
     }
     fn interrupt(&self, tid: Tid) -> io::Result<()> {
         ptrace::interrupt(tid)
+    }
+    fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>> {
+        ptrace::wait_any()
+    }
+    fn wait_tid(&self, tid: Tid) -> io::Result<Stop> {
+        ptrace::wait_tid(tid)
+    }
+    fn event_msg(&self, tid: Tid) -> io::Result<u64> {
+        ptrace::event_msg(tid)
+    }
+    fn siginfo(&self, tid: Tid) -> io::Result<libc::siginfo_t> {
+        ptrace::siginfo(tid)
+    }
+    fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
+        ptrace::tgkill(tgid, tid, sig)
+    }
+    fn kill(&self, pid: Tid) {
+        ptrace::kill(pid, libc::SIGKILL)
     }
 }

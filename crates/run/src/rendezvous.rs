@@ -54,7 +54,7 @@ impl Session {
 
     /// The comparison key of replica `r` at this rendezvous; folds the call into the
     /// replica's running signature as a side effect (once per rendezvous).
-    fn key(&mut self, task: TaskId, r: ReplicaId) -> (Key, String) {
+    fn key(&mut self, task: TaskId, r: ReplicaId) -> Key {
         let slot = self.slot(task, r);
         match slot.arrival.expect("arrived") {
             Arrival::Died(d) => {
@@ -62,32 +62,24 @@ impl Session {
                     Death::Exited(c) => c as u64,
                     Death::Killed(s) => 0x1000 + s as u64,
                 };
-                (Key { kind: 1, a: code, b: 0 }, describe_death(d))
+                Key { kind: 1, a: code, b: 0 }
             }
-            Arrival::Fault { sig, addr } => (
-                Key {
-                    kind: 2,
-                    a: sig as u64,
-                    b: addr,
-                },
-                format!("signal {sig} at {addr:#x}"),
-            ),
-            Arrival::Rdtsc { len } => (
-                Key {
-                    kind: 3,
-                    a: len as u64,
-                    b: 0,
-                },
-                "rdtsc".into(),
-            ),
+            Arrival::Fault { sig, addr } => Key {
+                kind: 2,
+                a: sig as u64,
+                b: addr,
+            },
+            Arrival::Rdtsc { len } => Key {
+                kind: 3,
+                a: len as u64,
+                b: 0,
+            },
             Arrival::Syscall { nr, args } => {
                 let tid = slot.tid;
                 let desc = syscalls::describe(nr);
-                let class = desc.map(|d| syscalls::classify(d, &args)).unwrap_or(Class::Unsupported);
-                let is_output = class == Class::Output || is_nr(nr, libc::SYS_exit_group);
+                let is_output = is_output(nr, desc, &args);
                 let mode = self.opts.compare;
-                let need_digest = mode != CompareMode::Io || is_output;
-                let digest = if need_digest {
+                let digest = if mode != CompareMode::Io || is_output {
                     let d = data::digest_call(&self.be, tid, nr, desc, &args, &mut self.scratch);
                     self.stats.bytes_compared += d.bytes;
                     d
@@ -100,26 +92,40 @@ impl Session {
                     slot.signature.fold_u64(nr);
                     slot.signature.fold_u32(digest.crc);
                 }
+                let signature = slot.signature.digest() ^ slot.signature.events.rotate_left(17);
                 let b = match mode {
                     CompareMode::Io if is_output => (digest.crc as u64) << 32 | (digest.bytes & 0xffff_ffff),
-                    CompareMode::Io => 0,
-                    CompareMode::Args if is_output => slot.signature.digest() ^ slot.signature.events.rotate_left(17),
-                    CompareMode::Args => 0,
-                    CompareMode::Every => slot.signature.digest() ^ slot.signature.events.rotate_left(17),
+                    CompareMode::Args if is_output => signature,
+                    CompareMode::Every => signature,
+                    CompareMode::Io | CompareMode::Args => 0,
                 };
+                Key { kind: 4, a: nr, b }
+            }
+        }
+    }
+
+    /// What replica `r` arrived with, for event messages. Only called when a vote fails,
+    /// so the hot path builds no strings.
+    fn describe_arrival(&self, task: TaskId, r: ReplicaId) -> String {
+        let slot = self.slot(task, r);
+        match slot.arrival.expect("arrived") {
+            Arrival::Died(d) => describe_death(d),
+            Arrival::Fault { sig, addr } => format!("signal {sig} at {addr:#x}"),
+            Arrival::Rdtsc { .. } => "rdtsc".into(),
+            Arrival::Syscall { nr, args } => {
                 let name = syscalls::name(nr);
-                let text = if let (true, Some(d)) = (is_output, desc) {
-                    format!(
-                        "{name}({}) {}",
-                        args[0] as i64,
-                        data::output_preview(&self.be, tid, d, &args)
-                    )
-                } else if b != 0 {
-                    format!("{name} signature {}", slot.signature)
-                } else {
-                    name
-                };
-                (Key { kind: 4, a: nr, b }, text)
+                let desc = syscalls::describe(nr);
+                match desc {
+                    Some(d) if is_output(nr, desc, &args) => {
+                        format!(
+                            "{name}({}) {}",
+                            args[0] as i64,
+                            data::output_preview(&self.be, slot.tid, d, &args)
+                        )
+                    }
+                    _ if self.opts.compare != CompareMode::Io => format!("{name} signature {}", slot.signature),
+                    _ => name,
+                }
             }
         }
     }
@@ -127,14 +133,11 @@ impl Session {
     fn decide(&mut self, task: TaskId, live: &[ReplicaId]) -> Result<(), Stopped> {
         let t0 = Instant::now();
         let mut members: Vec<ReplicaId> = live.to_vec();
-        let mut keyed: Vec<(Key, String)> = members.iter().map(|&r| self.key(task, r)).collect();
+        let mut keys: Vec<Key> = members.iter().map(|&r| self.key(task, r)).collect();
         if self.debug {
-            for (m, k) in members.iter().zip(&keyed) {
-                let d = self.slot(task, *m).signature;
-                eprintln!(
-                    "lockstep debug: rendezvous task {task} replica {m}: {:?} {} sig {d}",
-                    k.0, k.1
-                );
+            for (m, k) in members.iter().zip(&keys) {
+                let text = self.describe_arrival(task, *m);
+                eprintln!("lockstep debug: rendezvous task {task} replica {m}: {k:?} {text}");
             }
         }
         if members.len() > 1 {
@@ -142,7 +145,6 @@ impl Session {
         }
         let mut masked = false;
         loop {
-            let keys: Vec<Key> = keyed.iter().map(|k| k.0).collect();
             match vote(&keys) {
                 Verdict::Unanimous => {
                     if masked {
@@ -160,13 +162,14 @@ impl Session {
                 Verdict::Faulty(i) => {
                     let r = members[i];
                     self.stats.divergences += 1;
+                    let texts: Vec<String> = members.iter().map(|&m| self.describe_arrival(task, m)).collect();
                     let values: Vec<String> = members
                         .iter()
-                        .zip(&keyed)
-                        .map(|(m, k)| format!("replica {m}: {}", k.1))
+                        .zip(&texts)
+                        .map(|(m, t)| format!("replica {m}: {t}"))
                         .collect();
-                    let what = &keyed[i].1;
-                    let majority = &keyed[if i == 0 { 1 } else { 0 }].1;
+                    let what = &texts[i];
+                    let majority = &texts[if i == 0 { 1 } else { 0 }];
                     self.emit(
                         Event::new("run", "divergence", "vote")
                             .replica(r)
@@ -179,15 +182,16 @@ impl Session {
                     );
                     self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
                     members.remove(i);
-                    keyed.remove(i);
+                    keys.remove(i);
                     masked = true;
                 }
                 Verdict::NoConsensus => {
                     self.stats.divergences += 1;
+                    let texts: Vec<String> = members.iter().map(|&m| self.describe_arrival(task, m)).collect();
                     let values: Vec<String> = members
                         .iter()
-                        .zip(&keyed)
-                        .map(|(m, k)| format!("replica {m}: {}", k.1))
+                        .zip(&texts)
+                        .map(|(m, t)| format!("replica {m}: {t}"))
                         .collect();
                     self.emit(
                         Event::new("run", "divergence", "halt")
@@ -269,7 +273,7 @@ impl Session {
             let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
             let _ = self.be.set_regs(tid, &regs);
             self.slot_mut(task, r).deliver = Some(sig);
-            let _ = ptrace::tgkill(tgid, tid, sig);
+            let _ = self.be.signal_thread(tgid, tid, sig);
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
     }
@@ -811,9 +815,12 @@ impl Session {
             .map_err(|e| Error::Io("PTRACE_SYSCALL", e))?;
         let mut child: Tid = 0;
         loop {
-            match ptrace::wait_tid(stid).map_err(|e| Error::Io("waitpid", e))? {
+            match self.be.wait_tid(stid).map_err(|e| Error::Io("waitpid", e))? {
                 lockstep_trace::Stop::Event(libc::PTRACE_EVENT_FORK) => {
-                    child = ptrace::event_msg(stid).map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
+                    child = self
+                        .be
+                        .event_msg(stid)
+                        .map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
                     let _ = self.be.resume(stid, Resume::ToExit);
                 }
                 lockstep_trace::Stop::SyscallExit => break,
@@ -849,7 +856,7 @@ impl Session {
         ptrace::rewind_to_syscall(&mut rewound, nr);
         let _ = self.be.set_regs(stid, &rewound);
         loop {
-            match ptrace::wait_tid(child).map_err(|e| Error::Io("waitpid", e))? {
+            match self.be.wait_tid(child).map_err(|e| Error::Io("waitpid", e))? {
                 lockstep_trace::Stop::EventStop(_) | lockstep_trace::Stop::Signal(libc::SIGSTOP) => break,
                 lockstep_trace::Stop::Exited(_) | lockstep_trace::Stop::Killed(_) => {
                     return Err(Stopped::Failure(Error::Setup("the new replica died at birth".into())))
@@ -921,6 +928,14 @@ impl Session {
         );
         Ok(true)
     }
+}
+
+/// Whether a call is an externally visible output, voted on in every compare mode.
+fn is_output(nr: u64, desc: Option<&Desc>, args: &[u64; 6]) -> bool {
+    is_nr(nr, libc::SYS_exit_group)
+        || desc
+            .map(|d| syscalls::classify(d, args) == Class::Output)
+            .unwrap_or(false)
 }
 
 /// The descriptors a descriptor-creating call produced in the leader.

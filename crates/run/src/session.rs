@@ -452,7 +452,7 @@ impl Session {
         while self.root_death.is_none() {
             self.forward_received_signals()?;
             self.check_timeouts()?;
-            let Some((tid, stop)) = ptrace::wait_any().map_err(|e| Error::Io("waitpid", e))? else {
+            let Some((tid, stop)) = self.be.wait_any().map_err(|e| Error::Io("waitpid", e))? else {
                 continue;
             };
             let t0 = Instant::now();
@@ -465,11 +465,11 @@ impl Session {
     /// SIGKILLs every replica process and namespace, then reaps what is left.
     pub fn kill_everything(&mut self) {
         for (&tid, _) in self.by_tid.iter() {
-            ptrace::kill(tid, libc::SIGKILL);
+            self.be.kill(tid);
         }
         for r in &self.replicas {
             if r.stub > 0 {
-                ptrace::kill(r.stub, libc::SIGKILL);
+                self.be.kill(r.stub);
             }
         }
         // Reap until no child is left, bounded so a kernel surprise cannot hang us.
@@ -745,7 +745,7 @@ impl Session {
                 format!("bit {} of the byte at {base}{offset:+} ({addr:#x})", flip.bit)
             }
             FlipTarget::Kill => {
-                ptrace::kill(tid, libc::SIGKILL);
+                self.be.kill(tid);
                 self.slot_mut(task, r).state = SlotState::Running;
                 "SIGKILL".to_string()
             }
@@ -776,7 +776,7 @@ impl Session {
             let _ = self.be.resume(tid, Resume::Signal(sig));
             return Ok(());
         }
-        let info = ptrace::siginfo(tid).ok();
+        let info = self.be.siginfo(tid).ok();
         let code = info.map(|i| i.si_code).unwrap_or(0);
         let synchronous = matches!(
             sig,
@@ -855,7 +855,7 @@ impl Session {
 
     fn on_clone_event(&mut self, task: TaskId, r: ReplicaId, event: i32) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
-        let child = ptrace::event_msg(tid).map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
+        let child = self.be.event_msg(tid).map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
         let thread = event == libc::PTRACE_EVENT_CLONE && self.clone_is_thread(task);
         let child_task = match self.tasks[task].spawned {
             Some(t) => t,
@@ -912,7 +912,7 @@ impl Session {
     fn on_exec_event(&mut self, task: TaskId, r: ReplicaId) {
         // A multi-threaded exec: the execing thread takes over the thread-group id.
         let tid = self.slot(task, r).tid;
-        let former = ptrace::event_msg(tid).unwrap_or(tid as u64) as Tid;
+        let former = self.be.event_msg(tid).unwrap_or(tid as u64) as Tid;
         if former != tid {
             if let Some((t, rr)) = self.by_tid.remove(&former) {
                 debug_assert_eq!(rr, r);
@@ -1003,7 +1003,7 @@ impl Session {
                 }
                 let (tgid, tid, state) = (slot.tgid, slot.tid, slot.state);
                 self.slot_mut(t, r).deliver = Some(sig);
-                let _ = ptrace::tgkill(tgid, tid, sig);
+                let _ = self.be.signal_thread(tgid, tid, sig);
                 if matches!(state, SlotState::Arrived | SlotState::Done) {
                     // Parked: let it return (EINTR) so the signal is delivered.
                     let mut regs = self.slot(t, r).regs;
@@ -1130,7 +1130,7 @@ impl Session {
         for t in &self.tasks {
             if let Some(Some(s)) = t.slots.get(r as usize) {
                 if s.state != SlotState::Dead {
-                    ptrace::kill(s.tid, libc::SIGKILL);
+                    self.be.kill(s.tid);
                 }
             }
         }
