@@ -8,9 +8,10 @@ WORKLOAD=build/demo-ledger
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# Intercepted syscalls of the static workload: execve, prlimit64, readlink, getrandom,
-# then one write per batch. Stop 9 is the write of batch 5; byte 17 is a digit of acct0.
-FLIP="0:9:mem:rsi+17:0"
+# Intercepted syscalls of the static workload: execve, rseq (refused, so that glibc does
+# not use it), prlimit64, readlink, getrandom, then one write per batch. Stop 10 is the
+# write of batch 5; byte 17 is a digit of acct0.
+FLIP="0:10:mem:rsi+17:0"
 
 bold() { printf '\033[1m%s\033[0m\n' "$*"; }
 
