@@ -104,6 +104,17 @@ impl Session {
         }
     }
 
+    /// Descriptions of what each member arrived with: bare, and as "replica N: ..." values.
+    fn arrival_texts(&self, task: TaskId, members: &[ReplicaId]) -> (Vec<String>, Vec<String>) {
+        let texts: Vec<String> = members.iter().map(|&m| self.describe_arrival(task, m)).collect();
+        let values = members
+            .iter()
+            .zip(&texts)
+            .map(|(m, t)| format!("replica {m}: {t}"))
+            .collect();
+        (texts, values)
+    }
+
     /// What replica `r` arrived with, for event messages. Only called when a vote fails,
     /// so the hot path builds no strings.
     fn describe_arrival(&self, task: TaskId, r: ReplicaId) -> String {
@@ -162,12 +173,7 @@ impl Session {
                 Verdict::Faulty(i) => {
                     let r = members[i];
                     self.stats.divergences += 1;
-                    let texts: Vec<String> = members.iter().map(|&m| self.describe_arrival(task, m)).collect();
-                    let values: Vec<String> = members
-                        .iter()
-                        .zip(&texts)
-                        .map(|(m, t)| format!("replica {m}: {t}"))
-                        .collect();
+                    let (texts, values) = self.arrival_texts(task, &members);
                     let what = &texts[i];
                     let majority = &texts[if i == 0 { 1 } else { 0 }];
                     self.emit(
@@ -187,12 +193,7 @@ impl Session {
                 }
                 Verdict::NoConsensus => {
                     self.stats.divergences += 1;
-                    let texts: Vec<String> = members.iter().map(|&m| self.describe_arrival(task, m)).collect();
-                    let values: Vec<String> = members
-                        .iter()
-                        .zip(&texts)
-                        .map(|(m, t)| format!("replica {m}: {t}"))
-                        .collect();
+                    let (_, values) = self.arrival_texts(task, &members);
                     self.emit(
                         Event::new("run", "divergence", "halt")
                             .object(format!("task {task}"))
