@@ -150,3 +150,42 @@ fn make_builds_a_c_program_with_every_child_replicated() {
     built.assert_code(0);
     assert_eq!(built.stdout_str(), "42\n");
 }
+
+#[test]
+fn replicas_start_identically() {
+    let prog = fixture("start_state");
+    let native = run(native_cmd(&[prog.as_os_str()]));
+    native.assert_code(0);
+    assert!(
+        native.stdout_str().contains("vdso=mapped"),
+        "natively the vDSO is there:\n{}",
+        native.context()
+    );
+    for replicas in ["2", "3"] {
+        let ev = events_path("start");
+        let evs = ev.to_string_lossy().into_owned();
+        // Every byte printed is an output the replicas vote on: any difference in
+        // AT_RANDOM, stack or heap addresses would be a divergence.
+        let out = run(lockstep_run(&["-r", replicas, "--events", &evs], &[prog.as_os_str()]));
+        out.assert_code(0);
+        assert_agreed(&read_events_of(&ev, &out), &out);
+        let text = out.stdout_str();
+        assert!(
+            text.contains("vdso=hidden"),
+            "the vDSO must be hidden:\n{}",
+            out.context()
+        );
+        assert!(text.starts_with("at_random=") && text.lines().next().unwrap().len() == 10 + 32);
+    }
+}
+
+#[test]
+fn dev_urandom_and_getrandom_are_replicated() {
+    let script = "head -c 32 /dev/urandom | od -An -tx1; python3 -c 'import os; print(os.urandom(16).hex())'";
+    let ev = events_path("urandom");
+    let evs = ev.to_string_lossy().into_owned();
+    let out = run(lockstep_run(&["-r", "3", "--events", &evs], &["sh", "-c", script]));
+    out.assert_code(0);
+    assert_agreed(&read_events_of(&ev, &out), &out);
+    assert_eq!(out.stdout_str().lines().count(), 3, "{}", out.context());
+}

@@ -254,6 +254,8 @@ pub struct Session {
     pub scratch: Vec<u8>,
     /// LOCKSTEP_DEBUG set: trace every stop on stderr.
     pub debug: bool,
+    /// Events not yet written (see `emit`).
+    pub pending_events: Vec<Event>,
 }
 
 /// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
@@ -399,6 +401,7 @@ impl Session {
             reintegration_note_given: false,
             scratch: Vec::with_capacity(4096),
             debug: std::env::var_os("LOCKSTEP_DEBUG").is_some(),
+            pending_events: Vec::new(),
         };
         let mut task = session.new_task(0, logical_pid);
         for (r, &m) in mains.iter().enumerate() {
@@ -408,7 +411,9 @@ impl Session {
         session.tasks.push(task);
         // Every replica is stopped at its first execve: record those arrivals.
         for &m in &mains {
-            session.on_stop(m, Stop::Seccomp).map_err(|s| match s {
+            let handled = session.on_stop(m, Stop::Seccomp);
+            session.flush_events();
+            handled.map_err(|s| match s {
                 Stopped::Failure(e) => e,
                 Stopped::Halt => Error::Setup("halted during start-up".into()),
             })?;
@@ -442,6 +447,7 @@ impl Session {
             Err(Stopped::Failure(e)) => Err(e),
         };
         self.kill_everything();
+        self.flush_events();
         if self.opts.stats {
             eprint!("{}", self.stats.render(self.started.elapsed()));
         }
@@ -452,12 +458,15 @@ impl Session {
         while self.root_death.is_none() {
             self.forward_received_signals()?;
             self.check_timeouts()?;
+            self.flush_events();
             let Some((tid, stop)) = self.be.wait_any().map_err(|e| Error::Io("waitpid", e))? else {
                 continue;
             };
             let t0 = Instant::now();
-            self.on_stop(tid, stop)?;
+            let handled = self.on_stop(tid, stop);
             self.stats.monitor_time += t0.elapsed();
+            self.flush_events();
+            handled?;
         }
         Ok(())
     }
@@ -488,8 +497,17 @@ impl Session {
         self.by_tid.clear();
     }
 
+    /// Queues an event. Events are written after the current stop has been handled, so
+    /// that logging never delays the replicas (for example while a fault is masked).
     pub fn emit(&mut self, event: Event) {
-        self.events.emit(event);
+        self.pending_events.push(event);
+    }
+
+    /// Writes the queued events.
+    pub fn flush_events(&mut self) {
+        for event in self.pending_events.drain(..) {
+            self.events.emit(event);
+        }
     }
 
     pub fn live_replicas(&self) -> Vec<ReplicaId> {
@@ -1165,6 +1183,7 @@ impl Session {
                 .message(format!("{why}; stopping all replicas (exit {})", exit::DETECTED)),
         );
         self.kill_everything();
+        self.flush_events();
         Stopped::Halt
     }
 
