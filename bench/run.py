@@ -925,6 +925,12 @@ def markdown(results, chart_rel, command, json_rel):
         "- The machine is shared and small (2 cores), so every ratio below is taken side by side in the same run; "
         "nothing asserts on timing. Goals and anchors are from the product brief.", "",
     ]
+    kept = results.get("kept_from_previous")
+    if kept:
+        lines[-1:-1] = [
+            f"- sections {', '.join(kept['sections'])} are from an earlier run (`{kept['command']}` at commit "
+            f"`{(kept['commit'] or '?')[:12]}`); only the others were measured by the command above."
+        ]
     if "redis" in results:
         lines += md_redis(results["redis"], chart_rel)
     if "xz" in results:
@@ -1183,6 +1189,21 @@ def main():
     out_dir = ROOT / "bench" / "out" / ("quick" if args.quick else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"command": command, "quick": args.quick, "machine": machine_info(), "goals": GOALS}
+    # A partial run (--only) keeps the other sections of the previous results, and says so.
+    previous_path = out_dir / "results.json"
+    if previous_path.exists() and set(which) != {"redis", "xz", "recovery"}:
+        previous = json.loads(previous_path.read_text())
+        kept = []
+        for section in ("redis", "xz", "recovery"):
+            if section not in which and section in previous:
+                results[section] = previous[section]
+                kept.append(section)
+        if kept:
+            results["kept_from_previous"] = {
+                "sections": kept,
+                "command": previous.get("command"),
+                "commit": previous.get("machine", {}).get("git_commit"),
+            }
     log(f"{command}: {results['machine']['nproc']} CPUs, {results['machine']['cpu_model']}, commit {results['machine']['git_commit'][:12]}")
     with tempfile.TemporaryDirectory(prefix="lockstep-bench-") as t:
         tmp = Path(t)
