@@ -38,6 +38,7 @@ test: deps clib
 bench: build
 	@scripts/deps.sh bench
 	python3 bench/run.py
+	bench/placement.sh
 
 lint:
 	$(CARGO) fmt --all

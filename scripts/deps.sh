@@ -4,7 +4,7 @@
 set -euo pipefail
 want=(gcc make libc6-dev coreutils python3 strace)
 if [ "${1:-test}" = bench ]; then
-    want+=(redis-server redis-tools xz-utils)
+    want+=(redis-server redis-tools xz-utils bc)
 fi
 missing=()
 for p in "${want[@]}"; do

@@ -61,6 +61,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "LIST")]
     cpus: Option<String>,
 
+    /// Pin lockstep's monitor to this CPU. Every intercepted syscall wakes the monitor and
+    /// the replicas in turn, so for syscall-heavy programs putting the monitor and the
+    /// replicas on one CPU (e.g. --cpus 0,0 --monitor-cpu 0) avoids cross-CPU wake-ups and
+    /// can be much faster; CPU-bound programs want the replicas spread (docs/results.md).
+    #[arg(long, value_name = "CPU")]
+    monitor_cpu: Option<usize>,
+
     /// After voting out a replica, stay with the remaining ones instead of forking a new one.
     #[arg(long)]
     no_reintegrate: bool,
@@ -139,6 +146,7 @@ pub fn main(a: RunArgs) -> i32 {
         events: a.events,
         stats: a.stats,
         cpus,
+        monitor_cpu: a.monitor_cpu,
         reintegrate: !a.no_reintegrate,
         flips,
         quiet: a.quiet,

@@ -86,27 +86,44 @@ fn lockstep_trace_is_not_compared_in_io_mode() {
     out.assert_code(0);
 }
 
-#[test]
-fn cpus_pin_each_replica() {
-    let mut running = spawn(lockstep_run(&["-r", "2", "--cpus", "0,1"], &["sleep", "5"]));
+fn allowed_cpus(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Starts `sleep 5` under lockstep with `opts` and returns (monitor CPUs, sorted replica CPUs).
+fn placement(opts: &[&str]) -> (String, Vec<String>) {
+    let mut running = spawn(lockstep_run(opts, &["sleep", "5"]));
     let procs = running.wait_for_processes("two sleep replicas", Duration::from_secs(10), |ps| {
         ps.iter().filter(|p| p.argv0() == "sleep").count() == 2
     });
     let mut cpus: Vec<String> = procs
         .iter()
         .filter(|p| p.argv0() == "sleep")
-        .map(|p| {
-            let status = std::fs::read_to_string(format!("/proc/{}/status", p.pid)).unwrap_or_default();
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-                .map(|v| v.trim().to_string())
-                .unwrap_or_default()
-        })
+        .map(|p| allowed_cpus(p.pid))
         .collect();
     cpus.sort();
+    let monitor = allowed_cpus(running.pid);
     running.kill_everything();
-    assert_eq!(cpus, ["0", "1"], "replica 0 on CPU 0 and replica 1 on CPU 1");
+    (monitor, cpus)
+}
+
+#[test]
+fn cpus_pin_each_replica() {
+    let (monitor, replicas) = placement(&["-r", "2", "--cpus", "0,1"]);
+    assert_eq!(replicas, ["0", "1"], "replica 0 on CPU 0 and replica 1 on CPU 1");
+    assert_eq!(monitor, "0-1", "the monitor is not pinned unless asked");
+}
+
+#[test]
+fn monitor_cpu_pins_the_monitor_only() {
+    let (monitor, replicas) = placement(&["-r", "2", "--cpus", "0,0", "--monitor-cpu", "1"]);
+    assert_eq!(replicas, ["0", "0"]);
+    assert_eq!(monitor, "1");
 }
 
 #[test]
@@ -114,6 +131,8 @@ fn cpus_outside_the_allowed_set_are_a_usage_error() {
     let out = run(lockstep_run(&["-r", "2", "--cpus", "4095"], &["true"]));
     out.assert_code(2);
     let out = run(lockstep_run(&["-r", "2", "--cpus", "x-y"], &["true"]));
+    out.assert_code(2);
+    let out = run(lockstep_run(&["-r", "2", "--monitor-cpu", "4095"], &["true"]));
     out.assert_code(2);
 }
 

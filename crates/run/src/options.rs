@@ -122,6 +122,8 @@ pub struct Options {
     pub stats: bool,
     /// CPUs to pin replicas to, in order; empty = spread over the CPUs we may use.
     pub cpus: Vec<usize>,
+    /// CPU to pin the monitor to once the replicas are started; None = not pinned.
+    pub monitor_cpu: Option<usize>,
     pub reintegrate: bool,
     pub flips: Vec<FlipSpec>,
     /// Print one line per event on stderr.
@@ -138,6 +140,7 @@ impl Default for Options {
             events: None,
             stats: false,
             cpus: Vec::new(),
+            monitor_cpu: None,
             reintegrate: true,
             flips: Vec::new(),
             quiet: false,

@@ -324,7 +324,7 @@ impl Session {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let avail = allowed_cpus();
-        for c in &opts.cpus {
+        for c in opts.cpus.iter().chain(opts.monitor_cpu.iter()) {
             if !avail.contains(c) {
                 return Err(Error::Usage(format!("CPU {c} is not available (allowed: {avail:?})")));
             }
@@ -367,6 +367,15 @@ impl Session {
                 to_local: HashMap::new(),
                 to_logical: HashMap::new(),
             });
+        }
+        if let Some(cpu) = opts.monitor_cpu {
+            // SAFETY: a zeroed set with one CPU, applied to ourselves only; the replicas
+            // already have their own.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
         }
         // The program's pid as the program sees it: 2 inside our namespace (the stub is 1).
         let logical_pid = if namespaces { 2 } else { mains[0] };
