@@ -19,6 +19,8 @@ pub struct CallDigest {
     pub crc: u32,
     /// Bytes of pointed-to data that went into the digest.
     pub bytes: u64,
+    /// Where in the scratch buffer the first pointed-to buffer starts (for previews).
+    pub first_buffer: Option<usize>,
 }
 
 fn u64_at(b: &[u8], off: usize) -> u64 {
@@ -59,14 +61,16 @@ fn iovecs(be: &dyn Backend, tid: Tid, addr: u64, count: u64) -> Vec<(u64, usize)
 }
 
 /// The content of the input data of a call, appended to `out`.
-/// With `buffers_only`, values and paths are left out (for human-readable previews).
-fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &mut Vec<u8>, buffers_only: bool) {
-    let push_mem = |out: &mut Vec<u8>, addr: u64, len: usize| {
+/// Returns the offset in `out` where the first pointed-to buffer starts, if any.
+fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &mut Vec<u8>) -> Option<usize> {
+    let mut first_buffer = None;
+    let mut push_mem = |out: &mut Vec<u8>, addr: u64, len: usize| {
         if addr == 0 || len == 0 {
             out.extend_from_slice(&[0xff; 4]);
             return;
         }
         let start = out.len();
+        first_buffer.get_or_insert(start);
         out.resize(start + len, 0);
         if be.read(tid, addr, &mut out[start..]).is_err() {
             // An unreadable buffer is itself an observable difference.
@@ -77,7 +81,6 @@ fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &m
     for (i, arg) in desc.args.iter().enumerate() {
         let a = args[i];
         match *arg {
-            Arg::Val | Arg::Fd | Arg::Path if buffers_only => {}
             Arg::Val | Arg::Fd => out.extend_from_slice(&a.to_le_bytes()),
             Arg::Path => match lockstep_trace::mem::read_cstr(tid, a, MAX_PATH) {
                 Ok(s) if a != 0 => {
@@ -109,6 +112,7 @@ fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &m
             Arg::Out(_) | Arg::IovOut(_) | Arg::MsgOut | Arg::Ignore => {}
         }
     }
+    first_buffer
 }
 
 /// Digest of everything a replica passes to syscall `nr`: the number, the values, and the
@@ -123,23 +127,24 @@ pub fn digest_call(
 ) -> CallDigest {
     scratch.clear();
     scratch.extend_from_slice(&nr.to_le_bytes());
-    match desc {
-        Some(d) => input_bytes(be, tid, d, args, scratch, false),
-        None => args.iter().for_each(|a| scratch.extend_from_slice(&a.to_le_bytes())),
-    }
+    let first_buffer = match desc {
+        Some(d) => input_bytes(be, tid, d, args, scratch),
+        None => {
+            args.iter().for_each(|a| scratch.extend_from_slice(&a.to_le_bytes()));
+            None
+        }
+    };
     CallDigest {
+        first_buffer,
         crc: lockstep_core::crc32c(scratch),
         bytes: scratch.len() as u64,
     }
 }
 
-/// A short printable preview of the bytes an output call would emit (for event messages).
-pub fn output_preview(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6]) -> String {
-    let mut bytes = Vec::new();
-    input_bytes(be, tid, desc, args, &mut bytes, true);
+/// A printable, quoted form of the first bytes of an output buffer (for event messages).
+pub fn escape_preview(bytes: &[u8]) -> String {
     let shown: String = bytes
         .iter()
-        .take(48)
         .flat_map(|b| std::ascii::escape_default(*b))
         .map(char::from)
         .collect();

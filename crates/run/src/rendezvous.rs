@@ -4,7 +4,9 @@
 use crate::backend::{Backend, Resume};
 use crate::data;
 use crate::options::CompareMode;
-use crate::session::{describe_death, Arrival, Death, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId};
+use crate::session::{
+    describe_death, Arrival, Death, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId, PREVIEW,
+};
 use crate::Error;
 use lockstep_core::{vote, Event, Verdict};
 use lockstep_trace::syscalls::{self, Class, Desc, NewFds};
@@ -86,7 +88,16 @@ impl Session {
                 } else {
                     data::CallDigest::default()
                 };
+                let preview = match (is_output, digest.first_buffer) {
+                    (true, Some(at)) => &self.scratch[at.min(self.scratch.len())..],
+                    _ => &[][..],
+                };
+                let n = preview.len().min(PREVIEW);
+                let mut kept = [0u8; PREVIEW];
+                kept[..n].copy_from_slice(&preview[..n]);
                 let slot = self.slot_mut(task, r);
+                slot.preview = kept;
+                slot.preview_len = n as u8;
                 if mode != CompareMode::Io {
                     slot.signature.begin_event();
                     slot.signature.fold_u64(nr);
@@ -127,12 +138,9 @@ impl Session {
                 let name = syscalls::name(nr);
                 let desc = syscalls::describe(nr);
                 match desc {
-                    Some(d) if is_output(nr, desc, &args) => {
-                        format!(
-                            "{name}({}) {}",
-                            args[0] as i64,
-                            data::output_preview(&self.be, slot.tid, d, &args)
-                        )
+                    Some(_) if is_output(nr, desc, &args) => {
+                        let kept = &slot.preview[..slot.preview_len as usize];
+                        format!("{name}({}) {}", args[0] as i64, data::escape_preview(kept))
                     }
                     _ if self.opts.compare != CompareMode::Io => format!("{name} signature {}", slot.signature),
                     _ => name,
@@ -154,12 +162,13 @@ impl Session {
         if members.len() > 1 {
             self.stats.votes += 1;
         }
-        let mut masked = false;
+        // When the first vote found a divergence: masking time is measured from here.
+        let mut detected: Option<Instant> = None;
         loop {
             match vote(&keys) {
                 Verdict::Unanimous => {
-                    if masked {
-                        let us = t0.elapsed().as_micros() as u64;
+                    if let Some(since) = detected {
+                        let us = since.elapsed().as_micros() as u64;
                         let msg = format!("fault masked; {} replicas continue", members.len());
                         self.emit(
                             Event::new("run", "mask", "continue")
@@ -171,6 +180,7 @@ impl Session {
                     break;
                 }
                 Verdict::Faulty(i) => {
+                    detected.get_or_insert_with(Instant::now);
                     let r = members[i];
                     self.stats.divergences += 1;
                     let (texts, values) = self.arrival_texts(task, &members);
@@ -189,7 +199,6 @@ impl Session {
                     self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
                     members.remove(i);
                     keys.remove(i);
-                    masked = true;
                 }
                 Verdict::NoConsensus => {
                     self.stats.divergences += 1;

@@ -96,7 +96,14 @@ pub struct Slot {
     pub deliver: Option<i32>,
     /// Result of this slot's execution in an all-replica phase.
     pub result: i64,
+    /// The first bytes of the buffer of the output call it arrived at (for messages),
+    /// kept from the comparison so that describing a divergence reads no memory.
+    pub preview: [u8; PREVIEW],
+    pub preview_len: u8,
 }
+
+/// Bytes of an output buffer kept for messages.
+pub const PREVIEW: usize = 48;
 
 impl Slot {
     pub fn new(tid: Tid, tgid: Tid, state: SlotState) -> Self {
@@ -111,6 +118,8 @@ impl Slot {
             stops: 0,
             deliver: None,
             result: 0,
+            preview: [0; PREVIEW],
+            preview_len: 0,
         }
     }
 }
