@@ -76,6 +76,11 @@ impl Session {
                 a: len as u64,
                 b: 0,
             },
+            Arrival::Cpuid { leaf, subleaf } => Key {
+                kind: 5,
+                a: leaf as u64,
+                b: subleaf as u64,
+            },
             Arrival::Syscall { nr, args } => {
                 let tid = slot.tid;
                 let desc = syscalls::describe(nr);
@@ -134,6 +139,7 @@ impl Session {
             Arrival::Died(d) => describe_death(d),
             Arrival::Fault { sig, addr } => format!("signal {sig} at {addr:#x}"),
             Arrival::Rdtsc { .. } => "rdtsc".into(),
+            Arrival::Cpuid { leaf, subleaf } => format!("cpuid leaf {leaf:#x}.{subleaf}"),
             Arrival::Syscall { nr, args } => {
                 let name = syscalls::name(nr);
                 let desc = syscalls::describe(nr);
@@ -247,6 +253,18 @@ impl Session {
                         regs.rcx = 0;
                     }
                     regs.rip += len as u64;
+                    let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
+                    self.resume(task, r, Resume::Run, SlotState::Running);
+                }
+                Ok(())
+            }
+            Arrival::Cpuid { leaf, subleaf } => {
+                // The monitor itself is not trapped: it answers from the CPU it runs on.
+                let v = core::arch::x86_64::__cpuid_count(leaf, subleaf);
+                for r in self.live_slots(task) {
+                    let mut regs = self.slot(task, r).regs;
+                    (regs.rax, regs.rbx, regs.rcx, regs.rdx) = (v.eax as u64, v.ebx as u64, v.ecx as u64, v.edx as u64);
+                    regs.rip += 2;
                     let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
                     self.resume(task, r, Resume::Run, SlotState::Running);
                 }

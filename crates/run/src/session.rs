@@ -62,6 +62,11 @@ pub enum Arrival {
     Rdtsc {
         len: u8,
     },
+    /// A trapped CPUID (only where the CPU supports CPUID faulting) for leaf/subleaf.
+    Cpuid {
+        leaf: u32,
+        subleaf: u32,
+    },
     Died(Death),
 }
 
@@ -822,8 +827,16 @@ impl Session {
             let regs = self.be.regs(tid).ok();
             if let Some(regs) = regs {
                 if sig == libc::SIGSEGV {
-                    if let Some(len) = self.rdtsc_at(tid, regs.rip) {
-                        return self.arrive(task, r, regs, Arrival::Rdtsc { len });
+                    match self.trapped_insn(tid, regs.rip) {
+                        Some(TrappedInsn::Rdtsc(len)) => return self.arrive(task, r, regs, Arrival::Rdtsc { len }),
+                        Some(TrappedInsn::Cpuid) => {
+                            let arrival = Arrival::Cpuid {
+                                leaf: regs.rax as u32,
+                                subleaf: regs.rcx as u32,
+                            };
+                            return self.arrive(task, r, regs, arrival);
+                        }
+                        None => {}
                     }
                 }
                 // SAFETY: si_addr is valid for these fault signals.
@@ -840,12 +853,14 @@ impl Session {
         Ok(())
     }
 
-    fn rdtsc_at(&self, tid: Tid, rip: u64) -> Option<u8> {
+    /// The instruction at `rip`, if it is one lockstep traps (RDTSC, RDTSCP, CPUID).
+    fn trapped_insn(&self, tid: Tid, rip: u64) -> Option<TrappedInsn> {
         let mut insn = [0u8; 3];
         self.be.read(tid, rip, &mut insn).ok()?;
         match insn {
-            [0x0f, 0x31, _] => Some(2),
-            [0x0f, 0x01, 0xf9] => Some(3),
+            [0x0f, 0x31, _] => Some(TrappedInsn::Rdtsc(2)),
+            [0x0f, 0x01, 0xf9] => Some(TrappedInsn::Rdtsc(3)),
+            [0x0f, 0xa2, _] => Some(TrappedInsn::Cpuid),
             _ => None,
         }
     }
@@ -1221,6 +1236,11 @@ impl Session {
     pub fn to_logical(&self, r: ReplicaId, pid: i32) -> i32 {
         self.replicas[r as usize].to_logical.get(&pid).copied().unwrap_or(pid)
     }
+}
+
+enum TrappedInsn {
+    Rdtsc(u8),
+    Cpuid,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

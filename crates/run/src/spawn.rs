@@ -57,6 +57,11 @@ unsafe fn become_program(plan: &Plan, argv: &[*const libc::c_char], envp: &[*con
     const PR_SET_TSC: i32 = 26;
     const PR_TSC_SIGSEGV: libc::c_ulong = 2;
     libc::prctl(PR_SET_TSC, PR_TSC_SIGSEGV, 0, 0, 0);
+    // Best effort: make CPUID fault too, so that it is answered once for all replicas (its
+    // APIC ids differ between cores). Needs CPU support ("cpuid_fault"); without it the
+    // call fails and CPUID runs natively.
+    const ARCH_SET_CPUID: libc::c_long = 0x1012;
+    libc::syscall(libc::SYS_arch_prctl, ARCH_SET_CPUID, 0);
     if let Some(cpu) = plan.cpu {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
