@@ -208,3 +208,108 @@ fn dev_urandom_and_getrandom_are_replicated() {
     assert_agreed(&read_events_of(&ev, &out), &out);
     assert_eq!(out.stdout_str().lines().count(), 3, "{}", out.context());
 }
+
+// --- --compare io: inputs run ahead in the leader, outputs are meeting points -------
+
+/// 20 lines of 16 bytes: each write of io_copy emits exactly one line.
+fn io_copy_input() -> (std::path::PathBuf, String) {
+    let text: String = (1..=20).map(|i| format!("line {i:02} of text\n")).collect();
+    assert!(text.lines().all(|l| l.len() + 1 == 16));
+    let path = scratch_dir("io-copy").join("input.txt");
+    std::fs::write(&path, &text).unwrap();
+    (path, text)
+}
+
+/// Flips bit 2 of the first byte of write #3 (stop 8) in `replica`.
+fn io_copy_flip(replicas: &str, replica: u32) -> (Output, Vec<serde_json::Value>, String) {
+    let (input, text) = io_copy_input();
+    let ev = events_path("io-copy");
+    let evs = ev.to_string_lossy().into_owned();
+    let flip = format!("{replica}:8:mem:rsi+0:2");
+    let opts = [
+        "-r",
+        replicas,
+        "--compare",
+        "io",
+        "--events",
+        &evs,
+        "--test-flip",
+        &flip,
+    ];
+    let out = run(lockstep_run(
+        &opts,
+        &[fixture("io_copy").as_os_str(), input.as_os_str()],
+    ));
+    let events = read_events_of(&ev, &out);
+    (out, events, text)
+}
+
+#[test]
+fn io_mode_copies_input_exactly() {
+    let (input, text) = io_copy_input();
+    for replicas in ["2", "3"] {
+        let ev = events_path("io-copy");
+        let evs = ev.to_string_lossy().into_owned();
+        let opts = ["-r", replicas, "--compare", "io", "--events", &evs];
+        let out = run(lockstep_run(
+            &opts,
+            &[fixture("io_copy").as_os_str(), input.as_os_str()],
+        ));
+        out.assert_code(0);
+        assert_eq!(out.stdout_str(), text, "{}", out.context());
+        assert_agreed(&read_events_of(&ev, &out), &out);
+    }
+}
+
+#[test]
+fn io_mode_masks_a_follower_fault() {
+    let (out, events, text) = io_copy_flip("3", 1);
+    out.assert_code(0);
+    let seen = events_of(&events, "divergence")
+        .iter()
+        .any(|e| e.to_string().contains("hine 03"));
+    assert!(
+        seen,
+        "the divergence must be the corrupted third line:\n{}",
+        out.context()
+    );
+    assert_eq!(out.stdout_str(), text, "{}", out.context());
+    assert_event(&events, "divergence", None, &out);
+    assert_event(&events, "vote", Some("kill"), &out);
+}
+
+#[test]
+fn io_mode_masks_a_leader_fault() {
+    let (out, events, text) = io_copy_flip("3", 0);
+    out.assert_code(0);
+    assert_eq!(out.stdout_str(), text, "{}", out.context());
+    assert_event(&events, "leader", Some("elect"), &out);
+}
+
+#[test]
+fn io_mode_dmr_halts_before_the_corrupted_line() {
+    let (out, events, text) = io_copy_flip("2", 1);
+    out.assert_code(86);
+    assert_event(&events, "halt", Some("halt"), &out);
+    let printed = out.stdout_str();
+    assert!(
+        text.starts_with(&printed),
+        "only correct lines may leave:\n{}",
+        out.context()
+    );
+    // 'l' (0x6c) with bit 2 flipped is 'h': the flip hit write #3, and it never left.
+    let corrupted = "hine 03";
+    let seen = events_of(&events, "divergence")
+        .iter()
+        .any(|e| e.to_string().contains(corrupted));
+    assert!(
+        seen,
+        "the divergence must be the corrupted third line:\n{}",
+        out.context()
+    );
+    assert!(
+        !printed.contains(corrupted),
+        "the corrupted line must not leave:\n{}",
+        out.context()
+    );
+}

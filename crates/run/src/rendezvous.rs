@@ -5,7 +5,8 @@ use crate::backend::{Backend, Resume};
 use crate::data;
 use crate::options::CompareMode;
 use crate::session::{
-    describe_death, Arrival, Death, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId, PREVIEW,
+    describe_death, Arrival, Death, InputRecord, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId,
+    MAX_QUEUED_INPUTS, PREVIEW,
 };
 use crate::Error;
 use lockstep_core::{vote, Event, Verdict};
@@ -19,6 +20,8 @@ struct Key {
     kind: u8,
     a: u64,
     b: u64,
+    /// `--compare io`: inputs consumed so far (a replica that skipped or added one differs).
+    inputs: u64,
 }
 
 const AT_NULL: u64 = 0;
@@ -37,6 +40,9 @@ impl Session {
         if t.finished || t.phase != Phase::Collect {
             return Ok(());
         }
+        if self.opts.compare == CompareMode::Io && self.leader_may_run_ahead(task) {
+            return self.run_input_ahead(task);
+        }
         let live = self.live_slots(task);
         // Every live replica must have its thread for this task (a new thread may not be
         // registered in all replicas yet) and that thread must have arrived.
@@ -54,33 +60,66 @@ impl Session {
         self.decide(task, &live)
     }
 
+    /// `--compare io` synchronises at outputs only: an input the leader reaches is run at
+    /// once, without waiting for the followers, unless a signal is to be delivered, a
+    /// replica is to be re-integrated, or too many results already wait for slow followers.
+    fn leader_may_run_ahead(&self, task: TaskId) -> bool {
+        let t = &self.tasks[task];
+        let Some(slot) = t.slots.get(self.leader as usize).and_then(|s| s.as_ref()) else {
+            return false;
+        };
+        let Some(Arrival::Syscall { nr, args }) = slot.arrival else {
+            return false;
+        };
+        let input = syscalls::describe(nr)
+            .map(|d| syscalls::classify(d, &args) == Class::Input)
+            .unwrap_or(false);
+        // recvmsg may carry descriptors, which are installed into followers at a rendezvous.
+        input
+            && !is_nr(nr, libc::SYS_recvmsg)
+            && slot.state == SlotState::Arrived
+            && slot.consumed == t.produced
+            && t.pending.is_empty()
+            && !self.reintegration_due
+            && t.inputs.len() < MAX_QUEUED_INPUTS
+            && !self.processes[t.process].exiting
+    }
+
+    fn run_input_ahead(&mut self, task: TaskId) -> Result<(), Stopped> {
+        let Some(Arrival::Syscall { nr, args }) = self.slot(task, self.leader).arrival else {
+            return Ok(());
+        };
+        self.stats.count(Class::Input);
+        self.stats.rendezvous += 1;
+        self.tasks[task].phase = Phase::Leader {
+            nr,
+            args,
+            class: Class::Input,
+        };
+        self.resume(task, self.leader, Resume::ToExit, SlotState::Executing);
+        Ok(())
+    }
+
     /// The comparison key of replica `r` at this rendezvous; folds the call into the
     /// replica's running signature as a side effect (once per rendezvous).
     fn key(&mut self, task: TaskId, r: ReplicaId) -> Key {
         let slot = self.slot(task, r);
-        match slot.arrival.expect("arrived") {
+        let inputs = if self.opts.compare == CompareMode::Io {
+            slot.consumed
+        } else {
+            0
+        };
+        let (kind, a, b) = match slot.arrival.expect("arrived") {
             Arrival::Died(d) => {
                 let code = match d {
                     Death::Exited(c) => c as u64,
                     Death::Killed(s) => 0x1000 + s as u64,
                 };
-                Key { kind: 1, a: code, b: 0 }
+                (1, code, 0)
             }
-            Arrival::Fault { sig, addr } => Key {
-                kind: 2,
-                a: sig as u64,
-                b: addr,
-            },
-            Arrival::Rdtsc { len } => Key {
-                kind: 3,
-                a: len as u64,
-                b: 0,
-            },
-            Arrival::Cpuid { leaf, subleaf } => Key {
-                kind: 5,
-                a: leaf as u64,
-                b: subleaf as u64,
-            },
+            Arrival::Fault { sig, addr } => (2, sig as u64, addr),
+            Arrival::Rdtsc { len } => (3, len as u64, 0),
+            Arrival::Cpuid { leaf, subleaf } => (5, leaf as u64, subleaf as u64),
             Arrival::Syscall { nr, args } => {
                 let tid = slot.tid;
                 let desc = syscalls::describe(nr);
@@ -115,9 +154,10 @@ impl Session {
                     CompareMode::Every => signature,
                     CompareMode::Io | CompareMode::Args => 0,
                 };
-                Key { kind: 4, a: nr, b }
+                (4, nr, b)
             }
-        }
+        };
+        Key { kind, a, b, inputs }
     }
 
     /// Descriptions of what each member arrived with: bare, and as "replica N: ..." values.
@@ -504,9 +544,21 @@ impl Session {
             fds = new_fds(desc, &args, ret, &outputs);
         }
         fds.extend(&outputs.passed_fds);
+        // `--compare io`: inputs are counted, and followers not at this very input get it
+        // later from the task's queue.
+        let io_input = self.opts.compare == CompareMode::Io && class == Class::Input;
+        let index = self.tasks[task].produced;
         for f in self.live_slots(task) {
             if f == leader || self.slot(task, f).state != SlotState::Arrived {
                 continue;
+            }
+            if io_input {
+                let at_this_input = matches!(self.slot(task, f).arrival, Some(Arrival::Syscall { nr: n, .. }) if n == nr)
+                    && self.slot(task, f).consumed == index;
+                if !at_this_input {
+                    continue;
+                }
+                self.slot_mut(task, f).consumed = index + 1;
             }
             let ftid = self.slot(task, f).tid;
             let fargs = ptrace::syscall_args(&self.slot(task, f).regs);
@@ -524,6 +576,22 @@ impl Session {
                 self.resume(task, f, Resume::Run, SlotState::Running);
             } else {
                 self.install_fds(task, f, ltgid, &fds, ret)?;
+            }
+        }
+        if io_input {
+            self.tasks[task].produced = index + 1;
+            self.slot_mut(task, leader).consumed = index + 1;
+            let behind = self
+                .live_slots(task)
+                .iter()
+                .any(|&f| self.slot(task, f).state != SlotState::Dead && self.slot(task, f).consumed <= index);
+            if behind {
+                self.tasks[task].inputs.push_back(InputRecord {
+                    index,
+                    nr,
+                    ret,
+                    outputs,
+                });
             }
         }
         self.tasks[task].phase = Phase::Collect;
@@ -931,6 +999,7 @@ impl Session {
         let mut slot = Slot::new(child, child, SlotState::Running);
         slot.signature = self.slot(task, source).signature;
         slot.stops = self.slot(task, source).stops;
+        slot.consumed = self.slot(task, source).consumed;
         let _ = stgid;
         self.tasks[task].slots[id as usize] = Some(slot);
         self.by_tid.insert(child, (task, id));

@@ -105,6 +105,8 @@ pub struct Slot {
     /// kept from the comparison so that describing a divergence reads no memory.
     pub preview: [u8; PREVIEW],
     pub preview_len: u8,
+    /// `--compare io`: inputs of this task this replica has executed or been given.
+    pub consumed: u64,
 }
 
 /// Bytes of an output buffer kept for messages.
@@ -125,6 +127,7 @@ impl Slot {
             result: 0,
             preview: [0; PREVIEW],
             preview_len: 0,
+            consumed: 0,
         }
     }
 }
@@ -174,7 +177,22 @@ pub struct Task {
     pub finished: bool,
     /// Clock values, per clock id (see `clock.rs`).
     pub clocks: HashMap<i32, crate::clock::Sequence>,
+    /// `--compare io`: results of inputs the leader ran ahead of the followers, in order.
+    pub inputs: std::collections::VecDeque<InputRecord>,
+    /// `--compare io`: number of inputs the leader has run so far (the next record's index).
+    pub produced: u64,
 }
+
+/// The result of an input the leader ran without waiting for the followers.
+pub struct InputRecord {
+    pub index: u64,
+    pub nr: u64,
+    pub ret: i64,
+    pub outputs: crate::data::Outputs,
+}
+
+/// At most this many inputs may wait for slow followers; beyond it the leader waits too.
+pub const MAX_QUEUED_INPUTS: usize = 256;
 
 pub struct Process {
     pub logical_pid: i32,
@@ -458,6 +476,8 @@ impl Session {
             logical_tid,
             finished: false,
             clocks: HashMap::new(),
+            inputs: std::collections::VecDeque::new(),
+            produced: 0,
         }
     }
 
@@ -685,6 +705,9 @@ impl Session {
             self.answer_clock(task, r, regs, nr, args, clock);
             return Ok(());
         }
+        if self.opts.compare == crate::CompareMode::Io && self.consume_queued_input(task, r, regs, nr) {
+            return Ok(());
+        }
         // Re-arrival during an all-replica phase: a replica whose call was interrupted
         // runs it again, unless nobody completed it, in which case all meet again.
         if let Phase::All { .. } = self.tasks[task].phase {
@@ -717,6 +740,50 @@ impl Session {
         slot.arrival = Some(Arrival::Syscall { nr, args });
         self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
         self.try_decide(task)
+    }
+
+    /// `--compare io`: a replica behind the leader gets the leader's recorded result for
+    /// its next input at once. A different call than the leader made is not served: it
+    /// becomes an ordinary arrival, and the next vote (which compares how many inputs each
+    /// replica consumed) finds the divergence.
+    fn consume_queued_input(&mut self, task: TaskId, r: ReplicaId, mut regs: Regs, nr: u64) -> bool {
+        let consumed = self.slot(task, r).consumed;
+        let t = &self.tasks[task];
+        if consumed >= t.produced {
+            return false;
+        }
+        let Some(record) = t.inputs.iter().find(|rec| rec.index == consumed) else {
+            return false;
+        };
+        if record.nr != nr {
+            return false;
+        }
+        let desc = lockstep_trace::syscalls::describe(nr).expect("recorded calls are in the table");
+        let tid = self.slot(task, r).tid;
+        let args = ptrace::syscall_args(&regs);
+        crate::data::apply_outputs(&self.be, tid, desc, &args, record.ret, &record.outputs);
+        self.stats.bytes_copied += record.outputs.bytes();
+        ptrace::skip_with_result(&mut regs, record.ret);
+        let _ = self.be.set_regs(tid, &regs);
+        let _ = self.be.resume(tid, Resume::Run);
+        self.slot_mut(task, r).consumed += 1;
+        self.trim_inputs(task);
+        true
+    }
+
+    /// Drops recorded inputs every live replica has consumed.
+    pub fn trim_inputs(&mut self, task: TaskId) {
+        let min = self
+            .live_slots(task)
+            .iter()
+            .filter(|&&r| self.slot(task, r).state != SlotState::Dead)
+            .map(|&r| self.slot(task, r).consumed)
+            .min()
+            .unwrap_or(u64::MAX);
+        let t = &mut self.tasks[task];
+        while t.inputs.front().map(|rec| rec.index < min).unwrap_or(false) {
+            t.inputs.pop_front();
+        }
     }
 
     /// Answers a clock read at once from the task's sequence for that clock.
@@ -1202,6 +1269,19 @@ impl Session {
                     .replica(new)
                     .message(format!("replica {new} is the new leader")),
             );
+            // The faulty leader may have run inputs ahead that the others have not consumed:
+            // those inputs were taken from the outside world and cannot be replayed.
+            let lost = self.tasks.iter().any(|t| {
+                !t.finished
+                    && t.slots
+                        .get(new as usize)
+                        .and_then(|s| s.as_ref())
+                        .map(|s| s.consumed < t.produced)
+                        .unwrap_or(false)
+            });
+            if lost {
+                return Err(self.halt("the faulty leader had run inputs ahead of the other replicas".into()));
+            }
         }
         if self.opts.reintegrate && self.live_replicas().len() < self.want_replicas as usize {
             self.reintegration_due = true;
