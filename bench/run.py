@@ -1025,7 +1025,7 @@ def mode_spread_text(summary):
             txt.append(f"with -r {reps} the three comparison modes span {fpct(min(fr))} to {fpct(max(fr))}")
     if not txt:
         return ""
-    return ("Comparison mode: " + "; ".join(txt) + ". All three modes stop the replicas at the same syscalls, so "
+    return ("Comparison mode: " + "; ".join(txt) + ". Every replica still stops at every intercepted syscall in all three modes (in io mode the leader no longer waits for the followers at inputs, but each follower still stops to take the leader's result), so "
             "a small spread means that the cost of stopping and resuming every replica at each intercepted syscall, "
             "not what is compared, dominates the gap; closing it needs a much cheaper per-syscall rendezvous.")
 
