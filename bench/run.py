@@ -927,10 +927,12 @@ def markdown(results, chart_rel, command, json_rel):
     ]
     kept = results.get("kept_from_previous")
     if kept:
-        lines[-1:-1] = [
-            f"- sections {', '.join(kept['sections'])} are from an earlier run (`{kept['command']}` at commit "
-            f"`{(kept['commit'] or '?')[:12]}`); only the others were measured by the command above."
-        ]
+        notes = []
+        for section in kept["sections"]:
+            prov = results.get(section, {}).get("provenance") or {"command": kept["command"], "commit": kept["commit"]}
+            notes.append(f"{section} by `{prov['command']}` at commit `{(prov.get('commit') or '?')[:12]}`")
+        lines[-1:-1] = ["- sections measured by earlier runs: " + "; ".join(notes)
+                        + ". Only the others were measured by the command above."]
     if "redis" in results:
         lines += md_redis(results["redis"], chart_rel)
     if "xz" in results:
@@ -1211,12 +1213,17 @@ def main():
         LOCKSTEP = tmp / "lockstep"
         shutil.copy2(BUILT_LOCKSTEP, LOCKSTEP)
         try:
+            provenance = {"command": command, "commit": results["machine"]["git_commit"],
+                          "date": results["machine"]["date"]}
             if "redis" in which:
                 results["redis"] = bench_redis(args.quick, tmp)
+                results["redis"]["provenance"] = provenance
             if "xz" in which:
                 results["xz"] = bench_xz(args.quick, tmp)
+                results["xz"]["provenance"] = provenance
             if "recovery" in which:
                 results["recovery"] = bench_recovery(args.quick, tmp)
+                results["recovery"]["provenance"] = provenance
         finally:
             results["duration_s"] = round(time.monotonic() - T0, 1)
             results["loadavg_end"] = os.getloadavg()
