@@ -313,3 +313,57 @@ fn io_mode_dmr_halts_before_the_corrupted_line() {
         out.context()
     );
 }
+
+/// A real server: Python's http.server answers a request from outside the replica set,
+/// then gets SIGINT while it sits in poll(). The interrupted poll is re-run by every
+/// replica from identical memory (the kernel had already written `revents` into the
+/// leader's copy), so the replicas must still agree, and Python exits 0 on
+/// KeyboardInterrupt.
+#[test]
+fn python_http_server_serves_and_stops_on_sigint() {
+    use std::io::{Read, Write};
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dir = scratch_dir("http");
+    std::fs::write(dir.join("page.txt"), "hello from lockstep\n").unwrap();
+    let ev = events_path("http");
+    let evs = ev.to_string_lossy().into_owned();
+    let py = python3();
+    let port_s = port.to_string();
+    let dir_s = dir.to_string_lossy().into_owned();
+    let cmd = lockstep_run(
+        &["-r", "3", "--events", &evs],
+        &[
+            py.as_os_str(),
+            "-m".as_ref(),
+            "http.server".as_ref(),
+            port_s.as_ref(),
+            "--bind".as_ref(),
+            "127.0.0.1".as_ref(),
+            "--directory".as_ref(),
+            dir_s.as_ref(),
+        ],
+    );
+    let running = spawn(cmd);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let body = loop {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            s.write_all(b"GET /page.txt HTTP/1.0\r\n\r\n").unwrap();
+            let mut reply = String::new();
+            s.read_to_string(&mut reply).unwrap();
+            break reply;
+        }
+        assert!(std::time::Instant::now() < deadline, "server did not come up");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(body.contains("hello from lockstep"), "reply: {body}");
+    // Interrupt it in the first poll() after the request (poll times out every 500 ms;
+    // that first poll is the one whose `revents` the leader's kernel has just rewritten).
+    std::thread::sleep(Duration::from_millis(250));
+    running.signal(libc::SIGINT);
+    let out = running.finish(Duration::from_secs(30));
+    out.assert_code(0);
+    assert_agreed(&read_events_of(&ev, &out), &out);
+}

@@ -297,6 +297,31 @@ pub fn apply_outputs(
     failed + outputs.pieces.len().saturating_sub(locs.len())
 }
 
+/// Copies the leader's in/out buffers of `desc` into a follower (each at its own address).
+/// Used when the leader's call was interrupted and will run again: the kernel may already
+/// have written into them (`poll` writes `revents` even when interrupted), and the
+/// replicas must run the call again from identical memory.
+pub fn sync_inout(
+    be: &dyn Backend,
+    leader: Tid,
+    follower: Tid,
+    desc: &Desc,
+    leader_args: &[u64; 6],
+    follower_args: &[u64; 6],
+) {
+    for (i, arg) in desc.args.iter().enumerate() {
+        if let Arg::InOut(len) = *arg {
+            let n = length(be, leader, len, leader_args, None).unwrap_or(0);
+            if leader_args[i] == 0 || follower_args[i] == 0 || n == 0 {
+                continue;
+            }
+            if let Ok(bytes) = be.read_vec(leader, leader_args[i], n) {
+                let _ = be.write(follower, follower_args[i], &bytes);
+            }
+        }
+    }
+}
+
 /// File descriptors carried by SCM_RIGHTS messages in a control buffer.
 fn scm_rights(control: &[u8]) -> Vec<i32> {
     let mut fds = Vec::new();

@@ -450,9 +450,19 @@ impl Session {
         };
         let ret = regs.rax as i64;
         match self.tasks[task].phase {
-            Phase::Leader { nr, .. } | Phase::LeaderFirst { nr, .. } if ptrace::is_restart(ret) => {
+            Phase::Leader { nr, args, .. } | Phase::LeaderFirst { nr, args } if ptrace::is_restart(ret) => {
                 // Interrupted (by a signal or our kick): run it again from the start; the
-                // followers are still parked at the same call.
+                // followers are still parked at the same call. Whatever the kernel already
+                // wrote into the leader's in/out buffers is given to them too.
+                if let Some(desc) = syscalls::describe(nr) {
+                    for f in self.live_slots(task) {
+                        let fslot = self.slot(task, f);
+                        if f != r && fslot.state == SlotState::Arrived {
+                            let fargs = ptrace::syscall_args(&fslot.regs);
+                            data::sync_inout(&self.be, tid, fslot.tid, desc, &args, &fargs);
+                        }
+                    }
+                }
                 ptrace::rewind_to_syscall(&mut regs, nr);
                 let _ = self.be.set_regs(tid, &regs);
                 self.tasks[task].phase = Phase::Collect;
