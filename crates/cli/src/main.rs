@@ -1,5 +1,6 @@
 //! `lockstep`: the thin command-line front end. One module per subcommand.
 
+mod inject;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -15,6 +16,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     Run(run::RunArgs),
+    Inject(inject::InjectArgs),
 }
 
 fn main() {
@@ -29,6 +31,7 @@ fn main() {
     };
     let code = match cli.command {
         Command::Run(args) => run::main(args),
+        Command::Inject(args) => inject::main(args),
     };
     std::process::exit(code);
 }

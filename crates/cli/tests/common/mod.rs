@@ -129,7 +129,7 @@ pub fn fixture_flags(name: &str) -> &'static [&'static str] {
             "-no-pie",
         ],
         "threads" => &["-pthread"],
-        "trace_user" | "io_copy" => &[
+        "trace_user" | "io_copy" | "outcome" => &[
             "-static",
             "-nostdlib",
             "-ffreestanding",

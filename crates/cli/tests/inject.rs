@@ -1,0 +1,277 @@
+//! `lockstep inject`: each fault model injects, each outcome class is produced and
+//! classified, replay reproduces deterministic points, campaigns resume, and parallel
+//! campaigns give the same totals as sequential ones.
+
+mod common;
+use common::*;
+use lockstep_inject::classify::{classify, Class, Compare, Golden};
+use lockstep_inject::fault::{Applied, Model, Region, Rng, Scope, Width};
+use lockstep_inject::target::{self, Ending, Plan, Point};
+use std::time::Duration;
+
+const COMPARE: Compare = Compare {
+    stdout: true,
+    stderr: false,
+    exit: true,
+};
+
+fn golden_of(argv: &[String]) -> Golden {
+    let o = target::run(argv, &Plan::None, Duration::from_secs(10), &scratch_dir("golden")).unwrap();
+    Golden {
+        ending: o.ending,
+        stdout: o.stdout,
+        stderr: o.stderr,
+    }
+}
+
+fn argv(name: &str, args: &[&str]) -> Vec<String> {
+    let mut v = vec![fixture(name).to_string_lossy().into_owned()];
+    v.extend(args.iter().map(|s| s.to_string()));
+    v
+}
+
+/// Flips `mask` of register `reg` after syscall `k` returns.
+fn flip_reg(argv: &[String], k: u64, reg: &str, mask: u64) -> (Class, target::Outcome) {
+    let applied = Applied {
+        model: Model::Reg,
+        register: Some(reg.into()),
+        address: None,
+        mask,
+        old: 0,
+        new: 0,
+    };
+    let plan = Plan::Replay {
+        point: Point::Syscall { k, steps: 0 },
+        applied,
+    };
+    let o = target::run(argv, &plan, Duration::from_secs(2), &scratch_dir("flip")).unwrap();
+    (classify(&golden_of(argv), &o, COMPARE), o)
+}
+
+#[test]
+fn each_outcome_class_is_produced_and_classified() {
+    for (mode, class) in [
+        ("masked", Class::Masked),
+        ("detect", Class::Detected),
+        ("crash", Class::Crash),
+        ("hang", Class::Hang),
+        ("error", Class::ProgramError),
+        ("sdc", Class::Sdc),
+    ] {
+        let a = argv("outcome", &[mode]);
+        // rax holds write()'s return value (6) at the exit of syscall 1.
+        let (got, o) = flip_reg(&a, 1, "rax", 1);
+        assert_eq!(
+            got,
+            class,
+            "mode {mode}: ending {:?}, stdout {:?}",
+            o.ending,
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
+    // A point after the program's last syscall is never reached.
+    let (got, _) = flip_reg(&argv("outcome", &["detect"]), 99, "rax", 1);
+    assert_eq!(got, Class::NotActivated);
+}
+
+#[test]
+fn reg_fault_changes_a_printed_value_in_a_known_way() {
+    // flip_target keeps its accumulator in r12 across each write: flipping bit 0 after
+    // write #8 changes every later line and none before.
+    let a = argv("flip_target", &[]);
+    let native = flip_target_native();
+    let (class, o) = flip_reg(&a, 8, "r12", 1);
+    assert_eq!(class, Class::Sdc);
+    let (got, want) = (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&native).into_owned(),
+    );
+    let (g, w): (Vec<&str>, Vec<&str>) = (got.lines().collect(), want.lines().collect());
+    assert_eq!(g.len(), w.len());
+    assert_eq!(g[..8], w[..8], "lines before the fault are intact");
+    assert!(
+        g[8..].iter().zip(&w[8..]).all(|(x, y)| x != y),
+        "every later line differs:\n{got}"
+    );
+}
+
+#[test]
+fn ip_fault_crashes() {
+    let a = argv("outcome", &["masked"]);
+    let (class, o) = flip_reg(&a, 1, "rip", 1 << 40);
+    assert_eq!(class, Class::Crash, "{:?}", o.ending);
+    assert!(matches!(o.ending, Ending::Signaled(libc::SIGSEGV)));
+}
+
+fn symbol(binary: &std::path::Path, name: &str) -> u64 {
+    let out = std::process::Command::new("nm")
+        .arg(binary)
+        .output()
+        .expect("nm (binutils) is needed");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.ends_with(&format!(" {name}")))
+        .unwrap_or_else(|| panic!("no symbol {name}"));
+    u64::from_str_radix(line.split_whitespace().next().unwrap(), 16).unwrap()
+}
+
+#[test]
+fn mem_fault_changes_the_byte_it_names() {
+    // Flip bit 2 of '4' in "value=42" in .data: '4' (0x34) becomes '0' (0x30).
+    let a = argv("outcome", &["masked"]);
+    let addr = symbol(&fixture("outcome"), "value") + 6;
+    let applied = Applied {
+        model: Model::Mem,
+        register: None,
+        address: Some(addr),
+        mask: 4,
+        old: 0,
+        new: 0,
+    };
+    let plan = Plan::Replay {
+        point: Point::Syscall { k: 1, steps: 0 },
+        applied,
+    };
+    let o = target::run(&a, &plan, Duration::from_secs(2), &scratch_dir("mem")).unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "start\nvalue=02\n");
+    assert_eq!(classify(&golden_of(&a), &o, COMPARE), Class::Sdc);
+}
+
+#[test]
+fn fresh_faults_of_every_model_are_applied_where_they_should_be() {
+    let a = argv("outcome", &["masked"]);
+    let exe_text = {
+        // The r-x mapping of a non-PIE static binary starts at 0x401000.
+        0x400000u64..0x500000u64
+    };
+    for (model, region) in [
+        (Model::Reg, Region::All),
+        (Model::Ip, Region::All),
+        (Model::Mem, Region::Data),
+        (Model::Text, Region::All),
+    ] {
+        for seed in 0..5 {
+            let plan = Plan::Fresh {
+                model,
+                width: Width::One,
+                scope: Scope { region, libs: false },
+                point: Point::Syscall { k: 1, steps: 0 },
+                rng: Rng::new(seed),
+            };
+            let o = target::run(&a, &plan, Duration::from_secs(2), &scratch_dir("fresh")).unwrap();
+            let applied = o.applied.unwrap_or_else(|| panic!("{model:?} was not applied"));
+            assert_eq!(applied.model, model);
+            assert_eq!(applied.mask.count_ones(), 1, "one bit");
+            assert_eq!(applied.old ^ applied.new, applied.mask);
+            match model {
+                Model::Reg => assert!(applied.register.as_deref().is_some_and(|r| r != "rip" && r != "rsp")),
+                Model::Ip => assert_eq!(applied.register.as_deref(), Some("rip")),
+                Model::Mem => assert!(applied.address.is_some()),
+                Model::Text => assert!(
+                    exe_text.contains(&applied.address.unwrap()),
+                    "{:#x}",
+                    applied.address.unwrap()
+                ),
+            }
+        }
+    }
+}
+
+// --- the command line ---------------------------------------------------------------
+
+fn inject_cmd(out: &std::path::Path, extra: &[&str], prog: &[String]) -> std::process::Command {
+    let mut c = lockstep();
+    c.arg("inject").arg("--out").arg(out).args(extra).arg("--").args(prog);
+    c
+}
+
+fn summary_counts(out: &std::path::Path) -> Vec<(String, u64)> {
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    s["classes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["class"].as_str().unwrap().to_string(), c["count"].as_u64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn parallel_and_sequential_campaigns_agree_and_resume_works() {
+    let prog = argv("flip_target", &[]);
+    let seq = scratch_dir("seq");
+    let par = scratch_dir("par");
+    let opts = ["--fault", "reg", "--at", "syscall:8", "--seed", "7", "--golden", "2"];
+    let mut s = opts.to_vec();
+    s.extend(["--runs", "40", "-j", "1"]);
+    run(inject_cmd(&seq, &s, &prog)).assert_code(0);
+    // The parallel campaign is interrupted after 15 runs and resumed.
+    let mut p1 = opts.to_vec();
+    p1.extend(["--runs", "15", "-j", "2"]);
+    run(inject_cmd(&par, &p1, &prog)).assert_code(0);
+    let mut p2 = opts.to_vec();
+    p2.extend(["--runs", "40", "-j", "2"]);
+    run(inject_cmd(&par, &p2, &prog)).assert_code(0);
+    let lines = std::fs::read_to_string(par.join("results.jsonl")).unwrap();
+    assert_eq!(
+        lines.lines().count(),
+        40,
+        "the resumed campaign ran only the missing runs"
+    );
+    assert_eq!(summary_counts(&seq), summary_counts(&par));
+    let total: u64 = summary_counts(&seq).iter().map(|(_, n)| n).sum();
+    assert_eq!(total, 40);
+}
+
+#[test]
+fn replay_reproduces_a_deterministic_point() {
+    let prog = argv("flip_target", &[]);
+    let out = scratch_dir("replay");
+    run(inject_cmd(
+        &out,
+        &["--fault", "reg", "--at", "syscall:5", "--runs", "12", "-j", "2"],
+        &prog,
+    ))
+    .assert_code(0);
+    let records = lockstep_inject::campaign::load_results(&out.join("results.jsonl"));
+    for rec in records.iter().filter(|r| r.applied.is_some()).take(6) {
+        let spec = format!("{}:{}", out.join("results.jsonl").display(), rec.run);
+        let o = run(inject_cmd(&out, &["--replay", &spec], &prog));
+        o.assert_code(0);
+        let want = format!("recorded {}, replayed {}", rec.class.name(), rec.class.name());
+        assert!(o.stdout_str().contains(&want), "{}", o.context());
+    }
+}
+
+#[test]
+fn bad_input_is_refused_clearly() {
+    let out = scratch_dir("bad");
+    let prog = argv("outcome", &["masked"]);
+    for (args, code, text) in [
+        (vec!["--fault", "bogus"], 2, "unknown fault model"),
+        (
+            vec!["--runs", "5", "--confidence", "95", "--margin", "1"],
+            2,
+            "either --runs",
+        ),
+        (vec!["--confidence", "95"], 2, "go together"),
+        (vec!["--at", "syscall:0"], 2, "bad --at"),
+        (vec!["--region", "heap"], 2, "only applies"),
+    ] {
+        let o = run(inject_cmd(&out, &args, &prog));
+        o.assert_code(code);
+        assert!(o.stderr.contains(text), "{args:?}: {}", o.context());
+    }
+    let o = run(inject_cmd(&out, &["--runs", "1"], &["/nonexistent/prog".to_string()]));
+    o.assert_code(125);
+    assert!(o.stderr.contains("not found"), "{}", o.context());
+    // Output that changes from run to run cannot be classified.
+    let o = run(inject_cmd(
+        &out,
+        &["--runs", "1"],
+        &["sh".into(), "-c".into(), "echo $$".into()],
+    ));
+    o.assert_code(125);
+    assert!(o.stderr.contains("differs between golden runs"), "{}", o.context());
+}

@@ -1,0 +1,267 @@
+//! A campaign: golden runs, then N injections by J parallel workers, each appended to
+//! `results.jsonl` as it finishes so an interrupted campaign resumes where it stopped.
+
+use crate::classify::{classify, Class, Compare, Golden};
+use crate::fault::{Applied, Model, Rng, Scope, Width};
+use crate::target::{self, Ending, Plan, Point};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Everything a campaign needs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub argv: Vec<String>,
+    pub model: Model,
+    pub width: Width,
+    pub scope: Scope,
+    /// A fixed, deterministic point for every run; None: uniform over the golden runtime.
+    pub at: Option<Point>,
+    pub runs: u64,
+    pub jobs: usize,
+    pub seed: u64,
+    /// None: derived from the golden runtime.
+    pub timeout: Option<Duration>,
+    pub golden_runs: u32,
+    pub compare: Compare,
+    pub out: PathBuf,
+    pub confidence: f64,
+    /// Live progress line (a terminal) or plain lines.
+    pub live_progress: bool,
+}
+
+/// One injection, as stored in results.jsonl.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Record {
+    pub run: u64,
+    pub seed: u64,
+    pub point: Point,
+    pub model: Model,
+    pub applied: Option<Applied>,
+    pub class: Class,
+    pub ending: Ending,
+    pub wall_ms: f64,
+}
+
+/// What the golden runs established.
+pub struct Reference {
+    pub golden: Golden,
+    pub runtime: Duration,
+    pub timeout: Duration,
+}
+
+/// Set by SIGINT: stop handing out runs, kill running targets, keep what is done.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// Runs the program `k` times without faults and checks that its behaviour is stable.
+pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
+    let scratch = cfg.out.join("work").join("golden");
+    let mut first: Option<Golden> = None;
+    let mut total = Duration::ZERO;
+    let limit = cfg.timeout.unwrap_or(Duration::from_secs(300));
+    for i in 0..cfg.golden_runs.max(1) {
+        let o =
+            target::run(&cfg.argv, &Plan::None, limit, &scratch).map_err(|e| format!("cannot run the target: {e}"))?;
+        match o.ending {
+            Ending::TimedOut => {
+                return Err(format!(
+                    "the target did not finish within {:.0} s in golden run {}",
+                    limit.as_secs_f64(),
+                    i + 1
+                ))
+            }
+            Ending::Exited(127) if o.stdout.is_empty() => {
+                return Err(format!("command not found or not executable: {}", cfg.argv[0]))
+            }
+            _ => {}
+        }
+        total += o.wall;
+        let g = Golden {
+            ending: o.ending,
+            stdout: o.stdout,
+            stderr: o.stderr,
+        };
+        match &first {
+            None => first = Some(g),
+            Some(f) => {
+                let differs = (cfg.compare.stdout && f.stdout != g.stdout)
+                    || (cfg.compare.stderr && f.stderr != g.stderr)
+                    || (cfg.compare.exit && f.ending != g.ending);
+                if differs {
+                    return Err(format!(
+                        "the target's output differs between golden runs 1 and {}: results could not be classified (make the output deterministic, or compare fewer channels)",
+                        i + 1
+                    ));
+                }
+            }
+        }
+    }
+    let runtime = total / cfg.golden_runs.max(1);
+    // Hang timeout: generous against noise, bounded below for very short programs.
+    let timeout = cfg
+        .timeout
+        .unwrap_or_else(|| (runtime * 10).max(Duration::from_secs(2)));
+    Ok(Reference {
+        golden: first.expect("at least one golden run"),
+        runtime,
+        timeout,
+    })
+}
+
+/// Per-run seed: depends only on the campaign seed and the run number, so results do not
+/// depend on how runs are spread over workers.
+pub fn run_seed(seed: u64, run: u64) -> u64 {
+    seed ^ run.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// Run numbers already in results.jsonl (resume), and their records.
+pub fn load_results(path: &std::path::Path) -> Vec<Record> {
+    let Ok(f) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
+    std::io::BufReader::new(f)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .collect()
+}
+
+/// Runs one injection.
+pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize) -> std::io::Result<Record> {
+    let seed = run_seed(cfg.seed, run);
+    let mut rng = Rng::new(seed);
+    let point = cfg.at.unwrap_or_else(|| Point::Time {
+        at_us: rng.below((reference.runtime.as_micros() as u64).max(1)),
+    });
+    let plan = Plan::Fresh {
+        model: cfg.model,
+        width: cfg.width,
+        scope: cfg.scope.clone(),
+        point,
+        rng,
+    };
+    let scratch = cfg.out.join("work").join(format!("worker-{worker}"));
+    let o = target::run(&cfg.argv, &plan, reference.timeout, &scratch)?;
+    let class = classify(&reference.golden, &o, cfg.compare);
+    Ok(Record {
+        run,
+        seed,
+        point,
+        model: cfg.model,
+        applied: o.applied,
+        class,
+        ending: o.ending,
+        wall_ms: o.wall.as_secs_f64() * 1e3,
+    })
+}
+
+/// Counts per class.
+pub fn tally(records: &[Record]) -> BTreeMap<Class, u64> {
+    let mut t = BTreeMap::new();
+    for r in records {
+        *t.entry(r.class).or_insert(0) += 1;
+    }
+    t
+}
+
+/// Runs the campaign and returns every record (old ones included when resuming).
+pub fn run(cfg: &Config, reference: &Reference) -> Result<Vec<Record>, String> {
+    std::fs::create_dir_all(&cfg.out).map_err(|e| format!("cannot create {}: {e}", cfg.out.display()))?;
+    let path = cfg.out.join("results.jsonl");
+    let mut records = load_results(&path);
+    let done: HashSet<u64> = records.iter().map(|r| r.run).collect();
+    let todo: Vec<u64> = (0..cfg.runs).filter(|r| !done.contains(r)).collect();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
+    }
+    let next = AtomicU64::new(0);
+    let started = Instant::now();
+    let (tx, rx) = mpsc::channel::<Result<Record, String>>();
+    let failure: Mutex<Option<String>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for worker in 0..cfg.jobs.max(1) {
+            let tx = tx.clone();
+            let (todo, next) = (&todo, &next);
+            s.spawn(move || loop {
+                if INTERRUPTED.load(Ordering::SeqCst) {
+                    break;
+                }
+                let i = next.fetch_add(1, Ordering::SeqCst) as usize;
+                let Some(&run) = todo.get(i) else { break };
+                let r = inject_once(cfg, reference, run, worker).map_err(|e| format!("run {run}: {e}"));
+                if INTERRUPTED.load(Ordering::SeqCst) {
+                    break; // a run cut short by Ctrl-C is not a result
+                }
+                if tx.send(r).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(tx);
+        let total = todo.len();
+        let mut finished = 0usize;
+        for r in rx {
+            match r {
+                Ok(rec) => {
+                    let line = serde_json::to_string(&rec).expect("records serialise");
+                    if writeln!(file, "{line}").is_err() {
+                        *failure.lock().expect("lock") = Some(format!("cannot append to {}", path.display()));
+                        INTERRUPTED.store(true, Ordering::SeqCst);
+                    }
+                    records.push(rec);
+                    finished += 1;
+                    progress(cfg, finished, total, started);
+                }
+                Err(e) => {
+                    *failure.lock().expect("lock") = Some(e);
+                    INTERRUPTED.store(true, Ordering::SeqCst);
+                }
+            }
+        }
+    });
+    if cfg.live_progress {
+        eprintln!();
+    }
+    if let Some(e) = failure.into_inner().expect("lock") {
+        return Err(e);
+    }
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        eprintln!(
+            "lockstep inject: interrupted; {} results kept in {} (run again to resume)",
+            records.len(),
+            path.display()
+        );
+    }
+    records.sort_by_key(|r| r.run);
+    Ok(records)
+}
+
+fn progress(cfg: &Config, done: usize, total: usize, started: Instant) {
+    let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    let eta = (total - done) as f64 / rate.max(1e-9);
+    if cfg.live_progress {
+        let width = 30;
+        let filled = done * width / total.max(1);
+        eprint!(
+            "\r[{}{}] {done}/{total}  {rate:.1} runs/s  ETA {eta:.0} s ",
+            "#".repeat(filled),
+            ".".repeat(width - filled)
+        );
+    } else if done.is_multiple_of(100) || done == total {
+        eprintln!("lockstep inject: {done}/{total} runs, {rate:.1} runs/s, ETA {eta:.0} s");
+    }
+}

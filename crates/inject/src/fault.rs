@@ -1,0 +1,315 @@
+//! Fault models and how one fault is applied to a stopped thread. This is the engine both
+//! the standalone injector and (later) the run monitor drive; it only needs a stopped,
+//! traced thread.
+
+use lockstep_trace::{mem, ptrace, regs, Tid};
+use serde::{Deserialize, Serialize};
+use std::io;
+
+/// Where a fault goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Model {
+    /// A general-purpose register (RREG).
+    Reg,
+    /// A byte of writable memory (RVAL), weighted by region size.
+    Mem,
+    /// The instruction pointer (CF).
+    Ip,
+    /// A byte of a code page of the program (or of its libraries with `libs`).
+    Text,
+}
+
+impl std::str::FromStr for Model {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "reg" => Ok(Model::Reg),
+            "mem" => Ok(Model::Mem),
+            "ip" => Ok(Model::Ip),
+            "text" => Ok(Model::Text),
+            "dest" | "addr" | "mixed" => Err(format!(
+                "fault model '{s}' is not implemented yet (available: reg, mem, ip, text)"
+            )),
+            _ => Err(format!("unknown fault model '{s}' (expected reg, mem, ip or text)")),
+        }
+    }
+}
+
+/// How many bits change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Width {
+    /// One bit.
+    One,
+    /// Two adjacent bits.
+    Two,
+    /// A random word replaces the value.
+    Word,
+}
+
+impl std::str::FromStr for Width {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "1" => Ok(Width::One),
+            "2" => Ok(Width::Two),
+            "word" => Ok(Width::Word),
+            _ => Err(format!("bad --bits '{s}' (expected 1, 2 or word)")),
+        }
+    }
+}
+
+/// Memory regions for `mem` faults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Region {
+    Heap,
+    Stack,
+    Data,
+    Anon,
+    All,
+}
+
+impl std::str::FromStr for Region {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "heap" => Ok(Region::Heap),
+            "stack" => Ok(Region::Stack),
+            "data" => Ok(Region::Data),
+            "anon" => Ok(Region::Anon),
+            "all" => Ok(Region::All),
+            _ => Err(format!("bad --region '{s}' (expected heap, stack, data, anon or all)")),
+        }
+    }
+}
+
+/// A small deterministic generator (SplitMix64), one per injection run, so that a run's
+/// choices depend only on the campaign seed and the run's number.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in 0..n (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        assert!(n > 0, "empty range");
+        self.next_u64() % n
+    }
+}
+
+/// What was changed, recorded so that the injection can be replayed and reported.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Applied {
+    pub model: Model,
+    /// Register name for reg/ip faults.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub register: Option<String>,
+    /// Address for mem/text faults.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub address: Option<u64>,
+    /// Bits that changed (XOR mask).
+    pub mask: u64,
+    pub old: u64,
+    pub new: u64,
+}
+
+fn mask_for(width: Width, bits: u32, rng: &mut Rng, old: u64) -> u64 {
+    match width {
+        Width::One => 1u64 << rng.below(bits as u64),
+        Width::Two => 3u64 << rng.below(bits as u64 - 1),
+        Width::Word => {
+            let all = if bits == 64 { u64::MAX } else { (1u64 << bits) - 1 };
+            // A random value that differs from the old one.
+            let new = rng.next_u64() & all;
+            let m = (new ^ old) & all;
+            if m == 0 {
+                1
+            } else {
+                m
+            }
+        }
+    }
+}
+
+/// A writable or executable mapping of the target.
+#[derive(Clone, Debug)]
+struct Mapping {
+    start: u64,
+    end: u64,
+}
+
+fn mappings(pid: Tid, want: impl Fn(&str, &str) -> bool) -> io::Result<Vec<Mapping>> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut out = Vec::new();
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else {
+            continue;
+        };
+        let path = f.nth(3).unwrap_or("").to_string();
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(start), Ok(end)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
+            continue;
+        };
+        if want(perms, &path) && path != "[vvar]" && path != "[vdso]" && path != "[vsyscall]" {
+            out.push(Mapping { start, end });
+        }
+    }
+    Ok(out)
+}
+
+fn pick_byte(maps: &[Mapping], rng: &mut Rng) -> Option<u64> {
+    let total: u64 = maps.iter().map(|m| m.end - m.start).sum();
+    if total == 0 {
+        return None;
+    }
+    let mut at = rng.below(total);
+    for m in maps {
+        let len = m.end - m.start;
+        if at < len {
+            return Some(m.start + at);
+        }
+        at -= len;
+    }
+    None
+}
+
+/// Options that shape where a fault goes.
+#[derive(Clone, Debug)]
+pub struct Scope {
+    pub region: Region,
+    pub libs: bool,
+}
+
+/// Applies one fault of `model` to the stopped thread `tid` of process `pid`.
+pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng: &mut Rng) -> io::Result<Applied> {
+    match model {
+        Model::Reg | Model::Ip => {
+            let mut r = ptrace::get_regs(tid)?;
+            // rsp is left out of RREG: flipping it almost always crashes at once, which
+            // says little about the program (as in SEI's register model).
+            const CANDIDATES: [&str; 15] = [
+                "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15",
+            ];
+            let name = if model == Model::Ip {
+                "rip"
+            } else {
+                CANDIDATES[rng.below(CANDIDATES.len() as u64) as usize]
+            };
+            let reg = regs::by_name(&mut r, name).expect("known register");
+            let old = *reg;
+            let mask = mask_for(width, 64, rng, old);
+            *reg ^= mask;
+            let new = *reg;
+            ptrace::set_regs(tid, &r)?;
+            Ok(Applied {
+                model,
+                register: Some(name.to_string()),
+                address: None,
+                mask,
+                old,
+                new,
+            })
+        }
+        Model::Mem | Model::Text => {
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let maps = if model == Model::Text {
+                mappings(pid, |perms, path| {
+                    perms.starts_with("r-x") && (path == exe || (scope.libs && path.starts_with('/')))
+                })?
+            } else {
+                mappings(pid, |perms, path| {
+                    perms.starts_with("rw")
+                        && match scope.region {
+                            Region::Heap => path == "[heap]",
+                            Region::Stack => path == "[stack]",
+                            Region::Data => path.starts_with('/'),
+                            Region::Anon => path.is_empty(),
+                            Region::All => true,
+                        }
+                })?
+            };
+            let addr = pick_byte(&maps, rng)
+                .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no memory of the requested kind"))?;
+            let mut b = [0u8];
+            mem::read(tid, addr, &mut b)?;
+            let old = b[0] as u64;
+            let mask = mask_for(width, 8, rng, old);
+            b[0] ^= mask as u8;
+            mem::write(tid, addr, &b)?;
+            Ok(Applied {
+                model,
+                register: None,
+                address: Some(addr),
+                mask,
+                old,
+                new: b[0] as u64,
+            })
+        }
+    }
+}
+
+/// Re-applies a recorded fault exactly (for `--replay`).
+pub fn reapply(tid: Tid, applied: &Applied) -> io::Result<()> {
+    match (&applied.register, applied.address) {
+        (Some(name), _) => {
+            let mut r = ptrace::get_regs(tid)?;
+            let reg = regs::by_name(&mut r, name)
+                .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "unknown register"))?;
+            *reg ^= applied.mask;
+            ptrace::set_regs(tid, &r)
+        }
+        (None, Some(addr)) => {
+            let mut b = [0u8];
+            mem::read(tid, addr, &mut b)?;
+            b[0] ^= applied.mask as u8;
+            mem::write(tid, addr, &b)
+        }
+        (None, None) => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "record names no register or address",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_have_the_requested_width() {
+        let mut rng = Rng::new(7);
+        for _ in 0..1000 {
+            assert_eq!(mask_for(Width::One, 64, &mut rng, 0).count_ones(), 1);
+            let two = mask_for(Width::Two, 8, &mut rng, 0);
+            assert_eq!(two.count_ones(), 2);
+            assert!(two < 256 && (two & (two >> 1)) != 0, "adjacent bits: {two:b}");
+            assert_ne!(mask_for(Width::Word, 8, &mut rng, 0x5a), 0);
+        }
+    }
+
+    #[test]
+    fn generator_is_deterministic() {
+        let a: Vec<u64> = (0..5)
+            .map({
+                let mut r = Rng::new(42);
+                move |_| r.next_u64()
+            })
+            .collect();
+        let mut r = Rng::new(42);
+        assert_eq!(a, (0..5).map(|_| r.next_u64()).collect::<Vec<_>>());
+    }
+}

@@ -1,0 +1,15 @@
+//! `lockstep inject`: fault-injection campaigns on real processes.
+//!
+//! * [`fault`]: fault models and applying one fault to a stopped thread (the engine).
+//! * [`target`]: running one process natively or up to an injection point.
+//! * [`classify`]: outcome classes against the golden runs.
+//! * [`campaign`]: golden runs, parallel workers, resumable results.
+//! * [`stats`]: Wilson intervals, zero-event bounds, Leveugle sample sizes.
+//! * [`report`]: summary.json, summary.md and the SVG chart.
+
+pub mod campaign;
+pub mod classify;
+pub mod fault;
+pub mod report;
+pub mod stats;
+pub mod target;
