@@ -79,6 +79,11 @@ pub struct InjectArgs {
     /// Output directory.
     #[arg(long, default_value = "inject-out", value_name = "DIR")]
     out: PathBuf,
+    /// Fault one replica of a `lockstep run` target (leader, follower or any) instead of
+    /// the target process: the run monitor applies the fault. With --at syscall:K, K counts
+    /// the replica's intercepted syscalls (its first is the execve).
+    #[arg(long, value_name = "WHICH")]
+    replica: Option<String>,
     /// Re-run one recorded injection: RESULTS.jsonl:RUN.
     #[arg(long, value_name = "FILE:RUN")]
     replay: Option<String>,
@@ -143,6 +148,25 @@ pub fn main(a: InjectArgs) -> i32 {
     if runs == 0 {
         return usage("--runs must be at least 1");
     }
+    let replica = match a
+        .replica
+        .as_deref()
+        .map(str::parse::<lockstep_inject::fault::ReplicaChoice>)
+        .transpose()
+    {
+        Ok(r) => r,
+        Err(e) => return usage(&e),
+    };
+    let is_lockstep_run = a.command.len() >= 2 && a.command[0].ends_with("lockstep") && a.command[1] == "run";
+    if replica.is_some() && !is_lockstep_run {
+        return usage("--replica needs a `lockstep run ...` command as the target");
+    }
+    if replica.is_some() && a.replay.is_some() {
+        return usage("--replay of replica faults is not supported yet");
+    }
+    if matches!(at, Some(Point::Syscall { steps, .. }) if steps > 0) && replica.is_some() {
+        return usage("--at syscall:K+steps:D is not supported with --replica");
+    }
     let jobs = a
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
@@ -161,6 +185,7 @@ pub fn main(a: InjectArgs) -> i32 {
         out: a.out.clone(),
         confidence,
         live_progress: std::io::stderr().is_terminal(),
+        replica,
     };
     if let Some(spec) = a.replay.as_deref() {
         return replay(&cfg, spec);

@@ -258,6 +258,8 @@ fn bad_input_is_refused_clearly() {
         (vec!["--confidence", "95"], 2, "go together"),
         (vec!["--at", "syscall:0"], 2, "bad --at"),
         (vec!["--region", "heap"], 2, "only applies"),
+        (vec!["--replica", "leader"], 2, "needs a `lockstep run"),
+        (vec!["--replica", "middle"], 2, "bad --replica"),
     ] {
         let o = run(inject_cmd(&out, &args, &prog));
         o.assert_code(code);
@@ -274,4 +276,100 @@ fn bad_input_is_refused_clearly() {
     ));
     o.assert_code(125);
     assert!(o.stderr.contains("differs between golden runs"), "{}", o.context());
+}
+
+// --- faults in one replica of a `lockstep run` group ----------------------------------
+
+fn sdc_count(out: &std::path::Path) -> u64 {
+    summary_counts(out)
+        .iter()
+        .find(|(c, _)| c == "sdc")
+        .map(|(_, n)| *n)
+        .unwrap()
+}
+
+#[test]
+fn replicas_turn_native_sdc_into_masked_faults() {
+    let prog = argv("flip_target", &[]);
+    let lockstep_bin = env!("CARGO_BIN_EXE_lockstep").to_string();
+    // Register faults right after write #8 (native syscall 8; stop 9 in a replica, whose
+    // first intercepted stop is its execve). flip_target keeps live state in r12 there, so
+    // some of these faults corrupt the output natively.
+    let native = scratch_dir("native-sdc");
+    let opts = [
+        "--fault",
+        "reg",
+        "--at",
+        "syscall:8",
+        "--runs",
+        "60",
+        "--seed",
+        "3",
+        "--golden",
+        "1",
+    ];
+    run(inject_cmd(&native, &opts, &prog)).assert_code(0);
+    let tmr = scratch_dir("tmr-sdc");
+    let mut target = vec![
+        lockstep_bin,
+        "run".into(),
+        "-r".into(),
+        "3".into(),
+        "-q".into(),
+        "--".into(),
+    ];
+    target.extend(prog.iter().cloned());
+    let topts = [
+        "--fault",
+        "reg",
+        "--replica",
+        "any",
+        "--at",
+        "syscall:9",
+        "--runs",
+        "60",
+        "--seed",
+        "3",
+        "--golden",
+        "1",
+    ];
+    run(inject_cmd(&tmr, &topts, &target)).assert_code(0);
+    let (n, t) = (sdc_count(&native), sdc_count(&tmr));
+    assert!(n >= 1, "native runs should show sdc for r12 faults (got {n})");
+    assert_eq!(t, 0, "no sdc may escape TMR");
+    let activated: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmr.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(activated["activated"], 60, "every replica fault was applied");
+}
+
+#[test]
+fn a_replica_fault_is_masked_and_shows_in_the_events() {
+    use lockstep_inject::fault::{ReplicaChoice, ReplicaFault, REPLICA_FAULT_ENV};
+    // Pick a seed whose first draw selects r12 (index 11 of the register list).
+    let seed = (0..10_000u64).find(|&s| Rng::new(s).below(15) == 11).unwrap();
+    let dir = scratch_dir("replica-fault");
+    let record = dir.join("applied.json");
+    let fault = ReplicaFault {
+        model: Model::Reg,
+        width: Width::One,
+        region: Region::All,
+        libs: false,
+        replica: ReplicaChoice::Follower,
+        at_stop: Some(9),
+        after_us: None,
+        seed,
+        record: record.clone(),
+    };
+    let ev = events_path("replica-fault");
+    let evs = ev.to_string_lossy().into_owned();
+    let mut cmd = lockstep_run(&["-r", "3", "--events", &evs], &[fixture("flip_target")]);
+    cmd.env(REPLICA_FAULT_ENV, serde_json::to_string(&fault).unwrap());
+    let out = run(cmd);
+    out.assert_code(0).assert_stdout(&flip_target_native());
+    let applied: Applied = serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap();
+    assert_eq!(applied.register.as_deref(), Some("r12"));
+    let events = read_events_of(&ev, &out);
+    assert_event(&events, "inject", Some("flip"), &out);
+    assert_event(&events, "divergence", None, &out);
+    assert_event(&events, "mask", Some("continue"), &out);
 }

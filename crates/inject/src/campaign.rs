@@ -32,6 +32,8 @@ pub struct Config {
     pub confidence: f64,
     /// Live progress line (a terminal) or plain lines.
     pub live_progress: bool,
+    /// Fault one replica of a `lockstep run` target instead of the target process.
+    pub replica: Option<crate::fault::ReplicaChoice>,
 }
 
 /// One injection, as stored in results.jsonl.
@@ -141,15 +143,49 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
     let point = cfg.at.unwrap_or_else(|| Point::Time {
         at_us: rng.below((reference.runtime.as_micros() as u64).max(1)),
     });
-    let plan = Plan::Fresh {
-        model: cfg.model,
-        width: cfg.width,
-        scope: cfg.scope.clone(),
-        point,
-        rng,
-    };
     let scratch = cfg.out.join("work").join(format!("worker-{worker}"));
-    let o = target::run(&cfg.argv, &plan, reference.timeout, &scratch)?;
+    let o = match cfg.replica {
+        None => {
+            let plan = Plan::Fresh {
+                model: cfg.model,
+                width: cfg.width,
+                scope: cfg.scope.clone(),
+                point,
+                rng,
+            };
+            target::run(&cfg.argv, &plan, reference.timeout, &scratch)?
+        }
+        Some(choice) => {
+            // The run monitor applies the fault to the chosen replica and records it.
+            std::fs::create_dir_all(&scratch)?;
+            let record = scratch.join("applied.json");
+            let _ = std::fs::remove_file(&record);
+            let (at_stop, after_us) = match point {
+                Point::Syscall { k, .. } => (Some(k), None),
+                Point::Time { at_us } => (None, Some(at_us)),
+            };
+            let fault = crate::fault::ReplicaFault {
+                model: cfg.model,
+                width: cfg.width,
+                region: cfg.scope.region,
+                libs: cfg.scope.libs,
+                replica: choice,
+                at_stop,
+                after_us,
+                seed,
+                record: record.clone(),
+            };
+            let env = [(
+                crate::fault::REPLICA_FAULT_ENV.to_string(),
+                serde_json::to_string(&fault).expect("serialise"),
+            )];
+            let mut o = target::run_with_env(&cfg.argv, &Plan::None, reference.timeout, &scratch, &env)?;
+            o.applied = std::fs::read_to_string(&record)
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok());
+            o
+        }
+    };
     let class = classify(&reference.golden, &o, cfg.compare);
     Ok(Record {
         run,

@@ -313,3 +313,45 @@ mod tests {
         assert_eq!(a, (0..5).map(|_| r.next_u64()).collect::<Vec<_>>());
     }
 }
+
+/// A fault for one replica of a `lockstep run` group, handed to the run monitor in the
+/// `LOCKSTEP_INJECT` environment variable (JSON). The monitor applies it with [`apply`]
+/// and writes the resulting [`Applied`] as JSON to `record`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReplicaFault {
+    pub model: Model,
+    pub width: Width,
+    pub region: Region,
+    pub libs: bool,
+    pub replica: ReplicaChoice,
+    /// Inject at this intercepted syscall stop of the replica's main thread (1-based)...
+    pub at_stop: Option<u64>,
+    /// ...or at its first intercepted stop after this many microseconds.
+    pub after_us: Option<u64>,
+    pub seed: u64,
+    pub record: std::path::PathBuf,
+}
+
+/// Which replica of a group is faulted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReplicaChoice {
+    Leader,
+    Follower,
+    Any,
+}
+
+impl std::str::FromStr for ReplicaChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "leader" => Ok(ReplicaChoice::Leader),
+            "follower" => Ok(ReplicaChoice::Follower),
+            "any" => Ok(ReplicaChoice::Any),
+            _ => Err(format!("bad --replica '{s}' (expected leader, follower or any)")),
+        }
+    }
+}
+
+/// Name of the environment variable that carries a [`ReplicaFault`].
+pub const REPLICA_FAULT_ENV: &str = "LOCKSTEP_INJECT";

@@ -84,6 +84,17 @@ fn cstrings(argv: &[String]) -> io::Result<Vec<CString>> {
 
 /// Runs `argv` once with stdout/stderr captured in files under `scratch`.
 pub fn run(argv: &[String], plan: &Plan, timeout: Duration, scratch: &Path) -> io::Result<Outcome> {
+    run_with_env(argv, plan, timeout, scratch, &[])
+}
+
+/// Like [`run`], with extra environment variables for the target.
+pub fn run_with_env(
+    argv: &[String],
+    plan: &Plan,
+    timeout: Duration,
+    scratch: &Path,
+    env: &[(String, String)],
+) -> io::Result<Outcome> {
     std::fs::create_dir_all(scratch)?;
     let out_path = scratch.join("stdout");
     let err_path = scratch.join("stderr");
@@ -92,6 +103,14 @@ pub fn run(argv: &[String], plan: &Plan, timeout: Duration, scratch: &Path) -> i
     let args = cstrings(argv)?;
     let mut ptrs: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
     ptrs.push(std::ptr::null());
+    // The environment is built before fork: the child must not allocate.
+    let vars: Vec<CString> = std::env::vars()
+        .filter(|(k, _)| !env.iter().any(|(e, _)| e == k))
+        .chain(env.iter().cloned())
+        .filter_map(|(k, v)| CString::new(format!("{k}={v}")).ok())
+        .collect();
+    let mut envp: Vec<*const libc::c_char> = vars.iter().map(|v| v.as_ptr()).collect();
+    envp.push(std::ptr::null());
     let traced = !matches!(plan, Plan::None);
     let started = Instant::now();
     // SAFETY: fork; the child only calls async-signal-safe functions before exec.
@@ -112,7 +131,7 @@ pub fn run(argv: &[String], plan: &Plan, timeout: Duration, scratch: &Path) -> i
                 libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0);
                 libc::raise(libc::SIGSTOP);
             }
-            libc::execvp(ptrs[0], ptrs.as_ptr());
+            libc::execvpe(ptrs[0], ptrs.as_ptr(), envp.as_ptr());
             libc::_exit(127);
         }
     }

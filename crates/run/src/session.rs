@@ -286,6 +286,8 @@ pub struct Session {
     pub scratch: Vec<u8>,
     /// LOCKSTEP_DEBUG set: trace every stop on stderr.
     pub debug: bool,
+    /// A fault `lockstep inject --replica` asked for, and the replica it goes to.
+    pub replica_fault: Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>,
     /// Events not yet written (see `emit`).
     pub pending_events: Vec<Event>,
 }
@@ -443,7 +445,9 @@ impl Session {
             scratch: Vec::with_capacity(4096),
             debug: std::env::var_os("LOCKSTEP_DEBUG").is_some(),
             pending_events: Vec::new(),
+            replica_fault: None,
         };
+        session.replica_fault = session.read_replica_fault()?;
         let mut task = session.new_task(0, logical_pid);
         for (r, &m) in mains.iter().enumerate() {
             task.slots[r] = Some(Slot::new(m, m, SlotState::Running));
@@ -683,6 +687,9 @@ impl Session {
                     return Ok(()); // the replica was killed or set spinning
                 }
             }
+            if self.replica_fault_due(r) {
+                self.apply_replica_fault(task, r, &mut regs);
+            }
         }
         let nr = ptrace::syscall_nr(&regs);
         let args = ptrace::syscall_args(&regs);
@@ -827,6 +834,80 @@ impl Session {
         ptrace::skip_with_result(&mut regs, result);
         let _ = self.be.set_regs(tid, &regs);
         let _ = self.be.resume(tid, Resume::Run);
+    }
+
+    /// The fault passed by `lockstep inject --replica`, if any, with its replica resolved.
+    fn read_replica_fault(&self) -> Result<Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>, Error> {
+        use lockstep_inject::fault::{ReplicaChoice, ReplicaFault, Rng, REPLICA_FAULT_ENV};
+        let Some(json) = std::env::var_os(REPLICA_FAULT_ENV) else {
+            return Ok(None);
+        };
+        let fault: ReplicaFault = serde_json::from_str(&json.to_string_lossy())
+            .map_err(|e| Error::Usage(format!("bad {REPLICA_FAULT_ENV}: {e}")))?;
+        let n = self.opts.replicas as u64;
+        let mut rng = Rng::new(fault.seed ^ 0x5245_504c);
+        let replica = match fault.replica {
+            ReplicaChoice::Leader => 0,
+            ReplicaChoice::Follower => 1 + rng.below(n - 1) as ReplicaId,
+            ReplicaChoice::Any => rng.below(n) as ReplicaId,
+        };
+        Ok(Some((fault, replica)))
+    }
+
+    fn replica_fault_due(&self, r: ReplicaId) -> bool {
+        let Some((fault, target)) = &self.replica_fault else {
+            return false;
+        };
+        if *target != r {
+            return false;
+        }
+        let stops = self.slot(0, r).stops;
+        match (fault.at_stop, fault.after_us) {
+            (Some(k), _) => stops == k,
+            (None, Some(us)) => self.started.elapsed() >= std::time::Duration::from_micros(us),
+            (None, None) => stops == 1,
+        }
+    }
+
+    /// Applies the injector's fault to replica `r` (stopped at a syscall entry), records
+    /// what changed for the injector, and refreshes `regs`.
+    fn apply_replica_fault(&mut self, task: TaskId, r: ReplicaId, regs: &mut Regs) {
+        use lockstep_inject::fault::{apply, Rng, Scope};
+        let Some((fault, _)) = self.replica_fault.take() else {
+            return;
+        };
+        let (tgid, tid) = (self.slot(task, r).tgid, self.slot(task, r).tid);
+        let scope = Scope {
+            region: fault.region,
+            libs: fault.libs,
+        };
+        let mut rng = Rng::new(fault.seed);
+        match apply(tgid, tid, fault.model, fault.width, &scope, &mut rng) {
+            Ok(applied) => {
+                if let Ok(fresh) = self.be.regs(tid) {
+                    *regs = fresh;
+                }
+                let _ = std::fs::write(&fault.record, serde_json::to_string(&applied).unwrap_or_default());
+                let what = match (&applied.register, applied.address) {
+                    (Some(reg), _) => format!("{reg} ^= {:#x}", applied.mask),
+                    (None, Some(addr)) => format!("byte at {addr:#x} ^= {:#x}", applied.mask),
+                    _ => String::new(),
+                };
+                let msg = format!(
+                    "injected {:?} fault into replica {r} at syscall stop {}: {what}",
+                    applied.model,
+                    self.slot(task, r).stops
+                );
+                self.emit(Event::new("run", "inject", "flip").replica(r).message(msg));
+            }
+            Err(e) => {
+                self.emit(
+                    Event::new("run", "inject", "fail")
+                        .replica(r)
+                        .message(format!("injection failed: {e}")),
+                );
+            }
+        }
     }
 
     /// Applies a test-only fault. Returns false when the replica will not arrive.
