@@ -39,6 +39,7 @@ bench: build
 	@scripts/deps.sh bench
 	python3 bench/run.py
 	bench/placement.sh
+	bench/inject_eval.sh 1000
 
 lint:
 	$(CARGO) fmt --all
