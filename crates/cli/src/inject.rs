@@ -200,11 +200,17 @@ pub fn main(a: InjectArgs) -> i32 {
         reference.timeout.as_secs_f64(),
         cfg.jobs
     );
-    let records = match campaign::run(&cfg, &reference) {
+    let (records, throughput) = match campaign::run(&cfg, &reference) {
         Ok(r) => r,
         Err(e) => return fail(&e),
     };
-    let summary = report::summarise(&cfg.argv, &a.fault, &records, confidence);
+    let mut summary = report::summarise(&cfg.argv, &a.fault, &records, confidence);
+    summary.throughput = report::Rate::new(
+        throughput.new_runs,
+        throughput.elapsed.as_secs_f64(),
+        cfg.jobs,
+        reference.runtime.as_secs_f64(),
+    );
     if let Err(e) = report::write_all(&cfg.out, &summary) {
         return fail(&format!("cannot write the reports: {e}"));
     }

@@ -373,3 +373,28 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
     assert_event(&events, "divergence", None, &out);
     assert_event(&events, "mask", Some("continue"), &out);
 }
+
+#[test]
+fn ctrl_c_kills_running_targets_and_keeps_results() {
+    let out = scratch_dir("ctrlc");
+    let flag = out.join("slow");
+    // Fast during the golden run; once `slow` exists every run sleeps 30 s.
+    let script = format!("test -e {} && sleep 30; echo ok", flag.display());
+    let prog = vec!["sh".to_string(), "-c".to_string(), script];
+    let running = spawn(inject_cmd(
+        &out,
+        &["--runs", "1000000", "-j", "2", "--golden", "1", "--timeout", "60"],
+        &prog,
+    ));
+    std::thread::sleep(Duration::from_millis(1500));
+    std::fs::write(&flag, "").unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    running.signal(libc::SIGINT);
+    let marker = running.marker.clone();
+    // Without killing the targets this would take 30 s and time out here.
+    let o = running.finish(Duration::from_secs(10));
+    o.assert_code(0);
+    assert!(o.stderr.contains("interrupted"), "{}", o.context());
+    assert!(out.join("results.jsonl").exists());
+    no_orphans(&marker);
+}

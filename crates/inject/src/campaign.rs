@@ -208,8 +208,15 @@ pub fn tally(records: &[Record]) -> BTreeMap<Class, u64> {
     t
 }
 
+/// How fast this invocation injected (resumed runs excluded).
+#[derive(Clone, Copy, Debug)]
+pub struct Throughput {
+    pub new_runs: u64,
+    pub elapsed: Duration,
+}
+
 /// Runs the campaign and returns every record (old ones included when resuming).
-pub fn run(cfg: &Config, reference: &Reference) -> Result<Vec<Record>, String> {
+pub fn run(cfg: &Config, reference: &Reference) -> Result<(Vec<Record>, Throughput), String> {
     std::fs::create_dir_all(&cfg.out).map_err(|e| format!("cannot create {}: {e}", cfg.out.display()))?;
     let path = cfg.out.join("results.jsonl");
     let mut records = load_results(&path);
@@ -250,7 +257,18 @@ pub fn run(cfg: &Config, reference: &Reference) -> Result<Vec<Record>, String> {
         drop(tx);
         let total = todo.len();
         let mut finished = 0usize;
-        for r in rx {
+        loop {
+            let r = match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(r) => r,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if INTERRUPTED.load(Ordering::SeqCst) {
+                        // Ctrl-C: stop every running target now; their runs are dropped.
+                        crate::target::kill_running_targets();
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            };
             match r {
                 Ok(rec) => {
                     let line = serde_json::to_string(&rec).expect("records serialise");
@@ -282,8 +300,15 @@ pub fn run(cfg: &Config, reference: &Reference) -> Result<Vec<Record>, String> {
             path.display()
         );
     }
+    let new_runs = (records.len() - done.len()) as u64;
     records.sort_by_key(|r| r.run);
-    Ok(records)
+    Ok((
+        records,
+        Throughput {
+            new_runs,
+            elapsed: started.elapsed(),
+        },
+    ))
 }
 
 fn progress(cfg: &Config, done: usize, total: usize, started: Instant) {

@@ -27,6 +27,32 @@ pub struct Summary {
     pub classes: Vec<ClassRow>,
     /// One-sided upper bound on the sdc rate (percent) when no sdc was seen.
     pub sdc_upper_bound: Option<f64>,
+    /// Injections per second per worker, against native runs per second per core (one
+    /// golden run at a time): the campaign's efficiency. None when nothing new ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub throughput: Option<Rate>,
+}
+
+#[derive(Serialize, Clone, Copy)]
+pub struct Rate {
+    pub runs_per_s_per_worker: f64,
+    pub native_runs_per_s_per_core: f64,
+    pub ratio: f64,
+}
+
+impl Rate {
+    pub fn new(new_runs: u64, elapsed_s: f64, workers: usize, golden_runtime_s: f64) -> Option<Rate> {
+        if new_runs == 0 || elapsed_s <= 0.0 || golden_runtime_s <= 0.0 {
+            return None;
+        }
+        let per_worker = new_runs as f64 / elapsed_s / workers.max(1) as f64;
+        let native = 1.0 / golden_runtime_s;
+        Some(Rate {
+            runs_per_s_per_worker: per_worker,
+            native_runs_per_s_per_core: native,
+            ratio: per_worker / native,
+        })
+    }
 }
 
 pub fn summarise(command: &[String], model: &str, records: &[Record], confidence: f64) -> Summary {
@@ -66,6 +92,7 @@ pub fn summarise(command: &[String], model: &str, records: &[Record], confidence
         confidence,
         classes,
         sdc_upper_bound,
+        throughput: None,
     }
 }
 
@@ -86,6 +113,12 @@ pub fn markdown(s: &Summary) -> String {
             _ => "—".into(),
         };
         md.push_str(&format!("| {} | {} | {pct} | {iv} |\n", c.class, c.count));
+    }
+    if let Some(t) = s.throughput {
+        md.push_str(&format!(
+            "\nThroughput: {:.1} injections/s per worker vs {:.1} native runs/s per core: {:.2}x.\n",
+            t.runs_per_s_per_worker, t.native_runs_per_s_per_core, t.ratio
+        ));
     }
     if let Some(b) = s.sdc_upper_bound {
         md.push_str(&format!(

@@ -9,6 +9,21 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+/// Targets currently running (their process-group ids), so an interrupted campaign can
+/// kill them all at once.
+static RUNNING: std::sync::Mutex<Vec<Tid>> = std::sync::Mutex::new(Vec::new());
+
+/// SIGKILLs the process group of every running target.
+pub fn kill_running_targets() {
+    for &pid in RUNNING.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        // SAFETY: plain kill of a process group we created.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+}
+
 /// When the fault is injected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -136,6 +151,21 @@ pub fn run_with_env(
         }
     }
     drop((out, err));
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+    let result = supervise(pid, traced, plan, started, timeout, &out_path, &err_path);
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner()).retain(|&p| p != pid);
+    result
+}
+
+fn supervise(
+    pid: Tid,
+    traced: bool,
+    plan: &Plan,
+    started: Instant,
+    timeout: Duration,
+    out_path: &Path,
+    err_path: &Path,
+) -> io::Result<Outcome> {
     let deadline = started + timeout;
     let (applied, ended) = if traced {
         match drive_to_injection(pid, plan, deadline)? {
@@ -151,8 +181,8 @@ pub fn run_with_env(
     };
     Ok(Outcome {
         ending,
-        stdout: std::fs::read(&out_path).unwrap_or_default(),
-        stderr: std::fs::read(&err_path).unwrap_or_default(),
+        stdout: std::fs::read(out_path).unwrap_or_default(),
+        stderr: std::fs::read(err_path).unwrap_or_default(),
         wall: started.elapsed(),
         applied,
     })
