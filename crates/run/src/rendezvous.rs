@@ -148,11 +148,16 @@ impl Session {
                     slot.signature.fold_u32(digest.crc);
                 }
                 let signature = slot.signature.digest() ^ slot.signature.events.rotate_left(17);
+                let call = (digest.crc as u64) << 32 | (digest.bytes & 0xffff_ffff);
                 let b = match mode {
-                    CompareMode::Io if is_output => (digest.crc as u64) << 32 | (digest.bytes & 0xffff_ffff),
+                    CompareMode::Io if is_output => call,
+                    CompareMode::Io => 0,
+                    // The history (signature) is voted at outputs; every other call's own
+                    // arguments are voted before it runs, so a faulty leader cannot run an
+                    // input with corrupted arguments and hand its result to the others.
                     CompareMode::Args if is_output => signature,
+                    CompareMode::Args => call,
                     CompareMode::Every => signature,
-                    CompareMode::Io | CompareMode::Args => 0,
                 };
                 (4, nr, b)
             }
