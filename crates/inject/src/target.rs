@@ -322,7 +322,7 @@ fn run_for(pid: Tid, after: Duration, deadline: Instant) -> io::Result<Option<En
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    ptrace::kill_signal(pid, libc::SIGSTOP);
+    ptrace::kill(pid, libc::SIGSTOP);
     loop {
         match ptrace::wait_tid(pid)? {
             stop @ (Stop::Exited(_) | Stop::Killed(_)) => return Ok(ending_of(stop)),

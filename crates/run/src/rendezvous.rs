@@ -90,7 +90,6 @@ impl Session {
             return Ok(());
         };
         self.stats.count(Class::Input);
-        self.stats.rendezvous += 1;
         self.tasks[task].phase = Phase::Leader {
             nr,
             args,
@@ -355,7 +354,6 @@ impl Session {
         let desc = syscalls::describe(nr);
         let class = desc.map(|d| syscalls::classify(d, &args)).unwrap_or(Class::Unsupported);
         self.stats.count(class);
-        self.stats.rendezvous += 1;
         let leader = self.leader;
         match class {
             Class::Passthrough | Class::Emulated => self.emulate(task, nr, args),
@@ -744,45 +742,37 @@ impl Session {
         self.tasks[task].phase = Phase::Collect;
         self.tasks[task].kicked = false;
         // Vote on the results: the call ran in every replica.
-        let mut members = live.clone();
+        let mut members = live;
         loop {
-            let rs: Vec<i64> = members
+            let verdict = vote(&results);
+            if verdict == Verdict::Unanimous {
+                break;
+            }
+            self.stats.divergences += 1;
+            let values: Vec<String> = members
                 .iter()
-                .map(|m| results[live.iter().position(|x| x == m).expect("member")])
+                .zip(&results)
+                .map(|(m, v)| format!("replica {m}: {name} = {v}"))
                 .collect();
-            match vote(&rs) {
-                Verdict::Unanimous => break,
-                Verdict::Faulty(i) => {
-                    let r = members[i];
-                    let values = members
-                        .iter()
-                        .zip(&rs)
-                        .map(|(m, v)| format!("replica {m}: {name} = {v}"))
-                        .collect();
-                    self.stats.divergences += 1;
-                    self.emit(
-                        Event::new("run", "divergence", "vote")
-                            .replica(r)
-                            .object(format!("task {task}"))
-                            .values(values)
-                            .message(format!("replica {r} got a different result from {name}")),
-                    );
-                    self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
-                    members.remove(i);
-                }
-                Verdict::NoConsensus => {
-                    let values: Vec<String> = members
-                        .iter()
-                        .zip(&rs)
-                        .map(|(m, v)| format!("replica {m}: {name} = {v}"))
-                        .collect();
-                    self.emit(
-                        Event::new("run", "divergence", "halt")
-                            .values(values.clone())
-                            .message(format!("results of {name} differ: {}", values.join(" / "))),
-                    );
-                    return Err(self.halt("no majority agrees on the result".into()));
-                }
+            if let Verdict::Faulty(i) = verdict {
+                let r = members[i];
+                self.emit(
+                    Event::new("run", "divergence", "vote")
+                        .replica(r)
+                        .object(format!("task {task}"))
+                        .values(values)
+                        .message(format!("replica {r} got a different result from {name}")),
+                );
+                self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
+                members.remove(i);
+                results.remove(i);
+            } else {
+                self.emit(
+                    Event::new("run", "divergence", "halt")
+                        .values(values.clone())
+                        .message(format!("results of {name} differ: {}", values.join(" / "))),
+                );
+                return Err(self.halt("no majority agrees on the result".into()));
             }
         }
         for r in members {
@@ -908,7 +898,7 @@ impl Session {
             return Ok(false);
         }
         let dead = self.replicas.iter().find(|r| !r.alive).map(|r| r.cpu).unwrap_or(None);
-        let (stid, stgid) = (self.slot(task, source).tid, self.slot(task, source).tgid);
+        let stid = self.slot(task, source).tid;
         let saved = self.slot(task, source).regs;
         let nr = saved.orig_rax;
         let mut inject = saved;
@@ -1015,7 +1005,6 @@ impl Session {
         slot.signature = self.slot(task, source).signature;
         slot.stops = self.slot(task, source).stops;
         slot.consumed = self.slot(task, source).consumed;
-        let _ = stgid;
         self.tasks[task].slots[id as usize] = Some(slot);
         self.by_tid.insert(child, (task, id));
         self.resume(task, source, Resume::Run, SlotState::Running);

@@ -6,7 +6,6 @@ use std::time::Duration;
 #[derive(Default, Debug)]
 pub struct Stats {
     pub by_class: [u64; 8],
-    pub rendezvous: u64,
     pub votes: u64,
     pub bytes_compared: u64,
     pub bytes_copied: u64,

@@ -108,14 +108,6 @@ pub fn tgkill(tgid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
     check(unsafe { libc::syscall(libc::SYS_tgkill, tgid, tid, sig) }).map(drop)
 }
 
-/// Sends `sig` to process `pid`; it may already be gone.
-pub fn kill_signal(pid: Tid, sig: i32) {
-    // SAFETY: plain syscall.
-    unsafe {
-        libc::kill(pid, sig);
-    }
-}
-
 pub fn kill(pid: Tid, sig: i32) {
     // SAFETY: plain syscall; failure (already gone) is fine.
     unsafe {
