@@ -14,9 +14,20 @@ use std::time::Duration;
 const AFTER_HELP: &str = "\
 How it works:
   K golden runs fix the expected output and the runtime. Each injection then starts the
-  program under ptrace, runs it to the injection point, changes one register, byte or the
-  instruction pointer, lets it go, and classifies the result:
+  program under ptrace, runs it to the injection point, applies one fault, lets it go, and
+  classifies the result:
   masked, detected (exit 86), crash, hang, program-error, sdc, not-activated.
+
+Fault models (--fault):
+  reg    flip a bit of a general-purpose register (not rsp, rip)           RREG
+  dest   single-step to the next instruction that writes a register or
+         memory, let it execute, flip a bit of what it wrote               WREG/WVAL
+  addr   single-step to the next memory access with a base/index register,
+         flip a bit of that register for this one instruction only        WADDR/RADDR
+  mem    flip a bit of a random byte of writable memory (--region)         RVAL
+  ip     flip a bit of the instruction pointer                             CF
+  text   flip a bit of the program's code (--libs: and its libraries)
+  mixed  each run draws one of reg, dest, addr, mem, ip
 
 Injection points:
   default           uniform over the golden runtime (time-based; no hardware counters here)
@@ -36,8 +47,7 @@ Examples:
 #[derive(Args)]
 #[command(after_help = AFTER_HELP)]
 pub struct InjectArgs {
-    /// Fault model: reg (a general-purpose register), mem (a byte of writable memory),
-    /// ip (the instruction pointer), text (a byte of the program's code).
+    /// Fault model: reg, dest, addr, mem, ip, text or mixed (see below).
     #[arg(long, default_value = "reg", value_name = "MODEL")]
     fault: String,
     /// Number of injections (default 100 unless --confidence/--margin is given).

@@ -37,8 +37,7 @@ fn flip_reg(argv: &[String], k: u64, reg: &str, mask: u64) -> (Class, target::Ou
         register: Some(reg.into()),
         address: None,
         mask,
-        old: 0,
-        new: 0,
+        ..Applied::new(Model::Reg)
     };
     let plan = Plan::Replay {
         point: Point::Syscall { k, steps: 0 },
@@ -103,6 +102,127 @@ fn ip_fault_crashes() {
     assert!(matches!(o.ending, Ending::Signaled(libc::SIGSEGV)));
 }
 
+/// Fresh dest/addr faults at a deterministic point of `step_target`.
+fn step_fault(model: Model, steps: u64, seed: u64) -> (Applied, target::Outcome) {
+    let plan = Plan::Fresh {
+        model,
+        width: Width::One,
+        scope: Scope {
+            region: Region::All,
+            libs: false,
+        },
+        point: Point::Syscall { k: 1, steps },
+        rng: Rng::new(seed),
+    };
+    let o = target::run(
+        &argv("step_target", &[]),
+        &plan,
+        Duration::from_secs(2),
+        &scratch_dir("step"),
+    )
+    .unwrap();
+    (o.applied.clone().expect("applied"), o)
+}
+
+fn stdout_of(o: &target::Outcome) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The little-endian u64 at byte offset `at` of step_target's table (bytes 0..127).
+fn table_word(at: u64) -> u64 {
+    u64::from_le_bytes(std::array::from_fn(|i| (at + i as u64) as u8))
+}
+
+#[test]
+fn dest_fault_flips_what_the_instruction_wrote() {
+    let golden = "rdx=1000 stored=1000 r8=f0e0d0c0b0a0908 r9=1716151413121110\n";
+    assert_eq!(golden_of(&argv("step_target", &[])).stdout, golden.as_bytes());
+    let stored = symbol(&fixture("step_target"), "stored");
+    for seed in 0..6 {
+        // +0 is `mov $1000, %rdx`: the register it wrote is corrupted, and so is every
+        // later use of it.
+        let (a, o) = step_fault(Model::Dest, 0, seed);
+        assert_eq!((a.register.as_deref(), a.steps, a.old), (Some("rdx"), Some(0), 1000));
+        assert!(a.instruction.as_deref().unwrap().starts_with("mov rdx"), "{a:?}");
+        let v = 1000 ^ a.mask;
+        assert_eq!(
+            stdout_of(&o),
+            format!("rdx={v} stored={v} r8=f0e0d0c0b0a0908 r9=1716151413121110\n")
+        );
+        // +1 is `mov %rdx, stored(%rip)`: only the memory it wrote is corrupted.
+        let (a, o) = step_fault(Model::Dest, 1, seed);
+        assert_eq!((a.register.as_deref(), a.address), (None, Some(stored)), "{a:?}");
+        assert_eq!(a.old, 1000);
+        assert_eq!(
+            stdout_of(&o),
+            format!(
+                "rdx=1000 stored={} r8=f0e0d0c0b0a0908 r9=1716151413121110\n",
+                1000 ^ a.mask
+            )
+        );
+    }
+}
+
+#[test]
+fn addr_fault_corrupts_one_access_and_restores_the_register() {
+    let table = symbol(&fixture("step_target"), "table");
+    let mut predicted = 0;
+    for seed in 0..24 {
+        // The first two instructions have no usable address register (an immediate,
+        // then a rip-relative store), so the fault lands on `mov 8(%rsi), %r8`.
+        let (a, o) = step_fault(Model::Addr, 0, seed);
+        assert_eq!(
+            (a.register.as_deref(), a.steps, a.address),
+            (Some("rsi"), Some(2), Some(table + 8))
+        );
+        assert_eq!(a.old, table, "{a:?}");
+        let ea = (table ^ a.mask) + 8;
+        if ea >= table && ea + 8 <= table + 128 {
+            predicted += 1;
+            // The load read the flipped address, and the next load (16(%rsi)) the right
+            // one: the register was restored.
+            assert_eq!(
+                stdout_of(&o),
+                format!(
+                    "rdx=1000 stored=1000 r8={:x} r9=1716151413121110\n",
+                    table_word(ea - table)
+                )
+            );
+        } else if let Ending::Exited(0) = o.ending {
+            assert!(stdout_of(&o).ends_with(" r9=1716151413121110\n"), "{}", stdout_of(&o));
+        } else {
+            assert_eq!(o.ending, Ending::Signaled(libc::SIGSEGV), "{a:?}");
+        }
+    }
+    assert!(predicted >= 3, "only {predicted} of 24 flips stayed inside the table");
+}
+
+#[test]
+fn dest_and_addr_faults_replay_exactly() {
+    for model in [Model::Dest, Model::Addr] {
+        for seed in 0..3 {
+            let (a, o) = step_fault(model, 0, seed);
+            let plan = Plan::Replay {
+                point: Point::Syscall { k: 1, steps: 0 },
+                applied: a.clone(),
+            };
+            let r = target::run(
+                &argv("step_target", &[]),
+                &plan,
+                Duration::from_secs(2),
+                &scratch_dir("step"),
+            )
+            .unwrap();
+            let b = r.applied.clone().expect("replayed");
+            assert_eq!(
+                (b.register, b.address, b.mask, b.steps),
+                (a.register, a.address, a.mask, a.steps)
+            );
+            assert_eq!((r.ending, stdout_of(&r)), (o.ending, stdout_of(&o)));
+        }
+    }
+}
+
 fn symbol(binary: &std::path::Path, name: &str) -> u64 {
     let out = std::process::Command::new("nm")
         .arg(binary)
@@ -126,8 +246,7 @@ fn mem_fault_changes_the_byte_it_names() {
         register: None,
         address: Some(addr),
         mask: 4,
-        old: 0,
-        new: 0,
+        ..Applied::new(Model::Mem)
     };
     let plan = Plan::Replay {
         point: Point::Syscall { k: 1, steps: 0 },
@@ -150,6 +269,8 @@ fn fresh_faults_of_every_model_are_applied_where_they_should_be() {
         (Model::Ip, Region::All),
         (Model::Mem, Region::Data),
         (Model::Text, Region::All),
+        (Model::Dest, Region::All),
+        (Model::Addr, Region::All),
     ] {
         for seed in 0..5 {
             let plan = Plan::Fresh {
@@ -159,7 +280,13 @@ fn fresh_faults_of_every_model_are_applied_where_they_should_be() {
                 point: Point::Syscall { k: 1, steps: 0 },
                 rng: Rng::new(seed),
             };
-            let o = target::run(&a, &plan, Duration::from_secs(2), &scratch_dir("fresh")).unwrap();
+            // outcome has no memory access with an address register after syscall 1.
+            let victim = if model == Model::Addr {
+                argv("step_target", &[])
+            } else {
+                a.clone()
+            };
+            let o = target::run(&victim, &plan, Duration::from_secs(2), &scratch_dir("fresh")).unwrap();
             let applied = o.applied.unwrap_or_else(|| panic!("{model:?} was not applied"));
             assert_eq!(applied.model, model);
             assert_eq!(applied.mask.count_ones(), 1, "one bit");
@@ -173,6 +300,10 @@ fn fresh_faults_of_every_model_are_applied_where_they_should_be() {
                     "{:#x}",
                     applied.address.unwrap()
                 ),
+                Model::Dest | Model::Addr => {
+                    assert!(applied.instruction.is_some() && applied.ip.is_some() && applied.steps.is_some())
+                }
+                Model::Mixed => unreachable!(),
             }
         }
     }

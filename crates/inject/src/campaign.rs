@@ -143,11 +143,12 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
     let point = cfg.at.unwrap_or_else(|| Point::Time {
         at_us: rng.below((reference.runtime.as_micros() as u64).max(1)),
     });
+    let model = cfg.model.resolve(&mut rng);
     let scratch = cfg.out.join("work").join(format!("worker-{worker}"));
     let o = match cfg.replica {
         None => {
             let plan = Plan::Fresh {
-                model: cfg.model,
+                model,
                 width: cfg.width,
                 scope: cfg.scope.clone(),
                 point,
@@ -165,7 +166,7 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
                 Point::Time { at_us } => (None, Some(at_us)),
             };
             let fault = crate::fault::ReplicaFault {
-                model: cfg.model,
+                model,
                 width: cfg.width,
                 region: cfg.scope.region,
                 libs: cfg.scope.libs,
@@ -191,7 +192,7 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
         run,
         seed,
         point,
-        model: cfg.model,
+        model,
         applied: o.applied,
         class,
         ending: o.ending,

@@ -18,6 +18,37 @@ pub enum Model {
     Ip,
     /// A byte of a code page of the program (or of its libraries with `libs`).
     Text,
+    /// What one instruction wrote, a register or memory (WREG/WVAL); see [`crate::step`].
+    Dest,
+    /// The effective address of one memory access (WADDR/RADDR); see [`crate::step`].
+    Addr,
+    /// Each run draws one of reg, dest, addr, mem and ip.
+    Mixed,
+}
+
+impl Model {
+    /// The models `mixed` draws from.
+    pub const MIXED: [Model; 5] = [Model::Reg, Model::Dest, Model::Addr, Model::Mem, Model::Ip];
+
+    /// The concrete model of one run: `mixed` draws one with `rng`.
+    pub fn resolve(self, rng: &mut Rng) -> Model {
+        match self {
+            Model::Mixed => Self::MIXED[rng.below(Self::MIXED.len() as u64) as usize],
+            m => m,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Model::Reg => "reg",
+            Model::Mem => "mem",
+            Model::Ip => "ip",
+            Model::Text => "text",
+            Model::Dest => "dest",
+            Model::Addr => "addr",
+            Model::Mixed => "mixed",
+        }
+    }
 }
 
 impl std::str::FromStr for Model {
@@ -28,10 +59,12 @@ impl std::str::FromStr for Model {
             "mem" => Ok(Model::Mem),
             "ip" => Ok(Model::Ip),
             "text" => Ok(Model::Text),
-            "dest" | "addr" | "mixed" => Err(format!(
-                "fault model '{s}' is not implemented yet (available: reg, mem, ip, text)"
+            "dest" => Ok(Model::Dest),
+            "addr" => Ok(Model::Addr),
+            "mixed" => Ok(Model::Mixed),
+            _ => Err(format!(
+                "unknown fault model '{s}' (expected reg, dest, addr, mem, ip, text or mixed)"
             )),
-            _ => Err(format!("unknown fault model '{s}' (expected reg, mem, ip or text)")),
         }
     }
 }
@@ -115,16 +148,55 @@ pub struct Applied {
     /// Register name for reg/ip faults.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub register: Option<String>,
-    /// Address for mem/text faults.
+    /// Address for mem/text/dest faults (the first byte the mask covers), or the
+    /// uncorrupted effective address for addr faults.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub address: Option<u64>,
-    /// Bits that changed (XOR mask).
+    /// Bits that changed (XOR mask; little-endian over the bytes at `address`).
     pub mask: u64,
     pub old: u64,
     pub new: u64,
+    /// dest/addr: where the chosen instruction is...
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub ip: Option<u64>,
+    /// ...how many single-steps after the injection point it was reached...
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub steps: Option<u64>,
+    /// ...and what it is.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub instruction: Option<String>,
 }
 
-fn mask_for(width: Width, bits: u32, rng: &mut Rng, old: u64) -> u64 {
+impl Applied {
+    /// A record of `model` that has changed nothing yet.
+    pub fn new(model: Model) -> Self {
+        Applied {
+            model,
+            register: None,
+            address: None,
+            mask: 0,
+            old: 0,
+            new: 0,
+            ip: None,
+            steps: None,
+            instruction: None,
+        }
+    }
+}
+
+/// XORs `mask` into the `len` bytes at `addr` (at least as many as the mask covers,
+/// little-endian, at most 8) and returns their old and new values.
+pub fn xor_memory(tid: Tid, addr: u64, len: usize, mask: u64) -> io::Result<(u64, u64)> {
+    let len = len.max((64 - mask.leading_zeros()).div_ceil(8) as usize).clamp(1, 8);
+    let mut bytes = [0u8; 8];
+    mem::read(tid, addr, &mut bytes[..len])?;
+    let old = u64::from_le_bytes(bytes);
+    let new = old ^ mask;
+    mem::write(tid, addr, &new.to_le_bytes()[..len])?;
+    Ok((old, new))
+}
+
+pub(crate) fn mask_for(width: Width, bits: u32, rng: &mut Rng, old: u64) -> u64 {
     match width {
         Width::One => 1u64 << rng.below(bits as u64),
         Width::Two => 3u64 << rng.below(bits as u64 - 1),
@@ -192,8 +264,14 @@ pub struct Scope {
     pub libs: bool,
 }
 
-/// Applies one fault of `model` to the stopped thread `tid` of process `pid`.
+/// Applies one fault of `model` to the stopped thread `tid` of process `pid`. The models
+/// that need single-stepping (dest, addr) go through [`crate::step::StepFault`] instead.
 pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng: &mut Rng) -> io::Result<Applied> {
+    assert!(
+        !model.needs_steps() && model != Model::Mixed,
+        "{model:?} is not applied at a stop"
+    );
+    let mut applied = Applied::new(model);
     match model {
         Model::Reg | Model::Ip => {
             let mut r = ptrace::get_regs(tid)?;
@@ -213,14 +291,9 @@ pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng:
             *reg ^= mask;
             let new = *reg;
             ptrace::set_regs(tid, &r)?;
-            Ok(Applied {
-                model,
-                register: Some(name.to_string()),
-                address: None,
-                mask,
-                old,
-                new,
-            })
+            applied.register = Some(name.to_string());
+            (applied.mask, applied.old, applied.new) = (mask, old, new);
+            Ok(applied)
         }
         Model::Mem | Model::Text => {
             let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
@@ -246,19 +319,12 @@ pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng:
                 .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no memory of the requested kind"))?;
             let mut b = [0u8];
             mem::read(tid, addr, &mut b)?;
-            let old = b[0] as u64;
-            let mask = mask_for(width, 8, rng, old);
-            b[0] ^= mask as u8;
-            mem::write(tid, addr, &b)?;
-            Ok(Applied {
-                model,
-                register: None,
-                address: Some(addr),
-                mask,
-                old,
-                new: b[0] as u64,
-            })
+            applied.mask = mask_for(width, 8, rng, b[0] as u64);
+            applied.address = Some(addr);
+            (applied.old, applied.new) = xor_memory(tid, addr, 1, applied.mask)?;
+            Ok(applied)
         }
+        Model::Dest | Model::Addr | Model::Mixed => unreachable!("asserted above"),
     }
 }
 
@@ -272,12 +338,7 @@ pub fn reapply(tid: Tid, applied: &Applied) -> io::Result<()> {
             *reg ^= applied.mask;
             ptrace::set_regs(tid, &r)
         }
-        (None, Some(addr)) => {
-            let mut b = [0u8];
-            mem::read(tid, addr, &mut b)?;
-            b[0] ^= applied.mask as u8;
-            mem::write(tid, addr, &b)
-        }
+        (None, Some(addr)) => xor_memory(tid, addr, 1, applied.mask).map(drop),
         (None, None) => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "record names no register or address",

@@ -1,6 +1,7 @@
 //! `lockstep inject`: fault-injection campaigns on real processes.
 //!
 //! * [`fault`]: fault models and applying one fault to a stopped thread (the engine).
+//! * [`step`]: the dest and addr models, applied by single-stepping (iced-x86 decodes).
 //! * [`target`]: running one process natively or up to an injection point.
 //! * [`classify`]: outcome classes against the golden runs.
 //! * [`campaign`]: golden runs, parallel workers, resumable results.
@@ -12,4 +13,5 @@ pub mod classify;
 pub mod fault;
 pub mod report;
 pub mod stats;
+pub mod step;
 pub mod target;

@@ -2,6 +2,7 @@
 //! injected, then let go and watched until it exits or hangs.
 
 use crate::fault::{self, Applied, Model, Rng, Scope, Width};
+use crate::step::{Progress, StepFault};
 use lockstep_trace::{ptrace, Stop, Tid};
 use serde::{Deserialize, Serialize};
 use std::ffi::CString;
@@ -170,6 +171,7 @@ fn supervise(
     let (applied, ended) = if traced {
         match drive_to_injection(pid, plan, deadline)? {
             Driven::Injected(a) => (Some(a), None),
+            Driven::NotApplied => (None, None),
             Driven::Ended(e) => (None, Some(e)),
         }
     } else {
@@ -191,6 +193,8 @@ fn supervise(
 /// Where driving a traced child ended.
 enum Driven {
     Injected(Applied),
+    /// The injection point was reached but the fault found nothing to corrupt.
+    NotApplied,
     /// The process ended (and was reaped) before the injection point.
     Ended(Ending),
 }
@@ -233,6 +237,23 @@ fn drive_to_injection(pid: Tid, plan: &Plan, deadline: Instant) -> io::Result<Dr
         return Ok(Driven::Ended(ending));
     }
     let applied = match plan {
+        Plan::Fresh { model, .. }
+        | Plan::Replay {
+            applied: Applied { model, .. },
+            ..
+        } if model.needs_steps() => {
+            let stepper = match plan {
+                Plan::Fresh { model, width, rng, .. } => StepFault::fresh(*model, *width, rng.clone()),
+                Plan::Replay { applied, .. } => StepFault::replay(applied.clone()),
+                Plan::None => unreachable!(),
+            };
+            match step_until_applied(pid, stepper, deadline)? {
+                Stepped::Applied(a) => a,
+                Stepped::Detached(a) => return Ok(Driven::Injected(a)),
+                Stepped::GaveUp => return Ok(Driven::NotApplied),
+                Stepped::Ended(e) => return Ok(Driven::Ended(e)),
+            }
+        }
         Plan::Fresh {
             model,
             width,
@@ -249,7 +270,7 @@ fn drive_to_injection(pid: Tid, plan: &Plan, deadline: Instant) -> io::Result<Dr
         }
         Plan::None => unreachable!(),
     };
-    ptrace::detach(pid)?;
+    ptrace::detach_with(pid, 0)?;
     Ok(Driven::Injected(applied))
 }
 
@@ -299,6 +320,79 @@ fn run_to_syscall(pid: Tid, k: u64, steps: u64) -> io::Result<Option<Ending>> {
         }
     }
     Ok(None)
+}
+
+enum Stepped {
+    Applied(Applied),
+    /// Applied, and the process already detached.
+    Detached(Applied),
+    GaveUp,
+    Ended(Ending),
+}
+
+/// Single-steps `pid` until the step fault is in place. Signals that arrive meanwhile are
+/// delivered with the next step.
+fn step_until_applied(pid: Tid, mut stepper: StepFault, deadline: Instant) -> io::Result<Stepped> {
+    let mut signal = 0;
+    loop {
+        match stepper.on_stop(pid)? {
+            Progress::Done(applied) => return Ok(Stepped::Applied(applied)),
+            Progress::GaveUp => return Ok(Stepped::GaveUp),
+            Progress::Step => {}
+        }
+        loop {
+            ptrace::step(pid, std::mem::take(&mut signal))?;
+            match wait_stop_until(pid, deadline)? {
+                None => return Ok(Stepped::Ended(Ending::TimedOut)),
+                Some(stop @ (Stop::Exited(_) | Stop::Killed(_))) => {
+                    return Ok(Stepped::Ended(ending_of(stop).expect("end")))
+                }
+                Some(Stop::Signal(libc::SIGTRAP)) => break,
+                Some(Stop::Signal(sig)) => {
+                    if let Some(applied) = stepper.on_signal(pid)? {
+                        // The armed instruction raised `sig`: detach, delivering it.
+                        ptrace::detach_with(pid, sig)?;
+                        return Ok(Stepped::Detached(applied));
+                    }
+                    signal = sig; // delivered with the next step
+                }
+                Some(_) => {}
+            }
+        }
+    }
+}
+
+/// The next stop of `pid`, or None once `deadline` passed (the process group is then
+/// killed and reaped).
+fn wait_stop_until(pid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
+    let mut spins = 0u32;
+    loop {
+        let mut status = 0;
+        // SAFETY: non-blocking waitpid on our traced child.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
+        if r == pid {
+            return Ok(Some(ptrace::decode(status)));
+        }
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if Instant::now() >= deadline {
+            // SAFETY: kill the target's process group, then reap it.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, libc::__WALL);
+            }
+            return Ok(None);
+        }
+        // A single-step stop arrives within microseconds: spin briefly before sleeping.
+        spins += 1;
+        if spins < 100 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
 }
 
 /// Lets the child run for `after`, then stops it. Some(ending) when it ended first.

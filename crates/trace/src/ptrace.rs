@@ -59,13 +59,24 @@ pub fn cont_syscall(tid: Tid, sig: i32) -> io::Result<()> {
     req(libc::PTRACE_SYSCALL, tid, 0, sig as usize).map(drop)
 }
 
+/// Execute one instruction, delivering `sig` first if the thread is in a
+/// signal-delivery-stop.
+pub fn step(tid: Tid, sig: i32) -> io::Result<()> {
+    req(libc::PTRACE_SINGLESTEP, tid, 0, sig as usize).map(drop)
+}
+
 /// Stop a running thread (interrupting a blocking syscall with ERESTART*).
 pub fn interrupt(tid: Tid) -> io::Result<()> {
     req(libc::PTRACE_INTERRUPT, tid, 0, 0).map(drop)
 }
 
 pub fn detach(tid: Tid) -> io::Result<()> {
-    req(libc::PTRACE_DETACH, tid, 0, 0).map(drop)
+    detach_with(tid, 0)
+}
+
+/// Detaches, delivering `sig` if the thread is in a signal-delivery-stop.
+pub fn detach_with(tid: Tid, sig: i32) -> io::Result<()> {
+    req(libc::PTRACE_DETACH, tid, 0, sig as usize).map(drop)
 }
 
 pub fn get_regs(tid: Tid) -> io::Result<Regs> {

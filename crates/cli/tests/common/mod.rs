@@ -129,7 +129,7 @@ pub fn fixture_flags(name: &str) -> &'static [&'static str] {
             "-no-pie",
         ],
         "threads" => &["-pthread"],
-        "trace_user" | "io_copy" | "outcome" => &[
+        "trace_user" | "io_copy" | "outcome" | "step_target" => &[
             "-static",
             "-nostdlib",
             "-ffreestanding",
