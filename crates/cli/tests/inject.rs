@@ -529,3 +529,45 @@ fn ctrl_c_kills_running_targets_and_keeps_results() {
     assert!(out.join("results.jsonl").exists());
     no_orphans(&marker);
 }
+
+#[test]
+fn dest_and_addr_replica_faults_are_stepped_by_the_monitor_and_masked() {
+    use lockstep_inject::fault::{ReplicaChoice, ReplicaFault, REPLICA_FAULT_ENV};
+    let golden = golden_of(&argv("step_target", &[])).stdout;
+    for (model, seed) in [(Model::Dest, 1), (Model::Dest, 2), (Model::Addr, 3)] {
+        let dir = scratch_dir("replica-step");
+        let record = dir.join("applied.json");
+        // Stop 1 is the replica's execve, stop 2 the getppid right before the probe.
+        let fault = ReplicaFault {
+            model,
+            width: Width::One,
+            region: Region::All,
+            libs: false,
+            replica: ReplicaChoice::Follower,
+            at_stop: Some(2),
+            after_us: None,
+            seed,
+            record: record.clone(),
+        };
+        let ev = events_path("replica-step");
+        let evs = ev.to_string_lossy().into_owned();
+        let mut cmd = lockstep_run(&["-r", "3", "--events", &evs], &[fixture("step_target")]);
+        cmd.env(REPLICA_FAULT_ENV, serde_json::to_string(&fault).unwrap());
+        let out = run(cmd);
+        out.assert_code(0).assert_stdout(&golden);
+        let applied: Applied = serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap();
+        let want = if model == Model::Dest { ("rdx", 0) } else { ("rsi", 2) };
+        assert_eq!(
+            (applied.register.as_deref(), applied.steps),
+            (Some(want.0), Some(want.1)),
+            "{applied:?}"
+        );
+        let events = read_events_of(&ev, &out);
+        assert_event(&events, "inject", Some("flip"), &out);
+        // A dest flip of rdx always changes the output; an addr flip may read the same bytes
+        // or crash the follower, which is masked as well.
+        if model == Model::Dest {
+            assert_event(&events, "divergence", None, &out);
+        }
+    }
+}

@@ -41,6 +41,9 @@ pub trait Backend {
     fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()>;
     /// SIGKILLs a thread or process; it may already be gone.
     fn kill(&self, pid: Tid);
+    /// From now on, resume `tid` (if any) one instruction at a time, except into a
+    /// syscall exit (`Resume::ToExit`): its next stops are single-step SIGTRAPs.
+    fn single_step(&self, tid: Option<Tid>);
     fn read_vec(&self, tid: Tid, addr: u64, len: usize) -> io::Result<Vec<u8>> {
         let mut v = vec![0u8; len];
         self.read(tid, addr, &mut v)?;
@@ -49,7 +52,11 @@ pub trait Backend {
 }
 
 /// The ptrace backend.
-pub struct Ptrace;
+#[derive(Default)]
+pub struct Ptrace {
+    /// The thread being single-stepped (a fault injection in progress), or 0.
+    stepping: std::cell::Cell<Tid>,
+}
 
 impl Backend for Ptrace {
     fn regs(&self, tid: Tid) -> io::Result<Regs> {
@@ -65,6 +72,13 @@ impl Backend for Ptrace {
         mem::write(tid, addr, data)
     }
     fn resume(&self, tid: Tid, how: Resume) -> io::Result<()> {
+        if tid == self.stepping.get() {
+            match how {
+                Resume::Run => return ptrace::step(tid, 0),
+                Resume::Signal(sig) => return ptrace::step(tid, sig),
+                Resume::ToExit => {}
+            }
+        }
         match how {
             Resume::Run => ptrace::cont(tid, 0),
             Resume::Signal(sig) => ptrace::cont(tid, sig),
@@ -91,5 +105,8 @@ impl Backend for Ptrace {
     }
     fn kill(&self, pid: Tid) {
         ptrace::kill(pid, libc::SIGKILL)
+    }
+    fn single_step(&self, tid: Option<Tid>) {
+        self.stepping.set(tid.unwrap_or(0));
     }
 }

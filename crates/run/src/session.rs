@@ -253,6 +253,18 @@ fn install_signal_handlers() {
     }
 }
 
+/// A replica fault applied by single-stepping one thread (see lockstep_inject::step).
+pub struct Stepping {
+    pub tid: Tid,
+    pub replica: ReplicaId,
+    pub fault: lockstep_inject::step::StepFault,
+    pub record: std::path::PathBuf,
+}
+
+fn stop_is_signal_without_fault(stop: Stop, result: &Option<std::io::Result<lockstep_inject::fault::Applied>>) -> bool {
+    matches!(stop, Stop::Signal(sig) if sig != libc::SIGTRAP) && result.is_none()
+}
+
 /// Why the event loop stopped early.
 pub enum Stopped {
     /// Corruption detected and contained: exit 86.
@@ -288,6 +300,8 @@ pub struct Session {
     pub debug: bool,
     /// A fault `lockstep inject --replica` asked for, and the replica it goes to.
     pub replica_fault: Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>,
+    /// A dest/addr replica fault in progress: its thread is single-stepped.
+    pub stepping: Option<Stepping>,
     /// Events not yet written (see `emit`).
     pub pending_events: Vec<Event>,
 }
@@ -424,7 +438,8 @@ impl Session {
         let mut session = Session {
             want_replicas: opts.replicas,
             opts,
-            be: Ptrace,
+            be: Ptrace::default(),
+            stepping: None,
             replicas,
             leader: 0,
             tasks: Vec::new(),
@@ -614,6 +629,9 @@ impl Session {
             }
             return Ok(());
         };
+        if self.stepping.as_ref().is_some_and(|s| s.tid == tid) && self.on_step_stop(tid, stop) {
+            return Ok(());
+        }
         if !self.replicas[r as usize].alive {
             // A voted-out replica that we already killed; only its death remains.
             if matches!(stop, Stop::Exited(_) | Stop::Killed(_)) {
@@ -882,22 +900,44 @@ impl Session {
             libs: fault.libs,
         };
         let mut rng = Rng::new(fault.seed);
-        match apply(tgid, tid, fault.model, fault.width, &scope, &mut rng) {
+        if fault.model.needs_steps() {
+            // The fault goes on an instruction after this syscall: step from its return.
+            self.stepping = Some(Stepping {
+                tid,
+                replica: r,
+                fault: lockstep_inject::step::StepFault::fresh(fault.model, fault.width, rng),
+                record: fault.record,
+            });
+            self.be.single_step(Some(tid));
+            return;
+        }
+        let result = apply(tgid, tid, fault.model, fault.width, &scope, &mut rng);
+        if result.is_ok() {
+            if let Ok(fresh) = self.be.regs(tid) {
+                *regs = fresh;
+            }
+        }
+        let at = format!("at syscall stop {}", self.slot(task, r).stops);
+        self.report_replica_fault(r, &fault.record, result, &at);
+    }
+
+    /// Records an applied replica fault for the injector and emits its event.
+    fn report_replica_fault(
+        &mut self,
+        r: ReplicaId,
+        record: &std::path::Path,
+        result: std::io::Result<lockstep_inject::fault::Applied>,
+        at: &str,
+    ) {
+        match result {
             Ok(applied) => {
-                if let Ok(fresh) = self.be.regs(tid) {
-                    *regs = fresh;
-                }
-                let _ = std::fs::write(&fault.record, serde_json::to_string(&applied).unwrap_or_default());
+                let _ = std::fs::write(record, serde_json::to_string(&applied).unwrap_or_default());
                 let what = match (&applied.register, applied.address) {
                     (Some(reg), _) => format!("{reg} ^= {:#x}", applied.mask),
-                    (None, Some(addr)) => format!("byte at {addr:#x} ^= {:#x}", applied.mask),
+                    (None, Some(addr)) => format!("memory at {addr:#x} ^= {:#x}", applied.mask),
                     _ => String::new(),
                 };
-                let msg = format!(
-                    "injected {:?} fault into replica {r} at syscall stop {}: {what}",
-                    applied.model,
-                    self.slot(task, r).stops
-                );
+                let msg = format!("injected {:?} fault into replica {r} {at}: {what}", applied.model);
                 self.emit(Event::new("run", "inject", "flip").replica(r).message(msg));
             }
             Err(e) => {
@@ -908,6 +948,49 @@ impl Session {
                 );
             }
         }
+    }
+
+    /// A stop of the thread a dest/addr fault is stepping. Returns true when the stop was
+    /// the stepping's own (a single-step trap) and has been handled.
+    fn on_step_stop(&mut self, tid: Tid, stop: Stop) -> bool {
+        use lockstep_inject::step::Progress;
+        let Some(mut s) = self.stepping.take() else {
+            return false;
+        };
+        let (result, own) = match stop {
+            Stop::Signal(libc::SIGTRAP) => match s.fault.on_stop(tid) {
+                Ok(Progress::Step) => {
+                    let _ = self.be.resume(tid, Resume::Run);
+                    self.stepping = Some(s);
+                    return true;
+                }
+                Ok(Progress::Done(applied)) => (Some(Ok(applied)), true),
+                Ok(Progress::GaveUp) => (None, true),
+                Err(e) => (Some(Err(e)), true),
+            },
+            // The armed instruction faulted: the fault is in; the signal is handled as usual.
+            Stop::Signal(_) => (s.fault.on_signal(tid).transpose(), false),
+            // The thread went to a syscall or an event: keep stepping after it.
+            Stop::Seccomp | Stop::SyscallExit | Stop::Event(_) | Stop::EventStop(_) => {
+                self.stepping = Some(s);
+                return false;
+            }
+            Stop::Exited(_) | Stop::Killed(_) => (None, false),
+        };
+        if stop_is_signal_without_fault(stop, &result) {
+            // A signal that arrived while the fault was not yet armed: keep stepping.
+            self.stepping = Some(s);
+            return false;
+        }
+        self.be.single_step(None);
+        if let Some(result) = result {
+            let at = "by single-stepping";
+            self.report_replica_fault(s.replica, &s.record, result, at);
+        }
+        if own {
+            let _ = self.be.resume(tid, Resume::Run);
+        }
+        own
     }
 
     /// Applies a test-only fault. Returns false when the replica will not arrive.
