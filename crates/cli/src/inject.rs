@@ -86,6 +86,10 @@ pub struct InjectArgs {
     /// For --fault text: include shared libraries' code.
     #[arg(long)]
     libs: bool,
+    /// Time-based points: only threads of processes named NAME (their comm, as in
+    /// `ps -o comm`) are victims. Default: every thread and child of the target.
+    #[arg(long, value_name = "NAME")]
+    pid_filter: Option<String>,
     /// Output directory.
     #[arg(long, default_value = "inject-out", value_name = "DIR")]
     out: PathBuf,
@@ -137,6 +141,9 @@ pub fn main(a: InjectArgs) -> i32 {
     if a.region != "all" && model != Model::Mem {
         return usage("--region only applies to --fault mem");
     }
+    if a.pid_filter.is_some() && at.is_some() {
+        return usage("--pid-filter applies to time-based points; --at syscall:K always faults the main thread");
+    }
     if a.libs && model != Model::Text {
         return usage("--libs only applies to --fault text");
     }
@@ -184,7 +191,11 @@ pub fn main(a: InjectArgs) -> i32 {
         argv: a.command.clone(),
         model,
         width,
-        scope: Scope { region, libs: a.libs },
+        scope: Scope {
+            region,
+            libs: a.libs,
+            pid_filter: a.pid_filter.clone(),
+        },
         at,
         runs,
         jobs: jobs.max(1),

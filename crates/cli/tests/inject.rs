@@ -110,6 +110,7 @@ fn step_fault(model: Model, steps: u64, seed: u64) -> (Applied, target::Outcome)
         scope: Scope {
             region: Region::All,
             libs: false,
+            pid_filter: None,
         },
         point: Point::Syscall { k: 1, steps },
         rng: Rng::new(seed),
@@ -276,7 +277,11 @@ fn fresh_faults_of_every_model_are_applied_where_they_should_be() {
             let plan = Plan::Fresh {
                 model,
                 width: Width::One,
-                scope: Scope { region, libs: false },
+                scope: Scope {
+                    region,
+                    libs: false,
+                    pid_filter: None,
+                },
                 point: Point::Syscall { k: 1, steps: 0 },
                 rng: Rng::new(seed),
             };
@@ -570,4 +575,39 @@ fn dest_and_addr_replica_faults_are_stepped_by_the_monitor_and_masked() {
             assert_event(&events, "divergence", None, &out);
         }
     }
+}
+
+#[test]
+fn time_points_choose_victims_across_the_process_tree() {
+    // The root (tree_work) only waits; its child (tree_worker) does the work.
+    let prog = argv("tree_work", &[]);
+    let victims = |filter: Option<&str>| -> Vec<String> {
+        (0..4)
+            .filter_map(|seed| {
+                let plan = Plan::Fresh {
+                    model: Model::Reg,
+                    width: Width::One,
+                    scope: Scope {
+                        region: Region::All,
+                        libs: false,
+                        pid_filter: filter.map(str::to_string),
+                    },
+                    point: Point::Time { at_us: 120_000 },
+                    rng: Rng::new(seed),
+                };
+                let o = target::run(&prog, &plan, Duration::from_secs(20), &scratch_dir("tree")).unwrap();
+                o.applied.map(|a| a.process.expect("victim named"))
+            })
+            .collect()
+    };
+    let busy = victims(None);
+    assert!(
+        busy.iter().any(|p| p == "tree_worker"),
+        "the busy child is chosen: {busy:?}"
+    );
+    let root_only = victims(Some("tree_work"));
+    assert!(
+        !root_only.is_empty() && root_only.iter().all(|p| p == "tree_work"),
+        "{root_only:?}"
+    );
 }

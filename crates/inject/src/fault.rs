@@ -165,6 +165,9 @@ pub struct Applied {
     /// ...and what it is.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub instruction: Option<String>,
+    /// The name of the victim's process (time-based points choose among the tree).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub process: Option<String>,
 }
 
 impl Applied {
@@ -180,6 +183,7 @@ impl Applied {
             ip: None,
             steps: None,
             instruction: None,
+            process: None,
         }
     }
 }
@@ -262,6 +266,8 @@ fn pick_byte(maps: &[Mapping], rng: &mut Rng) -> Option<u64> {
 pub struct Scope {
     pub region: Region,
     pub libs: bool,
+    /// Time-based points: only threads of processes with this name (comm) are victims.
+    pub pid_filter: Option<String>,
 }
 
 /// Applies one fault of `model` to the stopped thread `tid` of process `pid`. The models

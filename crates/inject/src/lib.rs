@@ -3,6 +3,7 @@
 //! * [`fault`]: fault models and applying one fault to a stopped thread (the engine).
 //! * [`step`]: the dest and addr models, applied by single-stepping (iced-x86 decodes).
 //! * [`target`]: running one process natively or up to an injection point.
+//! * [`tree`]: the traced process tree at time-based points (victim choice).
 //! * [`classify`]: outcome classes against the golden runs.
 //! * [`campaign`]: golden runs, parallel workers, resumable results.
 //! * [`stats`]: Wilson intervals, zero-event bounds, Leveugle sample sizes.
@@ -15,3 +16,4 @@ pub mod report;
 pub mod stats;
 pub mod step;
 pub mod target;
+pub mod tree;

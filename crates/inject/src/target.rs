@@ -3,6 +3,7 @@
 
 use crate::fault::{self, Applied, Model, Rng, Scope, Width};
 use crate::step::{Progress, StepFault};
+use crate::tree::{Tree, Victim};
 use lockstep_trace::{ptrace, Stop, Tid};
 use serde::{Deserialize, Serialize};
 use std::ffi::CString;
@@ -73,6 +74,8 @@ pub struct Outcome {
     pub wall: Duration,
     /// The fault, if it was applied (None: the process ended first, or no fault planned).
     pub applied: Option<Applied>,
+    /// Server mode: how long the server took to open its port.
+    pub startup: Option<Duration>,
 }
 
 /// What to inject, if anything.
@@ -111,87 +114,140 @@ pub fn run_with_env(
     scratch: &Path,
     env: &[(String, String)],
 ) -> io::Result<Outcome> {
-    std::fs::create_dir_all(scratch)?;
-    let out_path = scratch.join("stdout");
-    let err_path = scratch.join("stderr");
-    let out = std::fs::File::create(&out_path)?;
-    let err = std::fs::File::create(&err_path)?;
-    let args = cstrings(argv)?;
-    let mut ptrs: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
-    ptrs.push(std::ptr::null());
-    // The environment is built before fork: the child must not allocate.
-    let vars: Vec<CString> = std::env::vars()
-        .filter(|(k, _)| !env.iter().any(|(e, _)| e == k))
-        .chain(env.iter().cloned())
-        .filter_map(|(k, v)| CString::new(format!("{k}={v}")).ok())
-        .collect();
-    let mut envp: Vec<*const libc::c_char> = vars.iter().map(|v| v.as_ptr()).collect();
-    envp.push(std::ptr::null());
     let traced = !matches!(plan, Plan::None);
-    let started = Instant::now();
-    // SAFETY: fork; the child only calls async-signal-safe functions before exec.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if pid == 0 {
-        use std::os::fd::AsRawFd;
-        // SAFETY: child side; never returns.
-        unsafe {
-            libc::setpgid(0, 0);
-            libc::dup2(out.as_raw_fd(), 1);
-            libc::dup2(err.as_raw_fd(), 2);
-            let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
-            libc::dup2(null, 0);
-            if traced {
-                libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0);
-                libc::raise(libc::SIGSTOP);
-            }
-            libc::execvpe(ptrs[0], ptrs.as_ptr(), envp.as_ptr());
-            libc::_exit(127);
-        }
-    }
-    drop((out, err));
-    RUNNING.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
-    let result = supervise(pid, traced, plan, started, timeout, &out_path, &err_path);
-    RUNNING.lock().unwrap_or_else(|e| e.into_inner()).retain(|&p| p != pid);
+    let child = Child::spawn(argv, traced, scratch, "", env)?;
+    let result = supervise(&child, plan, timeout);
+    child.forget();
     result
 }
 
-fn supervise(
-    pid: Tid,
-    traced: bool,
-    plan: &Plan,
-    started: Instant,
-    timeout: Duration,
-    out_path: &Path,
-    err_path: &Path,
-) -> io::Result<Outcome> {
-    let deadline = started + timeout;
-    let (applied, ended) = if traced {
-        match drive_to_injection(pid, plan, deadline)? {
+/// A target process, started in its own process group with its stdout and stderr in
+/// files, and registered so that Ctrl-C can kill it.
+pub(crate) struct Child {
+    pub pid: Tid,
+    pub started: Instant,
+    pub out_path: std::path::PathBuf,
+    pub err_path: std::path::PathBuf,
+}
+
+impl Child {
+    /// Forks and execs `argv`; a traced child stops itself before the exec. `name`
+    /// prefixes the output files' names.
+    pub fn spawn(
+        argv: &[String],
+        traced: bool,
+        scratch: &Path,
+        name: &str,
+        env: &[(String, String)],
+    ) -> io::Result<Child> {
+        std::fs::create_dir_all(scratch)?;
+        let out_path = scratch.join(format!("{name}stdout"));
+        let err_path = scratch.join(format!("{name}stderr"));
+        let out = std::fs::File::create(&out_path)?;
+        let err = std::fs::File::create(&err_path)?;
+        let args = cstrings(argv)?;
+        let mut ptrs: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+        ptrs.push(std::ptr::null());
+        // The environment is built before fork: the child must not allocate.
+        let vars: Vec<CString> = std::env::vars()
+            .filter(|(k, _)| !env.iter().any(|(e, _)| e == k))
+            .chain(env.iter().cloned())
+            .filter_map(|(k, v)| CString::new(format!("{k}={v}")).ok())
+            .collect();
+        let mut envp: Vec<*const libc::c_char> = vars.iter().map(|v| v.as_ptr()).collect();
+        envp.push(std::ptr::null());
+        let started = Instant::now();
+        // SAFETY: fork; the child only calls async-signal-safe functions before exec.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if pid == 0 {
+            use std::os::fd::AsRawFd;
+            // SAFETY: child side; never returns.
+            unsafe {
+                libc::setpgid(0, 0);
+                libc::dup2(out.as_raw_fd(), 1);
+                libc::dup2(err.as_raw_fd(), 2);
+                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
+                libc::dup2(null, 0);
+                if traced {
+                    libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0);
+                    libc::raise(libc::SIGSTOP);
+                }
+                libc::execvpe(ptrs[0], ptrs.as_ptr(), envp.as_ptr());
+                libc::_exit(127);
+            }
+        }
+        RUNNING.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+        Ok(Child {
+            pid,
+            started,
+            out_path,
+            err_path,
+        })
+    }
+
+    /// Removes the child from the Ctrl-C registry once it has been reaped.
+    pub fn forget(&self) {
+        RUNNING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|&p| p != self.pid);
+    }
+
+    pub fn outputs(&self) -> (Vec<u8>, Vec<u8>) {
+        (
+            std::fs::read(&self.out_path).unwrap_or_default(),
+            std::fs::read(&self.err_path).unwrap_or_default(),
+        )
+    }
+}
+
+fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcome> {
+    let pid = child.pid;
+    let deadline = child.started + timeout;
+    let (applied, ended) = match plan {
+        Plan::None => (None, None),
+        _ => match drive_to_injection(pid, plan, deadline, &mut || Ok(()))? {
             Driven::Injected(a) => (Some(a), None),
             Driven::NotApplied => (None, None),
             Driven::Ended(e) => (None, Some(e)),
-        }
-    } else {
-        (None, None)
+        },
     };
     let ending = match ended {
         Some(e) => e,
+        None if traced_tree(plan) => Tree::finish(pid, deadline)?,
         None => wait_until(pid, deadline)?,
     };
+    let (stdout, stderr) = child.outputs();
     Ok(Outcome {
         ending,
-        stdout: std::fs::read(out_path).unwrap_or_default(),
-        stderr: std::fs::read(err_path).unwrap_or_default(),
-        wall: started.elapsed(),
+        stdout,
+        stderr,
+        wall: child.started.elapsed(),
         applied,
+        startup: None,
     })
 }
 
+/// Time-based points trace the whole process tree (any thread or child can be the
+/// victim); syscall points follow the main thread only.
+fn traced_tree(plan: &Plan) -> bool {
+    matches!(
+        plan,
+        Plan::Fresh {
+            point: Point::Time { .. },
+            ..
+        } | Plan::Replay {
+            point: Point::Time { .. },
+            ..
+        }
+    )
+}
+
 /// Where driving a traced child ended.
-enum Driven {
+pub(crate) enum Driven {
     Injected(Applied),
     /// The injection point was reached but the fault found nothing to corrupt.
     NotApplied,
@@ -199,7 +255,7 @@ enum Driven {
     Ended(Ending),
 }
 
-fn ending_of(stop: Stop) -> Option<Ending> {
+pub(crate) fn ending_of(stop: Stop) -> Option<Ending> {
     match stop {
         Stop::Exited(c) => Some(Ending::Exited(c)),
         Stop::Killed(s) => Some(Ending::Signaled(s)),
@@ -207,8 +263,16 @@ fn ending_of(stop: Stop) -> Option<Ending> {
     }
 }
 
-/// Takes the stopped child to its injection point, applies the fault and detaches.
-fn drive_to_injection(pid: Tid, plan: &Plan, deadline: Instant) -> io::Result<Driven> {
+/// Takes the stopped child to its injection point and applies the fault. A syscall point
+/// follows the main thread and detaches afterwards; a time point traces the whole tree,
+/// chooses the victim thread there, and keeps passing on the tree's stops (see [`Tree`]).
+/// `started` runs once the child is under way (server mode starts its client there).
+pub(crate) fn drive_to_injection(
+    pid: Tid,
+    plan: &Plan,
+    deadline: Instant,
+    started: &mut dyn FnMut() -> io::Result<()>,
+) -> io::Result<Driven> {
     // The child stopped itself before exec.
     match ptrace::wait_tid(pid)? {
         Stop::Signal(libc::SIGSTOP) => {}
@@ -216,26 +280,47 @@ fn drive_to_injection(pid: Tid, plan: &Plan, deadline: Instant) -> io::Result<Dr
             return Ok(Driven::Ended(ending_of(other).unwrap_or(Ending::Exited(127))));
         }
     }
+    let tree = traced_tree(plan);
+    let mut options = libc::PTRACE_O_TRACESYSGOOD | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_EXITKILL;
+    if tree {
+        options |= libc::PTRACE_O_TRACECLONE | libc::PTRACE_O_TRACEFORK | libc::PTRACE_O_TRACEVFORK;
+    }
     // SAFETY: plain ptrace on our stopped child.
     unsafe {
-        libc::ptrace(
-            libc::PTRACE_SETOPTIONS,
-            pid,
-            0,
-            libc::PTRACE_O_TRACESYSGOOD | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_EXITKILL,
-        );
+        libc::ptrace(libc::PTRACE_SETOPTIONS, pid, 0, options);
     }
-    let point = match plan {
-        Plan::Fresh { point, .. } | Plan::Replay { point, .. } => *point,
+    let (point, scope) = match plan {
+        Plan::Fresh { point, scope, .. } => (*point, Some(scope)),
+        Plan::Replay { point, .. } => (*point, None),
         Plan::None => unreachable!("traced only with a plan"),
     };
-    let reached = match point {
-        Point::Syscall { k, steps } => run_to_syscall(pid, k, steps)?,
-        Point::Time { at_us } => run_for(pid, Duration::from_micros(at_us), deadline)?,
+    let victim = match point {
+        Point::Syscall { k, steps } => {
+            if let Some(ending) = run_to_syscall(pid, k, steps)? {
+                return Ok(Driven::Ended(ending));
+            }
+            started()?;
+            pid
+        }
+        Point::Time { at_us } => {
+            let mut t = Tree::new(pid);
+            ptrace::cont(pid, 0)?;
+            started()?;
+            if let Some(ending) = t.run_until((Instant::now() + Duration::from_micros(at_us)).min(deadline))? {
+                return Ok(Driven::Ended(ending));
+            }
+            let mut rng = match plan {
+                Plan::Fresh { rng, .. } => Some(Rng::new(rng.clone().next_u64() ^ 0x7468_7264)),
+                _ => None,
+            };
+            let filter = scope.and_then(|s| s.pid_filter.as_deref());
+            match t.stop_victim(rng.as_mut(), filter, deadline)? {
+                Victim::Stopped(tid) => tid,
+                Victim::None => return Ok(Driven::NotApplied),
+                Victim::Ended(ending) => return Ok(Driven::Ended(ending)),
+            }
+        }
     };
-    if let Some(ending) = reached {
-        return Ok(Driven::Ended(ending));
-    }
     let applied = match plan {
         Plan::Fresh { model, .. }
         | Plan::Replay {
@@ -247,10 +332,13 @@ fn drive_to_injection(pid: Tid, plan: &Plan, deadline: Instant) -> io::Result<Dr
                 Plan::Replay { applied, .. } => StepFault::replay(applied.clone()),
                 Plan::None => unreachable!(),
             };
-            match step_until_applied(pid, stepper, deadline)? {
+            match step_until_applied(victim, stepper, deadline, tree)? {
                 Stepped::Applied(a) => a,
-                Stepped::Detached(a) => return Ok(Driven::Injected(a)),
-                Stepped::GaveUp => return Ok(Driven::NotApplied),
+                Stepped::Released(a) => return Ok(Driven::Injected(a)),
+                Stepped::GaveUp => {
+                    release(victim, tree, 0)?;
+                    return Ok(Driven::NotApplied);
+                }
                 Stepped::Ended(e) => return Ok(Driven::Ended(e)),
             }
         }
@@ -262,16 +350,30 @@ fn drive_to_injection(pid: Tid, plan: &Plan, deadline: Instant) -> io::Result<Dr
             ..
         } => {
             let mut rng = rng.clone();
-            fault::apply(pid, pid, *model, *width, scope, &mut rng)?
+            fault::apply(victim, victim, *model, *width, scope, &mut rng)?
         }
         Plan::Replay { applied, .. } => {
-            fault::reapply(pid, applied)?;
+            fault::reapply(victim, applied)?;
             applied.clone()
         }
         Plan::None => unreachable!(),
     };
-    ptrace::detach_with(pid, 0)?;
+    let applied = Applied {
+        process: crate::tree::process_name(victim),
+        ..applied
+    };
+    release(victim, tree, 0)?;
     Ok(Driven::Injected(applied))
+}
+
+/// Lets the victim go after the injection: a lone traced process is detached; a traced
+/// tree stays traced (its stops are passed on until it ends).
+fn release(victim: Tid, tree: bool, sig: i32) -> io::Result<()> {
+    if tree {
+        ptrace::cont(victim, sig)
+    } else {
+        ptrace::detach_with(victim, sig)
+    }
 }
 
 /// Steps syscall by syscall until the k-th syscall after exec has returned, then `steps`
@@ -311,10 +413,7 @@ fn run_to_syscall(pid: Tid, k: u64, steps: u64) -> io::Result<Option<Ending>> {
         ptrace::cont_syscall(pid, 0)?;
     }
     for _ in 0..steps {
-        // SAFETY: single-step our stopped child.
-        if unsafe { libc::ptrace(libc::PTRACE_SINGLESTEP, pid, 0, 0) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        ptrace::step(pid, 0)?;
         if let stop @ (Stop::Exited(_) | Stop::Killed(_)) = ptrace::wait_tid(pid)? {
             return Ok(ending_of(stop));
         }
@@ -324,15 +423,15 @@ fn run_to_syscall(pid: Tid, k: u64, steps: u64) -> io::Result<Option<Ending>> {
 
 enum Stepped {
     Applied(Applied),
-    /// Applied, and the process already detached.
-    Detached(Applied),
+    /// Applied, and the victim already released.
+    Released(Applied),
     GaveUp,
     Ended(Ending),
 }
 
 /// Single-steps `pid` until the step fault is in place. Signals that arrive meanwhile are
 /// delivered with the next step.
-fn step_until_applied(pid: Tid, mut stepper: StepFault, deadline: Instant) -> io::Result<Stepped> {
+fn step_until_applied(pid: Tid, mut stepper: StepFault, deadline: Instant, tree: bool) -> io::Result<Stepped> {
     let mut signal = 0;
     loop {
         match stepper.on_stop(pid)? {
@@ -350,9 +449,9 @@ fn step_until_applied(pid: Tid, mut stepper: StepFault, deadline: Instant) -> io
                 Some(Stop::Signal(libc::SIGTRAP)) => break,
                 Some(Stop::Signal(sig)) => {
                     if let Some(applied) = stepper.on_signal(pid)? {
-                        // The armed instruction raised `sig`: detach, delivering it.
-                        ptrace::detach_with(pid, sig)?;
-                        return Ok(Stepped::Detached(applied));
+                        // The armed instruction raised `sig`: let it go, delivering it.
+                        release(pid, tree, sig)?;
+                        return Ok(Stepped::Released(applied));
                     }
                     signal = sig; // delivered with the next step
                 }
@@ -391,38 +490,6 @@ fn wait_stop_until(pid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(100));
-        }
-    }
-}
-
-/// Lets the child run for `after`, then stops it. Some(ending) when it ended first.
-fn run_for(pid: Tid, after: Duration, deadline: Instant) -> io::Result<Option<Ending>> {
-    let t0 = Instant::now();
-    ptrace::cont(pid, 0)?;
-    let until = (t0 + after).min(deadline);
-    loop {
-        let mut status = 0;
-        // SAFETY: non-blocking waitpid on our child.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
-        if r == pid {
-            match ptrace::decode(status) {
-                stop @ (Stop::Exited(_) | Stop::Killed(_)) => return Ok(ending_of(stop)),
-                Stop::Signal(sig) => ptrace::cont(pid, sig)?,
-                _ => ptrace::cont(pid, 0)?,
-            }
-        }
-        if Instant::now() >= until {
-            break;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    ptrace::kill(pid, libc::SIGSTOP);
-    loop {
-        match ptrace::wait_tid(pid)? {
-            stop @ (Stop::Exited(_) | Stop::Killed(_)) => return Ok(ending_of(stop)),
-            Stop::Signal(libc::SIGSTOP) => return Ok(None),
-            Stop::Signal(sig) => ptrace::cont(pid, sig)?,
-            _ => ptrace::cont(pid, 0)?,
         }
     }
 }

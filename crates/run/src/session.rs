@@ -898,6 +898,7 @@ impl Session {
         let scope = Scope {
             region: fault.region,
             libs: fault.libs,
+            pid_filter: None,
         };
         let mut rng = Rng::new(fault.seed);
         if fault.model.needs_steps() {

@@ -1,0 +1,251 @@
+//! The traced process tree of a target at a time-based injection point: every thread and
+//! child is traced (PTRACE_O_TRACECLONE/FORK/VFORK), so any of them can be the victim, and
+//! their stops are passed on so the program runs as it would untraced.
+//!
+//! Each campaign worker thread traces its own targets, so waits use `__WNOTHREAD`: one
+//! worker never reaps another worker's tracees.
+
+use crate::fault::Rng;
+use crate::target::{ending_of, Ending};
+use lockstep_trace::{ptrace, Stop, Tid};
+use std::io;
+use std::time::{Duration, Instant};
+
+/// How long stray members of a finished target's process group are reaped for.
+const REAP_GRACE: Duration = Duration::from_millis(200);
+
+pub struct Tree {
+    root: Tid,
+    /// Ends of this worker's children outside the tree (server mode's client).
+    pub foreign: Vec<(Tid, Ending)>,
+    tasks: Vec<Tid>,
+    /// Announced by a fork/clone event; their first (SIGSTOP) stop is not a real signal.
+    unborn: Vec<Tid>,
+}
+
+/// The outcome of stopping a victim.
+pub enum Victim {
+    Stopped(Tid),
+    /// No thread matched the filter.
+    None,
+    /// The root ended first.
+    Ended(Ending),
+}
+
+/// The next stop of any of this thread's tracees, without blocking. None: nothing yet
+/// (or no tracee left).
+pub fn poll() -> io::Result<Option<(Tid, Stop)>> {
+    let mut status = 0;
+    // SAFETY: non-blocking waitpid.
+    let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG | libc::__WALL | libc::__WNOTHREAD) };
+    if r > 0 {
+        return Ok(Some((r, ptrace::decode(status))));
+    }
+    if r == 0 {
+        return Ok(None);
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ECHILD) | Some(libc::EINTR) => Ok(None),
+        _ => Err(e),
+    }
+}
+
+pub fn idle() {
+    std::thread::sleep(Duration::from_micros(200));
+}
+
+impl Tree {
+    pub fn new(root: Tid) -> Self {
+        Tree {
+            root,
+            foreign: Vec::new(),
+            tasks: vec![root],
+            unborn: Vec::new(),
+        }
+    }
+
+    /// Passes one stop on. Some(ending) when it was the root's end.
+    pub fn handle(&mut self, tid: Tid, stop: Stop) -> io::Result<Option<Ending>> {
+        match stop {
+            Stop::Exited(_) | Stop::Killed(_) => {
+                if !self.tasks.contains(&tid) {
+                    self.foreign.extend(ending_of(stop).map(|e| (tid, e)));
+                }
+                self.tasks.retain(|&t| t != tid);
+                if tid == self.root {
+                    return Ok(ending_of(stop));
+                }
+            }
+            Stop::Event(e)
+                if e == libc::PTRACE_EVENT_FORK || e == libc::PTRACE_EVENT_VFORK || e == libc::PTRACE_EVENT_CLONE =>
+            {
+                if let Ok(new) = ptrace::event_msg(tid) {
+                    let new = new as Tid;
+                    if !self.tasks.contains(&new) {
+                        self.tasks.push(new);
+                        self.unborn.push(new);
+                    }
+                }
+                let _ = ptrace::cont(tid, 0);
+            }
+            Stop::Signal(libc::SIGSTOP) if self.unborn.contains(&tid) || !self.tasks.contains(&tid) => {
+                // A new task's first stop (it may arrive before its parent's event).
+                self.unborn.retain(|&t| t != tid);
+                if !self.tasks.contains(&tid) {
+                    self.tasks.push(tid);
+                }
+                let _ = ptrace::cont(tid, 0);
+            }
+            Stop::Signal(sig) => {
+                let _ = ptrace::cont(tid, sig);
+            }
+            _ => {
+                let _ = ptrace::cont(tid, 0);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Passes stops on until `until`. Some(ending) when the root ended first.
+    pub fn run_until(&mut self, until: Instant) -> io::Result<Option<Ending>> {
+        loop {
+            match poll()? {
+                Some((tid, stop)) => {
+                    if let Some(ending) = self.handle(tid, stop)? {
+                        return Ok(Some(ending));
+                    }
+                }
+                None if Instant::now() >= until => return Ok(None),
+                None => idle(),
+            }
+        }
+    }
+
+    /// Chooses a victim thread (weighted by the CPU time it has used, so that idle helper
+    /// threads are rarely hit; the root when there is no generator, as in a replay) and
+    /// stops it.
+    pub fn stop_victim(
+        &mut self,
+        rng: Option<&mut Rng>,
+        filter: Option<&str>,
+        deadline: Instant,
+    ) -> io::Result<Victim> {
+        let candidates: Vec<(Tid, u64)> = self
+            .tasks
+            .iter()
+            .copied()
+            .filter(|t| !self.unborn.contains(t))
+            .filter(|&t| filter.is_none_or(|f| process_name(t).as_deref() == Some(f)))
+            .map(|t| (t, cpu_ticks(t) + 1))
+            .collect();
+        let victim = match rng {
+            _ if candidates.is_empty() => return Ok(Victim::None),
+            None => candidates.iter().find(|c| c.0 == self.root).unwrap_or(&candidates[0]).0,
+            Some(rng) => {
+                let total: u64 = candidates.iter().map(|c| c.1).sum();
+                let mut at = rng.below(total);
+                candidates
+                    .iter()
+                    .find(|c| {
+                        let hit = at < c.1;
+                        at = at.saturating_sub(c.1);
+                        hit
+                    })
+                    .expect("weights sum to total")
+                    .0
+            }
+        };
+        // SAFETY: tkill of our own tracee.
+        unsafe { libc::syscall(libc::SYS_tkill, victim, libc::SIGSTOP) };
+        loop {
+            match poll()? {
+                Some((tid, Stop::Signal(libc::SIGSTOP))) if tid == victim => return Ok(Victim::Stopped(victim)),
+                Some((tid, stop)) => {
+                    let gone = tid == victim && matches!(stop, Stop::Exited(_) | Stop::Killed(_));
+                    if let Some(ending) = self.handle(tid, stop)? {
+                        return Ok(Victim::Ended(ending));
+                    }
+                    if gone {
+                        return Ok(Victim::None);
+                    }
+                }
+                None if Instant::now() >= deadline => return Ok(Victim::None),
+                None => idle(),
+            }
+        }
+    }
+
+    /// After the injection: passes stops on until the root ends (then the rest of its
+    /// process group is killed and reaped), or kills the group at the deadline.
+    pub fn finish(root: Tid, deadline: Instant) -> io::Result<Ending> {
+        let mut tree = Tree::new(root);
+        let ending = loop {
+            match poll()? {
+                Some((tid, stop)) => {
+                    if let Some(ending) = tree.handle(tid, stop)? {
+                        break ending;
+                    }
+                }
+                None if Instant::now() >= deadline => {
+                    kill_group(root);
+                    let mut status = 0;
+                    // SAFETY: reap the killed root.
+                    unsafe { libc::waitpid(root, &mut status, libc::__WALL) };
+                    break Ending::TimedOut;
+                }
+                None => idle(),
+            }
+        };
+        kill_group(root);
+        let until = Instant::now() + REAP_GRACE;
+        while Instant::now() < until {
+            match poll()? {
+                Some(_) => {}
+                None => {
+                    let mut status = 0;
+                    // SAFETY: probe whether any tracee is left.
+                    let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG | libc::__WALL | libc::__WNOTHREAD) };
+                    if r < 0 {
+                        break; // ECHILD: nothing left
+                    }
+                    idle();
+                }
+            }
+        }
+        Ok(ending)
+    }
+}
+
+fn kill_group(root: Tid) {
+    // SAFETY: SIGKILL to the target's own process group.
+    unsafe {
+        libc::kill(-root, libc::SIGKILL);
+    }
+}
+
+/// utime + stime of a thread, in clock ticks.
+fn cpu_ticks(tid: Tid) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{tid}/stat")) else {
+        return 0;
+    };
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return 0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // Fields 14 and 15 of stat(5); `rest` starts at field 3.
+    let field = |i: usize| f.get(i - 3).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    field(14) + field(15)
+}
+
+/// The name (comm) of the process a thread belongs to.
+pub fn process_name(tid: Tid) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    let tgid = status.lines().find_map(|l| l.strip_prefix("Tgid:"))?.trim().to_string();
+    Some(
+        std::fs::read_to_string(format!("/proc/{tgid}/comm"))
+            .ok()?
+            .trim()
+            .to_string(),
+    )
+}
