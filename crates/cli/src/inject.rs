@@ -5,7 +5,7 @@ use lockstep_core::exit;
 use lockstep_inject::campaign::{self, Config};
 use lockstep_inject::classify::{classify, Compare};
 use lockstep_inject::fault::{Model, Region, Scope, Width};
-use lockstep_inject::target::{self, Plan, Point};
+use lockstep_inject::target::{Plan, Point};
 use lockstep_inject::{report, stats};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -40,7 +40,10 @@ same command again to resume), summary.json, summary.md, summary.svg.
 Examples:
   lockstep inject --fault reg --runs 1000 -- ./md5job input.bin
   lockstep inject --fault mem --region heap --confidence 95 --margin 1 -- python3 job.py
-  lockstep inject --fault reg -- lockstep run -r 3 -- ./md5job input.bin
+  lockstep inject --fault reg --replica any -- lockstep run -r 3 -- ./md5job input.bin
+  lockstep inject --fault mem -j 2 --server --port 7000 \\
+      --client 'redis-cli -p {port} get k' -- redis-server --port {port} --save ''
+  lockstep inject --compare file:{dir}/out.txt -- ./job -o {dir}/out.txt
   lockstep inject --replay out/results.jsonl:17 -- ./md5job input.bin";
 
 /// Inject faults into a program and classify every outcome, with confidence intervals.
@@ -71,9 +74,26 @@ pub struct InjectArgs {
     /// Number of golden (fault-free) runs.
     #[arg(long, default_value_t = 3, value_name = "K")]
     golden: u32,
-    /// Channels compared with the golden run: stdout, stderr, exit.
+    /// Channels compared with the golden run: stdout, stderr, exit, file:PATH (a file the
+    /// target writes; `{dir}` in PATH and in the command is each run's own directory).
     #[arg(long, default_value = "stdout,exit", value_name = "LIST")]
     compare: String,
+    /// A command that decides whether differing outputs are equivalent: it is run as
+    /// `sh -c 'CMD "$@"' sh GOLDEN RUN` and exits 0 when they are (for example
+    /// `diff -q -I '^took'` to ignore timing lines). Also used for the golden runs.
+    #[arg(long, value_name = "CMD")]
+    diff_cmd: Option<String>,
+    /// Server mode: the target is a server. Wait until it accepts connections on --port,
+    /// run --client, compare the client's output, then stop the server with SIGTERM.
+    #[arg(long, requires_all = ["port", "client"])]
+    server: bool,
+    /// Server mode: the TCP port on 127.0.0.1; worker w uses PORT+w, written `{port}` in
+    /// the command and the client.
+    #[arg(long, value_name = "PORT", requires = "server")]
+    port: Option<u16>,
+    /// Server mode: the client workload (run with sh -c; `{port}` and `{dir}` expand).
+    #[arg(long, value_name = "CMD", requires = "server")]
+    client: Option<String>,
     /// Exact injection point: syscall:K or syscall:K+steps:D.
     #[arg(long, value_name = "POINT")]
     at: Option<String>,
@@ -122,11 +142,11 @@ pub fn main(a: InjectArgs) -> i32 {
         Ok(m) => m,
         Err(e) => return usage(&e),
     };
-    let (width, region, compare): (Width, Region, Compare) = match (a.bits.parse(), a.region.parse(), a.compare.parse())
-    {
-        (Ok(w), Ok(r), Ok(c)) => (w, r, c),
-        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return usage(&e),
-    };
+    let (width, region, mut compare): (Width, Region, Compare) =
+        match (a.bits.parse(), a.region.parse(), a.compare.parse()) {
+            (Ok(w), Ok(r), Ok(c)) => (w, r, c),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return usage(&e),
+        };
     let at = match a.at.as_deref().map(str::parse::<Point>).transpose() {
         Ok(p) => p,
         Err(e) => return usage(&e),
@@ -147,6 +167,7 @@ pub fn main(a: InjectArgs) -> i32 {
     if a.libs && model != Model::Text {
         return usage("--libs only applies to --fault text");
     }
+    compare.diff_cmd = a.diff_cmd.clone();
     let confidence = a.confidence.unwrap_or(95.0);
     let runs = match (a.runs, a.confidence, a.margin) {
         (Some(_), Some(_), Some(_)) => return usage("give either --runs or --confidence with --margin, not both"),
@@ -178,6 +199,9 @@ pub fn main(a: InjectArgs) -> i32 {
     if replica.is_some() && !is_lockstep_run {
         return usage("--replica needs a `lockstep run ...` command as the target");
     }
+    if is_lockstep_run && replica.is_none() && at.is_none() {
+        return usage("a `lockstep run` target needs --replica leader|follower|any: its replicas are traced by the run monitor, and a process has only one tracer");
+    }
     if replica.is_some() && a.replay.is_some() {
         return usage("--replay of replica faults is not supported yet");
     }
@@ -186,7 +210,28 @@ pub fn main(a: InjectArgs) -> i32 {
     }
     let jobs = a
         .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+        .max(1);
+    let uses = |token: &str| a.command.iter().any(|c| c.contains(token));
+    if jobs > 1 && compare.files.iter().any(|f| !f.contains("{dir}")) {
+        return usage(
+            "parallel runs would share a compared file: write {dir} in file:PATH (and in the command), or use -j 1",
+        );
+    }
+    let server = match (a.server, a.port, a.client.clone()) {
+        (true, Some(port), Some(client)) => {
+            if at.is_some() {
+                return usage(
+                    "--server injects at time-based points only (they count from the client's start); drop --at",
+                );
+            }
+            if jobs > 1 && !(uses("{port}") && client.contains("{port}")) {
+                return usage("with -j 2 or more each worker's server needs its own port: write {port} in the server command and in --client, or use -j 1");
+            }
+            Some(lockstep_inject::server::Server { port, client })
+        }
+        _ => None,
+    };
     let cfg = Config {
         argv: a.command.clone(),
         model,
@@ -198,7 +243,7 @@ pub fn main(a: InjectArgs) -> i32 {
         },
         at,
         runs,
-        jobs: jobs.max(1),
+        jobs,
         seed: a.seed,
         timeout,
         golden_runs: a.golden,
@@ -207,6 +252,7 @@ pub fn main(a: InjectArgs) -> i32 {
         confidence,
         live_progress: std::io::stderr().is_terminal(),
         replica,
+        server,
     };
     if let Some(spec) = a.replay.as_deref() {
         return replay(&cfg, spec);
@@ -264,12 +310,12 @@ fn replay(cfg: &Config, spec: &str) -> i32 {
         point: rec.point,
         applied,
     };
-    let scratch = cfg.out.join("work").join("replay");
-    let outcome = match target::run(&cfg.argv, &plan, reference.timeout, &scratch) {
+    let ws = campaign::Workspace::of(cfg, "replay", 0);
+    let outcome = match campaign::run_target(cfg, &ws, &plan, reference.timeout, &[]) {
         Ok(o) => o,
         Err(e) => return fail(&format!("replay failed: {e}")),
     };
-    let class = classify(&reference.golden, &outcome, cfg.compare);
+    let class = classify(&reference.golden, &outcome, &cfg.compare);
     println!("run {run}: recorded {}, replayed {}", rec.class.name(), class.name());
     if matches!(rec.point, Point::Time { .. }) {
         println!("note: the point is time-based, so the replay hits a nearby instruction, not the same one");

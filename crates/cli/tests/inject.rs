@@ -9,19 +9,13 @@ use lockstep_inject::fault::{Applied, Model, Region, Rng, Scope, Width};
 use lockstep_inject::target::{self, Ending, Plan, Point};
 use std::time::Duration;
 
-const COMPARE: Compare = Compare {
-    stdout: true,
-    stderr: false,
-    exit: true,
-};
+fn compare() -> Compare {
+    "stdout,exit".parse().unwrap()
+}
 
 fn golden_of(argv: &[String]) -> Golden {
     let o = target::run(argv, &Plan::None, Duration::from_secs(10), &scratch_dir("golden")).unwrap();
-    Golden {
-        ending: o.ending,
-        stdout: o.stdout,
-        stderr: o.stderr,
-    }
+    Golden::of(&o)
 }
 
 fn argv(name: &str, args: &[&str]) -> Vec<String> {
@@ -44,7 +38,7 @@ fn flip_reg(argv: &[String], k: u64, reg: &str, mask: u64) -> (Class, target::Ou
         applied,
     };
     let o = target::run(argv, &plan, Duration::from_secs(2), &scratch_dir("flip")).unwrap();
-    (classify(&golden_of(argv), &o, COMPARE), o)
+    (classify(&golden_of(argv), &o, &compare()), o)
 }
 
 #[test]
@@ -255,7 +249,7 @@ fn mem_fault_changes_the_byte_it_names() {
     };
     let o = target::run(&a, &plan, Duration::from_secs(2), &scratch_dir("mem")).unwrap();
     assert_eq!(String::from_utf8_lossy(&o.stdout), "start\nvalue=02\n");
-    assert_eq!(classify(&golden_of(&a), &o, COMPARE), Class::Sdc);
+    assert_eq!(classify(&golden_of(&a), &o, &compare()), Class::Sdc);
 }
 
 #[test]
@@ -315,23 +309,6 @@ fn fresh_faults_of_every_model_are_applied_where_they_should_be() {
 }
 
 // --- the command line ---------------------------------------------------------------
-
-fn inject_cmd(out: &std::path::Path, extra: &[&str], prog: &[String]) -> std::process::Command {
-    let mut c = lockstep();
-    c.arg("inject").arg("--out").arg(out).args(extra).arg("--").args(prog);
-    c
-}
-
-fn summary_counts(out: &std::path::Path) -> Vec<(String, u64)> {
-    let s: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    s["classes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| (c["class"].as_str().unwrap().to_string(), c["count"].as_u64().unwrap()))
-        .collect()
-}
 
 #[test]
 fn parallel_and_sequential_campaigns_agree_and_resume_works() {

@@ -34,6 +34,59 @@ pub struct Config {
     pub live_progress: bool,
     /// Fault one replica of a `lockstep run` target instead of the target process.
     pub replica: Option<crate::fault::ReplicaChoice>,
+    /// Server mode: the base port (worker w uses base + w, as `{port}`) and the client.
+    pub server: Option<crate::server::Server>,
+}
+
+/// Where one worker's runs happen: `{dir}` and `{port}` in the command, the client and
+/// compared file paths are replaced by these, so parallel runs do not collide.
+#[derive(Clone, Debug)]
+pub struct Workspace {
+    pub dir: PathBuf,
+    pub port: u16,
+}
+
+impl Workspace {
+    pub fn of(cfg: &Config, name: &str, worker: usize) -> Workspace {
+        Workspace {
+            dir: cfg.out.join("work").join(name),
+            port: cfg.server.as_ref().map_or(0, |s| s.port.saturating_add(worker as u16)),
+        }
+    }
+
+    pub fn expand(&self, s: &str) -> String {
+        s.replace("{dir}", &self.dir.to_string_lossy())
+            .replace("{port}", &self.port.to_string())
+    }
+}
+
+/// Runs the target once in workspace `ws` (natively or in server mode) and reads the
+/// compared files.
+pub fn run_target(
+    cfg: &Config,
+    ws: &Workspace,
+    plan: &Plan,
+    timeout: Duration,
+    env: &[(String, String)],
+) -> std::io::Result<target::Outcome> {
+    std::fs::create_dir_all(&ws.dir)?;
+    let argv: Vec<String> = cfg.argv.iter().map(|a| ws.expand(a)).collect();
+    let files: Vec<PathBuf> = cfg.compare.files.iter().map(|f| PathBuf::from(ws.expand(f))).collect();
+    for f in &files {
+        let _ = std::fs::remove_file(f);
+    }
+    let mut o = match &cfg.server {
+        Some(server) => {
+            let server = crate::server::Server {
+                port: ws.port,
+                client: ws.expand(&server.client),
+            };
+            crate::server::run(&argv, &server, plan, timeout, &ws.dir, env)?
+        }
+        None => target::run_with_env(&argv, plan, timeout, &ws.dir, env)?,
+    };
+    o.files = files.iter().map(|f| std::fs::read(f).ok()).collect();
+    Ok(o)
 }
 
 /// One injection, as stored in results.jsonl.
@@ -52,7 +105,10 @@ pub struct Record {
 /// What the golden runs established.
 pub struct Reference {
     pub golden: Golden,
+    /// Mean runtime (server mode: of the client workload); injection points fall in it.
     pub runtime: Duration,
+    /// Server mode: mean time until the port opened (replica faults count from the start).
+    pub startup: Duration,
     pub timeout: Duration,
 }
 
@@ -65,55 +121,66 @@ extern "C" fn on_sigint(_: libc::c_int) {
 
 /// Runs the program `k` times without faults and checks that its behaviour is stable.
 pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
-    let scratch = cfg.out.join("work").join("golden");
+    let ws = Workspace::of(cfg, "golden", 0);
     let mut first: Option<Golden> = None;
-    let mut total = Duration::ZERO;
+    let (mut total, mut startup) = (Duration::ZERO, Duration::ZERO);
     let limit = cfg.timeout.unwrap_or(Duration::from_secs(300));
-    for i in 0..cfg.golden_runs.max(1) {
-        let o =
-            target::run(&cfg.argv, &Plan::None, limit, &scratch).map_err(|e| format!("cannot run the target: {e}"))?;
+    let k = cfg.golden_runs.max(1);
+    for i in 0..k {
+        let o = run_target(cfg, &ws, &Plan::None, limit, &[]).map_err(|e| format!("cannot run the target: {e}"))?;
         match o.ending {
             Ending::TimedOut => {
                 return Err(format!(
-                    "the target did not finish within {:.0} s in golden run {}",
+                    "the target did not finish within {:.0} s in golden run {} ({})",
                     limit.as_secs_f64(),
-                    i + 1
+                    i + 1,
+                    if cfg.server.is_some() {
+                        "the server never opened its port, or the client hung"
+                    } else {
+                        "give --timeout SECS for longer programs"
+                    }
                 ))
             }
-            Ending::Exited(127) if o.stdout.is_empty() => {
+            Ending::Exited(127) if o.stdout.is_empty() && cfg.server.is_none() => {
                 return Err(format!("command not found or not executable: {}", cfg.argv[0]))
+            }
+            Ending::ServerExited(c) => {
+                return Err(format!(
+                    "the server exited (status {c}) before the client finished in golden run {}: {}",
+                    i + 1,
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ))
+            }
+            Ending::Signaled(s) if cfg.server.is_some() => {
+                return Err(format!("the server was killed by signal {s} in golden run {}", i + 1))
             }
             _ => {}
         }
         total += o.wall;
-        let g = Golden {
-            ending: o.ending,
-            stdout: o.stdout,
-            stderr: o.stderr,
-        };
+        startup += o.startup.unwrap_or_default();
+        let g = Golden::of(&o);
         match &first {
             None => first = Some(g),
             Some(f) => {
-                let differs = (cfg.compare.stdout && f.stdout != g.stdout)
-                    || (cfg.compare.stderr && f.stderr != g.stderr)
-                    || (cfg.compare.exit && f.ending != g.ending);
-                if differs {
+                if let Some(channel) = cfg.compare.difference(f, &g) {
                     return Err(format!(
-                        "the target's output differs between golden runs 1 and {}: results could not be classified (make the output deterministic, or compare fewer channels)",
+                        "the target's {channel} differs between golden runs 1 and {}: results could not be classified (make the output deterministic, give --diff-cmd to normalise it, or compare fewer channels)",
                         i + 1
                     ));
                 }
             }
         }
     }
-    let runtime = total / cfg.golden_runs.max(1);
+    let runtime = total / k;
+    let startup = startup / k;
     // Hang timeout: generous against noise, bounded below for very short programs.
     let timeout = cfg
         .timeout
-        .unwrap_or_else(|| (runtime * 10).max(Duration::from_secs(2)));
+        .unwrap_or_else(|| ((runtime + startup) * 10).max(Duration::from_secs(2)));
     Ok(Reference {
         golden: first.expect("at least one golden run"),
         runtime,
+        startup,
         timeout,
     })
 }
@@ -144,7 +211,7 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
         at_us: rng.below((reference.runtime.as_micros() as u64).max(1)),
     });
     let model = cfg.model.resolve(&mut rng);
-    let scratch = cfg.out.join("work").join(format!("worker-{worker}"));
+    let ws = Workspace::of(cfg, &format!("worker-{worker}"), worker);
     let o = match cfg.replica {
         None => {
             let plan = Plan::Fresh {
@@ -154,16 +221,17 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
                 point,
                 rng,
             };
-            target::run(&cfg.argv, &plan, reference.timeout, &scratch)?
+            run_target(cfg, &ws, &plan, reference.timeout, &[])?
         }
         Some(choice) => {
             // The run monitor applies the fault to the chosen replica and records it.
-            std::fs::create_dir_all(&scratch)?;
-            let record = scratch.join("applied.json");
+            std::fs::create_dir_all(&ws.dir)?;
+            let record = ws.dir.join("applied.json");
             let _ = std::fs::remove_file(&record);
             let (at_stop, after_us) = match point {
                 Point::Syscall { k, .. } => (Some(k), None),
-                Point::Time { at_us } => (None, Some(at_us)),
+                // The monitor's clock starts with the server, not with the client.
+                Point::Time { at_us } => (None, Some(at_us + reference.startup.as_micros() as u64)),
             };
             let fault = crate::fault::ReplicaFault {
                 model,
@@ -180,14 +248,14 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
                 crate::fault::REPLICA_FAULT_ENV.to_string(),
                 serde_json::to_string(&fault).expect("serialise"),
             )];
-            let mut o = target::run_with_env(&cfg.argv, &Plan::None, reference.timeout, &scratch, &env)?;
+            let mut o = run_target(cfg, &ws, &Plan::None, reference.timeout, &env)?;
             o.applied = std::fs::read_to_string(&record)
                 .ok()
                 .and_then(|t| serde_json::from_str(&t).ok());
             o
         }
     };
-    let class = classify(&reference.golden, &o, cfg.compare);
+    let class = classify(&reference.golden, &o, &cfg.compare);
     Ok(Record {
         run,
         seed,

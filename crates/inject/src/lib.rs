@@ -3,6 +3,7 @@
 //! * [`fault`]: fault models and applying one fault to a stopped thread (the engine).
 //! * [`step`]: the dest and addr models, applied by single-stepping (iced-x86 decodes).
 //! * [`target`]: running one process natively or up to an injection point.
+//! * [`server`]: server mode (start, wait for the port, run the client, stop).
 //! * [`tree`]: the traced process tree at time-based points (victim choice).
 //! * [`classify`]: outcome classes against the golden runs.
 //! * [`campaign`]: golden runs, parallel workers, resumable results.
@@ -13,6 +14,7 @@ pub mod campaign;
 pub mod classify;
 pub mod fault;
 pub mod report;
+pub mod server;
 pub mod stats;
 pub mod step;
 pub mod target;

@@ -63,6 +63,8 @@ pub enum Ending {
     Exited(i32),
     Signaled(i32),
     TimedOut,
+    /// Server mode: the server exited by itself (not because it was told to stop).
+    ServerExited(i32),
 }
 
 /// What one run did.
@@ -76,6 +78,8 @@ pub struct Outcome {
     pub applied: Option<Applied>,
     /// Server mode: how long the server took to open its port.
     pub startup: Option<Duration>,
+    /// The compared files' contents (filled in by the campaign).
+    pub files: Vec<Option<Vec<u8>>>,
 }
 
 /// What to inject, if anything.
@@ -206,10 +210,11 @@ impl Child {
 
 fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcome> {
     let pid = child.pid;
+    let mut tree = Tree::new(pid);
     let deadline = child.started + timeout;
     let (applied, ended) = match plan {
         Plan::None => (None, None),
-        _ => match drive_to_injection(pid, plan, deadline, &mut || Ok(()))? {
+        _ => match drive_to_injection(pid, plan, deadline, &mut tree, &mut |_| Ok(None))? {
             Driven::Injected(a) => (Some(a), None),
             Driven::NotApplied => (None, None),
             Driven::Ended(e) => (None, Some(e)),
@@ -217,7 +222,7 @@ fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcom
     };
     let ending = match ended {
         Some(e) => e,
-        None if traced_tree(plan) => Tree::finish(pid, deadline)?,
+        None if traced_tree(plan) => tree.finish(deadline)?,
         None => wait_until(pid, deadline)?,
     };
     let (stdout, stderr) = child.outputs();
@@ -228,12 +233,13 @@ fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcom
         wall: child.started.elapsed(),
         applied,
         startup: None,
+        files: Vec::new(),
     })
 }
 
 /// Time-based points trace the whole process tree (any thread or child can be the
 /// victim); syscall points follow the main thread only.
-fn traced_tree(plan: &Plan) -> bool {
+pub(crate) fn traced_tree(plan: &Plan) -> bool {
     matches!(
         plan,
         Plan::Fresh {
@@ -266,12 +272,15 @@ pub(crate) fn ending_of(stop: Stop) -> Option<Ending> {
 /// Takes the stopped child to its injection point and applies the fault. A syscall point
 /// follows the main thread and detaches afterwards; a time point traces the whole tree,
 /// chooses the victim thread there, and keeps passing on the tree's stops (see [`Tree`]).
-/// `started` runs once the child is under way (server mode starts its client there).
+/// At a time point, `under_way` runs once the child is running and the point counts from
+/// its return (server mode waits for the port and starts its client there); it passes the
+/// tree's stops on meanwhile, and returns Some(ending) if the root ended.
 pub(crate) fn drive_to_injection(
     pid: Tid,
     plan: &Plan,
     deadline: Instant,
-    started: &mut dyn FnMut() -> io::Result<()>,
+    t: &mut Tree,
+    under_way: &mut dyn FnMut(&mut Tree) -> io::Result<Option<Ending>>,
 ) -> io::Result<Driven> {
     // The child stopped itself before exec.
     match ptrace::wait_tid(pid)? {
@@ -299,13 +308,13 @@ pub(crate) fn drive_to_injection(
             if let Some(ending) = run_to_syscall(pid, k, steps)? {
                 return Ok(Driven::Ended(ending));
             }
-            started()?;
             pid
         }
         Point::Time { at_us } => {
-            let mut t = Tree::new(pid);
             ptrace::cont(pid, 0)?;
-            started()?;
+            if let Some(ending) = under_way(t)? {
+                return Ok(Driven::Ended(ending));
+            }
             if let Some(ending) = t.run_until((Instant::now() + Duration::from_micros(at_us)).min(deadline))? {
                 return Ok(Driven::Ended(ending));
             }

@@ -18,6 +18,8 @@ pub struct Tree {
     root: Tid,
     /// Ends of this worker's children outside the tree (server mode's client).
     pub foreign: Vec<(Tid, Ending)>,
+    /// How the root ended, once it has.
+    pub root_end: Option<Ending>,
     tasks: Vec<Tid>,
     /// Announced by a fork/clone event; their first (SIGSTOP) stop is not a real signal.
     unborn: Vec<Tid>,
@@ -60,6 +62,7 @@ impl Tree {
         Tree {
             root,
             foreign: Vec::new(),
+            root_end: None,
             tasks: vec![root],
             unborn: Vec::new(),
         }
@@ -74,7 +77,8 @@ impl Tree {
                 }
                 self.tasks.retain(|&t| t != tid);
                 if tid == self.root {
-                    return Ok(ending_of(stop));
+                    self.root_end = ending_of(stop);
+                    return Ok(self.root_end);
                 }
             }
             Stop::Event(e)
@@ -176,16 +180,34 @@ impl Tree {
         }
     }
 
-    /// After the injection: passes stops on until the root ends (then the rest of its
-    /// process group is killed and reaped), or kills the group at the deadline.
-    pub fn finish(root: Tid, deadline: Instant) -> io::Result<Ending> {
-        let mut tree = Tree::new(root);
-        let ending = loop {
+    /// Passes stops on until `pid`, a child of this worker outside the tree, ends (its
+    /// ending), or until the deadline (None).
+    pub fn wait_foreign(&mut self, pid: Tid, deadline: Instant) -> io::Result<Option<Ending>> {
+        loop {
+            if let Some(&(_, ending)) = self.foreign.iter().find(|f| f.0 == pid) {
+                return Ok(Some(ending));
+            }
             match poll()? {
                 Some((tid, stop)) => {
-                    if let Some(ending) = tree.handle(tid, stop)? {
-                        break ending;
-                    }
+                    self.handle(tid, stop)?;
+                }
+                None if Instant::now() >= deadline => return Ok(None),
+                None => idle(),
+            }
+        }
+    }
+
+    /// After the injection: passes stops on until the root ends (then the rest of its
+    /// process group is killed and reaped), or kills the group at the deadline.
+    pub fn finish(&mut self, deadline: Instant) -> io::Result<Ending> {
+        let root = self.root;
+        let ending = loop {
+            if let Some(ending) = self.root_end {
+                break ending;
+            }
+            match poll()? {
+                Some((tid, stop)) => {
+                    self.handle(tid, stop)?;
                 }
                 None if Instant::now() >= deadline => {
                     kill_group(root);

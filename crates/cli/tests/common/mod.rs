@@ -1151,3 +1151,22 @@ pub fn parse_port(stdout: &str) -> u16 {
         .parse()
         .unwrap_or_else(|_| panic!("bad PORT line {line:?}"))
 }
+
+/// `lockstep inject --out OUT EXTRA... -- PROG...`.
+pub fn inject_cmd(out: &std::path::Path, extra: &[&str], prog: &[String]) -> std::process::Command {
+    let mut c = lockstep();
+    c.arg("inject").arg("--out").arg(out).args(extra).arg("--").args(prog);
+    c
+}
+
+/// (class, count) pairs of a campaign's summary.json.
+pub fn summary_counts(out: &std::path::Path) -> Vec<(String, u64)> {
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    s["classes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["class"].as_str().unwrap().to_string(), c["count"].as_u64().unwrap()))
+        .collect()
+}

@@ -1,0 +1,181 @@
+//! `lockstep inject` modes beyond a plain program: server mode (server + client workload),
+//! compared files, and `--diff-cmd` normalisation, with their bad-input errors.
+
+mod common;
+use common::*;
+
+/// A base port for one test: worker w of a campaign uses base + w.
+fn free_port_pair() -> u16 {
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        drop(l);
+        if p < 65000 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+fn server_args(port: u16, client_lines: u32) -> (Vec<String>, Vec<String>) {
+    let client = format!(
+        "{} {} {{port}} {client_lines}",
+        python3().display(),
+        fixture_file("echo_client.py").display()
+    );
+    let opts = vec![
+        "--server".to_string(),
+        "--port".to_string(),
+        port.to_string(),
+        "--client".to_string(),
+        client,
+    ];
+    let server = vec![
+        fixture("echo_server").to_string_lossy().into_owned(),
+        "{port}".to_string(),
+        "1000".to_string(),
+    ];
+    (opts, server)
+}
+
+fn count(out: &std::path::Path, class: &str) -> u64 {
+    summary_counts(out)
+        .into_iter()
+        .find(|(c, _)| c == class)
+        .map_or(0, |(_, n)| n)
+}
+
+#[test]
+fn server_mode_classifies_by_the_server_fate_and_the_client_output() {
+    let (opts, server) = server_args(free_port_pair(), 300);
+    // ip faults in the server crash it: the client sees a broken connection, and the
+    // run is a crash (the server's fate), not an sdc.
+    let out = scratch_dir("server-ip");
+    let mut args: Vec<&str> = opts.iter().map(String::as_str).collect();
+    args.extend([
+        "--fault", "ip", "--runs", "6", "-j", "2", "--golden", "2", "--seed", "5",
+    ]);
+    let o = run(inject_cmd(&out, &args, &server));
+    o.assert_code(0);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("| crash |"),
+        "{}",
+        o.context()
+    );
+    let activated = 6 - count(&out, "not-activated");
+    assert!(
+        activated >= 3,
+        "most faults hit the running server: {:?}",
+        summary_counts(&out)
+    );
+    assert!(
+        count(&out, "crash") * 2 >= activated,
+        "ip faults crash the server: {:?}",
+        summary_counts(&out)
+    );
+    assert_eq!(count(&out, "sdc"), 0, "{:?}", summary_counts(&out));
+    // Every run's server and client are gone.
+    let results = std::fs::read_to_string(out.join("results.jsonl")).unwrap();
+    assert_eq!(results.lines().count(), 6);
+}
+
+#[test]
+fn server_mode_refuses_bad_combinations_and_a_busy_port() {
+    let port = free_port_pair();
+    let (opts, server) = server_args(port, 10);
+    let out = scratch_dir("server-bad");
+    let with = |extra: &[&str]| -> Vec<String> {
+        let mut v = opts.clone();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let fixed_port = vec![fixture("echo_server").to_string_lossy().into_owned(), port.to_string()];
+    for (args, prog, text) in [
+        (with(&["--at", "syscall:3"]), server.clone(), "time-based points only"),
+        (with(&["-j", "2"]), fixed_port.clone(), "write {port}"),
+        (
+            vec!["--server".to_string(), "--port".to_string(), "1".to_string()],
+            server.clone(),
+            "--client",
+        ),
+    ] {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = run(inject_cmd(&out, &a, &prog));
+        o.assert_code(2);
+        assert!(o.stderr.contains(text), "{args:?}: {}", o.context());
+    }
+    // A port that is taken before the server starts is a clear error, not a hang.
+    let _busy = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let a: Vec<&str> = opts
+        .iter()
+        .map(String::as_str)
+        .chain(["-j", "1", "--runs", "1"])
+        .collect();
+    let o = run(inject_cmd(&out, &a, &server));
+    o.assert_code(125);
+    assert!(o.stderr.contains("already in use"), "{}", o.context());
+}
+
+fn sh(script: &str) -> Vec<String> {
+    vec!["sh".into(), "-c".into(), script.into()]
+}
+
+#[test]
+fn compared_files_are_per_run_and_checked_for_determinism() {
+    let out = scratch_dir("files");
+    // A stable file, written in each run's own directory: parallel runs do not collide.
+    let stable = sh("echo result-42 > {dir}/out.txt; echo ok");
+    let o = run(inject_cmd(
+        &out,
+        &[
+            "--compare",
+            "exit,file:{dir}/out.txt",
+            "--runs",
+            "4",
+            "-j",
+            "2",
+            "--golden",
+            "2",
+        ],
+        &stable,
+    ));
+    o.assert_code(0);
+    assert_eq!(summary_counts(&out).iter().map(|c| c.1).sum::<u64>(), 4);
+    // A file that changes from run to run is named in the error.
+    let o = run(inject_cmd(
+        &scratch_dir("files-nondet"),
+        &["--compare", "exit,file:{dir}/pid.txt", "--runs", "1", "-j", "1"],
+        &sh("echo $$ > {dir}/pid.txt"),
+    ));
+    o.assert_code(125);
+    assert!(o.stderr.contains("file {dir}/pid.txt differs"), "{}", o.context());
+    // A shared path with parallel workers is refused up front.
+    let o = run(inject_cmd(
+        &scratch_dir("files-shared"),
+        &["--compare", "file:/tmp/shared.txt", "-j", "2"],
+        &stable,
+    ));
+    o.assert_code(2);
+    assert!(o.stderr.contains("write {dir}"), "{}", o.context());
+}
+
+#[test]
+fn diff_cmd_normalises_nondeterministic_output() {
+    // The first line is a timestamp; the rest is the result.
+    let prog = sh("date +%s%N; echo result-42");
+    let o = run(inject_cmd(&scratch_dir("diff-none"), &["--runs", "1"], &prog));
+    o.assert_code(125);
+    assert!(
+        o.stderr.contains("--diff-cmd"),
+        "the error suggests --diff-cmd: {}",
+        o.context()
+    );
+    let ignore_first_line = r#"f() { [ "$(tail -n +2 "$1")" = "$(tail -n +2 "$2")" ]; }; f"#;
+    let out = scratch_dir("diff-cmd");
+    let o = run(inject_cmd(
+        &out,
+        &["--runs", "3", "--golden", "3", "--diff-cmd", ignore_first_line],
+        &prog,
+    ));
+    o.assert_code(0);
+    assert_eq!(summary_counts(&out).iter().map(|c| c.1).sum::<u64>(), 3);
+}

@@ -1,0 +1,245 @@
+//! Server mode: start the target (a server), wait until its TCP port accepts connections,
+//! run the client workload against it, then stop the server. What is compared with the
+//! golden run is the client's output; the server's own fate decides the rest:
+//!
+//! * the server exits 86 (lockstep or libsei detected corruption), even while stopping:
+//!   detected;
+//! * it is killed by a signal: crash; it exits by itself otherwise: program-error;
+//! * the client does not finish in time: hang;
+//! * otherwise the client's output and exit status decide between masked and sdc.
+//!
+//! The injection point (time-based only) counts from the moment the client starts.
+
+use crate::target::{drive_to_injection, ending_of, Child, Driven, Ending, Outcome, Plan};
+use crate::tree::{idle, Tree};
+use lockstep_trace::{ptrace, Tid};
+use std::io;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// How long a server gets to exit after SIGTERM before it is killed.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// How the workload reaches the server.
+#[derive(Clone, Debug)]
+pub struct Server {
+    /// The port the server listens on (127.0.0.1).
+    pub port: u16,
+    /// The client workload, run with `sh -c`.
+    pub client: String,
+}
+
+fn port_open(port: u16) -> bool {
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok()
+}
+
+/// The server's end if it has ended (untraced server; reaps it).
+fn try_reap(pid: Tid) -> Option<Ending> {
+    let mut status = 0;
+    // SAFETY: non-blocking waitpid on our child.
+    let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
+    (r == pid).then(|| ending_of(ptrace::decode(status))).flatten()
+}
+
+/// Where the server is, for the code that waits on it: traced (its stops passed on by the
+/// tree) or plain.
+enum Watch<'a> {
+    Traced(&'a mut Tree),
+    Plain(Tid),
+}
+
+impl Watch<'_> {
+    /// Passes on pending stops; the server's end once it has ended.
+    fn server_end(&mut self) -> io::Result<Option<Ending>> {
+        match self {
+            Watch::Traced(t) => {
+                while let Some((tid, stop)) = crate::tree::poll()? {
+                    t.handle(tid, stop)?;
+                }
+                Ok(t.root_end)
+            }
+            Watch::Plain(pid) => Ok(try_reap(*pid)),
+        }
+    }
+
+    /// Waits for the untraced child `pid` (the client) until the deadline.
+    fn wait_child(&mut self, pid: Tid, deadline: Instant) -> io::Result<Option<Ending>> {
+        match self {
+            Watch::Traced(t) => t.wait_foreign(pid, deadline),
+            Watch::Plain(_) => loop {
+                if let Some(e) = try_reap(pid) {
+                    return Ok(Some(e));
+                }
+                if Instant::now() >= deadline {
+                    return Ok(None);
+                }
+                idle();
+            },
+        }
+    }
+}
+
+/// Waits until `port` accepts connections; Err(ending) if the server ended first.
+fn wait_for_port(watch: &mut Watch, port: u16, deadline: Instant) -> io::Result<Result<(), Ending>> {
+    loop {
+        if let Some(end) = watch.server_end()? {
+            return Ok(Err(end));
+        }
+        if port_open(port) {
+            return Ok(Ok(()));
+        }
+        if Instant::now() >= deadline {
+            return Ok(Err(Ending::TimedOut));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Runs the server `argv` with the client workload, injecting per `plan`.
+pub fn run(
+    argv: &[String],
+    server: &Server,
+    plan: &Plan,
+    timeout: Duration,
+    scratch: &Path,
+    env: &[(String, String)],
+) -> io::Result<Outcome> {
+    if port_open(server.port) {
+        return Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("port {} is already in use before the server started", server.port),
+        ));
+    }
+    let traced = !matches!(plan, Plan::None);
+    let srv = Child::spawn(argv, traced, scratch, "server-", env)?;
+    let result = serve(&srv, server, plan, timeout, scratch, traced);
+    // Whatever happened, nothing of this run may outlive it.
+    // SAFETY: SIGKILL to the server's own process group.
+    unsafe { libc::kill(-srv.pid, libc::SIGKILL) };
+    let mut status = 0;
+    // SAFETY: reap the server if it is still ours to reap.
+    unsafe { libc::waitpid(srv.pid, &mut status, libc::WNOHANG | libc::__WALL) };
+    srv.forget();
+    result
+}
+
+fn serve(
+    srv: &Child,
+    server: &Server,
+    plan: &Plan,
+    timeout: Duration,
+    scratch: &Path,
+    traced: bool,
+) -> io::Result<Outcome> {
+    let deadline = srv.started + timeout;
+    let mut tree = Tree::new(srv.pid);
+    let mut client: Option<(Child, Instant)> = None;
+    let mut startup = None;
+    let mut early_end = None;
+    let mut start_client = |watch: &mut Watch| -> io::Result<Option<Ending>> {
+        if let Err(end) = wait_for_port(watch, server.port, deadline)? {
+            return Ok(Some(end));
+        }
+        startup = Some(srv.started.elapsed());
+        let argv = ["sh".to_string(), "-c".to_string(), server.client.clone()];
+        client = Some((Child::spawn(&argv, false, scratch, "client-", &[])?, Instant::now()));
+        Ok(None)
+    };
+    let mut applied = None;
+    if traced {
+        let driven = drive_to_injection(srv.pid, plan, deadline, &mut tree, &mut |t| {
+            start_client(&mut Watch::Traced(t))
+        })?;
+        match driven {
+            Driven::Injected(a) => applied = Some(a),
+            Driven::NotApplied => {}
+            Driven::Ended(e) => early_end = Some(e),
+        }
+    } else {
+        early_end = start_client(&mut Watch::Plain(srv.pid))?;
+    }
+    let mut watch = if traced {
+        Watch::Traced(&mut tree)
+    } else {
+        Watch::Plain(srv.pid)
+    };
+    let Some((client, client_started)) = client else {
+        // The server ended (or never opened its port) before the client could start.
+        let ending = server_ending(early_end.unwrap_or(Ending::TimedOut));
+        let (stdout, stderr) = srv.outputs();
+        return Ok(Outcome {
+            ending,
+            stdout,
+            stderr,
+            wall: srv.started.elapsed(),
+            applied,
+            startup,
+            files: Vec::new(),
+        });
+    };
+    let client_end = watch.wait_child(client.pid, deadline)?;
+    let client_wall = client_started.elapsed();
+    if client_end.is_none() {
+        // SAFETY: the client overran the deadline: kill its process group and reap it.
+        unsafe {
+            libc::kill(-client.pid, libc::SIGKILL);
+            libc::waitpid(client.pid, std::ptr::null_mut(), 0);
+        }
+    }
+    client.forget();
+    let before_stop = match early_end {
+        Some(e) => Some(e),
+        None => watch.server_end()?,
+    };
+    let ending = match (before_stop, client_end) {
+        (Some(end), _) => server_ending(end),
+        (None, None) => {
+            stop_server(&mut watch, srv.pid)?;
+            Ending::TimedOut
+        }
+        (None, Some(client_end)) => match stop_server(&mut watch, srv.pid)? {
+            Some(Ending::Exited(lockstep_core::exit::DETECTED)) => Ending::Exited(lockstep_core::exit::DETECTED),
+            _ => match client_end {
+                Ending::Signaled(s) => Ending::Exited(128 + s),
+                e => e,
+            },
+        },
+    };
+    let (stdout, stderr) = client.outputs();
+    Ok(Outcome {
+        ending,
+        stdout,
+        stderr,
+        wall: client_wall,
+        applied,
+        startup,
+        files: Vec::new(),
+    })
+}
+
+/// The run's ending when the server ended by itself.
+fn server_ending(end: Ending) -> Ending {
+    match end {
+        Ending::Exited(c) => Ending::ServerExited(c),
+        e => e,
+    }
+}
+
+/// SIGTERM, then SIGKILL after [`STOP_GRACE`]. Returns how the server ended if it did so
+/// within the grace period.
+fn stop_server(watch: &mut Watch, pid: Tid) -> io::Result<Option<Ending>> {
+    // SAFETY: signal our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let until = Instant::now() + STOP_GRACE;
+    loop {
+        if let Some(end) = watch.server_end()? {
+            return Ok(Some(end));
+        }
+        if Instant::now() >= until {
+            return Ok(None);
+        }
+        idle();
+    }
+}
