@@ -16,7 +16,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     Run(run::RunArgs),
-    Inject(inject::InjectArgs),
+    Inject(Box<inject::InjectArgs>),
 }
 
 fn main() {
@@ -31,7 +31,7 @@ fn main() {
     };
     let code = match cli.command {
         Command::Run(args) => run::main(args),
-        Command::Inject(args) => inject::main(args),
+        Command::Inject(args) => inject::main(*args),
     };
     std::process::exit(code);
 }
