@@ -30,7 +30,8 @@ Fault models (--fault):
   mixed  each run draws one of reg, dest, addr, mem, ip
 
 Injection points:
-  default           uniform over the golden runtime (time-based; no hardware counters here)
+  default           uniform over the CPU time the target uses in a golden run (a replica's
+                    own CPU time with --replica); time-based: no hardware counters here
   --at syscall:K    after the K-th syscall of the program returns (exact, replayable)
   --at syscall:K+steps:D   ... then D single-steps further
 
@@ -262,8 +263,9 @@ pub fn main(a: InjectArgs) -> i32 {
         Err(e) => return fail(&e),
     };
     eprintln!(
-        "lockstep inject: golden runtime {:.1} ms, hang timeout {:.1} s, {runs} runs on {} workers",
+        "lockstep inject: golden runtime {:.1} ms ({:.1} ms CPU), hang timeout {:.1} s, {runs} runs on {} workers",
         reference.runtime.as_secs_f64() * 1e3,
+        reference.cpu.as_secs_f64() * 1e3,
         reference.timeout.as_secs_f64(),
         cfg.jobs
     );
@@ -276,7 +278,7 @@ pub fn main(a: InjectArgs) -> i32 {
         throughput.new_runs,
         throughput.elapsed.as_secs_f64(),
         cfg.jobs,
-        reference.runtime.as_secs_f64(),
+        reference.whole.as_secs_f64(),
     );
     if let Err(e) = report::write_all(&cfg.out, &summary) {
         return fail(&format!("cannot write the reports: {e}"));

@@ -472,6 +472,7 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
         after_us: None,
         seed,
         record: record.clone(),
+        interrupted: false,
     };
     let ev = events_path("replica-fault");
     let evs = ev.to_string_lossy().into_owned();
@@ -530,6 +531,7 @@ fn dest_and_addr_replica_faults_are_stepped_by_the_monitor_and_masked() {
             after_us: None,
             seed,
             record: record.clone(),
+            interrupted: false,
         };
         let ev = events_path("replica-step");
         let evs = ev.to_string_lossy().into_owned();

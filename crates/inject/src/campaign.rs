@@ -105,10 +105,16 @@ pub struct Record {
 /// What the golden runs established.
 pub struct Reference {
     pub golden: Golden,
-    /// Mean runtime (server mode: of the client workload); injection points fall in it.
+    /// Mean runtime (server mode: of the client workload).
     pub runtime: Duration,
+    /// Mean CPU time of the target (of one replica in `--replica` mode): time-based
+    /// injection points are uniform over it.
+    pub cpu: Duration,
     /// Server mode: mean time until the port opened (replica faults count from the start).
     pub startup: Duration,
+    /// Mean wall time of a whole golden run (server mode: start to stop), the native
+    /// baseline of the throughput ratio.
+    pub whole: Duration,
     pub timeout: Duration,
 }
 
@@ -123,11 +129,32 @@ extern "C" fn on_sigint(_: libc::c_int) {
 pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
     let ws = Workspace::of(cfg, "golden", 0);
     let mut first: Option<Golden> = None;
-    let (mut total, mut startup) = (Duration::ZERO, Duration::ZERO);
+    let (mut total, mut startup, mut whole, mut cpu) = (Duration::ZERO, Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    // In --replica mode the run monitor reports its replicas' CPU time.
+    let report = ws.dir.join("replica-cpu.json");
+    let env = match cfg.replica {
+        Some(_) => vec![(
+            crate::fault::CPU_REPORT_ENV.to_string(),
+            report.to_string_lossy().into_owned(),
+        )],
+        None => Vec::new(),
+    };
     let limit = cfg.timeout.unwrap_or(Duration::from_secs(300));
     let k = cfg.golden_runs.max(1);
     for i in 0..k {
-        let o = run_target(cfg, &ws, &Plan::None, limit, &[]).map_err(|e| format!("cannot run the target: {e}"))?;
+        let t0 = Instant::now();
+        let _ = std::fs::remove_file(&report);
+        let o = run_target(cfg, &ws, &Plan::None, limit, &env).map_err(|e| format!("cannot run the target: {e}"))?;
+        whole += t0.elapsed();
+        cpu += match cfg.replica {
+            Some(_) => replica_cpu(&report).ok_or_else(|| {
+                format!(
+                    "the run monitor did not report its replicas' CPU time in golden run {} (is the target `lockstep run`?)",
+                    i + 1
+                )
+            })?,
+            None => o.cpu,
+        };
         match o.ending {
             Ending::TimedOut => {
                 return Err(format!(
@@ -180,9 +207,16 @@ pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
     Ok(Reference {
         golden: first.expect("at least one golden run"),
         runtime,
+        cpu: cpu / k,
         startup,
+        whole: whole / k,
         timeout,
     })
+}
+
+fn replica_cpu(report: &std::path::Path) -> Option<Duration> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).ok()?).ok()?;
+    Some(Duration::from_micros(v["cpu_us"].as_f64()? as u64))
 }
 
 /// Per-run seed: depends only on the campaign seed and the run number, so results do not
@@ -208,7 +242,7 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
     let seed = run_seed(cfg.seed, run);
     let mut rng = Rng::new(seed);
     let point = cfg.at.unwrap_or_else(|| Point::Time {
-        at_us: rng.below((reference.runtime.as_micros() as u64).max(1)),
+        at_us: rng.below((reference.cpu.as_micros() as u64).max(1)),
     });
     let model = cfg.model.resolve(&mut rng);
     let ws = Workspace::of(cfg, &format!("worker-{worker}"), worker);
@@ -230,8 +264,7 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
             let _ = std::fs::remove_file(&record);
             let (at_stop, after_us) = match point {
                 Point::Syscall { k, .. } => (Some(k), None),
-                // The monitor's clock starts with the server, not with the client.
-                Point::Time { at_us } => (None, Some(at_us + reference.startup.as_micros() as u64)),
+                Point::Time { at_us } => (None, Some(at_us)),
             };
             let fault = crate::fault::ReplicaFault {
                 model,
@@ -243,6 +276,7 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
                 after_us,
                 seed,
                 record: record.clone(),
+                interrupted: false,
             };
             let env = [(
                 crate::fault::REPLICA_FAULT_ENV.to_string(),

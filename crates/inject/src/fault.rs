@@ -393,10 +393,14 @@ pub struct ReplicaFault {
     pub replica: ReplicaChoice,
     /// Inject at this intercepted syscall stop of the replica's main thread (1-based)...
     pub at_stop: Option<u64>,
-    /// ...or at its first intercepted stop after this many microseconds.
+    /// ...or once the replica has used this much CPU time (microseconds): at its next
+    /// syscall stop or where the monitor interrupts it, whichever comes first.
     pub after_us: Option<u64>,
     pub seed: u64,
     pub record: std::path::PathBuf,
+    /// Monitor-side state: the replica was interrupted for this fault.
+    #[serde(skip)]
+    pub interrupted: bool,
 }
 
 /// Which replica of a group is faulted.
@@ -419,6 +423,10 @@ impl std::str::FromStr for ReplicaChoice {
         }
     }
 }
+
+/// Name of the environment variable naming the file where the run monitor writes its
+/// replicas' mean CPU time (`{"cpu_us": N}`), the range of time-based replica faults.
+pub const CPU_REPORT_ENV: &str = "LOCKSTEP_CPU_REPORT";
 
 /// Name of the environment variable that carries a [`ReplicaFault`].
 pub const REPLICA_FAULT_ENV: &str = "LOCKSTEP_INJECT";

@@ -8,7 +8,8 @@
 //! * the client does not finish in time: hang;
 //! * otherwise the client's output and exit status decide between masked and sdc.
 //!
-//! The injection point (time-based only) counts from the moment the client starts.
+//! The injection point (time-based only) counts the server's CPU time from its start; the
+//! golden runs measure it from the start to the end of the client workload.
 
 use crate::target::{drive_to_injection, ending_of, Child, Driven, Ending, Outcome, Plan};
 use crate::tree::{idle, Tree};
@@ -135,36 +136,45 @@ fn serve(
 ) -> io::Result<Outcome> {
     let deadline = srv.started + timeout;
     let mut tree = Tree::new(srv.pid);
+    let client_argv = ["sh".to_string(), "-c".to_string(), server.client.clone()];
     let mut client: Option<(Child, Instant)> = None;
     let mut startup = None;
-    let mut early_end = None;
-    let mut start_client = |watch: &mut Watch| -> io::Result<Option<Ending>> {
-        if let Err(end) = wait_for_port(watch, server.port, deadline)? {
-            return Ok(Some(end));
-        }
+    let mut start_client = |client: &mut Option<(Child, Instant)>| -> io::Result<()> {
         startup = Some(srv.started.elapsed());
-        let argv = ["sh".to_string(), "-c".to_string(), server.client.clone()];
-        client = Some((Child::spawn(&argv, false, scratch, "client-", &[])?, Instant::now()));
-        Ok(None)
+        *client = Some((
+            Child::spawn(&client_argv, false, scratch, "client-", &[])?,
+            Instant::now(),
+        ));
+        Ok(())
     };
     let mut applied = None;
+    let mut early_end = None;
     if traced {
-        let driven = drive_to_injection(srv.pid, plan, deadline, &mut tree, &mut |t| {
-            start_client(&mut Watch::Traced(t))
+        // The point counts the server's CPU time from its start: the client starts as soon
+        // as the port is open, whether or not the fault is in by then.
+        let driven = drive_to_injection(srv.pid, plan, deadline, &mut tree, &mut || {
+            if client.is_none() && port_open(server.port) {
+                start_client(&mut client)?;
+            }
+            Ok(())
         })?;
         match driven {
             Driven::Injected(a) => applied = Some(a),
             Driven::NotApplied => {}
             Driven::Ended(e) => early_end = Some(e),
         }
-    } else {
-        early_end = start_client(&mut Watch::Plain(srv.pid))?;
     }
     let mut watch = if traced {
         Watch::Traced(&mut tree)
     } else {
         Watch::Plain(srv.pid)
     };
+    if client.is_none() && early_end.is_none() {
+        match wait_for_port(&mut watch, server.port, deadline)? {
+            Ok(()) => start_client(&mut client)?,
+            Err(end) => early_end = Some(end),
+        }
+    }
     let Some((client, client_started)) = client else {
         // The server ended (or never opened its port) before the client could start.
         let ending = server_ending(early_end.unwrap_or(Ending::TimedOut));
@@ -177,10 +187,12 @@ fn serve(
             applied,
             startup,
             files: Vec::new(),
+            cpu: Duration::ZERO,
         });
     };
     let client_end = watch.wait_child(client.pid, deadline)?;
     let client_wall = client_started.elapsed();
+    let cpu = lockstep_trace::cpu::process_cpu(srv.pid).unwrap_or_default();
     if client_end.is_none() {
         // SAFETY: the client overran the deadline: kill its process group and reap it.
         unsafe {
@@ -216,6 +228,7 @@ fn serve(
         applied,
         startup,
         files: Vec::new(),
+        cpu,
     })
 }
 

@@ -30,8 +30,9 @@ pub fn kill_running_targets() {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Point {
-    /// After `at_us` microseconds of the target's run (time-based: no performance counters
-    /// exist here, so this is only as precise as scheduling; see docs/inject.md).
+    /// Once the target has used `at_us` microseconds of CPU time (all its processes; a
+    /// replica's own in `--replica` mode). Time-based because no performance counters exist
+    /// here, so only as precise as the polling (about 0.2 ms); see docs/inject.md.
     Time { at_us: u64 },
     /// After the k-th syscall of the main thread has returned (1-based, counted from the
     /// program's execve), then `steps` single-steps further. Exactly reproducible.
@@ -80,6 +81,9 @@ pub struct Outcome {
     pub startup: Option<Duration>,
     /// The compared files' contents (filled in by the campaign).
     pub files: Vec<Option<Vec<u8>>>,
+    /// CPU time the target used (measured in fault-free runs; server mode: while the
+    /// client ran), the range time-based injection points are drawn from.
+    pub cpu: Duration,
 }
 
 /// What to inject, if anything.
@@ -214,16 +218,21 @@ fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcom
     let deadline = child.started + timeout;
     let (applied, ended) = match plan {
         Plan::None => (None, None),
-        _ => match drive_to_injection(pid, plan, deadline, &mut tree, &mut |_| Ok(None))? {
+        _ => match drive_to_injection(pid, plan, deadline, &mut tree, &mut || Ok(()))? {
             Driven::Injected(a) => (Some(a), None),
             Driven::NotApplied => (None, None),
             Driven::Ended(e) => (None, Some(e)),
         },
     };
+    let mut cpu = Duration::ZERO;
     let ending = match ended {
         Some(e) => e,
         None if traced_tree(plan) => tree.finish(deadline)?,
-        None => wait_until(pid, deadline)?,
+        None => {
+            let (ending, used) = wait_until(pid, deadline)?;
+            cpu = used;
+            ending
+        }
     };
     let (stdout, stderr) = child.outputs();
     Ok(Outcome {
@@ -234,6 +243,7 @@ fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcom
         applied,
         startup: None,
         files: Vec::new(),
+        cpu,
     })
 }
 
@@ -272,15 +282,14 @@ pub(crate) fn ending_of(stop: Stop) -> Option<Ending> {
 /// Takes the stopped child to its injection point and applies the fault. A syscall point
 /// follows the main thread and detaches afterwards; a time point traces the whole tree,
 /// chooses the victim thread there, and keeps passing on the tree's stops (see [`Tree`]).
-/// At a time point, `under_way` runs once the child is running and the point counts from
-/// its return (server mode waits for the port and starts its client there); it passes the
-/// tree's stops on meanwhile, and returns Some(ending) if the root ended.
+/// At a time point, `on_idle` runs while the target runs towards the point (server mode
+/// starts its client there once the port is open).
 pub(crate) fn drive_to_injection(
     pid: Tid,
     plan: &Plan,
     deadline: Instant,
     t: &mut Tree,
-    under_way: &mut dyn FnMut(&mut Tree) -> io::Result<Option<Ending>>,
+    on_idle: &mut dyn FnMut() -> io::Result<()>,
 ) -> io::Result<Driven> {
     // The child stopped itself before exec.
     match ptrace::wait_tid(pid)? {
@@ -312,10 +321,7 @@ pub(crate) fn drive_to_injection(
         }
         Point::Time { at_us } => {
             ptrace::cont(pid, 0)?;
-            if let Some(ending) = under_way(t)? {
-                return Ok(Driven::Ended(ending));
-            }
-            if let Some(ending) = t.run_until((Instant::now() + Duration::from_micros(at_us)).min(deadline))? {
+            if let Some(ending) = t.run_until_cpu(Duration::from_micros(at_us), deadline, on_idle)? {
                 return Ok(Driven::Ended(ending));
             }
             let mut rng = match plan {
@@ -504,17 +510,24 @@ fn wait_stop_until(pid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
 }
 
 /// Waits for the (untraced) child to end, killing its process group at the deadline.
-fn wait_until(pid: Tid, deadline: Instant) -> io::Result<Ending> {
+/// Returns how it ended and the CPU time it and its waited-for children used.
+fn wait_until(pid: Tid, deadline: Instant) -> io::Result<(Ending, Duration)> {
     loop {
         let mut status = 0;
-        // SAFETY: non-blocking waitpid on our child.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        // SAFETY: zeroed rusage is a valid out-parameter.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: non-blocking wait4 on our child.
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        let cpu = || {
+            let t = |tv: libc::timeval| Duration::new(tv.tv_sec as u64, tv.tv_usec as u32 * 1000);
+            t(usage.ru_utime) + t(usage.ru_stime)
+        };
         if r == pid {
             if libc::WIFEXITED(status) {
-                return Ok(Ending::Exited(libc::WEXITSTATUS(status)));
+                return Ok((Ending::Exited(libc::WEXITSTATUS(status)), cpu()));
             }
             if libc::WIFSIGNALED(status) {
-                return Ok(Ending::Signaled(libc::WTERMSIG(status)));
+                return Ok((Ending::Signaled(libc::WTERMSIG(status)), cpu()));
             }
             continue;
         }
@@ -528,7 +541,7 @@ fn wait_until(pid: Tid, deadline: Instant) -> io::Result<Ending> {
                 libc::kill(pid, libc::SIGKILL);
                 libc::waitpid(pid, &mut status, 0);
             }
-            return Ok(Ending::TimedOut);
+            return Ok((Ending::TimedOut, Duration::ZERO));
         }
         std::thread::sleep(Duration::from_millis(1));
     }

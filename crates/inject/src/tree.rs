@@ -23,6 +23,9 @@ pub struct Tree {
     tasks: Vec<Tid>,
     /// Announced by a fork/clone event; their first (SIGSTOP) stop is not a real signal.
     unborn: Vec<Tid>,
+    /// Processes of the tree (root and forked children) and the CPU time last seen for
+    /// each; the last value is kept after a process ends so the total never shrinks.
+    procs: Vec<(Tid, Duration)>,
 }
 
 /// The outcome of stopping a victim.
@@ -65,6 +68,7 @@ impl Tree {
             root_end: None,
             tasks: vec![root],
             unborn: Vec::new(),
+            procs: vec![(root, Duration::ZERO)],
         }
     }
 
@@ -90,6 +94,9 @@ impl Tree {
                         self.tasks.push(new);
                         self.unborn.push(new);
                     }
+                    if e != libc::PTRACE_EVENT_CLONE {
+                        self.procs.push((new, Duration::ZERO));
+                    }
                 }
                 let _ = ptrace::cont(tid, 0);
             }
@@ -111,8 +118,25 @@ impl Tree {
         Ok(None)
     }
 
-    /// Passes stops on until `until`. Some(ending) when the root ended first.
-    pub fn run_until(&mut self, until: Instant) -> io::Result<Option<Ending>> {
+    /// The CPU time the tree has used so far (every process, ended ones included).
+    pub fn cpu(&mut self) -> Duration {
+        for (pid, seen) in &mut self.procs {
+            if let Some(now) = lockstep_trace::cpu::process_cpu(*pid) {
+                *seen = (*seen).max(now);
+            }
+        }
+        self.procs.iter().map(|p| p.1).sum()
+    }
+
+    /// Passes stops on until the tree has used `cpu` of CPU time, or until `deadline`,
+    /// calling `on_idle` whenever there is nothing to pass on. Some(ending) when the root
+    /// ended first.
+    pub fn run_until_cpu(
+        &mut self,
+        cpu: Duration,
+        deadline: Instant,
+        on_idle: &mut dyn FnMut() -> io::Result<()>,
+    ) -> io::Result<Option<Ending>> {
         loop {
             match poll()? {
                 Some((tid, stop)) => {
@@ -120,8 +144,11 @@ impl Tree {
                         return Ok(Some(ending));
                     }
                 }
-                None if Instant::now() >= until => return Ok(None),
-                None => idle(),
+                None if Instant::now() >= deadline || self.cpu() >= cpu => return Ok(None),
+                None => {
+                    on_idle()?;
+                    idle();
+                }
             }
         }
     }

@@ -240,15 +240,28 @@ fn install_signal_handlers() {
             libc::sigaction(*sig, &sa, std::ptr::null_mut());
         }
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
-        // A periodic tick wakes waitpid so timeouts and forwarded signals are handled.
-        let tick = libc::timeval {
-            tv_sec: 0,
-            tv_usec: 50_000,
-        };
-        let timer = libc::itimerval {
-            it_interval: tick,
-            it_value: tick,
-        };
+    }
+    set_tick(TICK);
+}
+
+/// The period of the tick that wakes waitpid so that timeouts and forwarded signals are
+/// handled.
+const TICK: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The finer tick while a time-based replica fault waits for its moment.
+const INJECTION_TICK: std::time::Duration = std::time::Duration::from_millis(1);
+
+fn set_tick(period: std::time::Duration) {
+    let tick = libc::timeval {
+        tv_sec: 0,
+        tv_usec: period.as_micros() as libc::suseconds_t,
+    };
+    let timer = libc::itimerval {
+        it_interval: tick,
+        it_value: tick,
+    };
+    // SAFETY: plain setitimer; the handler only touches an atomic.
+    unsafe {
         libc::setitimer(libc::ITIMER_REAL, &timer, std::ptr::null_mut());
     }
 }
@@ -302,6 +315,8 @@ pub struct Session {
     pub replica_fault: Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>,
     /// A dest/addr replica fault in progress: its thread is single-stepped.
     pub stepping: Option<Stepping>,
+    /// Each replica's CPU time at its main thread's exit_group (for LOCKSTEP_CPU_REPORT).
+    pub replica_cpu: Vec<Option<std::time::Duration>>,
     /// Events not yet written (see `emit`).
     pub pending_events: Vec<Event>,
 }
@@ -435,11 +450,13 @@ impl Session {
                 }
             }
         }
+        let want = opts.replicas;
         let mut session = Session {
-            want_replicas: opts.replicas,
+            want_replicas: want,
             opts,
             be: Ptrace::default(),
             stepping: None,
+            replica_cpu: vec![None; want as usize],
             replicas,
             leader: 0,
             tasks: Vec::new(),
@@ -463,6 +480,9 @@ impl Session {
             replica_fault: None,
         };
         session.replica_fault = session.read_replica_fault()?;
+        if let Some((us, r)) = session.replica_fault.as_ref().and_then(|f| Some((f.0.after_us?, f.1))) {
+            session.arm_cpu_timer(r, us);
+        }
         let mut task = session.new_task(0, logical_pid);
         for (r, &m) in mains.iter().enumerate() {
             task.slots[r] = Some(Slot::new(m, m, SlotState::Running));
@@ -509,6 +529,7 @@ impl Session {
             Err(Stopped::Failure(e)) => Err(e),
         };
         self.kill_everything();
+        self.write_cpu_report();
         self.flush_events();
         if self.opts.stats {
             eprint!("{}", self.stats.render(self.started.elapsed()));
@@ -520,6 +541,7 @@ impl Session {
         while self.root_death.is_none() {
             self.forward_received_signals()?;
             self.check_timeouts()?;
+            self.interrupt_for_replica_fault();
             self.flush_events();
             let Some((tid, stop)) = self.be.wait_any().map_err(|e| Error::Io("waitpid", e))? else {
                 continue;
@@ -662,6 +684,13 @@ impl Session {
                 if self.slot(task, r).state == SlotState::Starting {
                     self.slot_mut(task, r).state = SlotState::Running;
                 }
+                if task == 0 && matches!(stop, Stop::EventStop(_)) && self.replica_fault_due(r) {
+                    // The stop our interrupt asked for: the fault goes in wherever the
+                    // replica is, not only at a syscall.
+                    if let Ok(mut regs) = self.be.regs(self.slot(task, r).tid) {
+                        self.apply_replica_fault(task, r, &mut regs);
+                    }
+                }
                 self.resume_same(task, r);
                 Ok(())
             }
@@ -691,6 +720,14 @@ impl Session {
             return Ok(());
         }
         self.slot_mut(task, r).stops += 1;
+        if task == 0 && ptrace::syscall_nr(&regs) == libc::SYS_exit_group as u64 {
+            let cpu = Some(self.replica_cpu_now(r));
+            // Reintegrated replicas get new ids.
+            if self.replica_cpu.len() <= r as usize {
+                self.replica_cpu.resize(r as usize + 1, None);
+            }
+            self.replica_cpu[r as usize] = cpu;
+        }
         if task == 0 {
             let stops = self.slot(task, r).stops;
             let flips: Vec<FlipSpec> = self
@@ -872,6 +909,61 @@ impl Session {
         Ok(Some((fault, replica)))
     }
 
+    /// A time-based replica fault whose moment has come is applied where the replica is:
+    /// its main thread is interrupted (PTRACE_INTERRUPT) and the fault goes in at that
+    /// stop, unless it reaches a syscall stop first.
+    fn interrupt_for_replica_fault(&mut self) {
+        let Some((fault, r)) = &self.replica_fault else {
+            return;
+        };
+        let r = *r;
+        let Some(us) = fault.after_us else {
+            return;
+        };
+        if fault.interrupted || self.replica_cpu_now(r) < std::time::Duration::from_micros(us) {
+            return;
+        }
+        if let Some((fault, _)) = &mut self.replica_fault {
+            fault.interrupted = true;
+        }
+        set_tick(TICK);
+        let alive = self.replicas[r as usize].alive;
+        if let Some(slot) = self.tasks.first().and_then(|t| t.slots[r as usize].as_ref()) {
+            if alive {
+                let _ = self.be.interrupt(slot.tid);
+            }
+        }
+    }
+
+    /// With LOCKSTEP_CPU_REPORT=PATH (set by `lockstep inject --replica` for its golden
+    /// runs), writes the replicas' mean CPU time at their exit_group: the range of its
+    /// time-based points.
+    fn write_cpu_report(&self) {
+        let Some(path) = std::env::var_os(lockstep_inject::fault::CPU_REPORT_ENV) else {
+            return;
+        };
+        let seen: Vec<f64> = self
+            .replica_cpu
+            .iter()
+            .flatten()
+            .map(|d| d.as_secs_f64() * 1e6)
+            .collect();
+        if !seen.is_empty() {
+            let mean = seen.iter().sum::<f64>() / seen.len() as f64;
+            let _ = std::fs::write(path, format!("{{\"cpu_us\": {mean:.0}}}\n"));
+        }
+    }
+
+    /// The CPU time replica `r`'s first process has used (the clock of time-based replica
+    /// faults, so that a point means the same share of the program's execution as natively).
+    fn replica_cpu_now(&self, r: ReplicaId) -> std::time::Duration {
+        self.tasks
+            .first()
+            .and_then(|t| t.slots[r as usize].as_ref())
+            .and_then(|slot| lockstep_trace::cpu::process_cpu(slot.tgid))
+            .unwrap_or_default()
+    }
+
     fn replica_fault_due(&self, r: ReplicaId) -> bool {
         let Some((fault, target)) = &self.replica_fault else {
             return false;
@@ -882,8 +974,42 @@ impl Session {
         let stops = self.slot(0, r).stops;
         match (fault.at_stop, fault.after_us) {
             (Some(k), _) => stops == k,
-            (None, Some(us)) => self.started.elapsed() >= std::time::Duration::from_micros(us),
+            // Time-based faults go in at the stop the monitor's interrupt causes, wherever
+            // the replica is then, not at the next syscall (which would bias them towards
+            // syscall boundaries).
+            (None, Some(_)) => fault.interrupted,
             (None, None) => stops == 1,
+        }
+    }
+
+    /// Arms a timer on replica `r`'s CPU clock that wakes the event loop (SIGALRM) when
+    /// the replica has used `us` of CPU time, so the interrupt comes while it runs. If
+    /// the kernel refuses, the 1 ms tick does the checking.
+    fn arm_cpu_timer(&self, r: ReplicaId, us: u64) {
+        set_tick(INJECTION_TICK);
+        let Some(slot) = self.tasks.first().and_then(|t| t.slots[r as usize].as_ref()) else {
+            return;
+        };
+        // MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED), as in lockstep_trace::cpu.
+        let clock = ((!slot.tgid) << 3) | 2;
+        // SAFETY: timer_create/timer_settime with fully initialised arguments; the timer
+        // lives until the monitor exits.
+        unsafe {
+            let mut ev: libc::sigevent = std::mem::zeroed();
+            ev.sigev_notify = libc::SIGEV_SIGNAL;
+            ev.sigev_signo = libc::SIGALRM;
+            let mut timer: libc::timer_t = std::mem::zeroed();
+            if libc::timer_create(clock, &mut ev, &mut timer) != 0 {
+                return;
+            }
+            let spec = libc::itimerspec {
+                it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 },
+                it_value: libc::timespec {
+                    tv_sec: (us / 1_000_000) as libc::time_t,
+                    tv_nsec: ((us % 1_000_000) * 1000) as libc::c_long,
+                },
+            };
+            libc::timer_settime(timer, 0, &spec, std::ptr::null_mut());
         }
     }
 

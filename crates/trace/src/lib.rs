@@ -6,9 +6,11 @@
 //!   listener used to install file descriptors into a tracee.
 //! * [`syscalls`]: the one table that classifies every x86-64 syscall.
 //! * [`regs`]: register names, for fault injection and diagnostics.
+//! * [`cpu`]: another process's CPU time (the clock of time-based injection points).
 //!
 //! This crate knows nothing about replicas or votes.
 
+pub mod cpu;
 pub mod mem;
 pub mod ptrace;
 pub mod regs;
