@@ -1,38 +1,57 @@
 #!/usr/bin/env bash
-# Fault-injection evaluation, workload (a): md5sum of a 256 KiB file, natively and under
-# lockstep run -r 2 / -r 3, for the reg, mem and ip fault models. Prints a Markdown table
-# built from each campaign's summary.json. Usage: bench/inject_eval.sh [RUNS]
+# Fault-injection evaluation (issue 3): native vs lockstep run -r 2 vs -r 3, for the reg,
+# mem, ip and dest fault models, on two workloads:
+#   (a) digest: a CPU-bound program that prints a digest (bench/digest.c);
+#   (b) redis:  redis-server in server mode with a fixed redis-cli workload
+#               (bench/redis_workload.sh), compared on the client's output.
+# Each cell is one campaign of RUNS injections (seed 11, 2 workers) into OUT/<cell>/;
+# finished cells are skipped, so an interrupted evaluation resumes. Prints the Markdown
+# table at the end (bench/inject_eval_table.py OUT renders it at any time).
+# Usage: bench/inject_eval.sh [RUNS] [WORKLOADS...]   (default: 1000 digest redis)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-1000}
-L=$PWD/target/release/lockstep
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-head -c 262144 /dev/urandom > "$work/input.bin"
-echo "| workload | configuration | fault | runs | activated | masked | detected | crash | hang | program-error | sdc | sdc rate (95% interval) |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
-for fault in reg mem ip; do
-    for cfg in native r2 r3; do
-        out="$work/$fault-$cfg"
-        case $cfg in
-            native) args=(); target=(md5sum "$work/input.bin");;
-            r2) args=(--replica any); target=("$L" run -r 2 -q -- md5sum "$work/input.bin");;
-            r3) args=(--replica any); target=("$L" run -r 3 -q -- md5sum "$work/input.bin");;
-        esac
-        "$L" inject --fault "$fault" --runs "$RUNS" --seed 11 --out "$out" "${args[@]}" -- "${target[@]}" >/dev/null 2>&1
-        python3 - "$out/summary.json" "$fault" "$cfg" <<'PY'
-import json, sys
-s = json.load(open(sys.argv[1]))
-c = {row["class"]: row for row in s["classes"]}
-sdc = c["sdc"]
-if sdc["count"] == 0 and s.get("sdc_upper_bound") is not None:
-    rate = f"0 (< {s['sdc_upper_bound']:.2f}%)"
-elif sdc["percent"] is None:
-    rate = "n/a"
-else:
-    rate = f"{sdc['percent']:.2f}% [{sdc['interval_low']:.2f}, {sdc['interval_high']:.2f}]"
-name = {"native": "native", "r2": "lockstep run -r 2", "r3": "lockstep run -r 3"}[sys.argv[3]]
-print(f"| md5sum 256 KiB | {name} | {sys.argv[2]} | {s['runs']} | {s['activated']} | " + " | ".join(str(c[k]["count"]) for k in ["masked", "detected", "crash", "hang", "program-error", "sdc"]) + f" | {rate} |")
-PY
+shift || true
+WORKLOADS=("$@")
+[ $# -eq 0 ] && WORKLOADS=(digest redis)
+OUT=${OUT:-$PWD/target/inject-eval}
+mkdir -p "$OUT"
+# A private copy of the binary: rebuilding during a long evaluation must not mix versions.
+if [ ! -x "$OUT/lockstep" ]; then
+    cargo build --release --locked -q
+    cp target/release/lockstep "$OUT/lockstep"
+    git rev-parse --short HEAD > "$OUT/commit" 2>/dev/null || true
+fi
+L=$OUT/lockstep
+gcc -O2 -Wall -Wextra -Werror -o "$OUT/digest" bench/digest.c
+port=40000
+for workload in "${WORKLOADS[@]}"; do
+    for fault in reg mem ip dest; do
+        for cfg in native r2 r3; do
+            cell="$OUT/$workload-$fault-$cfg"
+            if [ -f "$cell/summary.json" ] && [ "$(wc -l < "$cell/results.jsonl")" -ge "$RUNS" ]; then
+                continue
+            fi
+            case $cfg in
+                native) wrap=(); args=();;
+                r2) wrap=("$L" run -r 2 -q --); args=(--replica any);;
+                r3) wrap=("$L" run -r 3 -q --); args=(--replica any);;
+            esac
+            case $workload in
+                digest) target=("${wrap[@]}" "$OUT/digest" 40); mode=();;
+                redis)
+                    target=("${wrap[@]}" redis-server --port '{port}' --save '' --appendonly no
+                        --bind 127.0.0.1 --dir '{dir}')
+                    mode=(--server --port "$port" --client "sh $PWD/bench/redis_workload.sh {port}")
+                    port=$((port + 10));;
+            esac
+            echo "== $workload $fault $cfg: $(date +%T)" >&2
+            "$L" inject --fault "$fault" --runs "$RUNS" --seed 11 -j 2 --out "$cell" \
+                "${mode[@]}" "${args[@]}" -- "${target[@]}" > "$cell.log" 2>&1 || {
+                echo "campaign $cell failed; see $cell.log" >&2
+                exit 1
+            }
+        done
     done
 done
+python3 bench/inject_eval_table.py "$OUT"
