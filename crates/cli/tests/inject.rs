@@ -373,11 +373,22 @@ fn bad_input_is_refused_clearly() {
         (vec!["--region", "heap"], 2, "only applies"),
         (vec!["--replica", "leader"], 2, "needs a `lockstep run"),
         (vec!["--replica", "middle"], 2, "bad --replica"),
+        (vec!["--pid-filter", "x", "--at", "syscall:2"], 2, "time-based points"),
+        (vec!["--compare", "file:"], 2, "unknown --compare"),
     ] {
         let o = run(inject_cmd(&out, &args, &prog));
         o.assert_code(code);
         assert!(o.stderr.contains(text), "{args:?}: {}", o.context());
     }
+    // A `lockstep run` target without --replica would fight the monitor for its replicas.
+    let lockstep_bin = env!("CARGO_BIN_EXE_lockstep").to_string();
+    let o = run(inject_cmd(
+        &out,
+        &["--runs", "1"],
+        &[lockstep_bin, "run".into(), "true".into()],
+    ));
+    o.assert_code(2);
+    assert!(o.stderr.contains("needs --replica"), "{}", o.context());
     let o = run(inject_cmd(&out, &["--runs", "1"], &["/nonexistent/prog".to_string()]));
     o.assert_code(125);
     assert!(o.stderr.contains("not found"), "{}", o.context());
@@ -589,4 +600,30 @@ fn time_points_choose_victims_across_the_process_tree() {
         !root_only.is_empty() && root_only.iter().all(|p| p == "tree_work"),
         "{root_only:?}"
     );
+}
+
+#[test]
+fn mixed_campaigns_draw_several_models() {
+    let out = scratch_dir("mixed");
+    let prog = argv("step_target", &[]);
+    run(inject_cmd(
+        &out,
+        &["--fault", "mixed", "--runs", "20", "--at", "syscall:1", "--golden", "1"],
+        &prog,
+    ))
+    .assert_code(0);
+    let models: std::collections::BTreeSet<String> = std::fs::read_to_string(out.join("results.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["model"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert!(models.len() >= 3, "{models:?}");
+    assert!(models
+        .iter()
+        .all(|m| ["reg", "dest", "addr", "mem", "ip"].contains(&m.as_str())));
 }
