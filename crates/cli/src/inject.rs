@@ -233,8 +233,16 @@ pub fn main(a: InjectArgs) -> i32 {
         }
         _ => None,
     };
+    // Resolve the program once (templates like {dir} are left for each run).
+    let mut argv = a.command.clone();
+    if !argv[0].contains('{') {
+        match campaign::resolve_program(&argv[0]) {
+            Some(p) => argv[0] = p.to_string_lossy().into_owned(),
+            None => return fail(&format!("command not found or not executable: {}", argv[0])),
+        }
+    }
     let cfg = Config {
-        argv: a.command.clone(),
+        argv,
         model,
         width,
         scope: Scope {

@@ -38,6 +38,24 @@ pub struct Config {
     pub server: Option<crate::server::Server>,
 }
 
+/// Resolves a command name through PATH once, so that runs do not search it again.
+/// None: not found (or not executable).
+pub fn resolve_program(name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &std::path::Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if name.contains('/') {
+        let p = PathBuf::from(name);
+        return executable(&p).then_some(p);
+    }
+    std::env::var_os("PATH")?
+        .to_string_lossy()
+        .split(':')
+        .map(|dir| std::path::Path::new(if dir.is_empty() { "." } else { dir }).join(name))
+        .find(|p| executable(p))
+}
+
 /// Where one worker's runs happen: `{dir}` and `{port}` in the command, the client and
 /// compared file paths are replaced by these, so parallel runs do not collide.
 #[derive(Clone, Debug)]
