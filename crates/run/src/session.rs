@@ -266,6 +266,44 @@ fn set_tick(period: std::time::Duration) {
     }
 }
 
+/// The most replicas that are alive at once (TMR).
+pub const MAX_LIVE: usize = 3;
+
+/// The live members of a group or of a task's rendezvous. Computed at every stop, so it is
+/// a fixed-size set rather than a heap allocation.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Members {
+    ids: [ReplicaId; MAX_LIVE],
+    len: usize,
+}
+
+impl std::ops::Deref for Members {
+    type Target = [ReplicaId];
+    fn deref(&self) -> &[ReplicaId] {
+        &self.ids[..self.len]
+    }
+}
+
+impl FromIterator<ReplicaId> for Members {
+    fn from_iter<I: IntoIterator<Item = ReplicaId>>(iter: I) -> Self {
+        let mut m = Members::default();
+        for id in iter {
+            assert!(m.len < MAX_LIVE, "more than {MAX_LIVE} live replicas");
+            m.ids[m.len] = id;
+            m.len += 1;
+        }
+        m
+    }
+}
+
+impl IntoIterator for Members {
+    type Item = ReplicaId;
+    type IntoIter = std::iter::Take<std::array::IntoIter<ReplicaId, MAX_LIVE>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.ids.into_iter().take(self.len)
+    }
+}
+
 /// A replica fault applied by single-stepping one thread (see lockstep_inject::step).
 pub struct Stepping {
     pub tid: Tid,
@@ -365,7 +403,7 @@ fn cstring(s: &str) -> Result<CString, Error> {
 
 impl Session {
     pub fn start(opts: Options) -> Result<Session, Error> {
-        if !(2..=3).contains(&opts.replicas) {
+        if !(2..=MAX_LIVE as u32).contains(&opts.replicas) {
             return Err(Error::Usage(format!(
                 "unsupported replica count {} (use -r 2 for DMR or -r 3 for TMR)",
                 opts.replicas
@@ -594,12 +632,12 @@ impl Session {
         }
     }
 
-    pub fn live_replicas(&self) -> Vec<ReplicaId> {
+    pub fn live_replicas(&self) -> Members {
         self.replicas.iter().filter(|r| r.alive).map(|r| r.id).collect()
     }
 
     /// Replicas of `task` that take part in its rendezvous.
-    pub fn live_slots(&self, task: TaskId) -> Vec<ReplicaId> {
+    pub fn live_slots(&self, task: TaskId) -> Members {
         let t = &self.tasks[task];
         self.replicas
             .iter()
