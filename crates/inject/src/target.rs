@@ -491,12 +491,7 @@ fn wait_stop_until(pid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
             return Err(io::Error::last_os_error());
         }
         if Instant::now() >= deadline {
-            // SAFETY: kill the target's process group, then reap it.
-            unsafe {
-                libc::kill(-pid, libc::SIGKILL);
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, &mut status, libc::__WALL);
-            }
+            kill_and_reap(pid);
             return Ok(None);
         }
         // A single-step stop arrives within microseconds: spin briefly before sleeping.
@@ -506,6 +501,17 @@ fn wait_stop_until(pid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
         } else {
             std::thread::sleep(Duration::from_micros(100));
         }
+    }
+}
+
+/// SIGKILLs a target that overran its deadline (its whole process group) and reaps it.
+fn kill_and_reap(pid: Tid) {
+    let mut status = 0;
+    // SAFETY: kill our own child's process group, then reap the child.
+    unsafe {
+        libc::kill(-pid, libc::SIGKILL);
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, &mut status, libc::__WALL);
     }
 }
 
@@ -535,12 +541,7 @@ fn wait_until(pid: Tid, deadline: Instant) -> io::Result<(Ending, Duration)> {
             return Err(io::Error::last_os_error());
         }
         if Instant::now() >= deadline {
-            // SAFETY: kill the target's process group, then reap it.
-            unsafe {
-                libc::kill(-pid, libc::SIGKILL);
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, &mut status, 0);
-            }
+            kill_and_reap(pid);
             return Ok((Ending::TimedOut, Duration::ZERO));
         }
         std::thread::sleep(Duration::from_millis(1));
