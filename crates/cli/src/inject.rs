@@ -203,12 +203,6 @@ pub fn main(a: InjectArgs) -> i32 {
     if is_lockstep_run && replica.is_none() && at.is_none() {
         return usage("a `lockstep run` target needs --replica leader|follower|any: its replicas are traced by the run monitor, and a process has only one tracer");
     }
-    if replica.is_some() && a.replay.is_some() {
-        return usage("--replay of replica faults is not supported yet");
-    }
-    if matches!(at, Some(Point::Syscall { steps, .. }) if steps > 0) && replica.is_some() {
-        return usage("--at syscall:K+steps:D is not supported with --replica");
-    }
     let jobs = a
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
@@ -316,12 +310,22 @@ fn replay(cfg: &Config, spec: &str) -> i32 {
         Ok(r) => r,
         Err(e) => return fail(&e),
     };
-    let plan = Plan::Replay {
-        point: rec.point,
-        applied,
-    };
     let ws = campaign::Workspace::of(cfg, "replay", 0);
-    let outcome = match campaign::run_target(cfg, &ws, &plan, reference.timeout, &[]) {
+    let result = match cfg.replica {
+        // The monitor re-applies the record to the same replica (drawn from the same seed).
+        Some(choice) => {
+            let fault = campaign::replica_fault(cfg, choice, applied.model, rec.point, rec.seed, Some(applied));
+            campaign::run_replica_fault(cfg, &reference, &ws, fault)
+        }
+        None => {
+            let plan = Plan::Replay {
+                point: rec.point,
+                applied,
+            };
+            campaign::run_target(cfg, &ws, &plan, reference.timeout, &[])
+        }
+    };
+    let outcome = match result {
         Ok(o) => o,
         Err(e) => return fail(&format!("replay failed: {e}")),
     };

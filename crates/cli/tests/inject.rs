@@ -483,6 +483,8 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
         after_us: None,
         seed,
         record: record.clone(),
+        steps: 0,
+        replay: None,
         interrupted: false,
     };
     let ev = events_path("replica-fault");
@@ -542,6 +544,8 @@ fn dest_and_addr_replica_faults_are_stepped_by_the_monitor_and_masked() {
             after_us: None,
             seed,
             record: record.clone(),
+            steps: 0,
+            replay: None,
             interrupted: false,
         };
         let ev = events_path("replica-step");
@@ -626,4 +630,59 @@ fn mixed_campaigns_draw_several_models() {
     assert!(models
         .iter()
         .all(|m| ["reg", "dest", "addr", "mem", "ip"].contains(&m.as_str())));
+}
+
+#[test]
+fn replica_faults_at_exact_steps_replay_exactly() {
+    // Replica stop 2 is step_target's getppid; one step after it returns, the follower
+    // is about to store rdx. Under -r 2 a fault there is detected or harmless, and the
+    // replay of each record must end the same way.
+    let out = scratch_dir("replica-replay");
+    let mut target = vec![
+        env!("CARGO_BIN_EXE_lockstep").to_string(),
+        "run".into(),
+        "-r".into(),
+        "2".into(),
+        "-q".into(),
+        "--".into(),
+    ];
+    target.extend(argv("step_target", &[]));
+    let opts = [
+        "--fault",
+        "mixed",
+        "--replica",
+        "follower",
+        "--at",
+        "syscall:2+steps:1",
+        "--runs",
+        "8",
+        "--golden",
+        "1",
+    ];
+    run(inject_cmd(&out, &opts, &target)).assert_code(0);
+    let results = out.join("results.jsonl");
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(&results)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), 8);
+    let classes: std::collections::BTreeSet<&str> = records.iter().map(|r| r["class"].as_str().unwrap()).collect();
+    assert!(
+        classes.contains("detected"),
+        "some faults are caught by DMR: {classes:?}"
+    );
+    for rec in records.iter().filter(|r| r["applied"].is_object()).take(4) {
+        let spec = format!("{}:{}", results.display(), rec["run"]);
+        let mut replay_opts = opts.to_vec();
+        replay_opts.extend(["--replay", spec.as_str()]);
+        let o = run(inject_cmd(&scratch_dir("replica-replayed"), &replay_opts, &target));
+        o.assert_code(0);
+        let class = rec["class"].as_str().unwrap();
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(&format!("recorded {class}, replayed {class}")),
+            "{rec}: {}",
+            o.context()
+        );
+    }
 }

@@ -42,9 +42,8 @@ pub struct Config {
 /// None: not found (or not executable).
 pub fn resolve_program(name: &str) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
-    let executable = |p: &std::path::Path| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
+    let executable =
+        |p: &std::path::Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
     if name.contains('/') {
         let p = PathBuf::from(name);
         return executable(&p).then_some(p);
@@ -276,35 +275,8 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
             run_target(cfg, &ws, &plan, reference.timeout, &[])?
         }
         Some(choice) => {
-            // The run monitor applies the fault to the chosen replica and records it.
-            std::fs::create_dir_all(&ws.dir)?;
-            let record = ws.dir.join("applied.json");
-            let _ = std::fs::remove_file(&record);
-            let (at_stop, after_us) = match point {
-                Point::Syscall { k, .. } => (Some(k), None),
-                Point::Time { at_us } => (None, Some(at_us)),
-            };
-            let fault = crate::fault::ReplicaFault {
-                model,
-                width: cfg.width,
-                region: cfg.scope.region,
-                libs: cfg.scope.libs,
-                replica: choice,
-                at_stop,
-                after_us,
-                seed,
-                record: record.clone(),
-                interrupted: false,
-            };
-            let env = [(
-                crate::fault::REPLICA_FAULT_ENV.to_string(),
-                serde_json::to_string(&fault).expect("serialise"),
-            )];
-            let mut o = run_target(cfg, &ws, &Plan::None, reference.timeout, &env)?;
-            o.applied = std::fs::read_to_string(&record)
-                .ok()
-                .and_then(|t| serde_json::from_str(&t).ok());
-            o
+            let fault = replica_fault(cfg, choice, model, point, seed, None);
+            run_replica_fault(cfg, reference, &ws, fault)?
         }
     };
     let class = classify(&reference.golden, &o, &cfg.compare);
@@ -318,6 +290,59 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
         ending: o.ending,
         wall_ms: o.wall.as_secs_f64() * 1e3,
     })
+}
+
+/// The fault the run monitor applies to one replica (`--replica`), fresh or (`replay`) as
+/// recorded.
+pub fn replica_fault(
+    cfg: &Config,
+    choice: crate::fault::ReplicaChoice,
+    model: Model,
+    point: Point,
+    seed: u64,
+    replay: Option<Applied>,
+) -> crate::fault::ReplicaFault {
+    let (at_stop, after_us, steps) = match point {
+        Point::Syscall { k, steps } => (Some(k), None, steps),
+        Point::Time { at_us } => (None, Some(at_us), 0),
+    };
+    crate::fault::ReplicaFault {
+        model,
+        width: cfg.width,
+        region: cfg.scope.region,
+        libs: cfg.scope.libs,
+        replica: choice,
+        at_stop,
+        after_us,
+        seed,
+        record: PathBuf::new(),
+        steps,
+        replay,
+        interrupted: false,
+    }
+}
+
+/// Runs the `lockstep run` target with `fault` for its monitor and reads back what the
+/// monitor applied.
+pub fn run_replica_fault(
+    cfg: &Config,
+    reference: &Reference,
+    ws: &Workspace,
+    mut fault: crate::fault::ReplicaFault,
+) -> std::io::Result<target::Outcome> {
+    std::fs::create_dir_all(&ws.dir)?;
+    let record = ws.dir.join("applied.json");
+    let _ = std::fs::remove_file(&record);
+    fault.record = record.clone();
+    let env = [(
+        crate::fault::REPLICA_FAULT_ENV.to_string(),
+        serde_json::to_string(&fault).expect("serialise"),
+    )];
+    let mut o = run_target(cfg, ws, &Plan::None, reference.timeout, &env)?;
+    o.applied = std::fs::read_to_string(&record)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    Ok(o)
 }
 
 /// Counts per class.

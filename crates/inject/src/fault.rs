@@ -398,6 +398,13 @@ pub struct ReplicaFault {
     pub after_us: Option<u64>,
     pub seed: u64,
     pub record: std::path::PathBuf,
+    /// With `at_stop`: single-steps after that syscall returns before the fault goes in
+    /// (`--at syscall:K+steps:D`).
+    #[serde(default)]
+    pub steps: u64,
+    /// Re-apply this record exactly instead of drawing a fresh fault (`--replay`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<Applied>,
     /// Monitor-side state: the replica was interrupted for this fault.
     #[serde(skip)]
     pub interrupted: bool,

@@ -308,8 +308,30 @@ impl IntoIterator for Members {
 pub struct Stepping {
     pub tid: Tid,
     pub replica: ReplicaId,
-    pub fault: lockstep_inject::step::StepFault,
-    pub record: std::path::PathBuf,
+    /// Single-steps still to go before the fault's own work starts (`--at syscall:K+steps:D`).
+    pub skip: u64,
+    /// dest/addr: the stepping engine; None: a fault applied at a stop, once `skip` is done.
+    pub stepper: Option<lockstep_inject::step::StepFault>,
+    pub fault: lockstep_inject::fault::ReplicaFault,
+}
+
+/// Applies a replica fault that needs no stepping to the stopped thread `tid` of process
+/// `tgid`: freshly drawn from its seed, or exactly as recorded for a replay.
+fn apply_at_stop(
+    fault: &lockstep_inject::fault::ReplicaFault,
+    tgid: Tid,
+    tid: Tid,
+) -> std::io::Result<lockstep_inject::fault::Applied> {
+    use lockstep_inject::fault::{apply, reapply, Rng, Scope};
+    if let Some(applied) = &fault.replay {
+        return reapply(tid, applied).map(|()| applied.clone());
+    }
+    let scope = Scope {
+        region: fault.region,
+        libs: fault.libs,
+        pid_filter: None,
+    };
+    apply(tgid, tid, fault.model, fault.width, &scope, &mut Rng::new(fault.seed))
 }
 
 fn stop_is_signal_without_fault(stop: Stop, result: &Option<std::io::Result<lockstep_inject::fault::Applied>>) -> bool {
@@ -1054,29 +1076,30 @@ impl Session {
     /// Applies the injector's fault to replica `r` (stopped at a syscall entry), records
     /// what changed for the injector, and refreshes `regs`.
     fn apply_replica_fault(&mut self, task: TaskId, r: ReplicaId, regs: &mut Regs) {
-        use lockstep_inject::fault::{apply, Rng, Scope};
+        use lockstep_inject::fault::Rng;
+        use lockstep_inject::step::StepFault;
         let Some((fault, _)) = self.replica_fault.take() else {
             return;
         };
         let (tgid, tid) = (self.slot(task, r).tgid, self.slot(task, r).tid);
-        let scope = Scope {
-            region: fault.region,
-            libs: fault.libs,
-            pid_filter: None,
-        };
-        let mut rng = Rng::new(fault.seed);
-        if fault.model.needs_steps() {
+        let model = fault.replay.as_ref().map_or(fault.model, |a| a.model);
+        if model.needs_steps() || fault.steps > 0 {
             // The fault goes on an instruction after this syscall: step from its return.
+            let stepper = model.needs_steps().then(|| match &fault.replay {
+                Some(applied) => StepFault::replay(applied.clone()),
+                None => StepFault::fresh(model, fault.width, Rng::new(fault.seed)),
+            });
             self.stepping = Some(Stepping {
                 tid,
                 replica: r,
-                fault: lockstep_inject::step::StepFault::fresh(fault.model, fault.width, rng),
-                record: fault.record,
+                skip: fault.steps,
+                stepper,
+                fault,
             });
             self.be.single_step(Some(tid));
             return;
         }
-        let result = apply(tgid, tid, fault.model, fault.width, &scope, &mut rng);
+        let result = apply_at_stop(&fault, tgid, tid);
         if result.is_ok() {
             if let Ok(fresh) = self.be.regs(tid) {
                 *regs = fresh;
@@ -1123,18 +1146,26 @@ impl Session {
             return false;
         };
         let (result, own) = match stop {
-            Stop::Signal(libc::SIGTRAP) => match s.fault.on_stop(tid) {
-                Ok(Progress::Step) => {
+            Stop::Signal(libc::SIGTRAP) if s.skip > 0 => {
+                s.skip -= 1;
+                let _ = self.be.resume(tid, Resume::Run);
+                self.stepping = Some(s);
+                return true;
+            }
+            Stop::Signal(libc::SIGTRAP) => match s.stepper.as_mut().map(|f| f.on_stop(tid)) {
+                Some(Ok(Progress::Step)) => {
                     let _ = self.be.resume(tid, Resume::Run);
                     self.stepping = Some(s);
                     return true;
                 }
-                Ok(Progress::Done(applied)) => (Some(Ok(applied)), true),
-                Ok(Progress::GaveUp) => (None, true),
-                Err(e) => (Some(Err(e)), true),
+                Some(Ok(Progress::Done(applied))) => (Some(Ok(applied)), true),
+                Some(Ok(Progress::GaveUp)) => (None, true),
+                Some(Err(e)) => (Some(Err(e)), true),
+                // A fault applied at a stop, once the steps are done.
+                None => (Some(apply_at_stop(&s.fault, s.tid, tid)), true),
             },
             // The armed instruction faulted: the fault is in; the signal is handled as usual.
-            Stop::Signal(_) => (s.fault.on_signal(tid).transpose(), false),
+            Stop::Signal(_) => (s.stepper.as_mut().and_then(|f| f.on_signal(tid).transpose()), false),
             // The thread went to a syscall or an event: keep stepping after it.
             Stop::Seccomp | Stop::SyscallExit | Stop::Event(_) | Stop::EventStop(_) => {
                 self.stepping = Some(s);
@@ -1149,8 +1180,7 @@ impl Session {
         }
         self.be.single_step(None);
         if let Some(result) = result {
-            let at = "by single-stepping";
-            self.report_replica_fault(s.replica, &s.record, result, at);
+            self.report_replica_fault(s.replica, &s.fault.record, result, "by single-stepping");
         }
         if own {
             let _ = self.be.resume(tid, Resume::Run);
