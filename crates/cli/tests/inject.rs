@@ -461,6 +461,13 @@ fn replicas_turn_native_sdc_into_masked_faults() {
     let (n, t) = (sdc_count(&native), sdc_count(&tmr));
     assert!(n >= 1, "native runs should show sdc for r12 faults (got {n})");
     assert_eq!(t, 0, "no sdc may escape TMR");
+    // Faults that TMR outvoted left a divergence event: they count as detected, not as
+    // faults without effect.
+    let detected = summary_counts(&tmr)
+        .into_iter()
+        .find(|c| c.0 == "detected")
+        .map_or(0, |c| c.1);
+    assert!(detected >= 1, "{:?}", summary_counts(&tmr));
     let activated: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tmr.join("summary.json")).unwrap()).unwrap();
     assert_eq!(activated["activated"], 60, "every replica fault was applied");

@@ -332,7 +332,9 @@ pub fn run_replica_fault(
 ) -> std::io::Result<target::Outcome> {
     std::fs::create_dir_all(&ws.dir)?;
     let record = ws.dir.join("applied.json");
+    let detections = crate::fault::detections_path(&record);
     let _ = std::fs::remove_file(&record);
+    let _ = std::fs::remove_file(&detections);
     fault.record = record.clone();
     let env = [(
         crate::fault::REPLICA_FAULT_ENV.to_string(),
@@ -342,6 +344,10 @@ pub fn run_replica_fault(
     o.applied = std::fs::read_to_string(&record)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());
+    o.lockstep_detections = std::fs::read_to_string(&detections)
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0);
     Ok(o)
 }
 

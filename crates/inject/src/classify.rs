@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 pub enum Class {
     /// The program behaved exactly as in the golden runs.
     Masked,
-    /// Exit status 86: lockstep (or libsei) detected corruption and stopped.
+    /// Exit status 86 (lockstep or libsei detected corruption and stopped), or a correct
+    /// output after lockstep reported a detection (a divergence it masked).
     Detected,
     /// Killed by a signal.
     Crash,
@@ -186,10 +187,13 @@ pub fn classify(golden: &Golden, run: &Outcome, compare: &Compare) -> Class {
         Ending::ServerExited(_) => Class::ProgramError,
         Ending::Exited(c) if c != golden_code && c != 0 => Class::ProgramError,
         Ending::Exited(_) => {
-            if compare.difference(golden, &Golden::of(run)).is_none() {
-                Class::Masked
-            } else {
+            if compare.difference(golden, &Golden::of(run)).is_some() {
                 Class::Sdc
+            } else if run.lockstep_detections > 0 {
+                // The output is right because lockstep caught the fault and outvoted it.
+                Class::Detected
+            } else {
+                Class::Masked
             }
         }
     }

@@ -435,5 +435,11 @@ impl std::str::FromStr for ReplicaChoice {
 /// replicas' mean CPU time (`{"cpu_us": N}`), the range of time-based replica faults.
 pub const CPU_REPORT_ENV: &str = "LOCKSTEP_CPU_REPORT";
 
+/// Where the run monitor writes how many detection events (divergence, timeout, halt) it
+/// emitted during a run with a replica fault recorded at `record`.
+pub fn detections_path(record: &std::path::Path) -> std::path::PathBuf {
+    record.with_extension("detections")
+}
+
 /// Name of the environment variable that carries a [`ReplicaFault`].
 pub const REPLICA_FAULT_ENV: &str = "LOCKSTEP_INJECT";

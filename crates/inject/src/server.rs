@@ -188,6 +188,7 @@ fn serve(
             startup,
             files: Vec::new(),
             cpu: Duration::ZERO,
+            lockstep_detections: 0,
         });
     };
     let client_end = watch.wait_child(client.pid, deadline)?;
@@ -229,6 +230,7 @@ fn serve(
         startup,
         files: Vec::new(),
         cpu,
+        lockstep_detections: 0,
     })
 }
 

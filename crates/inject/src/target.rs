@@ -84,6 +84,8 @@ pub struct Outcome {
     /// CPU time the target used (measured in fault-free runs; server mode: while the
     /// client ran), the range time-based injection points are drawn from.
     pub cpu: Duration,
+    /// `--replica`: detection events (divergence, timeout, halt) the run monitor emitted.
+    pub lockstep_detections: u64,
 }
 
 /// What to inject, if anything.
@@ -244,6 +246,7 @@ fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcom
         startup: None,
         files: Vec::new(),
         cpu,
+        lockstep_detections: 0,
     })
 }
 

@@ -375,6 +375,11 @@ pub struct Session {
     pub replica_fault: Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>,
     /// A dest/addr replica fault in progress: its thread is single-stepped.
     pub stepping: Option<Stepping>,
+    /// Divergences, timeouts and halts so far: what `lockstep inject --replica` counts as
+    /// a detection even when TMR masked the fault.
+    pub detections: u64,
+    /// Where the injector wants the applied fault (and, beside it, the detections).
+    pub fault_record: Option<std::path::PathBuf>,
     /// Each replica's CPU time at its main thread's exit_group (for LOCKSTEP_CPU_REPORT).
     pub replica_cpu: Vec<Option<std::time::Duration>>,
     /// Events not yet written (see `emit`).
@@ -516,6 +521,8 @@ impl Session {
             opts,
             be: Ptrace::default(),
             stepping: None,
+            detections: 0,
+            fault_record: None,
             replica_cpu: vec![None; want as usize],
             replicas,
             leader: 0,
@@ -540,6 +547,7 @@ impl Session {
             replica_fault: None,
         };
         session.replica_fault = session.read_replica_fault()?;
+        session.fault_record = session.replica_fault.as_ref().map(|f| f.0.record.clone());
         if let Some((us, r)) = session.replica_fault.as_ref().and_then(|f| Some((f.0.after_us?, f.1))) {
             session.arm_cpu_timer(r, us);
         }
@@ -644,6 +652,9 @@ impl Session {
     /// Queues an event. Events are written after the current stop has been handled, so
     /// that logging never delays the replicas (for example while a fault is masked).
     pub fn emit(&mut self, event: Event) {
+        if matches!(event.kind, "divergence" | "timeout" | "halt") {
+            self.detections += 1;
+        }
         self.pending_events.push(event);
     }
 
@@ -999,6 +1010,12 @@ impl Session {
     /// runs), writes the replicas' mean CPU time at their exit_group: the range of its
     /// time-based points.
     fn write_cpu_report(&self) {
+        if let Some(record) = &self.fault_record {
+            let _ = std::fs::write(
+                lockstep_inject::fault::detections_path(record),
+                format!("{}\n", self.detections),
+            );
+        }
         let Some(path) = std::env::var_os(lockstep_inject::fault::CPU_REPORT_ENV) else {
             return;
         };
