@@ -400,6 +400,18 @@ fn bad_input_is_refused_clearly() {
     ));
     o.assert_code(125);
     assert!(o.stderr.contains("differs between golden runs"), "{}", o.context());
+    // A target that hangs in its golden run is reported, not waited for forever.
+    let o = run(inject_cmd(
+        &out,
+        &["--runs", "1", "--timeout", "1"],
+        &["sleep".into(), "30".into()],
+    ));
+    o.assert_code(125);
+    assert!(
+        o.stderr.contains("did not finish within 1 s in golden run 1"),
+        "{}",
+        o.context()
+    );
 }
 
 // --- faults in one replica of a `lockstep run` group ----------------------------------
