@@ -19,6 +19,9 @@ use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+/// How long a port in use is given to become free before a run starts.
+const PORT_FREE_WAIT: Duration = Duration::from_secs(3);
+
 /// How long a server gets to exit after SIGTERM before it is killed.
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
 
@@ -107,21 +110,23 @@ pub fn run(
     scratch: &Path,
     env: &[(String, String)],
 ) -> io::Result<Outcome> {
-    if port_open(server.port) {
-        return Err(io::Error::new(
-            io::ErrorKind::AddrInUse,
-            format!("port {} is already in use before the server started", server.port),
-        ));
+    // The previous run's server may still be dying (a killed run monitor's replicas close
+    // their sockets asynchronously): give the port a moment before calling it taken.
+    let free_by = Instant::now() + PORT_FREE_WAIT;
+    while port_open(server.port) {
+        if Instant::now() >= free_by {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("port {} is already in use before the server started", server.port),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
     let traced = !matches!(plan, Plan::None);
     let srv = Child::spawn(argv, traced, scratch, "server-", env)?;
     let result = serve(&srv, server, plan, timeout, scratch, traced);
     // Whatever happened, nothing of this run may outlive it.
-    // SAFETY: SIGKILL to the server's own process group.
-    unsafe { libc::kill(-srv.pid, libc::SIGKILL) };
-    let mut status = 0;
-    // SAFETY: reap the server if it is still ours to reap.
-    unsafe { libc::waitpid(srv.pid, &mut status, libc::WNOHANG | libc::__WALL) };
+    crate::tree::kill_and_reap_all(srv.pid);
     srv.forget();
     result
 }

@@ -236,6 +236,10 @@ fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcom
             ending
         }
     };
+    if !matches!(plan, Plan::None) {
+        // A traced target that ended early, timed out while stepped, or left children.
+        crate::tree::kill_and_reap_all(pid);
+    }
     let (stdout, stderr) = child.outputs();
     Ok(Outcome {
         ending,
@@ -479,8 +483,7 @@ fn step_until_applied(pid: Tid, mut stepper: StepFault, deadline: Instant, tree:
     }
 }
 
-/// The next stop of `pid`, or None once `deadline` passed (the process group is then
-/// killed and reaped).
+/// The next stop of `pid`, or None once `deadline` passed.
 fn wait_stop_until(pid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
     let mut spins = 0u32;
     loop {
@@ -494,8 +497,7 @@ fn wait_stop_until(pid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
             return Err(io::Error::last_os_error());
         }
         if Instant::now() >= deadline {
-            kill_and_reap(pid);
-            return Ok(None);
+            return Ok(None); // the caller kills and reaps the whole target
         }
         // A single-step stop arrives within microseconds: spin briefly before sleeping.
         spins += 1;

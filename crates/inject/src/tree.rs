@@ -12,7 +12,7 @@ use std::io;
 use std::time::{Duration, Instant};
 
 /// How long stray members of a finished target's process group are reaped for.
-const REAP_GRACE: Duration = Duration::from_millis(200);
+const REAP_GRACE: Duration = Duration::from_millis(500);
 
 pub struct Tree {
     root: Tid,
@@ -237,39 +237,35 @@ impl Tree {
                     self.handle(tid, stop)?;
                 }
                 None if Instant::now() >= deadline => {
-                    kill_group(root);
-                    let mut status = 0;
-                    // SAFETY: reap the killed root.
-                    unsafe { libc::waitpid(root, &mut status, libc::__WALL) };
-                    break Ending::TimedOut;
+                    kill_and_reap_all(root);
+                    return Ok(Ending::TimedOut);
                 }
                 None => idle(),
             }
         };
-        kill_group(root);
-        let until = Instant::now() + REAP_GRACE;
-        while Instant::now() < until {
-            match poll()? {
-                Some(_) => {}
-                None => {
-                    let mut status = 0;
-                    // SAFETY: probe whether any tracee is left.
-                    let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG | libc::__WALL | libc::__WNOTHREAD) };
-                    if r < 0 {
-                        break; // ECHILD: nothing left
-                    }
-                    idle();
-                }
-            }
-        }
+        kill_and_reap_all(root);
         Ok(ending)
     }
 }
 
-fn kill_group(root: Tid) {
+/// Kills the target's process group and reaps this worker's children until none is left,
+/// for at most [`REAP_GRACE`] (a task that left the group is not waited for longer).
+/// Never blocks on one pid: a traced group leader is only reported after its threads.
+pub fn kill_and_reap_all(root: Tid) {
     // SAFETY: SIGKILL to the target's own process group.
     unsafe {
         libc::kill(-root, libc::SIGKILL);
+    }
+    let until = Instant::now() + REAP_GRACE;
+    loop {
+        // SAFETY: non-blocking waitpid for this thread's children.
+        let r = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG | libc::__WALL | libc::__WNOTHREAD) };
+        if r < 0 || (r == 0 && Instant::now() >= until) {
+            break; // ECHILD: nothing left
+        }
+        if r == 0 {
+            idle();
+        }
     }
 }
 
