@@ -32,10 +32,12 @@ for workload in "${WORKLOADS[@]}"; do
             if [ -f "$cell/summary.json" ] && [ "$(wc -l < "$cell/results.jsonl")" -ge "$RUNS" ]; then
                 continue
             fi
+            # Under lockstep run a replica that stops making progress is caught by the
+            # straggler timeout (1 s here); the campaign's hang timeout must be longer.
             case $cfg in
                 native) wrap=(); args=();;
-                r2) wrap=("$L" run -r 2 -q --); args=(--replica any);;
-                r3) wrap=("$L" run -r 3 -q --); args=(--replica any);;
+                r2) wrap=("$L" run -r 2 -q --timeout 1 --); args=(--replica any --timeout 5);;
+                r3) wrap=("$L" run -r 3 -q --timeout 1 --); args=(--replica any --timeout 5);;
             esac
             case $workload in
                 digest) target=("${wrap[@]}" "$OUT/digest" 40); mode=();;
