@@ -259,7 +259,13 @@ pub fn kill_and_reap_all(root: Tid) {
     let until = Instant::now() + REAP_GRACE;
     loop {
         // SAFETY: non-blocking waitpid for this thread's children.
-        let r = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG | libc::__WALL | libc::__WNOTHREAD) };
+        let r = unsafe {
+            libc::waitpid(
+                -1,
+                std::ptr::null_mut(),
+                libc::WNOHANG | libc::__WALL | libc::__WNOTHREAD,
+            )
+        };
         if r < 0 || (r == 0 && Instant::now() >= until) {
             break; // ECHILD: nothing left
         }
