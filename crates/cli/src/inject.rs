@@ -322,7 +322,7 @@ fn replay(cfg: &Config, spec: &str) -> i32 {
                 point: rec.point,
                 applied,
             };
-            campaign::run_target(cfg, &ws, &plan, reference.timeout, &[])
+            campaign::run_target(cfg, &ws, &plan, reference.limits(), &[])
         }
     };
     let outcome = match result {

@@ -68,6 +68,27 @@ fn each_outcome_class_is_produced_and_classified() {
 }
 
 #[test]
+fn a_cpu_bound_hang_is_stopped_by_the_cpu_limit() {
+    // outcome's `hang` mode spins once rax is flipped: it is stopped once it has burnt
+    // the CPU limit, long before the wall deadline.
+    let plan = Plan::Replay {
+        point: Point::Syscall { k: 1, steps: 0 },
+        applied: Applied {
+            register: Some("rax".into()),
+            mask: 1,
+            ..Applied::new(Model::Reg)
+        },
+    };
+    let limits = target::Limits {
+        wall: Duration::from_secs(60),
+        cpu: Some(Duration::from_millis(300)),
+    };
+    let o = target::run(&argv("outcome", &["hang"]), &plan, limits, &scratch_dir("cpu-limit")).unwrap();
+    assert_eq!(o.ending, Ending::TimedOut);
+    assert!(o.wall < limits.wall, "ended by the CPU limit, not the wall deadline");
+}
+
+#[test]
 fn reg_fault_changes_a_printed_value_in_a_known_way() {
     // flip_target keeps its accumulator in r12 across each write: flipping bit 0 after
     // write #8 changes every later line and none before.

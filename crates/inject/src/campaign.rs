@@ -83,7 +83,7 @@ pub fn run_target(
     cfg: &Config,
     ws: &Workspace,
     plan: &Plan,
-    timeout: Duration,
+    limits: target::Limits,
     env: &[(String, String)],
 ) -> std::io::Result<target::Outcome> {
     std::fs::create_dir_all(&ws.dir)?;
@@ -98,9 +98,9 @@ pub fn run_target(
                 port: ws.port,
                 client: ws.expand(&server.client),
             };
-            crate::server::run(&argv, &server, plan, timeout, &ws.dir, env)?
+            crate::server::run(&argv, &server, plan, limits.wall, &ws.dir, env)?
         }
-        None => target::run_with_env(&argv, plan, timeout, &ws.dir, env)?,
+        None => target::run_with_env(&argv, plan, limits, &ws.dir, env)?,
     };
     o.files = files.iter().map(|f| std::fs::read(f).ok()).collect();
     Ok(o)
@@ -133,6 +133,22 @@ pub struct Reference {
     /// baseline of the throughput ratio.
     pub whole: Duration,
     pub timeout: Duration,
+    /// With `--timeout auto` (plain targets): the CPU time after which a run counts as
+    /// hung, 10x the golden CPU time and at least [`MIN_CPU_LIMIT`].
+    pub cpu_limit: Option<Duration>,
+}
+
+/// The least CPU time a run may use before it counts as hung (`--timeout auto`).
+pub const MIN_CPU_LIMIT: Duration = Duration::from_millis(250);
+
+impl Reference {
+    /// The hang limits of an injection run.
+    pub fn limits(&self) -> target::Limits {
+        target::Limits {
+            wall: self.timeout,
+            cpu: self.cpu_limit,
+        }
+    }
 }
 
 /// Set by SIGINT: stop handing out runs, kill running targets, keep what is done.
@@ -161,7 +177,8 @@ pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
     for i in 0..k {
         let t0 = Instant::now();
         let _ = std::fs::remove_file(&report);
-        let o = run_target(cfg, &ws, &Plan::None, limit, &env).map_err(|e| format!("cannot run the target: {e}"))?;
+        let o =
+            run_target(cfg, &ws, &Plan::None, limit.into(), &env).map_err(|e| format!("cannot run the target: {e}"))?;
         whole += t0.elapsed();
         cpu += match cfg.replica {
             Some(_) => replica_cpu(&report).ok_or_else(|| {
@@ -228,6 +245,9 @@ pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
         startup,
         whole: whole / k,
         timeout,
+        // A monitor's or a server's own CPU time says nothing about a hang in the program.
+        cpu_limit: (cfg.timeout.is_none() && cfg.replica.is_none() && cfg.server.is_none())
+            .then(|| (cpu / k * 10).max(MIN_CPU_LIMIT)),
     })
 }
 
@@ -272,7 +292,7 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
                 point,
                 rng,
             };
-            run_target(cfg, &ws, &plan, reference.timeout, &[])?
+            run_target(cfg, &ws, &plan, reference.limits(), &[])?
         }
         Some(choice) => {
             let fault = replica_fault(cfg, choice, model, point, seed, None);
@@ -340,7 +360,7 @@ pub fn run_replica_fault(
         crate::fault::REPLICA_FAULT_ENV.to_string(),
         serde_json::to_string(&fault).expect("serialise"),
     )];
-    let mut o = run_target(cfg, ws, &Plan::None, reference.timeout, &env)?;
+    let mut o = run_target(cfg, ws, &Plan::None, reference.timeout.into(), &env)?;
     o.applied = std::fs::read_to_string(&record)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());

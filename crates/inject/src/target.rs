@@ -112,21 +112,37 @@ fn cstrings(argv: &[String]) -> io::Result<Vec<CString>> {
 }
 
 /// Runs `argv` once with stdout/stderr captured in files under `scratch`.
-pub fn run(argv: &[String], plan: &Plan, timeout: Duration, scratch: &Path) -> io::Result<Outcome> {
-    run_with_env(argv, plan, timeout, scratch, &[])
+pub fn run(argv: &[String], plan: &Plan, limits: impl Into<Limits>, scratch: &Path) -> io::Result<Outcome> {
+    run_with_env(argv, plan, limits, scratch, &[])
+}
+
+/// When a run counts as hung.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Wall time from the start.
+    pub wall: Duration,
+    /// CPU time of the target's processes (not in server or replica mode): a CPU-bound
+    /// hang is caught as soon as it has burnt this much, rather than at the wall deadline.
+    pub cpu: Option<Duration>,
+}
+
+impl From<Duration> for Limits {
+    fn from(wall: Duration) -> Limits {
+        Limits { wall, cpu: None }
+    }
 }
 
 /// Like [`run`], with extra environment variables for the target.
 pub fn run_with_env(
     argv: &[String],
     plan: &Plan,
-    timeout: Duration,
+    limits: impl Into<Limits>,
     scratch: &Path,
     env: &[(String, String)],
 ) -> io::Result<Outcome> {
     let traced = !matches!(plan, Plan::None);
     let child = Child::spawn(argv, traced, scratch, "", env)?;
-    let result = supervise(&child, plan, timeout);
+    let result = supervise(&child, plan, limits.into());
     child.forget();
     result
 }
@@ -214,10 +230,10 @@ impl Child {
     }
 }
 
-fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcome> {
+fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> {
     let pid = child.pid;
     let mut tree = Tree::new(pid);
-    let deadline = child.started + timeout;
+    let deadline = child.started + limits.wall;
     let (applied, ended) = match plan {
         Plan::None => (None, None),
         _ => match drive_to_injection(pid, plan, deadline, &mut tree, &mut || Ok(()))? {
@@ -229,9 +245,9 @@ fn supervise(child: &Child, plan: &Plan, timeout: Duration) -> io::Result<Outcom
     let mut cpu = Duration::ZERO;
     let ending = match ended {
         Some(e) => e,
-        None if traced_tree(plan) => tree.finish(deadline)?,
+        None if traced_tree(plan) => tree.finish(deadline, limits.cpu)?,
         None => {
-            let (ending, used) = wait_until(pid, deadline)?;
+            let (ending, used) = wait_until(pid, deadline, limits.cpu)?;
             cpu = used;
             ending
         }
@@ -522,7 +538,7 @@ fn kill_and_reap(pid: Tid) {
 
 /// Waits for the (untraced) child to end, killing its process group at the deadline.
 /// Returns how it ended and the CPU time it and its waited-for children used.
-fn wait_until(pid: Tid, deadline: Instant) -> io::Result<(Ending, Duration)> {
+fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::Result<(Ending, Duration)> {
     loop {
         let mut status = 0;
         // SAFETY: zeroed rusage is a valid out-parameter.
@@ -545,7 +561,8 @@ fn wait_until(pid: Tid, deadline: Instant) -> io::Result<(Ending, Duration)> {
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
-        if Instant::now() >= deadline {
+        let over_cpu = || cpu_limit.is_some_and(|l| lockstep_trace::cpu::process_cpu(pid).is_some_and(|c| c > l));
+        if Instant::now() >= deadline || over_cpu() {
             kill_and_reap(pid);
             return Ok((Ending::TimedOut, Duration::ZERO));
         }

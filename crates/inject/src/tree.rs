@@ -225,8 +225,9 @@ impl Tree {
     }
 
     /// After the injection: passes stops on until the root ends (then the rest of its
-    /// process group is killed and reaped), or kills the group at the deadline.
-    pub fn finish(&mut self, deadline: Instant) -> io::Result<Ending> {
+    /// process group is killed and reaped), or kills the group at the deadline or once
+    /// the tree has used more than `cpu_limit`.
+    pub fn finish(&mut self, deadline: Instant, cpu_limit: Option<Duration>) -> io::Result<Ending> {
         let root = self.root;
         let ending = loop {
             if let Some(ending) = self.root_end {
@@ -236,7 +237,7 @@ impl Tree {
                 Some((tid, stop)) => {
                     self.handle(tid, stop)?;
                 }
-                None if Instant::now() >= deadline => {
+                None if Instant::now() >= deadline || cpu_limit.is_some_and(|l| self.cpu() > l) => {
                     kill_and_reap_all(root);
                     return Ok(Ending::TimedOut);
                 }
