@@ -26,7 +26,9 @@ if [ ! -x "$OUT/lockstep" ]; then
 fi
 L=$OUT/lockstep
 gcc -O2 -Wall -Wextra -Werror -o "$OUT/digest" bench/digest.c
-port=40000
+# Below the kernel's ephemeral range (32768-60999 by default), which any outgoing
+# connection may take.
+port=21000
 for workload in "${WORKLOADS[@]}"; do
     for fault in reg mem ip dest; do
         for cfg in ${CONFIGS:-native r2 r3}; do

@@ -223,6 +223,14 @@ pub fn main(a: InjectArgs) -> i32 {
             if jobs > 1 && !(uses("{port}") && client.contains("{port}")) {
                 return usage("with -j 2 or more each worker's server needs its own port: write {port} in the server command and in --client, or use -j 1");
             }
+            if let Some((low, high)) = ephemeral_ports() {
+                let last = port as u32 + jobs as u32 - 1;
+                if (port as u32) <= high && last >= low {
+                    eprintln!(
+                        "lockstep inject: warning: ports {port}-{last} overlap the kernel's ephemeral range {low}-{high}: an outgoing connection (even the client's) can take one and the server then fails to bind; pick ports below {low}"
+                    );
+                }
+            }
             Some(lockstep_inject::server::Server { port, client })
         }
         _ => None,
@@ -287,6 +295,13 @@ pub fn main(a: InjectArgs) -> i32 {
     }
     print!("{}", report::markdown(&summary));
     0
+}
+
+/// The kernel's range of ports for outgoing connections.
+fn ephemeral_ports() -> Option<(u32, u32)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut it = text.split_whitespace().map(|v| v.parse().ok());
+    Some((it.next()??, it.next()??))
 }
 
 fn replay(cfg: &Config, spec: &str) -> i32 {

@@ -4,13 +4,17 @@
 mod common;
 use common::*;
 
-/// A base port for one test: worker w of a campaign uses base + w.
+/// A base port for one test: worker w of a campaign uses base + w. Chosen below the
+/// kernel's ephemeral range, so that no outgoing connection can take it meanwhile.
 fn free_port_pair() -> u16 {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let start = 20_000 + (std::process::id() % 5_000) as u16 * 2;
     loop {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        drop(l);
-        if p < 65000 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+        let p = start + NEXT.fetch_add(2, Ordering::SeqCst);
+        assert!(p < 32_000, "no free port pair below the ephemeral range");
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(p) && free(p + 1) {
             return p;
         }
     }
