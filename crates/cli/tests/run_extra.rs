@@ -367,3 +367,34 @@ fn python_http_server_serves_and_stops_on_sigint() {
     out.assert_code(0);
     assert_agreed(&read_events_of(&ev, &out), &out);
 }
+
+#[test]
+fn a_leader_read_with_a_corrupted_pointer_is_not_handed_to_the_followers() {
+    // Read #3 is stop 7. Bit 44 of the leader's buffer pointer makes the kernel answer
+    // EFAULT; handing that to healthy followers would end the copy early with exit 0 (an
+    // sdc: two of twenty lines). The followers' own buffers are valid, so the group stops.
+    let (input, text) = io_copy_input();
+    for replicas in ["2", "3"] {
+        let ev = events_path("io-efault");
+        let evs = ev.to_string_lossy().into_owned();
+        let opts = ["-r", replicas, "--events", &evs, "--test-flip", "0:7:rsi:44"];
+        let out = run(lockstep_run(
+            &opts,
+            &[fixture("io_copy").as_os_str(), input.as_os_str()],
+        ));
+        out.assert_code(86);
+        let events = read_events_of(&ev, &out);
+        assert!(
+            events_of(&events, "divergence")
+                .iter()
+                .any(|e| e.to_string().contains("EFAULT")),
+            "{}",
+            out.context()
+        );
+        assert!(
+            text.starts_with(&out.stdout_str()),
+            "only correct lines may leave:\n{}",
+            out.context()
+        );
+    }
+}

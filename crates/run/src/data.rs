@@ -275,6 +275,19 @@ pub fn collect_outputs(be: &dyn Backend, leader: Tid, desc: &Desc, args: &[u64; 
     out
 }
 
+/// Whether every buffer argument of a call is readable in `tid` (NULL is allowed: many
+/// buffers are optional). Used when the leader's call failed with EFAULT: if a follower's
+/// own buffers are fine, the leader's pointer was corrupted, and its EFAULT must not be
+/// handed to healthy replicas as if it were the kernel's answer.
+pub fn buffers_readable(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6]) -> bool {
+    desc.args.iter().zip(args).all(|(kind, &ptr)| match kind {
+        Arg::In(_) | Arg::Out(_) | Arg::InOut(_) | Arg::IovIn(_) | Arg::IovOut(_) | Arg::MsgIn | Arg::MsgOut => {
+            ptr == 0 || be.read(tid, ptr, &mut [0u8]).is_ok()
+        }
+        _ => true,
+    })
+}
+
 /// Writes the leader's outputs into a follower, at the follower's own addresses.
 /// Returns how many pieces could not be written: the follower's pointers are bad, which
 /// the next vote will catch.

@@ -540,6 +540,36 @@ impl Session {
 
     /// The leader finished an input, output or descriptor-creating call: hand its result
     /// to the parked followers.
+    /// The leader's call failed with EFAULT. If follower `f`'s own buffers for the same
+    /// call are readable, the leader's pointer was corrupted: its EFAULT must not reach
+    /// healthy replicas (they would all fail the same way, and the error would escape as a
+    /// wrong answer). The leader has already consumed or refused the input, so the group
+    /// stops rather than guess (exit 86, also under TMR).
+    pub fn check_leader_efault(
+        &mut self,
+        task: TaskId,
+        f: ReplicaId,
+        desc: &syscalls::Desc,
+        fargs: &[u64; 6],
+    ) -> Result<(), Stopped> {
+        let ftid = self.slot(task, f).tid;
+        if !data::buffers_readable(&self.be, ftid, desc, fargs) {
+            return Ok(()); // the follower's buffers are bad too: a genuine EFAULT
+        }
+        let leader = self.leader;
+        self.stats.divergences += 1;
+        self.emit(
+            Event::new("run", "divergence", "halt")
+                .replica(leader)
+                .object(desc.name.to_string())
+                .message(format!(
+                    "{} failed with EFAULT in the leader (replica {leader}) but replica {f}'s buffers are valid: the leader's pointer was corrupted",
+                    desc.name
+                )),
+        );
+        Err(self.halt(format!("the leader's {} was given a corrupted pointer", desc.name)))
+    }
+
     fn finish_leader_call(
         &mut self,
         task: TaskId,
@@ -561,6 +591,14 @@ impl Session {
         // later from the task's queue.
         let io_input = self.opts.compare == CompareMode::Io && class == Class::Input;
         let index = self.tasks[task].produced;
+        if ret == -(libc::EFAULT as i64) {
+            for f in self.live_slots(task) {
+                if f != leader && self.slot(task, f).state == SlotState::Arrived {
+                    let fargs = ptrace::syscall_args(&self.slot(task, f).regs);
+                    self.check_leader_efault(task, f, desc, &fargs)?;
+                }
+            }
+        }
         for f in self.live_slots(task) {
             if f == leader || self.slot(task, f).state != SlotState::Arrived {
                 continue;

@@ -838,7 +838,7 @@ impl Session {
             self.answer_clock(task, r, regs, nr, args, clock);
             return Ok(());
         }
-        if self.opts.compare == crate::CompareMode::Io && self.consume_queued_input(task, r, regs, nr) {
+        if self.opts.compare == crate::CompareMode::Io && self.consume_queued_input(task, r, regs, nr)? {
             return Ok(());
         }
         // Re-arrival during an all-replica phase: a replica whose call was interrupted
@@ -879,21 +879,29 @@ impl Session {
     /// its next input at once. A different call than the leader made is not served: it
     /// becomes an ordinary arrival, and the next vote (which compares how many inputs each
     /// replica consumed) finds the divergence.
-    fn consume_queued_input(&mut self, task: TaskId, r: ReplicaId, mut regs: Regs, nr: u64) -> bool {
+    fn consume_queued_input(&mut self, task: TaskId, r: ReplicaId, mut regs: Regs, nr: u64) -> Result<bool, Stopped> {
         let consumed = self.slot(task, r).consumed;
         let t = &self.tasks[task];
         if consumed >= t.produced {
-            return false;
+            return Ok(false);
         }
         let Some(record) = t.inputs.iter().find(|rec| rec.index == consumed) else {
-            return false;
+            return Ok(false);
         };
         if record.nr != nr {
-            return false;
+            return Ok(false);
         }
         let desc = lockstep_trace::syscalls::describe(nr).expect("recorded calls are in the table");
         let tid = self.slot(task, r).tid;
         let args = ptrace::syscall_args(&regs);
+        if record.ret == -(libc::EFAULT as i64) {
+            self.check_leader_efault(task, r, desc, &args)?;
+        }
+        let record = self.tasks[task]
+            .inputs
+            .iter()
+            .find(|rec| rec.index == consumed)
+            .expect("found above");
         crate::data::apply_outputs(&self.be, tid, desc, &args, record.ret, &record.outputs);
         self.stats.bytes_copied += record.outputs.bytes();
         ptrace::skip_with_result(&mut regs, record.ret);
@@ -901,7 +909,7 @@ impl Session {
         let _ = self.be.resume(tid, Resume::Run);
         self.slot_mut(task, r).consumed += 1;
         self.trim_inputs(task);
-        true
+        Ok(true)
     }
 
     /// Drops recorded inputs every live replica has consumed.
