@@ -57,6 +57,7 @@ for workload in "${WORKLOADS[@]}"; do
                 echo "campaign $cell failed; see $cell.log" >&2
                 exit 1
             }
+            cp "$OUT/commit" "$cell/commit"  # provenance of each cell
         done
     done
 done

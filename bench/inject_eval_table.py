@@ -9,8 +9,8 @@ out = sys.argv[1]
 names = {"native": "native", "r2": "run -r 2", "r3": "run -r 3"}
 classes = ["masked", "detected", "crash", "hang", "program-error", "sdc"]
 print("| workload | config | fault | runs | activated | " + " | ".join(classes)
-      + " | sdc % of activated (95% Wilson) | rate vs native |")
-print("|---|---|---|---:|---:|" + "---:|" * len(classes) + "---|---:|")
+      + " | sdc % of activated (95% Wilson) | rate vs native | commit |")
+print("|---|---|---|---:|---:|" + "---:|" * len(classes) + "---|---:|---|")
 for workload in ["digest", "redis"]:
     for fault in ["reg", "mem", "ip", "dest"]:
         for cfg in ["native", "r2", "r3"]:
@@ -27,6 +27,8 @@ for workload in ["digest", "redis"]:
             else:
                 rate = f"{sdc['percent']:.2f} [{sdc['interval_low']:.2f}, {sdc['interval_high']:.2f}]"
             t = s.get("throughput") or {}
+            commit_file = os.path.join(out, f"{workload}-{fault}-{cfg}", "commit")
+            commit = open(commit_file).read().strip() if os.path.exists(commit_file) else "?"
             ratio = f"{t['ratio']:.2f}x" if t.get("ratio") else "—"
             print(f"| {workload} | {names[cfg]} | {fault} | {s['runs']} | {s['activated']} | "
-                  + " | ".join(str(c[k]["count"]) for k in classes) + f" | {rate} | {ratio} |")
+                  + " | ".join(str(c[k]["count"]) for k in classes) + f" | {rate} | {ratio} | {commit} |")
