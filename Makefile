@@ -40,6 +40,7 @@ bench: build
 	python3 bench/run.py
 	bench/placement.sh
 	bench/inject_eval.sh 1000
+	bench/inject_throughput.sh 300 reg
 
 lint:
 	$(CARGO) fmt --all
