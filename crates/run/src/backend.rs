@@ -33,6 +33,8 @@ pub trait Backend {
     fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>>;
     /// The next stop of one thread.
     fn wait_tid(&self, tid: Tid) -> io::Result<Stop>;
+    /// A stop of one thread if it has one to report now.
+    fn try_wait_tid(&self, tid: Tid) -> io::Result<Option<Stop>>;
     /// The message of the event the thread is stopped at (a new thread's id, ...).
     fn event_msg(&self, tid: Tid) -> io::Result<u64>;
     /// The signal the thread is about to receive.
@@ -93,6 +95,16 @@ impl Backend for Ptrace {
     }
     fn wait_tid(&self, tid: Tid) -> io::Result<Stop> {
         ptrace::wait_tid(tid)
+    }
+    fn try_wait_tid(&self, tid: Tid) -> io::Result<Option<Stop>> {
+        let mut status = 0;
+        // SAFETY: non-blocking waitpid on one traced thread.
+        let r = unsafe { libc::waitpid(tid, &mut status, libc::WNOHANG | libc::__WALL) };
+        match r {
+            0 => Ok(None),
+            r if r == tid => Ok(Some(ptrace::decode(status))),
+            _ => Err(io::Error::last_os_error()),
+        }
     }
     fn event_msg(&self, tid: Tid) -> io::Result<u64> {
         ptrace::event_msg(tid)

@@ -650,6 +650,39 @@ impl Session {
         Ok(())
     }
 
+    /// Waits for follower `ftid`'s descriptor-install notification. The follower may stop
+    /// on its way there (a `PTRACE_INTERRUPT` that `lockstep inject --replica` issued and
+    /// that was still pending): such a stop is passed on and the wait goes on.
+    fn await_install_notification(
+        &mut self,
+        listener: &lockstep_trace::seccomp::Listener,
+        ftid: Tid,
+    ) -> Result<lockstep_trace::seccomp::Notif, Stopped> {
+        const POLL_MS: i32 = 50;
+        const LIMIT_MS: i32 = 5000;
+        let mut waited = 0;
+        loop {
+            match listener.recv(POLL_MS) {
+                Ok(notif) => return Ok(notif),
+                Err(e) if e.kind() != std::io::ErrorKind::TimedOut || waited >= LIMIT_MS => {
+                    return Err(Error::Io("waiting for the descriptor-install notification", e).into())
+                }
+                Err(_) => waited += POLL_MS,
+            }
+            match self.be.try_wait_tid(ftid) {
+                Ok(Some(lockstep_trace::Stop::Exited(_) | lockstep_trace::Stop::Killed(_))) => {
+                    return Err(Stopped::Failure(Error::Setup(
+                        "a follower died while its descriptors were installed".into(),
+                    )))
+                }
+                Ok(Some(_)) => {
+                    let _ = self.be.resume(ftid, Resume::Run);
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Makes follower `f` return `ret` from its call while installing the leader's open
     /// file descriptions at the same descriptor numbers (seccomp user notification).
     fn install_fds(
@@ -672,9 +705,7 @@ impl Session {
         let _ = self.be.set_regs(ftid, &regs);
         self.resume(task, f, Resume::Run, SlotState::Running);
         let listener = self.replicas[f as usize].listener.clone();
-        let notif = listener
-            .recv(5000)
-            .map_err(|e| Error::Io("waiting for the descriptor-install notification", e))?;
+        let notif = self.await_install_notification(&listener, ftid)?;
         if notif.pid as Tid != ftid {
             return Err(Stopped::Failure(Error::Setup(format!(
                 "descriptor install: expected thread {ftid}, got {}",

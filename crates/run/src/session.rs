@@ -1007,9 +1007,29 @@ impl Session {
         }
         set_tick(TICK);
         let alive = self.replicas[r as usize].alive;
-        if let Some(slot) = self.tasks.first().and_then(|t| t.slots[r as usize].as_ref()) {
-            if alive {
-                let _ = self.be.interrupt(slot.tid);
+        let Some((tid, state)) = self
+            .tasks
+            .first()
+            .and_then(|t| t.slots[r as usize].as_ref())
+            .map(|slot| (slot.tid, slot.state))
+        else {
+            return;
+        };
+        match state {
+            _ if !alive => {}
+            // Parked by the monitor at a syscall: the replica is there, so the fault goes in
+            // there. (An interrupt would stay pending and stop it at an unexpected moment.)
+            SlotState::Arrived | SlotState::Done => {
+                let Ok(mut regs) = self.be.regs(tid) else {
+                    return;
+                };
+                self.apply_replica_fault(0, r, &mut regs);
+                if state == SlotState::Arrived {
+                    self.slot_mut(0, r).regs = regs;
+                }
+            }
+            _ => {
+                let _ = self.be.interrupt(tid);
             }
         }
     }
