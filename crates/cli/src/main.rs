@@ -1,5 +1,6 @@
 //! `lockstep`: the thin command-line front end. One module per subcommand.
 
+mod cc;
 mod inject;
 mod run;
 
@@ -17,9 +18,29 @@ struct Cli {
 enum Command {
     Run(run::RunArgs),
     Inject(Box<inject::InjectArgs>),
+    /// Compile and link C with libsei's handler hardening (gcc arguments; see `lockstep cc --help`)
+    Cc(CompilerArgs),
+    /// Compile and link C++ with libsei's handler hardening (g++ arguments)
+    #[command(name = "c++")]
+    Cxx(CompilerArgs),
+}
+
+/// The compiler's own arguments, passed through unparsed.
+#[derive(clap::Args)]
+#[command(disable_help_flag = true)]
+struct CompilerArgs {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+    args: Vec<std::ffi::OsString>,
 }
 
 fn main() {
+    // The compiler wrappers take gcc's arguments verbatim: no parsing by clap.
+    let mut raw = std::env::args_os().skip(1);
+    match raw.next().as_deref().and_then(|a| a.to_str()) {
+        Some("cc") => std::process::exit(cc::main(lockstep_sei::Lang::C, raw.collect())),
+        Some("c++") => std::process::exit(cc::main(lockstep_sei::Lang::Cxx, raw.collect())),
+        _ => {}
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -32,6 +53,8 @@ fn main() {
     let code = match cli.command {
         Command::Run(args) => run::main(args),
         Command::Inject(args) => inject::main(*args),
+        Command::Cc(args) => cc::main(lockstep_sei::Lang::C, args.args),
+        Command::Cxx(args) => cc::main(lockstep_sei::Lang::Cxx, args.args),
     };
     std::process::exit(code);
 }
