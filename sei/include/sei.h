@@ -21,6 +21,10 @@
 #ifndef SEI_H
 #define SEI_H
 
+#ifdef SEI_NATIVE /* the unhardened build of the same source */
+#include "sei_native.h"
+#else
+
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -149,4 +153,5 @@ int sei_tx_mutex_unlock(pthread_mutex_t *m)
 }
 #endif
 
+#endif /* SEI_NATIVE */
 #endif /* SEI_H */

@@ -13,6 +13,8 @@ use std::process::Command;
 
 /// The public header, `sei/include/sei.h`.
 pub const HEADER: &[u8] = include_bytes!("../../../sei/include/sei.h");
+/// The no-op twin of the header, for the unhardened build (`-DSEI_NATIVE`).
+pub const NATIVE_HEADER: &[u8] = include_bytes!("../../../sei/include/sei_native.h");
 /// The runtime, built by build.rs.
 pub const ARCHIVE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libsei.a"));
 
@@ -39,7 +41,9 @@ pub fn install() -> io::Result<Install> {
         Some(dir) => PathBuf::from(dir),
         None => cache_home()?.join("lockstep"),
     };
-    let version = lockstep_core::crc32c(HEADER) ^ lockstep_core::crc32c(ARCHIVE).rotate_left(16);
+    let version = lockstep_core::crc32c(HEADER)
+        ^ lockstep_core::crc32c(NATIVE_HEADER).rotate_left(8)
+        ^ lockstep_core::crc32c(ARCHIVE).rotate_left(16);
     let root = base.join(format!("sei-{version:08x}-{}", ARCHIVE.len()));
     let install = Install { root: root.clone() };
     if install.archive().is_file() {
@@ -51,6 +55,7 @@ pub fn install() -> io::Result<Install> {
     std::fs::create_dir_all(staging.join("include"))?;
     std::fs::create_dir_all(staging.join("lib"))?;
     std::fs::write(staging.join("include/sei.h"), HEADER)?;
+    std::fs::write(staging.join("include/sei_native.h"), NATIVE_HEADER)?;
     std::fs::write(staging.join("lib/libsei.a"), ARCHIVE)?;
     match std::fs::rename(&staging, &root) {
         Ok(()) => Ok(install),

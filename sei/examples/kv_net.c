@@ -1,0 +1,155 @@
+/* See kv_net.h. The lines that harden the handler are marked "SEI:". */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "kv_net.h"
+
+void kv_parse_options(int argc, char **argv, struct kv_options *o, int threaded) {
+    o->port = 11311;
+    o->threads = 1;
+    o->crc = 0;
+    for (int i = 1; i < argc; i++) {
+        char *end = NULL;
+        if (strcmp(argv[i], "--port") == 0 && i + 1 < argc) {
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 1 || v > 65535) goto usage;
+            o->port = (int)v;
+        } else if (threaded && strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 1 || v > 64) goto usage;
+            o->threads = (int)v;
+        } else if (strcmp(argv[i], "--crc") == 0) {
+            o->crc = 1;
+        } else {
+            goto usage;
+        }
+    }
+    return;
+usage:
+    fprintf(stderr,
+            "usage: %s [--port P] [--crc]%s\n"
+            "  a memcached text-protocol subset (get, set, delete) on 127.0.0.1:P (default 11311)\n"
+            "  --crc      every request and reply is followed by a line \"#crc XXXXXXXX\" (CRC32C)\n"
+            "%s",
+            argv[0], threaded ? " [--threads N]" : "", threaded ? "  --threads  worker threads (1-64, default 1)\n" : "");
+    exit(2);
+}
+
+int kv_listen(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                               .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(fd, 128) != 0) {
+        fprintf(stderr, "kv: cannot listen on 127.0.0.1:%d: %s\n", port, strerror(errno));
+        exit(1);
+    }
+    return fd;
+}
+
+static int send_all(int fd, const char *buf, size_t len) {
+    while (len > 0) {
+        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
+        if (n > 0) {
+            buf += n;
+            len -= (size_t)n;
+        } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+            struct pollfd p = {fd, POLLOUT, 0};
+            poll(&p, 1, 1000);
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* "#crc XXXXXXXX\r\n" at buf: the CRC, or -1 if the line is not one */
+static long long parse_crc_line(const char *buf, size_t len) {
+    if (len < 15 || memcmp(buf, "#crc ", 5) != 0 || buf[13] != '\r' || buf[14] != '\n') return -1;
+    char hex[9];
+    memcpy(hex, buf + 5, 8);
+    hex[8] = 0;
+    char *end;
+    unsigned long v = strtoul(hex, &end, 16);
+    return *end ? -1 : (long long)v;
+}
+
+static int reply_plain(struct kv_conn *c, const char *text) { return send_all(c->fd, text, strlen(text)); }
+
+/* One request: the hardened handler, then the output phase. */
+static int serve_one(struct kv_store *s, struct kv_conn *c, const char *req, size_t len, uint32_t crc,
+                     int crc_mode) {
+    if (!sei_begin(req, len, crc))                          /* SEI: phase I */
+        return reply_plain(c, "CLIENT_ERROR crc mismatch\r\n");
+    SEI_ATOMIC {                                            /* SEI: E1, R, E2, V */
+        sei_ignore_addr(&c->reply, sizeof c->reply);        /* SEI: checked by its CRC */
+        kv_execute(s, req, len, &c->reply);
+        sei_output_append(c->reply.buf, c->reply.len);      /* SEI */
+        sei_output_done();                                  /* SEI */
+    }
+    sei_end();                                              /* SEI */
+    uint32_t reply_crc = sei_crc_pop();                     /* SEI */
+    sei_barrier_wait();                                     /* SEI: threads */
+    if (c->reply.len == 0) return 0; /* noreply */
+    if (send_all(c->fd, c->reply.buf, c->reply.len) != 0) return -1;
+    if (!crc_mode) return 0;
+    char line[16];
+    snprintf(line, sizeof line, "#crc %08x\r\n", reply_crc);
+    return send_all(c->fd, line, 15);
+}
+
+int kv_serve(struct kv_store *s, struct kv_conn *c, int crc_mode) {
+    for (;;) {
+        ssize_t n = recv(c->fd, c->in + c->in_len, sizeof c->in - c->in_len, 0);
+        if (n == 0) return -1;
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        c->in_len += (size_t)n;
+        size_t used = 0;
+        for (;;) {
+            const char *req = c->in + used;
+            size_t avail = c->in_len - used;
+            long len = kv_request_length(req, avail);
+            if (len < 0) {
+                reply_plain(c, "CLIENT_ERROR line too long\r\n");
+                return -1;
+            }
+            if (len == 0) break;
+            uint32_t crc;
+            size_t frame = (size_t)len;
+            if (crc_mode) {
+                if (avail < frame + 15) break;
+                long long given = parse_crc_line(req + frame, avail - frame);
+                if (given < 0) {
+                    reply_plain(c, "CLIENT_ERROR expected a #crc line\r\n");
+                    return -1;
+                }
+                crc = (uint32_t)given;
+                frame += 15;
+            } else {
+                crc = sei_crc32c(0, req, (size_t)len); /* protects the request from here on */
+            }
+            if (serve_one(s, c, req, (size_t)len, crc, crc_mode) != 0) return -1;
+            used += frame;
+        }
+        memmove(c->in, c->in + used, c->in_len - used);
+        c->in_len -= used;
+        if (c->in_len == sizeof c->in) {
+            reply_plain(c, "CLIENT_ERROR request too large\r\n");
+            return -1;
+        }
+    }
+    return 0;
+}
