@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,6 +86,21 @@ static long long parse_crc_line(const char *buf, size_t len) {
 
 static int reply_plain(struct kv_conn *c, const char *text) { return send_all(c->fd, text, strlen(text)); }
 
+/* A test hook, outside the handler: KV_TEST_CORRUPT_REPLY=N flips one bit of the Nth
+ * reply after libsei validated it, as a memory error on the way to the NIC would. Only
+ * the CRC the client checks can catch it. */
+static void maybe_corrupt(struct kv_reply *r) {
+    static long countdown = -1;
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&lock);
+    if (countdown < 0) {
+        const char *v = getenv("KV_TEST_CORRUPT_REPLY");
+        countdown = v ? atol(v) : 0;
+    }
+    if (countdown > 0 && --countdown == 0 && r->len > 0) r->buf[0] ^= 0x02;
+    pthread_mutex_unlock(&lock);
+}
+
 /* One request: the hardened handler, then the output phase. */
 static int serve_one(struct kv_store *s, struct kv_conn *c, const char *req, size_t len, uint32_t crc,
                      int crc_mode) {
@@ -100,11 +116,13 @@ static int serve_one(struct kv_store *s, struct kv_conn *c, const char *req, siz
     uint32_t reply_crc = sei_crc_pop();                     /* SEI */
     sei_barrier_wait();                                     /* SEI: threads */
     if (c->reply.len == 0) return 0; /* noreply */
-    if (send_all(c->fd, c->reply.buf, c->reply.len) != 0) return -1;
-    if (!crc_mode) return 0;
-    char line[16];
-    snprintf(line, sizeof line, "#crc %08x\r\n", reply_crc);
-    return send_all(c->fd, line, 15);
+    if (crc_mode) {
+        /* the CRC line goes out in the same segment as the reply it covers */
+        snprintf(c->reply.buf + c->reply.len, 16, "#crc %08x\r\n", reply_crc);
+        c->reply.len += 15;
+    }
+    maybe_corrupt(&c->reply);
+    return send_all(c->fd, c->reply.buf, c->reply.len);
 }
 
 int kv_serve(struct kv_store *s, struct kv_conn *c, int crc_mode) {
@@ -123,7 +141,7 @@ int kv_serve(struct kv_store *s, struct kv_conn *c, int crc_mode) {
             size_t avail = c->in_len - used;
             long len = kv_request_length(req, avail);
             if (len < 0) {
-                reply_plain(c, "CLIENT_ERROR line too long\r\n");
+                reply_plain(c, "SERVER_ERROR request too large\r\n");
                 return -1;
             }
             if (len == 0) break;

@@ -5,7 +5,7 @@
 
 #include "kv_store.h"
 
-#define KV_IN_MAX (2 * (KV_MAX_VALUE + KV_MAX_LINE))
+#define KV_IN_MAX (2 * (KV_MAX_FRAME + KV_MAX_LINE))
 
 struct kv_conn {
     int fd;

@@ -71,7 +71,9 @@ long kv_request_length(const char *buf, size_t len) {
         long long bytes = -1;
         for (int i = 0; i < 4 && next_token(&p, end, &a, &b); i++)
             if (i == 3) bytes = parse_number(a, b);
-        if (bytes < 0 || bytes > KV_MAX_VALUE) return (long)total; /* the handler rejects it */
+        if (bytes < 0) return (long)total; /* the handler rejects the line */
+        /* a block too large for a connection's buffer cannot be framed at all */
+        if (bytes > KV_MAX_FRAME) return -1;
         total += (size_t)bytes + 2;
         if (len < total) return 0;
     }

@@ -13,6 +13,7 @@
 #define KV_MAX_KEY 250
 #define KV_MAX_VALUE 4096 /* a set is logged word by word: see SEI_MAX_WORDS */
 #define KV_MAX_LINE 1024
+#define KV_MAX_FRAME (2 * KV_MAX_VALUE) /* larger sets close the connection */
 #define KV_REPLY_MAX (4 * (KV_MAX_VALUE + KV_MAX_KEY + 64))
 #define KV_BUCKETS 65536
 #define KV_STRIPES 16
@@ -33,14 +34,15 @@ struct kv_store {
 
 struct kv_reply {
     size_t len;
-    char buf[KV_REPLY_MAX];
+    char buf[KV_REPLY_MAX + 16]; /* + the "#crc XXXXXXXX" line of --crc mode */
 };
 
 /* Outside handlers: creates an empty store (with striped locks if threaded). */
 int kv_store_init(struct kv_store *s, int threaded);
 
 /* The length of the complete request at the start of buf (the command line and, for
- * set, its data block), 0 if more bytes are needed, -1 if the line is too long. */
+ * set, its data block), 0 if more bytes are needed, -1 if the line is too long or the
+ * data block larger than KV_MAX_FRAME. */
 long kv_request_length(const char *buf, size_t len);
 
 /* The handler: executes one request and writes its reply (possibly empty, for noreply).

@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/epoll.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -67,6 +69,7 @@ int main(int argc, char **argv) {
                 continue;
             }
             c->fd = fd;
+            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &(int){1}, sizeof(int));
             struct epoll_event cev = {.events = EPOLLIN, .data.ptr = c};
             epoll_ctl(workers[next++ % (unsigned)options.threads].ep, EPOLL_CTL_ADD, fd, &cev);
         }
