@@ -1017,15 +1017,30 @@ impl Session {
         };
         match state {
             _ if !alive => {}
-            // Parked by the monitor at a syscall: the replica is there, so the fault goes in
-            // there. (An interrupt would stay pending and stop it at an unexpected moment.)
-            SlotState::Arrived | SlotState::Done => {
+            // Parked at a syscall whose vote is still open: the fault goes in there, as if
+            // it had struck just before the syscall instruction, so the vote sees the
+            // corrupted call. (An interrupt would stay pending and stop the replica at an
+            // unexpected moment.)
+            SlotState::Arrived if matches!(self.tasks[0].phase, Phase::Collect) => {
                 let Ok(mut regs) = self.be.regs(tid) else {
                     return;
                 };
                 self.apply_replica_fault(0, r, &mut regs);
-                if state == SlotState::Arrived {
-                    self.slot_mut(0, r).regs = regs;
+                let slot = self.slot_mut(0, r);
+                if let Some(Arrival::Syscall { .. }) = slot.arrival {
+                    slot.arrival = Some(Arrival::Syscall {
+                        nr: ptrace::syscall_nr(&regs),
+                        args: ptrace::syscall_args(&regs),
+                    });
+                }
+                slot.regs = regs;
+            }
+            // Parked after its call was decided (a follower while the leader executes, or
+            // a replica waiting for the others to finish): a register flipped now would
+            // bypass the vote that already happened. The fault waits for the next tick.
+            SlotState::Arrived | SlotState::Done => {
+                if let Some((fault, _)) = &mut self.replica_fault {
+                    fault.interrupted = false;
                 }
             }
             _ => {
