@@ -22,7 +22,18 @@ fn main() {
         println!("cargo:rerun-if-changed={}", src.display());
         let obj = out.join(src.file_name().unwrap()).with_extension("o");
         let status = Command::new(&cc)
-            .args(["-O2", "-g", "-std=gnu11", "-fPIC", "-Wall", "-Wextra", "-Werror"])
+            // initial-exec TLS: the handler context is one thread-local load away, not a
+            // __tls_get_addr call per barrier (libsei is linked into executables)
+            .args([
+                "-O2",
+                "-g",
+                "-std=gnu11",
+                "-fPIC",
+                "-ftls-model=initial-exec",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+            ])
             .arg("-I")
             .arg(root.join("include"))
             .arg("-c")

@@ -23,25 +23,29 @@ int kv_store_init(struct kv_store *s, int threaded) {
  * instrumented code reads a string literal in a loop; a const array is fine. */
 static const char WORD_GET[] = "get ", WORD_SET[] = "set ", WORD_DELETE[] = "delete ", WORD_NOREPLY[] = "noreply";
 
+/* Helpers that only read the request (an input message, checked by its CRC, not
+ * state) and write the caller's locals are SEI_PURE: not instrumented, which spares
+ * a barrier call per request byte in both executions (docs/sei.md, "Tuning"). */
+
 /* memcmp is not transaction-safe; the handler compares with this loop */
-static int same_bytes(const char *a, const char *b, size_t n) {
+static SEI_PURE int same_bytes(const char *a, const char *b, size_t n) {
     for (size_t i = 0; i < n; i++)
         if (a[i] != b[i]) return 0;
     return 1;
 }
 
-static int starts_with(const char *p, const char *end, const char *word, size_t n) {
+static SEI_PURE int starts_with(const char *p, const char *end, const char *word, size_t n) {
     return (size_t)(end - p) >= n && same_bytes(p, word, n);
 }
 
-static long find_crlf(const char *buf, size_t len) {
+static SEI_PURE long find_crlf(const char *buf, size_t len) {
     for (size_t i = 0; i + 1 < len; i++)
         if (buf[i] == '\r' && buf[i + 1] == '\n') return (long)i;
     return -1;
 }
 
 /* parses an unsigned decimal token [p, end); -1 if it is not one */
-static long long parse_number(const char *p, const char *end) {
+static SEI_PURE long long parse_number(const char *p, const char *end) {
     if (p == end || end - p > 18) return -1;
     long long v = 0;
     for (; p < end; p++) {
@@ -52,7 +56,7 @@ static long long parse_number(const char *p, const char *end) {
 }
 
 /* the next space-separated token of [*p, end) */
-static int next_token(const char **p, const char *end, const char **start, const char **stop) {
+static SEI_PURE int next_token(const char **p, const char *end, const char **start, const char **stop) {
     while (*p < end && **p == ' ') (*p)++;
     if (*p == end) return 0;
     *start = *p;
@@ -80,14 +84,18 @@ long kv_request_length(const char *buf, size_t len) {
     return (long)total;
 }
 
-static uint32_t hash_key(const char *key, size_t len) {
+static SEI_PURE uint32_t hash_key(const char *key, size_t len) {
     uint32_t h = 2166136261u; /* FNV-1a */
     for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)key[i]) * 16777619u;
     return h;
 }
 
+/* reads an item (state): instrumented */
 static int same_key(const struct kv_item *it, const char *key, size_t len) {
-    return it->key_len == len && same_bytes(it->data, key, len);
+    if (it->key_len != len) return 0;
+    for (size_t i = 0; i < len; i++)
+        if (it->data[i] != key[i]) return 0;
+    return 1;
 }
 
 static void append(struct kv_reply *r, const char *s, size_t n) {

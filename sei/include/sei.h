@@ -141,12 +141,13 @@ int sei_tx_close(int fd) __attribute__((transaction_wrap(close), transaction_pur
 
 /* Mutexes inside handlers: acquisitions are recorded and E2 must take the same locks in
  * the same order; releases are deferred until after validation, and releasing a lock
- * the handler does not hold stops the process. */
-int sei_tx_mutex_lock(pthread_mutex_t *m)
+ * the handler does not hold stops the process. (__THROW: the same exception
+ * specification as glibc's declarations, which C++ compares.) */
+int sei_tx_mutex_lock(pthread_mutex_t *m) __THROW
     __attribute__((transaction_wrap(pthread_mutex_lock), transaction_pure));
-int sei_tx_mutex_trylock(pthread_mutex_t *m)
+int sei_tx_mutex_trylock(pthread_mutex_t *m) __THROW
     __attribute__((transaction_wrap(pthread_mutex_trylock), transaction_pure));
-int sei_tx_mutex_unlock(pthread_mutex_t *m)
+int sei_tx_mutex_unlock(pthread_mutex_t *m) __THROW
     __attribute__((transaction_wrap(pthread_mutex_unlock), transaction_pure));
 
 #ifdef __cplusplus

@@ -76,9 +76,8 @@ static size_t parse_limit(const char *name, size_t fallback) {
     return n;
 }
 
-struct sei_thread *sei_thread_get(void) {
-    struct sei_thread *t = sei_self;
-    if (__builtin_expect(t != NULL, 1)) return t;
+struct sei_thread *sei_thread_create(void) {
+    struct sei_thread *t;
     sei_mode_init();
     t = calloc(1, sizeof *t);
     if (t == NULL) sei_unsupported("out of memory for the handler context");

@@ -154,7 +154,22 @@ struct sei_thread {
 
 extern __thread struct sei_thread *sei_self;
 
-struct sei_thread *sei_thread_get(void);
+struct sei_thread *sei_thread_create(void);
+/* The calling thread's context (created on first use). */
+static inline struct sei_thread *sei_thread_get(void) {
+    struct sei_thread *t = sei_self;
+    return __builtin_expect(t != NULL, 1) ? t : sei_thread_create();
+}
+
+/* Bit i of mask -> byte i of the result is 0xff: spreads the 8 bits to the low bit of
+ * each byte in three shift-and-mask steps, then fills the bytes. */
+static inline uint64_t sei_byte_mask(uint8_t mask) {
+    uint64_t x = mask;
+    x = (x | (x << 28)) & 0x0000000f0000000full;
+    x = (x | (x << 14)) & 0x0003000300030003ull;
+    x = (x | (x << 7)) & 0x0101010101010101ull;
+    return x * 0xff;
+}
 __attribute__((noreturn, format(printf, 1, 2))) void sei_fail(const char *fmt, ...);
 __attribute__((noreturn, format(printf, 1, 2))) void sei_unsupported(const char *fmt, ...);
 

@@ -7,12 +7,7 @@
 
 #include "internal.h"
 
-static inline uint64_t byte_mask(uint8_t mask) {
-    uint64_t m = 0;
-    for (int i = 0; i < 8; i++)
-        if (mask & (1u << i)) m |= (uint64_t)0xff << (8 * i);
-    return m;
-}
+#define byte_mask sei_byte_mask
 
 static inline uint64_t load_word(uintptr_t word) { return *(volatile const uint64_t *)word; }
 

@@ -94,12 +94,7 @@ static struct shadow_word *lookup(struct shard *s, uint64_t h, uintptr_t word, i
     return NULL;
 }
 
-static inline uint64_t bytes_of(uint8_t mask) {
-    uint64_t m = 0;
-    for (int i = 0; i < 8; i++)
-        if (mask & (1u << i)) m |= (uint64_t)0xff << (8 * i);
-    return m;
-}
+#define bytes_of sei_byte_mask
 
 /* Bytes of word that the running handler wrote itself and that have no valid copy yet. */
 static uint8_t own_bytes(const struct sei_thread *t, uintptr_t word) {

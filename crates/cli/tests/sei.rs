@@ -329,3 +329,29 @@ fn lockstep_cc_passes_compiler_errors_through() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("undeclared"));
 }
+
+#[test]
+fn lockstep_cxx_hardens_a_cxx_handler() {
+    let src = work_dir().join("handler.cc");
+    std::fs::write(
+        &src,
+        "#include \"sei.h\"\n#include <cstdio>\nstatic int counter;\n\
+         int main() { for (int i = 0; i < 3; i++) { SEI_LOCAL_HANDLER() { counter += 2; } }\n\
+         struct sei_stats s; sei_stats(&s); std::printf(\"%d %llu\\n\", counter, (unsigned long long)s.handlers);\n\
+         return 0; }\n",
+    )
+    .unwrap();
+    let bin = work_dir().join("handler-cxx");
+    let out = Command::new(lockstep())
+        .args(["c++", "-O2", "-Wall", "-Wextra", "-Werror"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&bin)
+        .env("LOCKSTEP_SEI_DIR", work_dir().join("sei"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let run = run(&bin, &[], &[]);
+    assert_eq!(text(&run.stdout), "6 3\n");
+    assert!(lockstep_sei_guard(&bin).is_empty());
+}

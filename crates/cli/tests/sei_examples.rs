@@ -258,7 +258,11 @@ fn libmemcached_tools_copy_read_and_remove_through_the_hardened_server() {
     let cp = run(Command::new("memccp").arg(&servers).arg(&file));
     assert_eq!(cp.status.code(), Some(0), "{}", text(&cp.stderr));
     let cat = run(Command::new("memccat").arg(&servers).arg("payload.txt"));
-    assert!(text(&cat.stdout).starts_with("a value copied by memccp\n"), "{}", text(&cat.stdout));
+    assert!(
+        text(&cat.stdout).starts_with("a value copied by memccp\n"),
+        "{}",
+        text(&cat.stdout)
+    );
     let rm = run(Command::new("memcrm").arg(&servers).arg("payload.txt"));
     assert_eq!(rm.status.code(), Some(0), "{}", text(&rm.stderr));
     let gone = run(Command::new("memccat").arg(&servers).arg("payload.txt"));
