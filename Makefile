@@ -41,6 +41,8 @@ bench: build
 	bench/placement.sh
 	bench/inject_eval.sh 1000
 	bench/inject_throughput.sh 300 reg
+	python3 bench/sei_bench.py 5
+	bench/sei_eval.sh 1000
 
 lint:
 	$(CARGO) fmt --all

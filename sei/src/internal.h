@@ -24,7 +24,7 @@
 #define SEI_MAX_OUTPUTS 16         /* output messages per handler */
 #define SEI_MAX_SEGMENTS 64        /* sei_output_append calls per handler */
 #define SEI_MAX_DEFERRED 16        /* deferred external calls per handler */
-#define SEI_DEFER_BYTES 16384      /* bytes those calls carry, per handler */
+#define SEI_DEFER_BYTES 4096       /* bytes those calls carry, per handler */
 #define SEI_MAX_IGNORED 8          /* sei_ignore_addr ranges per handler */
 #define SEI_MAX_CRCS 64            /* output CRCs not yet popped */
 #define SEI_MAX_THREADS 256        /* threads with a checking-barrier counter */
