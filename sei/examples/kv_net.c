@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -55,6 +56,22 @@ int kv_listen(int port) {
         exit(1);
     }
     return fd;
+}
+
+void kv_accept(int lfd, const int *eps, int n) {
+    static unsigned next; /* only the accepting thread calls this */
+    int fd;
+    while ((fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK)) >= 0) {
+        struct kv_conn *c = calloc(1, sizeof *c);
+        if (c == NULL) {
+            close(fd);
+            continue;
+        }
+        c->fd = fd;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &(int){1}, sizeof(int));
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+        epoll_ctl(eps[next++ % (unsigned)n], EPOLL_CTL_ADD, fd, &ev);
+    }
 }
 
 static int send_all(int fd, const char *buf, size_t len) {

@@ -24,6 +24,9 @@ struct kv_options {
 void kv_parse_options(int argc, char **argv, struct kv_options *o, int threaded);
 /* A listening, non-blocking TCP socket on 127.0.0.1:port; exits with a message on error. */
 int kv_listen(int port);
+/* Accepts every pending connection on lfd, dealing them round-robin over the epoll
+ * instances eps[0..n) (for EPOLLIN, with the kv_conn as the event's data). */
+void kv_accept(int lfd, const int *eps, int n);
 /* Serves what has arrived on c: returns 0 to keep the connection, -1 to close it. */
 int kv_serve(struct kv_store *s, struct kv_conn *c, int crc_mode);
 

@@ -3,8 +3,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/epoll.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -30,18 +28,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n; i++) {
             struct kv_conn *c = events[i].data.ptr;
             if (c == NULL) {
-                int fd;
-                while ((fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK)) >= 0) {
-                    c = calloc(1, sizeof *c);
-                    if (c == NULL) {
-                        close(fd);
-                        continue;
-                    }
-                    c->fd = fd;
-            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &(int){1}, sizeof(int));
-                    struct epoll_event cev = {.events = EPOLLIN, .data.ptr = c};
-                    epoll_ctl(ep, EPOLL_CTL_ADD, fd, &cev);
-                }
+                kv_accept(lfd, &ep, 1);
                 continue;
             }
             if (kv_serve(&store, c, o.crc) != 0) {

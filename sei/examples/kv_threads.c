@@ -6,8 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/epoll.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -58,20 +56,10 @@ int main(int argc, char **argv) {
     int ep = epoll_create1(0);
     struct epoll_event ev = {.events = EPOLLIN};
     epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &ev);
-    for (unsigned next = 0;;) {
+    int *eps = calloc((size_t)options.threads, sizeof *eps);
+    for (int i = 0; i < options.threads; i++) eps[i] = workers[i].ep;
+    for (;;) {
         struct epoll_event e;
-        if (epoll_wait(ep, &e, 1, -1) <= 0) continue;
-        int fd;
-        while ((fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK)) >= 0) {
-            struct kv_conn *c = calloc(1, sizeof *c);
-            if (c == NULL) {
-                close(fd);
-                continue;
-            }
-            c->fd = fd;
-            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &(int){1}, sizeof(int));
-            struct epoll_event cev = {.events = EPOLLIN, .data.ptr = c};
-            epoll_ctl(workers[next++ % (unsigned)options.threads].ep, EPOLL_CTL_ADD, fd, &cev);
-        }
+        if (epoll_wait(ep, &e, 1, -1) > 0) kv_accept(lfd, eps, options.threads);
     }
 }
