@@ -71,9 +71,14 @@ enum sei_mode sei_mode(void) {
     return sei_dup ? SEI_MODE_DUP : SEI_MODE_ECC;
 }
 
-static inline uint64_t hash_word(uintptr_t word) { return (uint64_t)(word >> 3) * 0x9e3779b97f4a7c15ull; }
+/* Words are placed by 512-byte region: the region's hash picks the shard (top bits) and
+ * the first slot (middle bits), and the word's index in the region is added, so that a
+ * bulk read of a region walks consecutive slots instead of missing the cache per word. */
+static inline uint64_t region_hash(uintptr_t word) { return (uint64_t)(word >> 9) * 0x9e3779b97f4a7c15ull; }
+static inline uint64_t hash_word(uintptr_t word) { return (region_hash(word) >> 20) + ((word >> 3) & 63); }
 
-static inline struct shard *shard_of(uint64_t h) { return &shards[h >> 58]; }
+/* A shard holds whole regions, so that a bulk read or a freed block takes few locks. */
+static inline struct shard *shard_of(uintptr_t word) { return &shards[region_hash(word) >> 58]; }
 
 /* The entry for word, or NULL; with create, a new entry. The shard is locked. */
 static struct shadow_word *lookup(struct shard *s, uint64_t h, uintptr_t word, int create) {
@@ -107,31 +112,35 @@ static uint8_t own_bytes(const struct sei_thread *t, uintptr_t word) {
 void sei_dup_check(const struct sei_thread *t, uintptr_t addr, size_t len) {
     if (len == 0) return;
     uintptr_t end = addr + len;
+    struct shard *locked = NULL;
     for (uintptr_t word = addr & ~(uintptr_t)7; word < end; word += 8) {
-        uint64_t h = hash_word(word);
-        struct shard *s = shard_of(h);
-        pthread_spin_lock(&s->lock);
-        struct shadow_word *w = lookup(s, h, word, 0);
-        uint64_t copy = w ? w->value : 0;
-        uint8_t mask = w ? w->mask : 0;
-        pthread_spin_unlock(&s->lock);
-        if (mask == 0) continue;
-        mask &= (uint8_t)~own_bytes(t, word);
+        struct shard *s = shard_of(word);
+        if (s != locked) {
+            if (locked) pthread_spin_unlock(&locked->lock);
+            pthread_spin_lock(&s->lock);
+            locked = s;
+        }
+        struct shadow_word *w = lookup(s, hash_word(word), word, 0);
+        if (w == NULL) continue;
+        uint8_t mask = w->mask & (uint8_t)~own_bytes(t, word);
         uint64_t now = *(volatile const uint64_t *)word;
-        if (((now ^ copy) & bytes_of(mask)) != 0)
+        if (((now ^ w->value) & bytes_of(mask)) != 0) {
+            uint64_t copy = w->value;
+            pthread_spin_unlock(&s->lock);
             sei_fail("dup mode: %p holds %016llx, its copy %016llx (memory corrupted between handlers)",
                      (void *)word, (unsigned long long)(now & bytes_of(mask)),
                      (unsigned long long)(copy & bytes_of(mask)));
+        }
     }
+    if (locked) pthread_spin_unlock(&locked->lock);
 }
 
 void sei_dup_commit(const struct sei_thread *t) {
     for (uint32_t i = 0; i < t->nwords; i++) {
         const struct sei_word *lw = &t->words[i];
-        uint64_t h = hash_word(lw->addr);
-        struct shard *s = shard_of(h);
+        struct shard *s = shard_of(lw->addr);
         pthread_spin_lock(&s->lock);
-        struct shadow_word *w = lookup(s, h, lw->addr, 1);
+        struct shadow_word *w = lookup(s, hash_word(lw->addr), lw->addr, 1);
         uint64_t m = bytes_of(lw->mask_e2);
         w->value = (w->value & ~m) | (*(volatile const uint64_t *)lw->addr & m);
         w->mask |= lw->mask_e2;
@@ -139,15 +148,40 @@ void sei_dup_commit(const struct sei_thread *t) {
     }
 }
 
+/* Removes the entry at slot i by backward-shift deletion: later entries of the probe
+ * run move up, so that the table's load stays the live protected words (freed blocks
+ * leave no tombstones to probe through). The shard is locked. */
+static void remove_at(struct shard *s, uint32_t i) {
+    uint32_t mask = shard_slots - 1;
+    for (uint32_t j = (i + 1) & mask;; j = (j + 1) & mask) {
+        struct shadow_word *w = &s->words[j];
+        if (w->addr == 0) break;
+        uint32_t home = (uint32_t)hash_word(w->addr) & mask;
+        /* w may fill the hole at i unless its home lies cyclically in (i, j] */
+        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+        if (!stays) {
+            s->words[i] = *w;
+            i = j;
+        }
+    }
+    s->words[i].addr = 0;
+    s->words[i].mask = 0;
+    s->used--;
+}
+
 void sei_dup_forget(uintptr_t addr, size_t len) {
     if (!sei_dup || len == 0) return;
     uintptr_t end = addr + len;
+    struct shard *locked = NULL;
     for (uintptr_t word = addr & ~(uintptr_t)7; word < end; word += 8) {
-        uint64_t h = hash_word(word);
-        struct shard *s = shard_of(h);
-        pthread_spin_lock(&s->lock);
-        struct shadow_word *w = lookup(s, h, word, 0);
-        if (w != NULL) w->mask = 0;
-        pthread_spin_unlock(&s->lock);
+        struct shard *s = shard_of(word);
+        if (s != locked) {
+            if (locked) pthread_spin_unlock(&locked->lock);
+            pthread_spin_lock(&s->lock);
+            locked = s;
+        }
+        struct shadow_word *w = lookup(s, hash_word(word), word, 0);
+        if (w != NULL) remove_at(s, (uint32_t)(w - s->words));
     }
+    if (locked) pthread_spin_unlock(&locked->lock);
 }
