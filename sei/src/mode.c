@@ -1,8 +1,8 @@
 /* check(v) of the two memory modes. ecc: hardware error detection, nothing to do in
  * software. dup: a shadow copy of every byte a validated handler wrote; handler reads
  * compare memory with it, so a flip between handlers is caught on the next read.
- * The shadow is split into independent shards, each with its own lock and linear
- * probing, so that threads working on different words rarely meet. */
+ * The shadow holds 64-byte lines, split into independent shards, each with its own
+ * lock and linear probing, so that threads working on different lines rarely meet. */
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
@@ -15,22 +15,25 @@ int sei_dup;
 __attribute__((weak)) extern const int sei_build_mode;
 
 #define SHARDS 64
+#define WORDS_PER_LINE 8
 #define DEFAULT_DUP_WORDS (1u << 20)
 
-struct shadow_word {
-    uintptr_t addr; /* 0: never used */
-    uint64_t value;
-    uint8_t mask; /* protected bytes; 0 after the word was freed */
+/* The copy of one 64-byte line: the value and protected bytes of each of its words. A
+ * bulk read or a freed block then costs one lookup per line, not per word. */
+struct shadow_line {
+    uintptr_t addr; /* the line's address; 0: a free slot */
+    uint64_t value[WORDS_PER_LINE];
+    uint8_t mask[WORDS_PER_LINE];
 };
 
 struct shard {
     pthread_spinlock_t lock;
-    struct shadow_word *words;
+    struct shadow_line *lines;
     uint32_t used;
 } __attribute__((aligned(64))); /* one cache line per shard: no false sharing */
 
 static struct shard shards[SHARDS];
-static uint32_t shard_slots; /* power of two */
+static uint32_t shard_slots; /* lines per shard, a power of two */
 static pthread_once_t mode_once = PTHREAD_ONCE_INIT;
 
 static void init_once(void) {
@@ -49,20 +52,21 @@ static void init_once(void) {
     if (limit != NULL && *limit != 0) {
         char *end;
         words = strtoul(limit, &end, 10);
-        if (*end != 0 || words < SHARDS || words > (1ul << 30))
-            sei_unsupported("SEI_DUP_WORDS=%s: expected a number from 64 to 1073741824", limit);
+        if (*end != 0 || words < 8 * SHARDS || words > (1ul << 30))
+            sei_unsupported("SEI_DUP_WORDS=%s: expected a number from 512 to 1073741824", limit);
     }
     shard_slots = 1;
-    while ((size_t)shard_slots * SHARDS < words) shard_slots <<= 1;
+    while ((size_t)shard_slots * SHARDS * WORDS_PER_LINE < words) shard_slots <<= 1;
     for (int i = 0; i < SHARDS; i++) {
         pthread_spin_init(&shards[i].lock, PTHREAD_PROCESS_PRIVATE);
         /* untouched pages cost nothing: the table is as large as the state it copies */
-        void *m = mmap(NULL, (size_t)shard_slots * sizeof(struct shadow_word), PROT_READ | PROT_WRITE,
+        void *m = mmap(NULL, (size_t)shard_slots * sizeof(struct shadow_line), PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) sei_unsupported("cannot map the dup-mode shadow (SEI_DUP_WORDS too large?)");
-        shards[i].words = m;
+        shards[i].lines = m;
     }
 }
+
 
 void sei_mode_init(void) { pthread_once(&mode_once, init_once); }
 
@@ -71,117 +75,132 @@ enum sei_mode sei_mode(void) {
     return sei_dup ? SEI_MODE_DUP : SEI_MODE_ECC;
 }
 
-/* Words are placed by 512-byte region: the region's hash picks the shard (top bits) and
- * the first slot (middle bits), and the word's index in the region is added, so that a
- * bulk read of a region walks consecutive slots instead of missing the cache per word. */
-static inline uint64_t region_hash(uintptr_t word) { return (uint64_t)(word >> 9) * 0x9e3779b97f4a7c15ull; }
-static inline uint64_t hash_word(uintptr_t word) { return (region_hash(word) >> 20) + ((word >> 3) & 63); }
+static inline uintptr_t line_of(uintptr_t addr) { return addr & ~(uintptr_t)63; }
+static inline uint64_t hash_line(uintptr_t line) { return (uint64_t)(line >> 6) * 0x9e3779b97f4a7c15ull; }
+static inline struct shard *shard_of(uintptr_t line) { return &shards[hash_line(line) >> 58]; }
+static inline uint32_t home_of(uintptr_t line) { return (uint32_t)(hash_line(line) >> 20) & (shard_slots - 1); }
 
-/* A shard holds whole regions, so that a bulk read or a freed block takes few locks. */
-static inline struct shard *shard_of(uintptr_t word) { return &shards[region_hash(word) >> 58]; }
-
-/* The entry for word, or NULL; with create, a new entry. The shard is locked. */
-static struct shadow_word *lookup(struct shard *s, uint64_t h, uintptr_t word, int create) {
+/* The copy of line, or NULL; with create, a new empty one. The shard is locked. */
+static struct shadow_line *lookup(struct shard *s, uintptr_t line, int create) {
     uint32_t mask = shard_slots - 1;
-    for (uint32_t i = (uint32_t)h & mask, n = 0; n < shard_slots; i = (i + 1) & mask, n++) {
-        struct shadow_word *w = &s->words[i];
-        if (w->addr == word) return w;
-        if (w->addr == 0) {
+    for (uint32_t i = home_of(line), n = 0; n < shard_slots; i = (i + 1) & mask, n++) {
+        struct shadow_line *l = &s->lines[i];
+        if (l->addr == line) return l;
+        if (l->addr == 0) {
             if (!create) return NULL;
             if (s->used + 1 >= shard_slots - shard_slots / 8)
                 sei_unsupported("the dup-mode shadow is full; raise SEI_DUP_WORDS");
             s->used++;
-            w->addr = word;
-            w->mask = 0;
-            return w;
+            memset(l, 0, sizeof *l);
+            l->addr = line;
+            return l;
         }
     }
     return NULL;
+}
+
+/* Removes the line at slot i by backward-shift deletion: later entries of the probe
+ * run move up, so that the load stays the live protected lines (no tombstones). */
+static void remove_at(struct shard *s, uint32_t i) {
+    uint32_t mask = shard_slots - 1;
+    for (uint32_t j = (i + 1) & mask;; j = (j + 1) & mask) {
+        struct shadow_line *l = &s->lines[j];
+        if (l->addr == 0) break;
+        uint32_t home = home_of(l->addr);
+        /* l may fill the hole at i unless its home lies cyclically in (i, j] */
+        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+        if (!stays) {
+            s->lines[i] = *l;
+            i = j;
+        }
+    }
+    s->lines[i].addr = 0;
+    s->used--;
 }
 
 #define bytes_of sei_byte_mask
 
 /* Bytes of word that the running handler wrote itself and that have no valid copy yet. */
 static uint8_t own_bytes(const struct sei_thread *t, uintptr_t word) {
-    if (t == NULL || !sei_in_handler(t)) return 0;
+    if (t == NULL || !sei_in_handler(t) || t->nwords == 0) return 0;
     const struct sei_word *w = sei_log_find(t, word);
     if (w == NULL) return 0;
     return t->phase == PHASE_E1 ? w->mask_e1 : w->mask_e2;
 }
 
+/* Calls visit(line copy, word index, word) for each word of [addr, addr+len) whose
+ * line has a copy (or, with create, for each word), one lock per line. */
+#define FOR_EACH_WORD(addr, len, create, BODY)                                          \
+    do {                                                                               \
+        uintptr_t end_ = (addr) + (len);                                               \
+        for (uintptr_t line_ = line_of(addr); line_ < end_; line_ += 64) {             \
+            struct shard *s_ = shard_of(line_);                                        \
+            pthread_spin_lock(&s_->lock);                                              \
+            struct shadow_line *l_ = lookup(s_, line_, (create));                      \
+            if (l_ != NULL) {                                                          \
+                uintptr_t lo_ = (addr) > line_ ? ((addr) & ~(uintptr_t)7) : line_;     \
+                uintptr_t hi_ = end_ < line_ + 64 ? end_ : line_ + 64;                  \
+                for (uintptr_t word = lo_; word < hi_; word += 8) {                    \
+                    unsigned k = (unsigned)((word - line_) >> 3);                       \
+                    BODY                                                               \
+                }                                                                      \
+            }                                                                          \
+            pthread_spin_unlock(&s_->lock);                                            \
+        }                                                                              \
+    } while (0)
+
 void sei_dup_check(const struct sei_thread *t, uintptr_t addr, size_t len) {
     if (len == 0) return;
-    uintptr_t end = addr + len;
-    struct shard *locked = NULL;
-    for (uintptr_t word = addr & ~(uintptr_t)7; word < end; word += 8) {
-        struct shard *s = shard_of(word);
-        if (s != locked) {
-            if (locked) pthread_spin_unlock(&locked->lock);
-            pthread_spin_lock(&s->lock);
-            locked = s;
+    uintptr_t bad = 0;
+    uint64_t bad_now = 0, bad_copy = 0;
+    FOR_EACH_WORD(addr, len, 0, {
+        uint8_t mask = l_->mask[k];
+        if (mask != 0 && bad == 0) {
+            mask &= (uint8_t)~own_bytes(t, word);
+            uint64_t now = *(volatile const uint64_t *)word;
+            if (((now ^ l_->value[k]) & bytes_of(mask)) != 0) {
+                bad = word;
+                bad_now = now & bytes_of(mask);
+                bad_copy = l_->value[k] & bytes_of(mask);
+            }
         }
-        struct shadow_word *w = lookup(s, hash_word(word), word, 0);
-        if (w == NULL) continue;
-        uint8_t mask = w->mask & (uint8_t)~own_bytes(t, word);
-        uint64_t now = *(volatile const uint64_t *)word;
-        if (((now ^ w->value) & bytes_of(mask)) != 0) {
-            uint64_t copy = w->value;
-            pthread_spin_unlock(&s->lock);
-            sei_fail("dup mode: %p holds %016llx, its copy %016llx (memory corrupted between handlers)",
-                     (void *)word, (unsigned long long)(now & bytes_of(mask)),
-                     (unsigned long long)(copy & bytes_of(mask)));
-        }
-    }
-    if (locked) pthread_spin_unlock(&locked->lock);
+    });
+    if (bad != 0)
+        sei_fail("dup mode: %p holds %016llx, its copy %016llx (memory corrupted between handlers)", (void *)bad,
+                 (unsigned long long)bad_now, (unsigned long long)bad_copy);
 }
 
 void sei_dup_commit(const struct sei_thread *t) {
     for (uint32_t i = 0; i < t->nwords; i++) {
         const struct sei_word *lw = &t->words[i];
-        struct shard *s = shard_of(lw->addr);
+        uintptr_t line = line_of(lw->addr);
+        struct shard *s = shard_of(line);
         pthread_spin_lock(&s->lock);
-        struct shadow_word *w = lookup(s, hash_word(lw->addr), lw->addr, 1);
+        struct shadow_line *l = lookup(s, line, 1);
+        unsigned k = (unsigned)((lw->addr - line) >> 3);
         uint64_t m = bytes_of(lw->mask_e2);
-        w->value = (w->value & ~m) | (*(volatile const uint64_t *)lw->addr & m);
-        w->mask |= lw->mask_e2;
+        l->value[k] = (l->value[k] & ~m) | (*(volatile const uint64_t *)lw->addr & m);
+        l->mask[k] |= lw->mask_e2;
         pthread_spin_unlock(&s->lock);
     }
-}
-
-/* Removes the entry at slot i by backward-shift deletion: later entries of the probe
- * run move up, so that the table's load stays the live protected words (freed blocks
- * leave no tombstones to probe through). The shard is locked. */
-static void remove_at(struct shard *s, uint32_t i) {
-    uint32_t mask = shard_slots - 1;
-    for (uint32_t j = (i + 1) & mask;; j = (j + 1) & mask) {
-        struct shadow_word *w = &s->words[j];
-        if (w->addr == 0) break;
-        uint32_t home = (uint32_t)hash_word(w->addr) & mask;
-        /* w may fill the hole at i unless its home lies cyclically in (i, j] */
-        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
-        if (!stays) {
-            s->words[i] = *w;
-            i = j;
-        }
-    }
-    s->words[i].addr = 0;
-    s->words[i].mask = 0;
-    s->used--;
 }
 
 void sei_dup_forget(uintptr_t addr, size_t len) {
     if (!sei_dup || len == 0) return;
     uintptr_t end = addr + len;
-    struct shard *locked = NULL;
-    for (uintptr_t word = addr & ~(uintptr_t)7; word < end; word += 8) {
-        struct shard *s = shard_of(word);
-        if (s != locked) {
-            if (locked) pthread_spin_unlock(&locked->lock);
-            pthread_spin_lock(&s->lock);
-            locked = s;
+    for (uintptr_t line = line_of(addr); line < end; line += 64) {
+        struct shard *s = shard_of(line);
+        pthread_spin_lock(&s->lock);
+        struct shadow_line *l = lookup(s, line, 0);
+        if (l != NULL) {
+            int live = 0;
+            for (unsigned k = 0; k < WORDS_PER_LINE; k++) {
+                uintptr_t word = line + 8 * k;
+                if (word + 8 > addr && word < end) l->mask[k] = 0;
+                live |= l->mask[k];
+            }
+            if (!live) remove_at(s, (uint32_t)(l - s->lines));
         }
-        struct shadow_word *w = lookup(s, hash_word(word), word, 0);
-        if (w != NULL) remove_at(s, (uint32_t)(w - s->words));
+        pthread_spin_unlock(&s->lock);
     }
-    if (locked) pthread_spin_unlock(&locked->lock);
 }
