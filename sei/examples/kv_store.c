@@ -8,7 +8,7 @@
 
 int kv_store_init(struct kv_store *s, int threaded) {
     s->buckets = calloc(KV_BUCKETS, sizeof *s->buckets);
-    s->items = 0;
+    for (int i = 0; i < KV_STRIPES; i++) s->items[i] = 0;
     s->stripes = NULL;
     if (s->buckets == NULL) return -1;
     if (threaded) {
@@ -217,7 +217,7 @@ static void do_set(struct kv_store *s, const char *p, const char *end, const cha
         free(old);
     } else {
         it->next = NULL;
-        s->items++;
+        s->items[bucket % KV_STRIPES]++;
     }
     *link = it;
     unlock_stripes(s, stripe_of(bucket));
@@ -248,7 +248,7 @@ static void do_delete(struct kv_store *s, const char *p, const char *end, struct
         struct kv_item *dead = *link;
         *link = dead->next;
         free(dead);
-        s->items--;
+        s->items[bucket % KV_STRIPES]--;
     }
     unlock_stripes(s, stripe_of(bucket));
     if (noreply)

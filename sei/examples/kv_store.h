@@ -29,7 +29,9 @@ struct kv_item {
 struct kv_store {
     struct kv_item **buckets;
     pthread_mutex_t *stripes; /* NULL: single-threaded, no locking */
-    uint64_t items;
+    /* items per stripe: a single counter would be written under different stripe locks,
+     * a data race that libsei reports (E1 and E2 would read different counts) */
+    uint64_t items[KV_STRIPES];
 };
 
 struct kv_reply {

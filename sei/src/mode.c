@@ -6,7 +6,6 @@
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "internal.h"
 
@@ -16,7 +15,8 @@ __attribute__((weak)) extern const int sei_build_mode;
 
 #define SHARDS 64
 #define WORDS_PER_LINE 8
-#define DEFAULT_DUP_WORDS (1u << 20)
+#define DEFAULT_DUP_WORDS (1ul << 28) /* the most state dup mode copies: 2 GiB */
+#define INITIAL_SLOTS 256              /* lines per shard at start; grows by doubling */
 
 /* The copy of one 64-byte line: the value and protected bytes of each of its words. A
  * bulk read or a freed block then costs one lookup per line, not per word. */
@@ -29,11 +29,12 @@ struct shadow_line {
 struct shard {
     pthread_spinlock_t lock;
     struct shadow_line *lines;
+    uint32_t slots; /* a power of two */
     uint32_t used;
 } __attribute__((aligned(64))); /* one cache line per shard: no false sharing */
 
 static struct shard shards[SHARDS];
-static uint32_t shard_slots; /* lines per shard, a power of two */
+static size_t max_shard_slots; /* SEI_DUP_WORDS, per shard, in lines */
 static pthread_once_t mode_once = PTHREAD_ONCE_INIT;
 
 static void init_once(void) {
@@ -55,18 +56,15 @@ static void init_once(void) {
         if (*end != 0 || words < 8 * SHARDS || words > (1ul << 30))
             sei_unsupported("SEI_DUP_WORDS=%s: expected a number from 512 to 1073741824", limit);
     }
-    shard_slots = 1;
-    while ((size_t)shard_slots * SHARDS * WORDS_PER_LINE < words) shard_slots <<= 1;
+    max_shard_slots = 1;
+    while (max_shard_slots * SHARDS * WORDS_PER_LINE < words) max_shard_slots <<= 1;
     for (int i = 0; i < SHARDS; i++) {
         pthread_spin_init(&shards[i].lock, PTHREAD_PROCESS_PRIVATE);
-        /* untouched pages cost nothing: the table is as large as the state it copies */
-        void *m = mmap(NULL, (size_t)shard_slots * sizeof(struct shadow_line), PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (m == MAP_FAILED) sei_unsupported("cannot map the dup-mode shadow (SEI_DUP_WORDS too large?)");
-        shards[i].lines = m;
+        shards[i].slots = INITIAL_SLOTS;
+        shards[i].lines = calloc(INITIAL_SLOTS, sizeof(struct shadow_line));
+        if (shards[i].lines == NULL) sei_unsupported("out of memory for the dup-mode shadow");
     }
 }
-
 
 void sei_mode_init(void) { pthread_once(&mode_once, init_once); }
 
@@ -78,18 +76,39 @@ enum sei_mode sei_mode(void) {
 static inline uintptr_t line_of(uintptr_t addr) { return addr & ~(uintptr_t)63; }
 static inline uint64_t hash_line(uintptr_t line) { return (uint64_t)(line >> 6) * 0x9e3779b97f4a7c15ull; }
 static inline struct shard *shard_of(uintptr_t line) { return &shards[hash_line(line) >> 58]; }
-static inline uint32_t home_of(uintptr_t line) { return (uint32_t)(hash_line(line) >> 20) & (shard_slots - 1); }
+static inline uint32_t home_of(const struct shard *s, uintptr_t line) {
+    return (uint32_t)(hash_line(line) >> 20) & (s->slots - 1);
+}
+
+/* Doubles a shard that reached 7/8 load (under its lock): the shadow grows with the
+ * state handlers write, up to SEI_DUP_WORDS. */
+static void grow(struct shard *s) {
+    if ((size_t)s->slots * 2 > max_shard_slots)
+        sei_unsupported("the dup-mode shadow is full; raise SEI_DUP_WORDS");
+    uint32_t old_slots = s->slots;
+    struct shadow_line *old = s->lines;
+    struct shadow_line *lines = calloc((size_t)old_slots * 2, sizeof *lines);
+    if (lines == NULL) sei_unsupported("out of memory growing the dup-mode shadow");
+    s->lines = lines;
+    s->slots = old_slots * 2;
+    for (uint32_t i = 0; i < old_slots; i++) {
+        if (old[i].addr == 0) continue;
+        uint32_t j = home_of(s, old[i].addr);
+        while (s->lines[j].addr != 0) j = (j + 1) & (s->slots - 1);
+        s->lines[j] = old[i];
+    }
+    free(old);
+}
 
 /* The copy of line, or NULL; with create, a new empty one. The shard is locked. */
 static struct shadow_line *lookup(struct shard *s, uintptr_t line, int create) {
-    uint32_t mask = shard_slots - 1;
-    for (uint32_t i = home_of(line), n = 0; n < shard_slots; i = (i + 1) & mask, n++) {
+    if (create && s->used + 1 >= s->slots - s->slots / 8) grow(s);
+    uint32_t mask = s->slots - 1;
+    for (uint32_t i = home_of(s, line), n = 0; n < s->slots; i = (i + 1) & mask, n++) {
         struct shadow_line *l = &s->lines[i];
         if (l->addr == line) return l;
         if (l->addr == 0) {
             if (!create) return NULL;
-            if (s->used + 1 >= shard_slots - shard_slots / 8)
-                sei_unsupported("the dup-mode shadow is full; raise SEI_DUP_WORDS");
             s->used++;
             memset(l, 0, sizeof *l);
             l->addr = line;
@@ -102,11 +121,11 @@ static struct shadow_line *lookup(struct shard *s, uintptr_t line, int create) {
 /* Removes the line at slot i by backward-shift deletion: later entries of the probe
  * run move up, so that the load stays the live protected lines (no tombstones). */
 static void remove_at(struct shard *s, uint32_t i) {
-    uint32_t mask = shard_slots - 1;
+    uint32_t mask = s->slots - 1;
     for (uint32_t j = (i + 1) & mask;; j = (j + 1) & mask) {
         struct shadow_line *l = &s->lines[j];
         if (l->addr == 0) break;
-        uint32_t home = home_of(l->addr);
+        uint32_t home = home_of(s, l->addr);
         /* l may fill the hole at i unless its home lies cyclically in (i, j] */
         int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
         if (!stays) {
