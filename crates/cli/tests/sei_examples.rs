@@ -365,8 +365,7 @@ fn the_threaded_server_survives_a_concurrent_load_in_both_modes() {
             let report = text(&out.stdout);
             let total = report
                 .lines()
-                .filter(|l| l.starts_with("Run time:"))
-                .last()
+                .rfind(|l| l.starts_with("Run time:"))
                 .unwrap_or_default()
                 .to_string();
             let ops: u64 = total
