@@ -7,8 +7,10 @@
 
 With --crc every request carries a "#crc XXXXXXXX" line and every reply must carry one
 that matches it: a reply whose CRC does not match was corrupted after the server
-computed it (the "last mile"), and is rejected. A rejection ends the client with exit
-status 86 (the lockstep contract for a detected error). Standard library only.
+computed it (the "last mile"), and is rejected. A request the server discards as corrupt
+("CLIENT_ERROR crc mismatch") is sent again, up to 3 times. A rejection, or a request
+discarded 3 times, ends the client with exit status 86 (the lockstep contract for a
+detected error). Standard library only.
 """
 import random
 import socket
@@ -66,9 +68,18 @@ class Client:
         data, self.buf = self.buf[:n], self.buf[n:]
         return data
 
-    def request(self, req):
+    def request(self, req, attempts=3):
         """Sends one request (bytes, with its data block); returns the reply bytes, or
-        b"" for noreply requests."""
+        b"" for noreply requests. A request the server discarded because its CRC did not
+        match (an omission, which SEI allows) is sent again; one discarded on every
+        attempt ends the client as a detection."""
+        for _ in range(attempts):
+            reply = self._attempt(req)
+            if reply != b"CLIENT_ERROR crc mismatch\r\n":
+                return reply
+        raise Rejected(b"request discarded %d times: " % attempts + req[:40])
+
+    def _attempt(self, req):
         frame = req + (b"#crc %08x\r\n" % crc32c(req) if self.crc else b"")
         self.sock.sendall(frame)
         if req.split(b"\r\n", 1)[0].endswith(b" noreply"):
@@ -79,7 +90,7 @@ class Client:
             reply += self._exact(size + 2)
             last = self._line()
             reply += last
-        if self.crc and not reply.startswith(b"CLIENT_ERROR crc"):
+        if self.crc and reply != b"CLIENT_ERROR crc mismatch\r\n":
             line = self._line()
             if not line.startswith(b"#crc ") or int(line[5:13], 16) != crc32c(reply):
                 raise Rejected(reply)
@@ -181,7 +192,8 @@ def main(argv):
         client = Client(port, crc)
         return check(client) if rest[0] == "check" else trace(client, rest[1])
     except Rejected as r:
-        print("kv_client: rejected a reply whose CRC does not match: %r" % bytes(r.args[0])[:60], file=sys.stderr)
+        print("kv_client: rejected a reply whose CRC does not match, or a request the server kept "
+              "discarding: %r" % bytes(r.args[0])[:60], file=sys.stderr)
         return DETECTED
     except (ConnectionError, OSError) as e:
         print("kv_client: %s" % e, file=sys.stderr)

@@ -103,18 +103,26 @@ static long long parse_crc_line(const char *buf, size_t len) {
 
 static int reply_plain(struct kv_conn *c, const char *text) { return send_all(c->fd, text, strlen(text)); }
 
-/* A test hook, outside the handler: KV_TEST_CORRUPT_REPLY=N flips one bit of the Nth
- * reply after libsei validated it, as a memory error on the way to the NIC would. Only
- * the CRC the client checks can catch it. */
-static void maybe_corrupt(struct kv_reply *r) {
-    static long countdown = -1;
+/* Test hooks, outside the handler, each counting down from an environment variable:
+ * KV_TEST_CORRUPT_REPLY=N flips one bit of the Nth reply after libsei validated it, as a
+ * memory error on the way to the NIC would (only the CRC the client checks can catch
+ * it); KV_TEST_CORRUPT_REQUEST=N flips one bit of the Nth request after it arrived
+ * (phase I discards it, and the client sends it again). */
+struct test_hook {
+    const char *env;
+    long countdown; /* -1: not read yet */
+};
+static struct test_hook corrupt_reply = {"KV_TEST_CORRUPT_REPLY", -1};
+static struct test_hook corrupt_request = {"KV_TEST_CORRUPT_REQUEST", -1};
+
+static void maybe_flip(struct test_hook *hook, char *buf, size_t len) {
     static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
     pthread_mutex_lock(&lock);
-    if (countdown < 0) {
-        const char *v = getenv("KV_TEST_CORRUPT_REPLY");
-        countdown = v ? atol(v) : 0;
+    if (hook->countdown < 0) {
+        const char *v = getenv(hook->env);
+        hook->countdown = v ? atol(v) : 0;
     }
-    if (countdown > 0 && --countdown == 0 && r->len > 0) r->buf[0] ^= 0x02;
+    if (hook->countdown > 0 && --hook->countdown == 0 && len > 0) buf[0] ^= 0x02;
     pthread_mutex_unlock(&lock);
 }
 
@@ -138,7 +146,7 @@ static int serve_one(struct kv_store *s, struct kv_conn *c, const char *req, siz
         snprintf(c->reply.buf + c->reply.len, 16, "#crc %08x\r\n", reply_crc);
         c->reply.len += 15;
     }
-    maybe_corrupt(&c->reply);
+    maybe_flip(&corrupt_reply, c->reply.buf, c->reply.len);
     return send_all(c->fd, c->reply.buf, c->reply.len);
 }
 
@@ -176,6 +184,7 @@ int kv_serve(struct kv_store *s, struct kv_conn *c, int crc_mode) {
             } else {
                 crc = sei_crc32c(0, req, (size_t)len); /* protects the request from here on */
             }
+            maybe_flip(&corrupt_request, c->in + used, (size_t)len);
             if (serve_one(s, c, req, (size_t)len, crc, crc_mode) != 0) return -1;
             used += frame;
         }

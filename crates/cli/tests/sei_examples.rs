@@ -282,6 +282,29 @@ fn a_reply_corrupted_after_validation_is_rejected_by_the_client() {
     }
 }
 
+#[test]
+fn a_request_corrupted_on_arrival_is_discarded_and_sent_again() {
+    let trace = work_dir().join("trace-resend.txt");
+    std::fs::write(&trace, kv_client(0, &["gen-trace", "50", "5"]).stdout).unwrap();
+    let golden = {
+        let server = Server::start("kv_single", Build::Hardened, &["--crc"], &[]);
+        kv_client(server.port, &["--crc", "trace", trace.to_str().unwrap()])
+    };
+    assert_eq!(golden.status.code(), Some(0), "{}", text(&golden.stderr));
+    let server = Server::start(
+        "kv_single",
+        Build::Hardened,
+        &["--crc"],
+        &[("KV_TEST_CORRUPT_REQUEST", "9")],
+    );
+    let out = kv_client(server.port, &["--crc", "trace", trace.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        out.stdout, golden.stdout,
+        "the resent request must give the same replies"
+    );
+}
+
 /// Raw protocol exchanges: sends `request`, reads until `until` appears or EOF.
 fn exchange(port: u16, request: &[u8], until: &str) -> String {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
