@@ -43,7 +43,7 @@ for fault in reg dest mem ip; do
             dup) server=(env SEI_MODE=dup "$OUT/kv_sei");;
         esac
         echo "== kv $fault $cfg: $(date +%T)" >&2
-        "$L" inject --fault "$fault" --runs "$RUNS" --seed 11 -j 2 --timeout 5 --out "$cell" \
+        "$L" inject --fault "$fault" --runs "$RUNS" --seed 11 -j 2 --timeout 2 --out "$cell" \
             --server --port "$port" \
             --client "python3 $PWD/$EX/kv_client.py --port {port} --crc trace $OUT/trace.txt" \
             -- "${server[@]}" --port '{port}' --crc > "$cell.log" 2>&1 || {
