@@ -17,14 +17,7 @@ shift || true
 WORKLOADS=("$@")
 [ $# -eq 0 ] && WORKLOADS=(digest redis)
 OUT=${OUT:-$PWD/target/inject-eval}
-mkdir -p "$OUT"
-# A private copy of the binary: rebuilding during a long evaluation must not mix versions.
-if [ ! -x "$OUT/lockstep" ]; then
-    cargo build --release --locked -q
-    cp target/release/lockstep "$OUT/lockstep"
-    git rev-parse --short HEAD > "$OUT/commit" 2>/dev/null || true
-fi
-L=$OUT/lockstep
+. bench/private_lockstep.sh
 gcc -O2 -Wall -Wextra -Werror -o "$OUT/digest" bench/digest.c
 # Below the kernel's ephemeral range (32768-60999 by default), which any outgoing
 # connection may take.

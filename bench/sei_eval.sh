@@ -16,13 +16,7 @@ shift || true
 CONFIGS=("$@")
 [ $# -eq 0 ] && CONFIGS=(native ecc dup)
 OUT=${OUT:-$PWD/target/sei-eval}
-mkdir -p "$OUT"
-if [ ! -x "$OUT/lockstep" ]; then
-    cargo build --release --locked -q
-    cp target/release/lockstep "$OUT/lockstep"
-    git rev-parse --short HEAD > "$OUT/commit" 2>/dev/null || true
-fi
-L=$OUT/lockstep
+. bench/private_lockstep.sh
 EX=sei/examples
 export LOCKSTEP_SEI_DIR=$OUT/sei
 "$L" cc -O2 -Wall -Wextra -Werror $EX/kv_single.c $EX/kv_net.c $EX/kv_store.c -o "$OUT/kv_sei"

@@ -196,9 +196,6 @@ void sei_mode_init(void);
 void sei_dup_check(const struct sei_thread *t, uintptr_t addr, size_t len);
 void sei_dup_commit(const struct sei_thread *t);
 void sei_dup_forget(uintptr_t addr, size_t len);
-static inline void sei_check_read(const struct sei_thread *t, const void *addr, size_t len) {
-    if (__builtin_expect(sei_dup, 0)) sei_dup_check(t, (uintptr_t)addr, len);
-}
 
 /* effects.c: allocations, locks, outputs, deferred calls */
 void sei_effects_begin(struct sei_thread *t);
