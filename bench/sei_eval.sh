@@ -6,7 +6,7 @@
 # CRCs on requests and replies; what is compared is the client's output. A reply whose
 # CRC does not match makes the client exit 86 (detected at the receiver), as does a
 # libsei abort of the server.
-# Usage: bench/sei_eval.sh [RUNS] [CONFIGS...]   (default: 1000 native ecc dup)
+# Usage: [FAULTS="reg dest mem ip"] bench/sei_eval.sh [RUNS] [CONFIGS...]   (default: 1000 native ecc dup)
 # Cells go to OUT/kv-<fault>-<config>/ (OUT=target/sei-eval); finished cells are
 # skipped and a larger RUNS extends them, as in bench/inject_eval.sh.
 set -euo pipefail
@@ -24,7 +24,7 @@ gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include $EX/kv_single.c $EX/kv_
     -pthread -o "$OUT/kv_native"
 python3 $EX/kv_client.py gen-trace 200 11 > "$OUT/trace.txt"
 port=24000
-for fault in reg dest mem ip; do
+for fault in ${FAULTS:-reg dest mem ip}; do
     for cfg in "${CONFIGS[@]}"; do
         cell="$OUT/kv-$fault-$cfg"
         port=$((port + 10))
