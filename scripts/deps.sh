@@ -2,7 +2,8 @@
 # Installs what lockstep's build, tests and demo need, and nothing twice.
 # Usage: scripts/deps.sh [test|bench]
 set -euo pipefail
-want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache libmemcached-tools)
+# protobuf-compiler: raft-rs generates its message types with protoc at build time.
+want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache libmemcached-tools protobuf-compiler)
 if [ "${1:-test}" = bench ]; then
     want+=(redis-server redis-tools xz-utils bc)
 fi

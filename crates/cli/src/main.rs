@@ -2,6 +2,7 @@
 
 mod cc;
 mod inject;
+mod kv;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -18,6 +19,7 @@ struct Cli {
 enum Command {
     Run(run::RunArgs),
     Inject(Box<inject::InjectArgs>),
+    Kv(kv::KvArgs),
     /// Compile and link C with libsei's handler hardening (gcc arguments; see `lockstep cc --help`)
     Cc(CompilerArgs),
     /// Compile and link C++ with libsei's handler hardening (g++ arguments)
@@ -53,6 +55,7 @@ fn main() {
     let code = match cli.command {
         Command::Run(args) => run::main(args),
         Command::Inject(args) => inject::main(*args),
+        Command::Kv(args) => kv::main(args),
         Command::Cc(args) => cc::main(lockstep_sei::Lang::C, args.args),
         Command::Cxx(args) => cc::main(lockstep_sei::Lang::Cxx, args.args),
     };

@@ -1,0 +1,323 @@
+//! `lockstep kv`: serve one replica, or start a local cluster.
+
+use clap::{Args, Subcommand, ValueEnum};
+use lockstep_core::exit;
+use lockstep_kv::replica::{self, Config, Mode};
+use lockstep_kv::store::Limits;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::Duration;
+
+const AFTER_HELP: &str = "\
+How it works:
+  Every replica executes every request in Raft's order, deterministically (expiry uses the
+  time stored in the log entry). Each request's state delta, the CRC32C of every protected
+  object it touched plus its reply, is sent to the other replicas in a CHECK message. A
+  reply leaves only when a majority of replicas agree with the local delta. A replica that
+  disagrees with the majority is repaired: a RECOVER entry goes through the log, the
+  healthy replicas send the objects that differed, it replaces them and carries on.
+
+Modes (--mode, CrossCheck's Table IV):
+  single       one process, no replication, no object checks          ----
+  smr          Raft replication and deterministic apply               RD--
+  gop          plus checksummed objects, checked on every access      RDG-
+  crosscheck   plus cross-checked state deltas and repair (default)   RDGX
+
+Examples:
+  lockstep kv cluster -n 3                      # replicas on 11211, 11212, 11213
+  lockstep kv serve --listen 127.0.0.1:11211    # one unreplicated server
+  lockstep kv serve --id 2 --listen 127.0.0.1:11212 \\
+      --peers 127.0.0.1:21211,127.0.0.1:21212,127.0.0.1:21213 --data-dir /var/lib/kv2
+
+Test-only commands on the client port (with --test-corruption):
+  lockstep_corrupt <key> item|bucket|links [recompute] [BIT]   flip a bit on this replica
+  lockstep_digest                  DIGEST <state digest> <applied entry> <objects failing>";
+
+/// A memcached-protocol store on Raft that cross-checks state deltas and repairs objects.
+#[derive(Args)]
+pub struct KvArgs {
+    #[command(subcommand)]
+    command: KvCommand,
+}
+
+#[derive(Subcommand)]
+enum KvCommand {
+    Serve(ServeArgs),
+    Cluster(ClusterArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Single,
+    Smr,
+    Gop,
+    Crosscheck,
+}
+
+impl From<ModeArg> for Mode {
+    fn from(m: ModeArg) -> Mode {
+        match m {
+            ModeArg::Single => Mode::Single,
+            ModeArg::Smr => Mode::Smr,
+            ModeArg::Gop => Mode::Gop,
+            ModeArg::Crosscheck => Mode::CrossCheck,
+        }
+    }
+}
+
+/// Options shared by `serve` and `cluster`.
+#[derive(Args, Clone)]
+struct StoreOpts {
+    /// single, smr, gop or crosscheck (default: crosscheck with --peers, else single).
+    #[arg(long, value_enum)]
+    mode: Option<ModeArg>,
+    /// Memory for items before LRU eviction, in MiB.
+    #[arg(long, default_value_t = 64, value_name = "MIB")]
+    memory_limit: u64,
+    /// Largest value accepted, in bytes.
+    #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
+    item_max: usize,
+    /// Do not fsync the Raft log (faster; a machine crash may then lose acknowledged writes).
+    #[arg(long)]
+    no_fsync: bool,
+    /// Accept lockstep_corrupt on the client port (tests and measurements only).
+    #[arg(long)]
+    test_corruption: bool,
+    /// Applied log entries between snapshots.
+    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    snapshot_every: u64,
+}
+
+/// Run one replica.
+#[derive(Args)]
+#[command(after_help = AFTER_HELP)]
+struct ServeArgs {
+    /// This replica's id: 1 for the first address in --peers, 2 for the second, ...
+    #[arg(long, default_value_t = 1)]
+    id: u64,
+    /// Client (memcached) address.
+    #[arg(long, default_value = "127.0.0.1:11211", value_name = "ADDR")]
+    listen: String,
+    /// Replica-to-replica addresses of all replicas, in id order, comma-separated.
+    #[arg(long, value_delimiter = ',', value_name = "ADDR,...")]
+    peers: Vec<String>,
+    /// Where this replica keeps its Raft log and snapshots (default: memory only).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Write every event as a JSON line to FILE.
+    #[arg(long, value_name = "FILE")]
+    events: Option<PathBuf>,
+    #[command(flatten)]
+    opts: StoreOpts,
+}
+
+/// Start a local cluster of replicas on loopback (the quick start; tests use it too).
+#[derive(Args)]
+#[command(after_help = AFTER_HELP)]
+struct ClusterArgs {
+    /// Number of replicas.
+    #[arg(short, long, default_value_t = 3)]
+    n: u64,
+    /// Client port of replica 1; replica i listens on PORT + i - 1.
+    #[arg(long, default_value_t = 11211)]
+    port: u16,
+    /// Replica-to-replica port of replica 1 (default: PORT + 10000).
+    #[arg(long)]
+    peer_port: Option<u16>,
+    /// Keep each replica's Raft state in DIR/replica-<i> (default: memory only).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Write each replica's events to DIR/replica-<i>.jsonl.
+    #[arg(long, value_name = "DIR")]
+    events: Option<PathBuf>,
+    #[command(flatten)]
+    opts: StoreOpts,
+}
+
+fn resolve(what: &str, s: &str) -> Result<SocketAddr, String> {
+    s.to_socket_addrs()
+        .map_err(|e| format!("{what} {s:?}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{what} {s:?} does not resolve"))
+}
+
+pub fn main(args: KvArgs) -> i32 {
+    match args.command {
+        KvCommand::Serve(a) => serve(a),
+        KvCommand::Cluster(a) => cluster(a),
+    }
+}
+
+fn usage(msg: String) -> i32 {
+    eprintln!("lockstep kv: {msg}");
+    exit::USAGE
+}
+
+fn serve(a: ServeArgs) -> i32 {
+    let client = match resolve("--listen", &a.listen) {
+        Ok(c) => c,
+        Err(e) => return usage(e),
+    };
+    let mut peers = Vec::new();
+    for p in &a.peers {
+        match resolve("--peers", p) {
+            Ok(addr) => peers.push(addr),
+            Err(e) => return usage(e),
+        }
+    }
+    let mode: Mode = a.opts.mode.map(Mode::from).unwrap_or(if peers.is_empty() {
+        Mode::Single
+    } else {
+        Mode::CrossCheck
+    });
+    if mode == Mode::Single && !peers.is_empty() {
+        return usage("--mode single takes no --peers".into());
+    }
+    if mode != Mode::Single {
+        if peers.is_empty() {
+            return usage(format!(
+                "--mode {} needs --peers (the replica addresses, in id order)",
+                mode.name()
+            ));
+        }
+        if a.id == 0 || a.id as usize > peers.len() {
+            return usage(format!(
+                "--id {} is not between 1 and the {} addresses in --peers",
+                a.id,
+                peers.len()
+            ));
+        }
+        if mode == Mode::CrossCheck && peers.len() < 3 {
+            return usage("crosscheck needs at least 3 replicas: with 2, a disagreement has no majority".into());
+        }
+    }
+    if a.opts.item_max == 0 || a.opts.memory_limit == 0 {
+        return usage("--item-max and --memory-limit must be positive".into());
+    }
+    let cfg = Config {
+        id: if mode == Mode::Single { 1 } else { a.id },
+        peers,
+        client,
+        mode,
+        data_dir: a.data_dir,
+        fsync: !a.opts.no_fsync,
+        limits: Limits {
+            memory_bytes: a.opts.memory_limit << 20,
+            item_max: a.opts.item_max,
+            ..Limits::default()
+        },
+        test_corruption: a.opts.test_corruption,
+        events: a.events,
+        snapshot_every: a.opts.snapshot_every.max(1),
+        tick: Duration::from_millis(100),
+    };
+    replica::run(cfg)
+}
+
+fn cluster(a: ClusterArgs) -> i32 {
+    if a.n == 0 || a.n > 9 {
+        return usage(format!("-n {}: a local cluster has 1 to 9 replicas", a.n));
+    }
+    let peer_port = a.peer_port.unwrap_or(a.port.wrapping_add(10000));
+    if (a.port as u32 + a.n as u32 > 65536) || (peer_port as u32 + a.n as u32 > 65536) {
+        return usage("ports out of range".into());
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("lockstep kv: cannot find my own executable: {e}");
+            return 1;
+        }
+    };
+    let peers: Vec<String> = (0..a.n)
+        .map(|i| format!("127.0.0.1:{}", peer_port as u64 + i))
+        .collect();
+    let mode = a
+        .opts
+        .mode
+        .unwrap_or(if a.n >= 3 { ModeArg::Crosscheck } else { ModeArg::Smr });
+    if let Some(dir) = &a.events {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            eprintln!("lockstep kv: cannot create {}: {e}", dir.display());
+            return 1;
+        }
+    }
+    let mut children: Vec<(u64, Child)> = Vec::new();
+    for id in 1..=a.n {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["kv", "serve", "--id", &id.to_string()]);
+        cmd.args(["--listen", &format!("127.0.0.1:{}", a.port as u64 + id - 1)]);
+        if a.n > 1 {
+            cmd.args(["--peers", &peers.join(",")]);
+        }
+        cmd.args(["--mode", mode.to_possible_value().unwrap().get_name()]);
+        cmd.args(["--memory-limit", &a.opts.memory_limit.to_string()]);
+        cmd.args(["--item-max", &a.opts.item_max.to_string()]);
+        cmd.args(["--snapshot-every", &a.opts.snapshot_every.to_string()]);
+        if a.opts.no_fsync {
+            cmd.arg("--no-fsync");
+        }
+        if a.opts.test_corruption {
+            cmd.arg("--test-corruption");
+        }
+        if let Some(dir) = &a.data_dir {
+            cmd.arg("--data-dir").arg(dir.join(format!("replica-{id}")));
+        }
+        if let Some(dir) = &a.events {
+            cmd.arg("--events").arg(dir.join(format!("replica-{id}.jsonl")));
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push((id, c)),
+            Err(e) => {
+                eprintln!("lockstep kv: cannot start replica {id}: {e}");
+                for (_, c) in &mut children {
+                    let _ = c.kill();
+                }
+                return 1;
+            }
+        }
+    }
+    eprintln!(
+        "lockstep kv: {} replica(s), memcached on 127.0.0.1:{}..{} (Ctrl-C stops them)",
+        a.n,
+        a.port,
+        a.port as u64 + a.n - 1
+    );
+    stop_on_signal();
+    let mut status = 0;
+    while !children.is_empty() {
+        std::thread::sleep(Duration::from_millis(100));
+        if STOP.load(std::sync::atomic::Ordering::SeqCst) {
+            for (_, c) in &mut children {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            return status;
+        }
+        children.retain_mut(|(id, c)| match c.try_wait() {
+            Ok(Some(st)) => {
+                eprintln!("lockstep kv: replica {id} exited ({st})");
+                if st.code() == Some(exit::DETECTED) {
+                    status = exit::DETECTED;
+                }
+                false
+            }
+            _ => true,
+        });
+    }
+    status
+}
+
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn stop_on_signal() {
+    extern "C" fn on_signal(_: libc::c_int) {
+        STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+}

@@ -1,0 +1,142 @@
+//! One client connection: parse requests, hand data commands to the replica thread, write
+//! replies in request order. Replies may be released out of order (validation finishes at
+//! different times), so they are stashed until their turn.
+
+use crate::protocol::{parse, Parsed, Request, LINE_MAX};
+use crate::replica::Inbound;
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
+use std::time::Duration;
+
+/// A reply that does not arrive in this time closes the connection (the replica itself
+/// answers "SERVER_ERROR" well before this when it cannot order a request).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
+enum Slot {
+    Ready(Vec<u8>),
+    Await { seq: u64, noreply: bool },
+    Quit,
+}
+
+pub const VERSION: &str = concat!("VERSION ", env!("CARGO_PKG_VERSION"), "-lockstep\r\n");
+
+pub fn serve(mut stream: TcpStream, conn: u64, to_node: Sender<Inbound>, item_max: usize) {
+    let _ = stream.set_nodelay(true);
+    let (tx, rx) = channel::<(u64, Vec<u8>)>();
+    if to_node.send(Inbound::Open { conn, tx }).is_err() {
+        return;
+    }
+    let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
+    let mut chunk = vec![0u8; 64 << 10];
+    let mut next_seq = 0u64;
+    let mut stash: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    // Bytes a well-formed request can need before it parses: its line plus its value.
+    let buffer_max = LINE_MAX + item_max + 2;
+    'conn: loop {
+        let n = match stream.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let mut slots = VecDeque::new();
+        let mut close = false;
+        let mut at = 0;
+        while at < buf.len() && !close {
+            match parse(&buf[at..], item_max) {
+                Parsed::Incomplete => {
+                    if buf.len() - at > buffer_max {
+                        slots.push_back(Slot::Ready(b"CLIENT_ERROR request too large\r\n".to_vec()));
+                        close = true;
+                    }
+                    break;
+                }
+                Parsed::Error {
+                    reply,
+                    consumed,
+                    close: c,
+                } => {
+                    slots.push_back(Slot::Ready(reply.into_bytes()));
+                    at += consumed;
+                    close = c;
+                }
+                Parsed::Request { req, consumed } => {
+                    at += consumed;
+                    match req {
+                        Request::Data { cmd, noreply } => {
+                            let seq = next_seq;
+                            next_seq += 1;
+                            if to_node.send(Inbound::Request { conn, seq, cmd }).is_err() {
+                                break 'conn;
+                            }
+                            slots.push_back(Slot::Await { seq, noreply });
+                        }
+                        Request::Local { line } => {
+                            let seq = next_seq;
+                            next_seq += 1;
+                            if to_node.send(Inbound::Local { conn, seq, line }).is_err() {
+                                break 'conn;
+                            }
+                            slots.push_back(Slot::Await { seq, noreply: false });
+                        }
+                        Request::Version => slots.push_back(Slot::Ready(VERSION.as_bytes().to_vec())),
+                        Request::Verbosity { noreply } => {
+                            if !noreply {
+                                slots.push_back(Slot::Ready(b"OK\r\n".to_vec()))
+                            }
+                        }
+                        Request::Stats { args } => {
+                            let seq = next_seq;
+                            next_seq += 1;
+                            if to_node.send(Inbound::Stats { conn, seq, args }).is_err() {
+                                break 'conn;
+                            }
+                            slots.push_back(Slot::Await { seq, noreply: false });
+                        }
+                        Request::Quit => {
+                            slots.push_back(Slot::Quit);
+                            close = true;
+                        }
+                    }
+                }
+            }
+        }
+        buf.drain(..at.min(buf.len()));
+        let mut out = Vec::new();
+        for slot in slots {
+            match slot {
+                Slot::Ready(r) => out.extend_from_slice(&r),
+                Slot::Quit => break,
+                Slot::Await { seq, noreply } => {
+                    let reply = loop {
+                        if let Some(r) = stash.remove(&seq) {
+                            break r;
+                        }
+                        match rx.recv_timeout(REPLY_TIMEOUT) {
+                            Ok((s, r)) if s == seq => break r,
+                            Ok((s, r)) => {
+                                stash.insert(s, r);
+                            }
+                            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => break 'conn,
+                        }
+                    };
+                    // An empty reply means the replica withdrew it (it could not be
+                    // validated): the client must not see anything for it, so the
+                    // connection is closed.
+                    if reply.is_empty() {
+                        let _ = stream.write_all(&out);
+                        break 'conn;
+                    }
+                    if !noreply {
+                        out.extend_from_slice(&reply);
+                    }
+                }
+            }
+        }
+        if stream.write_all(&out).is_err() || close {
+            break;
+        }
+    }
+    let _ = to_node.send(Inbound::Closed { conn });
+}

@@ -1,0 +1,249 @@
+//! The store's protected objects. Each is one `Guarded<T>` with a deterministic id:
+//! items and their LRU links by slot, hash buckets by number, and two singletons (the slab
+//! allocator and the global counters/LRU ends).
+
+use lockstep_guard::{Hasher, ObjectId, Packer, Protected, UnpackError, Unpacker};
+
+pub const KIND_ITEM: u8 = 1;
+pub const KIND_LINKS: u8 = 2;
+pub const KIND_BUCKET: u8 = 3;
+pub const KIND_SLAB: u8 = 4;
+pub const KIND_GLOBALS: u8 = 5;
+
+/// No slot (end of an LRU list).
+pub const NIL: u32 = u32::MAX;
+
+pub fn item_id(slot: u32) -> ObjectId {
+    ObjectId::new(KIND_ITEM, slot as u64)
+}
+pub fn links_id(slot: u32) -> ObjectId {
+    ObjectId::new(KIND_LINKS, slot as u64)
+}
+pub fn bucket_id(b: u32) -> ObjectId {
+    ObjectId::new(KIND_BUCKET, b as u64)
+}
+pub const SLAB_ID: ObjectId = ObjectId((KIND_SLAB as u64) << 56);
+pub const GLOBALS_ID: ObjectId = ObjectId((KIND_GLOBALS as u64) << 56);
+
+/// A key-value pair with its memcached metadata.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Item {
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+    pub flags: u32,
+    /// Absolute expiry in milliseconds of log time; 0 = never.
+    pub exptime_ms: u64,
+    pub cas: u64,
+    /// Log time of the last store, for flush_all.
+    pub stored_ms: u64,
+}
+
+impl Item {
+    /// Bytes charged against the memory limit.
+    pub fn size(&self) -> u64 {
+        (self.key.len() + self.value.len() + 48) as u64
+    }
+}
+
+impl Protected for Item {
+    fn checksum(&self, h: &mut Hasher) {
+        h.bytes(&self.key);
+        h.bytes(&self.value);
+        h.u32(self.flags);
+        h.u64(self.exptime_ms);
+        h.u64(self.cas);
+        h.u64(self.stored_ms);
+    }
+    fn pack(&self, p: &mut Packer) {
+        p.bytes(&self.key);
+        p.bytes(&self.value);
+        p.u32(self.flags);
+        p.u64(self.exptime_ms);
+        p.u64(self.cas);
+        p.u64(self.stored_ms);
+    }
+    fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
+        Ok(Item {
+            key: u.bytes()?.to_vec(),
+            value: u.bytes()?.to_vec(),
+            flags: u.u32()?,
+            exptime_ms: u.u64()?,
+            cas: u.u64()?,
+            stored_ms: u.u64()?,
+        })
+    }
+}
+
+/// An item's place in the LRU list and its last access (log time).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Links {
+    pub prev: u32,
+    pub next: u32,
+    pub accessed_ms: u64,
+}
+
+impl Protected for Links {
+    fn checksum(&self, h: &mut Hasher) {
+        h.u32(self.prev);
+        h.u32(self.next);
+        h.u64(self.accessed_ms);
+    }
+    fn pack(&self, p: &mut Packer) {
+        p.u32(self.prev);
+        p.u32(self.next);
+        p.u64(self.accessed_ms);
+    }
+    fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
+        Ok(Links {
+            prev: u.u32()?,
+            next: u.u32()?,
+            accessed_ms: u.u64()?,
+        })
+    }
+}
+
+/// One hash bucket: (hash of key, slot) for each item whose key hashes here.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Bucket {
+    pub entries: Vec<(u32, u32)>,
+}
+
+impl Protected for Bucket {
+    fn checksum(&self, h: &mut Hasher) {
+        h.u32(self.entries.len() as u32);
+        for &(k, s) in &self.entries {
+            h.u32(k);
+            h.u32(s);
+        }
+    }
+    fn pack(&self, p: &mut Packer) {
+        p.u32(self.entries.len() as u32);
+        for &(k, s) in &self.entries {
+            p.u32(k);
+            p.u32(s);
+        }
+    }
+    fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
+        let n = u.u32()? as usize;
+        if n > u.rest().len() / 8 {
+            return Err(UnpackError("bucket length exceeds message"));
+        }
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            entries.push((u.u32()?, u.u32()?));
+        }
+        Ok(Bucket { entries })
+    }
+}
+
+/// The slot allocator: slots are handed out lowest-free-first, so allocation is the same
+/// on every replica.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Slab {
+    /// Freed slots, used as a stack.
+    pub free: Vec<u32>,
+    /// Slots ever allocated; the next new slot.
+    pub high: u32,
+}
+
+impl Protected for Slab {
+    fn checksum(&self, h: &mut Hasher) {
+        h.u32(self.high);
+        h.u32(self.free.len() as u32);
+        for &s in &self.free {
+            h.u32(s);
+        }
+    }
+    fn pack(&self, p: &mut Packer) {
+        p.u32(self.high);
+        p.u32(self.free.len() as u32);
+        for &s in &self.free {
+            p.u32(s);
+        }
+    }
+    fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
+        let high = u.u32()?;
+        let n = u.u32()? as usize;
+        if n > u.rest().len() / 4 {
+            return Err(UnpackError("free list exceeds message"));
+        }
+        let mut free = Vec::with_capacity(n);
+        for _ in 0..n {
+            free.push(u.u32()?);
+        }
+        Ok(Slab { free, high })
+    }
+}
+
+/// Store-wide state: the CAS counter, the LRU ends, the item count and bytes, flush time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Globals {
+    pub cas: u64,
+    pub lru_head: u32,
+    pub lru_tail: u32,
+    pub items: u64,
+    pub bytes: u64,
+    /// Items stored at or before this log time are invalid once it has passed (flush_all).
+    pub oldest_live_ms: u64,
+    /// The log's clock: never goes backwards.
+    pub now_ms: u64,
+    pub evictions: u64,
+}
+
+impl Default for Globals {
+    fn default() -> Self {
+        Globals {
+            cas: 0,
+            lru_head: NIL,
+            lru_tail: NIL,
+            items: 0,
+            bytes: 0,
+            oldest_live_ms: 0,
+            now_ms: 0,
+            evictions: 0,
+        }
+    }
+}
+
+impl Protected for Globals {
+    fn checksum(&self, h: &mut Hasher) {
+        for v in [
+            self.cas,
+            self.items,
+            self.bytes,
+            self.oldest_live_ms,
+            self.now_ms,
+            self.evictions,
+        ] {
+            h.u64(v);
+        }
+        h.u32(self.lru_head);
+        h.u32(self.lru_tail);
+    }
+    fn pack(&self, p: &mut Packer) {
+        for v in [
+            self.cas,
+            self.items,
+            self.bytes,
+            self.oldest_live_ms,
+            self.now_ms,
+            self.evictions,
+        ] {
+            p.u64(v);
+        }
+        p.u32(self.lru_head);
+        p.u32(self.lru_tail);
+    }
+    fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
+        Ok(Globals {
+            cas: u.u64()?,
+            items: u.u64()?,
+            bytes: u.u64()?,
+            oldest_live_ms: u.u64()?,
+            now_ms: u.u64()?,
+            evictions: u.u64()?,
+            lru_head: u.u32()?,
+            lru_tail: u.u32()?,
+        })
+    }
+}

@@ -1,0 +1,191 @@
+//! Replica-to-replica transport: one TCP connection per direction and peer, carrying
+//! frames `[u32 len][u32 crc32c(payload)][payload]`. The first frame on a connection is a
+//! hello naming the sender. A frame that is too long, fails its CRC or does not parse
+//! closes the connection; the replica keeps running and Raft retransmits.
+
+use crate::replica::Inbound;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc::{sync_channel, Receiver, Sender, SyncSender, TrySendError};
+use std::thread;
+use std::time::Duration;
+
+/// Larger frames are refused (a snapshot of a full 64 MiB store fits).
+pub const FRAME_MAX: usize = 256 << 20;
+/// Frames queued for one peer before new ones are dropped (the peer is slow or down).
+const QUEUE: usize = 8192;
+const HELLO: &[u8; 8] = b"LSKVPEER";
+
+pub fn encode_frame(payload: &[u8]) -> Vec<u8> {
+    assert!(payload.len() <= FRAME_MAX);
+    let mut f = Vec::with_capacity(payload.len() + 8);
+    f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    f.extend_from_slice(&lockstep_core::crc32c(payload).to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Read one frame; `Err` on EOF, a bad CRC or an oversize length.
+pub fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    let mut head = [0u8; 8];
+    r.read_exact(&mut head)?;
+    let len = u32::from_le_bytes(head[..4].try_into().unwrap()) as usize;
+    let crc = u32::from_le_bytes(head[4..].try_into().unwrap());
+    if len > FRAME_MAX {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes"),
+        ));
+    }
+    let mut payload = vec![0u8; len];
+    r.read_exact(&mut payload)?;
+    if lockstep_core::crc32c(&payload) != crc {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "frame CRC mismatch",
+        ));
+    }
+    Ok(payload)
+}
+
+/// Outgoing queues, one per peer id.
+pub struct Peers {
+    me: u64,
+    queues: Vec<Option<SyncSender<Vec<u8>>>>,
+}
+
+impl Peers {
+    /// Start a sender thread per peer (`addrs[i]` is replica `i + 1`).
+    pub fn start(me: u64, addrs: &[SocketAddr]) -> Peers {
+        let queues = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, &addr)| {
+                let id = i as u64 + 1;
+                if id == me {
+                    return None;
+                }
+                let (tx, rx) = sync_channel(QUEUE);
+                thread::Builder::new()
+                    .name(format!("peer-out-{id}"))
+                    .spawn(move || sender(me, addr, rx))
+                    .expect("spawn peer sender");
+                Some(tx)
+            })
+            .collect();
+        Peers { me, queues }
+    }
+
+    /// Queue a payload for `to`; dropped if the peer's queue is full.
+    pub fn send(&self, to: u64, payload: &[u8]) {
+        debug_assert!(to != self.me);
+        if let Some(Some(q)) = self.queues.get((to as usize).wrapping_sub(1)) {
+            match q.try_send(encode_frame(payload)) {
+                Ok(()) | Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {}
+            }
+        }
+    }
+
+    pub fn broadcast(&self, payload: &[u8]) {
+        let frame = encode_frame(payload);
+        for q in self.queues.iter().flatten() {
+            let _ = q.try_send(frame.clone());
+        }
+    }
+
+    pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.queues
+            .iter()
+            .enumerate()
+            .filter(|q| q.1.is_some())
+            .map(|(i, _)| i as u64 + 1)
+    }
+}
+
+fn sender(me: u64, addr: SocketAddr, rx: Receiver<Vec<u8>>) {
+    let mut hello = HELLO.to_vec();
+    hello.extend_from_slice(&me.to_le_bytes());
+    let hello = encode_frame(&hello);
+    'connect: loop {
+        let stream = match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            Ok(s) => s,
+            Err(_) => {
+                // Drop what piled up while the peer is away; Raft resends what matters.
+                while rx.try_recv().is_ok() {}
+                thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let mut w = BufWriter::with_capacity(64 << 10, stream);
+        if w.write_all(&hello).and_then(|_| w.flush()).is_err() {
+            continue;
+        }
+        loop {
+            let Ok(frame) = rx.recv() else { return };
+            if w.write_all(&frame).is_err() {
+                continue 'connect;
+            }
+            // Batch whatever else is queued into the same write.
+            while let Ok(more) = rx.try_recv() {
+                if w.write_all(&more).is_err() {
+                    continue 'connect;
+                }
+            }
+            if w.flush().is_err() {
+                continue 'connect;
+            }
+        }
+    }
+}
+
+/// Accept peer connections and forward their frames to the replica.
+pub fn listen(listener: TcpListener, n_peers: u64, to_node: Sender<Inbound>) {
+    thread::Builder::new()
+        .name("peer-accept".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let to_node = to_node.clone();
+                let _ = thread::Builder::new()
+                    .name("peer-in".into())
+                    .spawn(move || receive(stream, n_peers, to_node));
+            }
+        })
+        .expect("spawn peer listener");
+}
+
+fn receive(stream: TcpStream, n_peers: u64, to_node: Sender<Inbound>) {
+    let peer = stream.peer_addr().ok();
+    let _ = stream.set_nodelay(true);
+    let mut r = BufReader::with_capacity(64 << 10, stream);
+    let from = match read_frame(&mut r) {
+        Ok(h) if h.len() == 16 && &h[..8] == HELLO => u64::from_le_bytes(h[8..].try_into().unwrap()),
+        _ => {
+            let _ = to_node.send(Inbound::PeerError(format!(
+                "{peer:?}: not a lockstep kv peer; connection closed"
+            )));
+            return;
+        }
+    };
+    if from == 0 || from > n_peers {
+        let _ = to_node.send(Inbound::PeerError(format!(
+            "{peer:?}: unknown replica id {from}; connection closed"
+        )));
+        return;
+    }
+    loop {
+        match read_frame(&mut r) {
+            Ok(frame) => {
+                if to_node.send(Inbound::Peer { from, frame }).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                    let _ = to_node.send(Inbound::PeerError(format!("replica {from}: {e}; connection closed")));
+                }
+                return;
+            }
+        }
+    }
+}

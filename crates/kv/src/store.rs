@@ -1,0 +1,763 @@
+//! The key-value store: memcached semantics over protected objects. Execution is a pure
+//! function of (state, command, log time), so every replica that applies the same log
+//! reaches the same state and the same replies. Every object access goes through its guard
+//! and lands in the request's [`Delta`].
+
+use crate::command::{Command, StoreOp};
+use crate::objects::*;
+use lockstep_guard::{Corrupt, Delta, Guarded, ObjectId, Packer, Protected, UnpackError, Unpacker};
+
+/// Recorded for an object that a request deleted.
+pub const GONE: u32 = 0;
+
+/// memcached: exptimes up to 30 days are relative, larger ones are Unix times.
+const RELATIVE_EXPTIME_MAX: i64 = 60 * 60 * 24 * 30;
+/// An item's LRU position is refreshed at most this often (as memcached does).
+const LRU_BUMP_INTERVAL_MS: u64 = 60_000;
+
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Buckets in the hash index (fixed: the index never rehashes, so ids stay stable).
+    pub buckets: u32,
+    /// Memory for items (key + value + overhead) before LRU eviction.
+    pub memory_bytes: u64,
+    /// Largest value accepted.
+    pub item_max: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            buckets: 1 << 14,
+            memory_bytes: 64 << 20,
+            item_max: 1 << 20,
+        }
+    }
+}
+
+pub struct Store {
+    limits: Limits,
+    items: Vec<Option<Guarded<Item>>>,
+    links: Vec<Option<Guarded<Links>>>,
+    buckets: Vec<Guarded<Bucket>>,
+    slab: Guarded<Slab>,
+    globals: Guarded<Globals>,
+}
+
+type R<T> = Result<T, Corrupt>;
+
+/// Which object a test-only corruption hits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// The item holding a key (its value).
+    Item,
+    /// The hash-index bucket of a key.
+    Bucket,
+    /// The LRU/expiry links of a key's item.
+    Links,
+}
+
+impl Store {
+    pub fn new(limits: Limits) -> Self {
+        assert!(limits.buckets > 0 && limits.buckets.is_power_of_two());
+        let buckets = (0..limits.buckets)
+            .map(|b| Guarded::restore(bucket_id(b), Bucket::default()))
+            .collect();
+        Store {
+            limits,
+            items: Vec::new(),
+            links: Vec::new(),
+            buckets,
+            slab: Guarded::restore(SLAB_ID, Slab::default()),
+            globals: Guarded::restore(GLOBALS_ID, Globals::default()),
+        }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Execute one command at log time `now_ms`. The reply is recorded in the delta. On a
+    /// failed object check the command stops where it is; the reply is then an error that
+    /// no client must see (the cross-check will disagree with it), and the delta names the
+    /// object.
+    pub fn apply(&mut self, cmd: &Command, now_ms: u64, delta: &mut Delta) -> Vec<u8> {
+        let mut reply = Vec::new();
+        let result = self
+            .advance_clock(now_ms, delta)
+            .and_then(|now| self.execute(cmd, now, delta, &mut reply));
+        if let Err(c) = result {
+            reply.clear();
+            reply.extend_from_slice(format!("SERVER_ERROR {c}\r\n").as_bytes());
+        }
+        delta.record_reply(&reply);
+        reply
+    }
+
+    fn advance_clock(&mut self, now_ms: u64, delta: &mut Delta) -> R<u64> {
+        let g = self.globals.read(delta)?;
+        if now_ms <= g.now_ms {
+            return Ok(g.now_ms);
+        }
+        self.globals.write(delta)?.now_ms = now_ms;
+        Ok(now_ms)
+    }
+
+    fn execute(&mut self, cmd: &Command, now: u64, d: &mut Delta, out: &mut Vec<u8>) -> R<()> {
+        match cmd {
+            Command::Get { keys, with_cas, touch } => {
+                for key in keys {
+                    let Some(slot) = self.lookup(key, now, d)? else {
+                        continue;
+                    };
+                    if let Some(exptime) = touch {
+                        let exp = absolute_exptime(*exptime, now);
+                        self.item_mut(slot, d)?.exptime_ms = exp;
+                    }
+                    self.bump(slot, now, d)?;
+                    let it = self.item(slot, d)?;
+                    out.extend_from_slice(b"VALUE ");
+                    out.extend_from_slice(&it.key);
+                    out.extend_from_slice(format!(" {} {}", it.flags, it.value.len()).as_bytes());
+                    if *with_cas {
+                        out.extend_from_slice(format!(" {}", it.cas).as_bytes());
+                    }
+                    out.extend_from_slice(b"\r\n");
+                    out.extend_from_slice(&it.value);
+                    out.extend_from_slice(b"\r\n");
+                }
+                out.extend_from_slice(b"END\r\n");
+            }
+            Command::Store {
+                op,
+                key,
+                flags,
+                exptime,
+                data,
+                cas,
+            } => {
+                let reply = self.store(*op, key, *flags, *exptime, data, *cas, now, d)?;
+                out.extend_from_slice(reply);
+            }
+            Command::Delete { key } => match self.lookup(key, now, d)? {
+                Some(slot) => {
+                    self.unlink(slot, d)?;
+                    out.extend_from_slice(b"DELETED\r\n");
+                }
+                None => out.extend_from_slice(b"NOT_FOUND\r\n"),
+            },
+            Command::Arith { key, incr, delta } => {
+                let Some(slot) = self.lookup(key, now, d)? else {
+                    out.extend_from_slice(b"NOT_FOUND\r\n");
+                    return Ok(());
+                };
+                let current = std::str::from_utf8(&self.item(slot, d)?.value)
+                    .ok()
+                    .and_then(|s| s.trim_end_matches(' ').parse::<u64>().ok());
+                let Some(current) = current else {
+                    out.extend_from_slice(b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n");
+                    return Ok(());
+                };
+                let new = if *incr {
+                    current.wrapping_add(*delta)
+                } else {
+                    current.saturating_sub(*delta)
+                };
+                let text = new.to_string().into_bytes();
+                let cas = self.next_cas(d)?;
+                let old_size = {
+                    let mut it = self.item_mut(slot, d)?;
+                    let old = it.size();
+                    it.value = text.clone();
+                    it.cas = cas;
+                    old
+                };
+                self.account(old_size, slot, d)?;
+                out.extend_from_slice(&text);
+                out.extend_from_slice(b"\r\n");
+            }
+            Command::Touch { key, exptime } => match self.lookup(key, now, d)? {
+                Some(slot) => {
+                    self.item_mut(slot, d)?.exptime_ms = absolute_exptime(*exptime, now);
+                    self.bump(slot, now, d)?;
+                    out.extend_from_slice(b"TOUCHED\r\n");
+                }
+                None => out.extend_from_slice(b"NOT_FOUND\r\n"),
+            },
+            Command::FlushAll { delay } => {
+                // memcached: items stored up to one second before the flush time are dead
+                // once it arrives.
+                let at = if *delay > 0 { absolute_exptime(*delay, now) } else { now };
+                self.globals.write(d)?.oldest_live_ms = at.saturating_sub(1).max(1);
+                out.extend_from_slice(b"OK\r\n");
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &mut self,
+        op: StoreOp,
+        key: &[u8],
+        flags: u32,
+        exptime: i64,
+        data: &[u8],
+        cas_in: u64,
+        now: u64,
+        d: &mut Delta,
+    ) -> R<&'static [u8]> {
+        let existing = self.lookup(key, now, d)?;
+        let exp = absolute_exptime(exptime, now);
+        match (op, existing) {
+            (StoreOp::Add, Some(slot)) => {
+                self.bump(slot, now, d)?;
+                return Ok(b"NOT_STORED\r\n");
+            }
+            (StoreOp::Replace | StoreOp::Append | StoreOp::Prepend, None) => return Ok(b"NOT_STORED\r\n"),
+            (StoreOp::Cas, None) => return Ok(b"NOT_FOUND\r\n"),
+            (StoreOp::Cas, Some(slot)) if self.item(slot, d)?.cas != cas_in => return Ok(b"EXISTS\r\n"),
+            _ => {}
+        }
+        if let Some(slot) = existing {
+            if matches!(op, StoreOp::Append | StoreOp::Prepend)
+                && self.item(slot, d)?.value.len() + data.len() > self.limits.item_max
+            {
+                return Ok(b"SERVER_ERROR object too large for cache\r\n");
+            }
+        }
+        let cas = self.next_cas(d)?;
+        match existing {
+            Some(slot) => {
+                let old_size = {
+                    let mut it = self.item_mut(slot, d)?;
+                    let old = it.size();
+                    match op {
+                        StoreOp::Append => it.value.extend_from_slice(data),
+                        StoreOp::Prepend => {
+                            let mut v = data.to_vec();
+                            v.extend_from_slice(&it.value);
+                            it.value = v;
+                        }
+                        _ => {
+                            it.value = data.to_vec();
+                            it.flags = flags;
+                            it.exptime_ms = exp;
+                        }
+                    }
+                    it.cas = cas;
+                    it.stored_ms = now;
+                    old
+                };
+                self.account(old_size, slot, d)?;
+                self.bump(slot, now, d)?;
+            }
+            None => {
+                let item = Item {
+                    key: key.to_vec(),
+                    value: data.to_vec(),
+                    flags,
+                    exptime_ms: exp,
+                    cas,
+                    stored_ms: now,
+                };
+                self.link(item, now, d)?;
+            }
+        }
+        Ok(b"STORED\r\n")
+    }
+
+    fn next_cas(&mut self, d: &mut Delta) -> R<u64> {
+        let mut g = self.globals.write(d)?;
+        g.cas += 1;
+        Ok(g.cas)
+    }
+
+    fn bucket_of(&self, key: &[u8]) -> (u32, u32) {
+        let h = lockstep_core::crc32c(key);
+        (h, h & (self.limits.buckets - 1))
+    }
+
+    fn item(&self, slot: u32, d: &mut Delta) -> R<&Item> {
+        match self.items.get(slot as usize).and_then(|s| s.as_ref()) {
+            Some(g) => g.read(d),
+            None => Err(self.dangling(item_id(slot), d)),
+        }
+    }
+
+    fn item_mut<'a>(&'a mut self, slot: u32, d: &'a mut Delta) -> R<lockstep_guard::GuardMut<'a, Item>> {
+        match self.items.get_mut(slot as usize).and_then(|s| s.as_mut()) {
+            Some(g) => g.write(d),
+            None => {
+                d.record_corrupt(item_id(slot));
+                Err(Corrupt(item_id(slot)))
+            }
+        }
+    }
+
+    fn links_mut<'a>(&'a mut self, slot: u32, d: &'a mut Delta) -> R<lockstep_guard::GuardMut<'a, Links>> {
+        match self.links.get_mut(slot as usize).and_then(|s| s.as_mut()) {
+            Some(g) => g.write(d),
+            None => {
+                d.record_corrupt(links_id(slot));
+                Err(Corrupt(links_id(slot)))
+            }
+        }
+    }
+
+    /// A reference to a slot that holds nothing: the structure pointing at it is corrupt.
+    fn dangling(&self, id: ObjectId, d: &mut Delta) -> Corrupt {
+        d.record_corrupt(id);
+        Corrupt(id)
+    }
+
+    /// The slot of a live item with this key; expired and flushed items are unlinked here
+    /// (lazily, on access, at a deterministic point of the log).
+    fn lookup(&mut self, key: &[u8], now: u64, d: &mut Delta) -> R<Option<u32>> {
+        let (hash, b) = self.bucket_of(key);
+        let mut found = None;
+        // The bucket's entries are copied out so that items can be read while iterating.
+        let candidates: Vec<u32> = self.buckets[b as usize]
+            .read(d)?
+            .entries
+            .iter()
+            .filter(|e| e.0 == hash)
+            .map(|e| e.1)
+            .collect();
+        for slot in candidates {
+            if self.item(slot, d)?.key == key {
+                found = Some(slot);
+                break;
+            }
+        }
+        let Some(slot) = found else { return Ok(None) };
+        let it = self.item(slot, d)?;
+        let oldest_live = self.globals.read(d)?.oldest_live_ms;
+        let expired = it.exptime_ms != 0 && it.exptime_ms <= now;
+        let flushed = oldest_live != 0 && oldest_live <= now && it.stored_ms <= oldest_live;
+        if expired || flushed {
+            self.unlink(slot, d)?;
+            return Ok(None);
+        }
+        Ok(Some(slot))
+    }
+
+    fn link(&mut self, item: Item, now: u64, d: &mut Delta) -> R<()> {
+        let (hash, b) = self.bucket_of(&item.key);
+        let size = item.size();
+        let slot = {
+            let mut slab = self.slab.write(d)?;
+            match slab.free.pop() {
+                Some(s) => s,
+                None => {
+                    slab.high += 1;
+                    slab.high - 1
+                }
+            }
+        };
+        let i = slot as usize;
+        if self.items.len() <= i {
+            self.items.resize_with(i + 1, || None);
+            self.links.resize_with(i + 1, || None);
+        }
+        if self.items[i].is_some() {
+            // The allocator handed out a live slot: the slab is corrupt.
+            d.record_corrupt(SLAB_ID);
+            return Err(Corrupt(SLAB_ID));
+        }
+        self.items[i] = Some(Guarded::new(item_id(slot), item, d));
+        self.buckets[b as usize].write(d)?.entries.push((hash, slot));
+        let old_head = self.globals.read(d)?.lru_head;
+        self.links[i] = Some(Guarded::new(
+            links_id(slot),
+            Links {
+                prev: NIL,
+                next: old_head,
+                accessed_ms: now,
+            },
+            d,
+        ));
+        if old_head != NIL {
+            self.links_mut(old_head, d)?.prev = slot;
+        }
+        {
+            let mut g = self.globals.write(d)?;
+            g.lru_head = slot;
+            if g.lru_tail == NIL {
+                g.lru_tail = slot;
+            }
+            g.items += 1;
+            g.bytes += size;
+        }
+        self.evict(slot, d)
+    }
+
+    /// Evict from the LRU tail until the items fit; never the item just stored.
+    fn evict(&mut self, keep: u32, d: &mut Delta) -> R<()> {
+        loop {
+            let g = self.globals.read(d)?;
+            if g.bytes <= self.limits.memory_bytes || g.lru_tail == NIL || g.lru_tail == keep {
+                return Ok(());
+            }
+            let victim = g.lru_tail;
+            self.unlink(victim, d)?;
+            self.globals.write(d)?.evictions += 1;
+        }
+    }
+
+    fn unlink(&mut self, slot: u32, d: &mut Delta) -> R<()> {
+        let (key_hash, size) = {
+            let it = self.item(slot, d)?;
+            (lockstep_core::crc32c(&it.key), it.size())
+        };
+        let b = key_hash & (self.limits.buckets - 1);
+        {
+            let mut bucket = self.buckets[b as usize].write(d)?;
+            let before = bucket.entries.len();
+            bucket.entries.retain(|e| e.1 != slot);
+            if bucket.entries.len() == before {
+                drop(bucket);
+                d.record_corrupt(bucket_id(b));
+                return Err(Corrupt(bucket_id(b)));
+            }
+        }
+        let (prev, next) = {
+            let l = self.links_mut(slot, d)?;
+            (l.prev, l.next)
+        };
+        if prev != NIL {
+            self.links_mut(prev, d)?.next = next;
+        }
+        if next != NIL {
+            self.links_mut(next, d)?.prev = prev;
+        }
+        {
+            let mut g = self.globals.write(d)?;
+            if g.lru_head == slot {
+                g.lru_head = next;
+            }
+            if g.lru_tail == slot {
+                g.lru_tail = prev;
+            }
+            g.items -= 1;
+            g.bytes = g.bytes.saturating_sub(size);
+        }
+        self.items[slot as usize] = None;
+        self.links[slot as usize] = None;
+        d.record(item_id(slot), GONE);
+        d.record(links_id(slot), GONE);
+        self.slab.write(d)?.free.push(slot);
+        Ok(())
+    }
+
+    /// Move an item to the LRU head if it was not refreshed recently.
+    fn bump(&mut self, slot: u32, now: u64, d: &mut Delta) -> R<()> {
+        let (prev, next, accessed) = {
+            let l = match self.links.get(slot as usize).and_then(|l| l.as_ref()) {
+                Some(l) => l.read(d)?,
+                None => return Err(self.dangling(links_id(slot), d)),
+            };
+            (l.prev, l.next, l.accessed_ms)
+        };
+        if now.saturating_sub(accessed) < LRU_BUMP_INTERVAL_MS {
+            return Ok(());
+        }
+        if prev != NIL {
+            // Not already the head: unlink and push at the head.
+            self.links_mut(prev, d)?.next = next;
+            if next != NIL {
+                self.links_mut(next, d)?.prev = prev;
+            }
+            let old_head = {
+                let mut g = self.globals.write(d)?;
+                let h = g.lru_head;
+                if g.lru_tail == slot {
+                    g.lru_tail = prev;
+                }
+                g.lru_head = slot;
+                h
+            };
+            self.links_mut(old_head, d)?.prev = slot;
+            let mut l = self.links_mut(slot, d)?;
+            l.prev = NIL;
+            l.next = old_head;
+        }
+        self.links_mut(slot, d)?.accessed_ms = now;
+        Ok(())
+    }
+
+    /// Update the byte count after an item changed size in place, and evict if needed.
+    fn account(&mut self, old_size: u64, slot: u32, d: &mut Delta) -> R<()> {
+        let new_size = self.item(slot, d)?.size();
+        {
+            let mut g = self.globals.write(d)?;
+            g.bytes = g.bytes.saturating_sub(old_size) + new_size;
+        }
+        self.evict(slot, d)
+    }
+
+    // ---- statistics, digests, repair, snapshots -------------------------------------
+
+    /// Globals without a check, for `stats` (statistics are not protected state).
+    pub fn stats(&self) -> &Globals {
+        self.globals.peek()
+    }
+
+    /// A digest of the whole protected state: every object's id and CRC, in id order.
+    /// Replicas that agree have equal digests. Objects failing their check are counted.
+    pub fn digest(&self) -> (u64, usize) {
+        let mut h = lockstep_guard::Hasher::default();
+        let mut bad = 0;
+        self.for_each_object(|id, crc, ok| {
+            h.u64(id.0);
+            h.u32(crc);
+            bad += usize::from(!ok);
+        });
+        ((h.finish() as u64) << 32 | self.stats().items, bad)
+    }
+
+    fn for_each_object(&self, mut f: impl FnMut(ObjectId, u32, bool)) {
+        let mut one = |g: &dyn GuardInfo| f(g.gid(), g.gcrc(), g.gok());
+        one(&self.slab);
+        one(&self.globals);
+        for b in &self.buckets {
+            one(b);
+        }
+        for g in self.items.iter().flatten() {
+            one(g);
+        }
+        for g in self.links.iter().flatten() {
+            one(g);
+        }
+    }
+
+    /// Objects that fail their check now (a scrub).
+    pub fn scrub(&self) -> Vec<ObjectId> {
+        let mut bad = Vec::new();
+        self.for_each_object(|id, _, ok| {
+            if !ok {
+                bad.push(id)
+            }
+        });
+        bad
+    }
+
+    /// The current stored CRC of an object, or GONE if it does not exist.
+    pub fn object_crc(&self, id: ObjectId) -> u32 {
+        self.with_object(id, |g| g.gcrc()).unwrap_or(GONE)
+    }
+
+    fn with_object<T>(&self, id: ObjectId, f: impl FnOnce(&dyn GuardInfo) -> T) -> Option<T> {
+        let i = id.index() as usize;
+        match id.kind() {
+            KIND_ITEM => self.items.get(i)?.as_ref().map(|g| f(g)),
+            KIND_LINKS => self.links.get(i)?.as_ref().map(|g| f(g)),
+            KIND_BUCKET => self.buckets.get(i).map(|g| f(g)),
+            KIND_SLAB => Some(f(&self.slab)),
+            KIND_GLOBALS => Some(f(&self.globals)),
+            _ => None,
+        }
+    }
+
+    /// Pack an object for a repair: `None` if it does not exist here (the receiver then
+    /// deletes its copy), or its bytes. The caller verifies health first.
+    pub fn pack_object(&self, id: ObjectId, out: &mut Packer) -> bool {
+        self.with_object(id, |g| g.gpack(out)).is_some()
+    }
+
+    /// Whether an object passes its check (absent objects do).
+    pub fn object_ok(&self, id: ObjectId) -> bool {
+        self.with_object(id, |g| g.gok()).unwrap_or(true)
+    }
+
+    /// Replace an object with a healthy replica's copy (`None`: it must not exist).
+    pub fn replace_object(&mut self, id: ObjectId, packed: Option<&[u8]>) -> Result<(), UnpackError> {
+        self.put_object(id, packed, None)
+    }
+
+    /// Put an object; with `crc`, keep that CRC instead of computing a fresh one.
+    fn put_object(&mut self, id: ObjectId, packed: Option<&[u8]>, crc: Option<u32>) -> Result<(), UnpackError> {
+        fn make<T: Protected>(id: ObjectId, b: &[u8], crc: Option<u32>) -> Result<Guarded<T>, UnpackError> {
+            let v = unpack_all(b)?;
+            Ok(match crc {
+                Some(c) => Guarded::restore_with_crc(id, v, c),
+                None => Guarded::restore(id, v),
+            })
+        }
+        fn put<T: Protected>(
+            slot: &mut Option<Guarded<T>>,
+            id: ObjectId,
+            p: Option<&[u8]>,
+            crc: Option<u32>,
+        ) -> Result<(), UnpackError> {
+            *slot = match p {
+                Some(b) => Some(make(id, b, crc)?),
+                None => None,
+            };
+            Ok(())
+        }
+        let i = id.index() as usize;
+        match id.kind() {
+            KIND_ITEM | KIND_LINKS => {
+                // Slots are u32 and dense; a repair naming a slot far beyond ours is bogus.
+                if i >= self.items.len() + (1 << 20) {
+                    return Err(UnpackError("slot out of range"));
+                }
+                if self.items.len() <= i {
+                    self.items.resize_with(i + 1, || None);
+                    self.links.resize_with(i + 1, || None);
+                }
+                if id.kind() == KIND_ITEM {
+                    put(&mut self.items[i], id, packed, crc)
+                } else {
+                    put(&mut self.links[i], id, packed, crc)
+                }
+            }
+            KIND_BUCKET if i < self.buckets.len() => {
+                self.buckets[i] = make(id, packed.ok_or(UnpackError("a bucket cannot be absent"))?, crc)?;
+                Ok(())
+            }
+            KIND_SLAB => {
+                self.slab = make(id, packed.ok_or(UnpackError("slab absent"))?, crc)?;
+                Ok(())
+            }
+            KIND_GLOBALS => {
+                self.globals = make(id, packed.ok_or(UnpackError("globals absent"))?, crc)?;
+                Ok(())
+            }
+            _ => Err(UnpackError("unknown object id")),
+        }
+    }
+
+    /// The whole state, for a Raft snapshot: every existing object, packed.
+    pub fn snapshot(&self) -> Vec<u8> {
+        let mut p = Packer::default();
+        p.u32(self.limits.buckets);
+        let mut ids = Vec::new();
+        self.for_each_object(|id, crc, _| ids.push((id, crc)));
+        p.u64(ids.len() as u64);
+        for (id, crc) in ids {
+            p.u64(id.0);
+            // The stored CRC travels with the object, so that an object that is already
+            // corrupt here is still caught on the replica that installs the snapshot.
+            p.u32(crc);
+            let mut obj = Packer::default();
+            self.pack_object(id, &mut obj);
+            p.bytes(&obj.buf);
+        }
+        p.buf
+    }
+
+    /// Rebuild from `snapshot`'s bytes (the limits other than the bucket count are ours).
+    pub fn restore(limits: Limits, data: &[u8]) -> Result<Self, UnpackError> {
+        let mut u = Unpacker::new(data);
+        let buckets = u.u32()?;
+        if buckets != limits.buckets {
+            return Err(UnpackError("snapshot has a different bucket count"));
+        }
+        let mut store = Store::new(limits);
+        let n = u.u64()?;
+        for _ in 0..n {
+            let id = ObjectId(u.u64()?);
+            let crc = u.u32()?;
+            let obj = u.bytes()?;
+            store.put_object(id, Some(obj), Some(crc))?;
+        }
+        if !u.is_empty() {
+            return Err(UnpackError("trailing bytes after snapshot"));
+        }
+        Ok(store)
+    }
+
+    /// Test-only corruption: flip bit `bit` (modulo the object's size) of the object that
+    /// `target` names for `key`. With `recompute`, the CRC is updated too (a fault during
+    /// an access, that only the cross-check can see). Returns the object hit.
+    pub fn corrupt(&mut self, key: &[u8], target: Target, bit: u64, recompute: bool) -> Option<ObjectId> {
+        let (hash, b) = self.bucket_of(key);
+        let slot = self.buckets[b as usize]
+            .peek()
+            .entries
+            .iter()
+            .filter(|e| e.0 == hash)
+            .map(|e| e.1)
+            .find(|&s| {
+                self.items
+                    .get(s as usize)
+                    .and_then(|i| i.as_ref())
+                    .is_some_and(|i| i.peek().key == key)
+            })?;
+        match target {
+            Target::Item => {
+                let g = self.items[slot as usize].as_mut()?;
+                g.corrupt_with(recompute, |it| {
+                    if it.value.is_empty() {
+                        it.flags ^= 1 << (bit % 32);
+                    } else {
+                        let n = it.value.len() as u64 * 8;
+                        it.value[((bit % n) / 8) as usize] ^= 1 << (bit % 8);
+                    }
+                });
+                Some(g.id())
+            }
+            Target::Bucket => {
+                let g = &mut self.buckets[b as usize];
+                g.corrupt_with(recompute, |bk| {
+                    let e = bk.entries.iter_mut().find(|e| e.1 == slot).expect("entry");
+                    e.1 ^= 1 << (bit % 8);
+                });
+                Some(g.id())
+            }
+            Target::Links => {
+                let g = self.links[slot as usize].as_mut()?;
+                g.corrupt_with(recompute, |l| l.accessed_ms ^= 1 << (bit % 40));
+                Some(g.id())
+            }
+        }
+    }
+}
+
+fn unpack_all<T: Protected>(b: &[u8]) -> Result<T, UnpackError> {
+    let mut u = Unpacker::new(b);
+    let v = T::unpack(&mut u)?;
+    if !u.is_empty() {
+        return Err(UnpackError("trailing bytes after object"));
+    }
+    Ok(v)
+}
+
+/// Object-safe view of a `Guarded<T>` for walks over heterogeneous objects.
+trait GuardInfo {
+    fn gid(&self) -> ObjectId;
+    fn gcrc(&self) -> u32;
+    fn gok(&self) -> bool;
+    fn gpack(&self, out: &mut Packer);
+}
+
+impl<T: Protected> GuardInfo for Guarded<T> {
+    fn gid(&self) -> ObjectId {
+        self.id()
+    }
+    fn gcrc(&self) -> u32 {
+        self.stored_crc()
+    }
+    fn gok(&self) -> bool {
+        self.verify().is_ok()
+    }
+    fn gpack(&self, out: &mut Packer) {
+        self.peek().pack(out)
+    }
+}
+
+/// memcached's exptime rules, in log milliseconds: 0 never; negative: already expired;
+/// up to 30 days: relative seconds; beyond: a Unix time in seconds.
+pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
+    if exptime == 0 {
+        0
+    } else if exptime < 0 {
+        1
+    } else if exptime <= RELATIVE_EXPTIME_MAX {
+        now_ms + exptime as u64 * 1000
+    } else {
+        (exptime as u64 * 1000).max(1)
+    }
+}
