@@ -87,6 +87,13 @@ struct StoreOpts {
     /// Applied log entries between snapshots.
     #[arg(long, default_value_t = 10_000, value_name = "N")]
     snapshot_every: u64,
+    /// A replica that needs more than N recoveries within --recovery-window is removed
+    /// from the cluster and re-added empty, to be rebuilt from a snapshot.
+    #[arg(long, default_value_t = 5, value_name = "N")]
+    max_recoveries: usize,
+    /// The window for --max-recoveries, in seconds.
+    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    recovery_window: u64,
 }
 
 /// Run one replica.
@@ -211,6 +218,9 @@ fn serve(a: ServeArgs) -> i32 {
         events: a.events,
         snapshot_every: a.opts.snapshot_every.max(1),
         tick: Duration::from_millis(100),
+        max_recoveries: a.opts.max_recoveries,
+        recovery_window: Duration::from_secs(a.opts.recovery_window.max(1)),
+        watchdog: Duration::from_secs(10),
     };
     replica::run(cfg)
 }
@@ -255,6 +265,8 @@ fn cluster(a: ClusterArgs) -> i32 {
         cmd.args(["--memory-limit", &a.opts.memory_limit.to_string()]);
         cmd.args(["--item-max", &a.opts.item_max.to_string()]);
         cmd.args(["--snapshot-every", &a.opts.snapshot_every.to_string()]);
+        cmd.args(["--max-recoveries", &a.opts.max_recoveries.to_string()]);
+        cmd.args(["--recovery-window", &a.opts.recovery_window.to_string()]);
         if a.opts.no_fsync {
             cmd.arg("--no-fsync");
         }

@@ -305,7 +305,7 @@ fn pymemcache_functional_suite_on_every_replica() {
 /// access (CRC recomputed: only the cross-check sees it), on a follower and the leader.
 #[test]
 fn corruption_is_caught_before_any_client_sees_it_and_repaired() {
-    let c = Cluster::start(3, &["--test-corruption"]);
+    let c = Cluster::start(3, &["--test-corruption", "--max-recoveries", "100"]);
     let mut writer = Mc::connect(c.port(1)).unwrap();
     let mut round = 0;
     for target in ["item", "bucket", "links"] {
@@ -554,4 +554,89 @@ fn command_line_errors_are_clear() {
     assert_eq!(code, 86, "{err}");
     assert!(err.contains("corrupt"), "{err}");
     let _ = Path::new(&dir);
+}
+
+/// A replica that keeps needing repairs is removed from the Raft configuration, wiped,
+/// added back and rebuilt from a snapshot; it then serves the same data as the others.
+#[test]
+fn a_replica_with_too_many_recoveries_is_replaced_from_a_snapshot() {
+    let c = Cluster::start(
+        3,
+        &["--test-corruption", "--max-recoveries", "2", "--recovery-window", "120"],
+    );
+    let leader = c.leader();
+    let victim = (1..=3).find(|&id| id != leader).unwrap();
+    let mut writer = Mc::connect(c.port(leader)).unwrap();
+    for i in 0..20 {
+        assert_eq!(writer.set(&format!("base-{i}"), format!("v{i}").as_bytes()), "STORED");
+    }
+    let mut bad = Mc::connect(c.port(victim)).unwrap();
+    for round in 0..3 {
+        let key = format!("base-{round}");
+        assert!(bad
+            .line(&format!("lockstep_corrupt {key} item"))
+            .starts_with("CORRUPTED"));
+        assert_eq!(bad.get(&key).as_deref(), Some(format!("v{round}").as_bytes()));
+        c.assert_agree();
+    }
+    // The third recovery crossed the limit: removal, wipe, re-add, snapshot.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let kinds = c.event_kinds(victim);
+        let wiped = kinds.iter().position(|k| k == "replace");
+        let snap = kinds.iter().rposition(|k| k == "snapshot");
+        if let (Some(w), Some(s)) = (wiped, snap) {
+            if s > w {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replacement on replica {victim}: {kinds:?}\n{}",
+            c.log(victim)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let leader_kinds = c.event_kinds(c.leader());
+    assert!(
+        leader_kinds.iter().filter(|k| *k == "membership").count() >= 2,
+        "{leader_kinds:?}"
+    );
+    c.wait_ready(victim);
+    assert_eq!(Mc::connect(c.port(victim)).unwrap().stats()["kv_replacements"], "1");
+    // Everything written before is there, and new writes through the rebuilt replica work.
+    let mut rebuilt = Mc::connect(c.port(victim)).unwrap();
+    for i in 0..20 {
+        assert_eq!(
+            rebuilt.get(&format!("base-{i}")),
+            Some(format!("v{i}").into_bytes()),
+            "base-{i}"
+        );
+    }
+    assert_eq!(rebuilt.set("after", b"replacement"), "STORED");
+    c.assert_agree();
+}
+
+/// A replica that was repaired and then restarts replays its log, RECOVER entries for
+/// itself included; the replay is clean, so it must not wait for a repair that never comes.
+#[test]
+fn a_repaired_replica_restarts_and_replays_its_log() {
+    let mut c = Cluster::start(3, &["--test-corruption"]);
+    let mut w = Mc::connect(c.port(1)).unwrap();
+    assert_eq!(w.set("k", b"value"), "STORED");
+    let mut bad = Mc::connect(c.port(2)).unwrap();
+    assert!(bad.line("lockstep_corrupt k item").starts_with("CORRUPTED"));
+    assert_eq!(bad.get("k").as_deref(), Some(&b"value"[..]));
+    c.assert_agree();
+    c.kill(2);
+    assert_eq!(w.set("k2", b"while down"), "STORED");
+    c.spawn(2);
+    c.wait_ready(2);
+    let digest = c.assert_agree();
+    assert!(digest.starts_with("DIGEST "));
+    let mut back = Mc::connect(c.port(2)).unwrap();
+    assert_eq!(back.get("k2").as_deref(), Some(&b"while down"[..]));
+    let kinds = c.event_kinds(2);
+    assert!(kinds.iter().any(|k| k == "recover-skip"), "{kinds:?}");
+    assert!(!kinds.iter().any(|k| k == "halt"), "{kinds:?}");
 }

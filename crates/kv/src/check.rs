@@ -145,17 +145,17 @@ impl Validator {
         let known = p.sets.iter().filter(|s| s.is_some()).count();
         match best {
             Some((rep, size)) if size >= majority => {
-                let good = p.sets[rep].clone().expect("representative is known");
+                let good = p.sets[rep].as_ref().expect("representative is known");
                 for r in 0..n {
                     let Some(set) = &p.sets[r] else { continue };
-                    let now = if *set == good { Status::Valid } else { Status::Failed };
+                    let now = if set == good { Status::Valid } else { Status::Failed };
                     if p.status[r] != now {
                         p.status[r] = now;
                         if now == Status::Failed {
                             out.push(Outcome::Failed {
                                 replica: r as u64 + 1,
                                 req: id,
-                                objects: Delta::differing(set, &good),
+                                objects: Delta::differing(set, good),
                             });
                         }
                     }
@@ -188,11 +188,12 @@ impl Validator {
             }
         }
         if !p.released {
-            if let (Status::Valid, Some(to), Some(reply)) = (p.status[me], p.to, &p.reply) {
+            if let (Status::Valid, Some(to), true) = (p.status[me], p.to, p.reply.is_some()) {
+                // Our own client's request: nobody else is owed this reply, so it moves.
                 p.released = true;
                 out.push(Outcome::Release {
                     to,
-                    reply: reply.clone(),
+                    reply: p.reply.take().expect("checked above"),
                 });
             } else if let (Status::Failed, Some(to)) = (p.status[me], p.to) {
                 p.released = true;

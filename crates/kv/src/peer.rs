@@ -17,12 +17,16 @@ const QUEUE: usize = 8192;
 const HELLO: &[u8; 8] = b"LSKVPEER";
 
 pub fn encode_frame(payload: &[u8]) -> Vec<u8> {
-    assert!(payload.len() <= FRAME_MAX);
     let mut f = Vec::with_capacity(payload.len() + 8);
-    f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    f.extend_from_slice(&lockstep_core::crc32c(payload).to_le_bytes());
-    f.extend_from_slice(payload);
+    append_frame(&mut f, payload);
     f
+}
+
+fn append_frame(out: &mut Vec<u8>, payload: &[u8]) {
+    assert!(payload.len() <= FRAME_MAX);
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&lockstep_core::crc32c(payload).to_le_bytes());
+    out.extend_from_slice(payload);
 }
 
 /// Read one frame; `Err` on EOF, a bad CRC or an oversize length.
@@ -48,16 +52,19 @@ pub fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
     Ok(payload)
 }
 
-/// Outgoing queues, one per peer id.
+/// Outgoing queues, one per peer id. Frames are collected during one round of the
+/// replica loop and handed to each peer's sender thread in one piece by [`Peers::flush`]:
+/// one wake-up per peer and round instead of one per message.
 pub struct Peers {
     me: u64,
     queues: Vec<Option<SyncSender<Vec<u8>>>>,
+    pending: Vec<Vec<u8>>,
 }
 
 impl Peers {
     /// Start a sender thread per peer (`addrs[i]` is replica `i + 1`).
     pub fn start(me: u64, addrs: &[SocketAddr]) -> Peers {
-        let queues = addrs
+        let queues: Vec<_> = addrs
             .iter()
             .enumerate()
             .map(|(i, &addr)| {
@@ -73,32 +80,37 @@ impl Peers {
                 Some(tx)
             })
             .collect();
-        Peers { me, queues }
+        let pending = vec![Vec::new(); queues.len()];
+        Peers { me, queues, pending }
     }
 
-    /// Queue a payload for `to`; dropped if the peer's queue is full.
-    pub fn send(&self, to: u64, payload: &[u8]) {
+    /// Queue a payload for `to` (sent at the next flush).
+    pub fn send(&mut self, to: u64, payload: &[u8]) {
         debug_assert!(to != self.me);
-        if let Some(Some(q)) = self.queues.get((to as usize).wrapping_sub(1)) {
-            match q.try_send(encode_frame(payload)) {
-                Ok(()) | Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {}
+        let i = (to as usize).wrapping_sub(1);
+        if self.queues.get(i).is_some_and(|q| q.is_some()) {
+            append_frame(&mut self.pending[i], payload);
+        }
+    }
+
+    pub fn broadcast(&mut self, payload: &[u8]) {
+        for i in 0..self.queues.len() {
+            if self.queues[i].is_some() {
+                append_frame(&mut self.pending[i], payload);
             }
         }
     }
 
-    pub fn broadcast(&self, payload: &[u8]) {
-        let frame = encode_frame(payload);
-        for q in self.queues.iter().flatten() {
-            let _ = q.try_send(frame.clone());
+    /// Hand what was queued to the sender threads; dropped for a peer whose queue is full
+    /// (it is slow or down; Raft resends what matters).
+    pub fn flush(&mut self) {
+        for (q, buf) in self.queues.iter().zip(self.pending.iter_mut()) {
+            if let (Some(q), false) = (q, buf.is_empty()) {
+                match q.try_send(std::mem::take(buf)) {
+                    Ok(()) | Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {}
+                }
+            }
         }
-    }
-
-    pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.queues
-            .iter()
-            .enumerate()
-            .filter(|q| q.1.is_some())
-            .map(|(i, _)| i as u64 + 1)
     }
 }
 

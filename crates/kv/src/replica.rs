@@ -17,7 +17,7 @@ use crate::store::{Limits, Store, Target};
 use lockstep_core::{Event, EventSink};
 use lockstep_guard::{Delta, ObjectId, Packer, Pair, UnpackError, Unpacker};
 use prost::Message as _;
-use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType, Message};
+use raft::eraftpb::{ConfChange, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, MessageType};
 use raft::{RawNode, StateRole};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener};
@@ -67,6 +67,12 @@ pub struct Config {
     pub snapshot_every: u64,
     /// Raft tick.
     pub tick: Duration,
+    /// A replica recovered more than this many times within `recovery_window` is removed
+    /// from the cluster and re-added empty, to be rebuilt from a snapshot.
+    pub max_recoveries: usize,
+    pub recovery_window: Duration,
+    /// The replica thread making no progress for this long stops the process (exit 86).
+    pub watchdog: Duration,
 }
 
 /// What the replica thread is told.
@@ -116,6 +122,7 @@ struct Counters {
     max_recovery_us: u64,
     held_dropped: u64,
     order_timeouts: u64,
+    replacements: u64,
 }
 
 struct Recovery {
@@ -128,10 +135,13 @@ struct Recovery {
 
 struct RaftPart {
     node: RawNode<LogStore>,
+    config: raft::Config,
     storage: LogStore,
     peers: Peers,
     last_tick: Instant,
     snap_index: u64,
+    /// Wiped for replacement and not yet rebuilt from a snapshot.
+    rejoining: bool,
 }
 
 pub struct Replica {
@@ -154,6 +164,17 @@ pub struct Replica {
     /// A RECOVER for this target is in the log but not applied yet.
     recover_proposed: HashMap<u64, Instant>,
     applied: u64,
+    /// Log times of the RECOVER entries applied per target (the replacement policy; every
+    /// replica computes the same from the log).
+    recover_times: HashMap<u64, VecDeque<u64>>,
+    /// Requests this replica FAILED since its last recovery round.
+    unrepaired_failures: u64,
+    /// REPAIR messages that arrived before we applied their RECOVER, by round.
+    early_repairs: std::collections::BTreeMap<u64, (u64, Vec<u8>)>,
+    /// Replicas the log has decided to replace (removed, then re-added empty).
+    replace: BTreeSet<u64>,
+    /// Beats of the replica thread, for the watchdog.
+    heartbeat: std::sync::Arc<std::sync::atomic::AtomicU64>,
     incarnation: u64,
     started: Instant,
     counters: Counters,
@@ -271,10 +292,12 @@ impl Replica {
             let peers = Peers::start(cfg.id, &cfg.peers);
             raft = Some(RaftPart {
                 node,
+                config: rc,
                 storage,
                 peers,
                 last_tick: Instant::now(),
                 snap_index,
+                rejoining: false,
             });
         }
         let validator = (cfg.mode == Mode::CrossCheck).then(|| Validator::new(n, cfg.id));
@@ -297,6 +320,11 @@ impl Replica {
             to_recover: HashMap::new(),
             recover_proposed: HashMap::new(),
             applied,
+            recover_times: HashMap::new(),
+            replace: BTreeSet::new(),
+            early_repairs: Default::default(),
+            unrepaired_failures: 0,
+            heartbeat: Default::default(),
             incarnation: now_ms() ^ (std::process::id() as u64) << 40,
             started: Instant::now(),
             counters: Counters::default(),
@@ -305,6 +333,7 @@ impl Replica {
     }
 
     fn serve(&mut self, rx: Receiver<Inbound>) -> i32 {
+        self.start_watchdog();
         self.events.emit(
             Event::new("kv", "start", "continue")
                 .replica(self.cfg.id as u32)
@@ -335,7 +364,38 @@ impl Replica {
             if let Err(code) = self.step() {
                 return code;
             }
+            self.heartbeat.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+    }
+
+    /// A thread that stops the process when the replica thread stops making progress (a
+    /// corrupted loop condition, a deadlock): exit 86, never a silent hang. The replica
+    /// thread beats at least once per tick.
+    fn start_watchdog(&self) {
+        let beats = self.heartbeat.clone();
+        let limit = self.cfg.watchdog;
+        let mut events = EventSink::stderr_only();
+        let id = self.cfg.id as u32;
+        thread::Builder::new()
+            .name("watchdog".into())
+            .spawn(move || {
+                let mut last = beats.load(std::sync::atomic::Ordering::Relaxed);
+                let mut since = Instant::now();
+                loop {
+                    thread::sleep(limit / 4);
+                    let now = beats.load(std::sync::atomic::Ordering::Relaxed);
+                    if now != last {
+                        last = now;
+                        since = Instant::now();
+                    } else if since.elapsed() >= limit {
+                        events.emit(Event::new("kv", "halt", "exit 86").replica(id).message(format!(
+                            "watchdog: the replica thread made no progress for {limit:?}; stopping"
+                        )));
+                        std::process::exit(lockstep_core::exit::DETECTED);
+                    }
+                }
+            })
+            .expect("spawn watchdog");
     }
 
     /// One round after a burst of input: propose, tick, process Raft's Ready, settle.
@@ -364,6 +424,7 @@ impl Replica {
         if tick {
             self.housekeeping()?;
         }
+        self.raft.as_mut().unwrap().peers.flush();
         Ok(())
     }
 
@@ -458,6 +519,7 @@ impl Replica {
             let (ids, at) = self.to_recover.remove(&target).unwrap();
             let mut p = Packer::default();
             p.u8(ENTRY_RECOVER);
+            p.u64(now_ms());
             p.u64(target);
             p.u32(ids.len() as u32);
             for id in &ids {
@@ -481,7 +543,7 @@ impl Replica {
                 return Ok(());
             }
             let mut rd = r.node.ready();
-            send_all(&r.peers, rd.take_messages());
+            send_all(&mut r.peers, rd.take_messages());
             if !rd.snapshot().is_empty() {
                 let s = rd.snapshot().clone();
                 if let Err(e) = r.storage.apply_snapshot(s.clone()) {
@@ -500,7 +562,7 @@ impl Replica {
                 }
             }
             let r = self.raft.as_mut().unwrap();
-            send_all(&r.peers, rd.take_persisted_messages());
+            send_all(&mut r.peers, rd.take_persisted_messages());
             let mut light = r.node.advance(rd);
             if let Some(c) = light.commit_index() {
                 if let Err(e) = r.storage.set_commit(c) {
@@ -508,7 +570,7 @@ impl Replica {
                 }
             }
             let r = self.raft.as_mut().unwrap();
-            send_all(&r.peers, light.take_messages());
+            send_all(&mut r.peers, light.take_messages());
             to_apply.extend(light.take_committed_entries());
         }
         if let Some(s) = snapshot {
@@ -517,7 +579,9 @@ impl Replica {
                 Ok(store) => {
                     self.store = store;
                     self.applied = index;
-                    self.raft.as_mut().unwrap().snap_index = index;
+                    let r = self.raft.as_mut().unwrap();
+                    r.snap_index = index;
+                    r.rejoining = false;
                     self.events.emit(
                         Event::new("kv", "snapshot", "continue")
                             .replica(self.cfg.id as u32)
@@ -545,17 +609,48 @@ impl Replica {
                         self.apply(e.index, &e.data)?;
                     }
                 }
-                EntryType::EntryConfChange | EntryType::EntryConfChangeV2 => {
+                EntryType::EntryConfChange => {
+                    let cc = ConfChange::decode(&e.data[..]).unwrap_or_default();
                     let r = self.raft.as_mut().unwrap();
-                    let cs = if e.get_entry_type() == EntryType::EntryConfChange {
-                        let cc = ConfChange::decode(&e.data[..]).unwrap_or_default();
-                        r.node.apply_conf_change(&cc)
-                    } else {
-                        let cc = ConfChangeV2::decode(&e.data[..]).unwrap_or_default();
-                        r.node.apply_conf_change(&cc)
-                    };
-                    if let Ok(cs) = cs {
-                        let _ = r.storage.set_conf_state(cs);
+                    if let Ok(cs) = r.node.apply_conf_change(&cc) {
+                        if let Err(err) = r.storage.set_conf_state(cs) {
+                            return Err(self.fatal_io("save the configuration", err));
+                        }
+                    }
+                    self.applied = e.index;
+                    let removed = cc.get_change_type() == ConfChangeType::RemoveNode;
+                    self.events.emit(
+                        Event::new("kv", "membership", "continue")
+                            .replica(cc.node_id as u32)
+                            .message(format!(
+                                "entry {}: replica {} {}",
+                                e.index,
+                                cc.node_id,
+                                if removed { "removed" } else { "added" }
+                            )),
+                    );
+                    if removed {
+                        self.replace.remove(&cc.node_id);
+                        if cc.node_id == self.cfg.id {
+                            return self.wipe_and_rejoin();
+                        }
+                    } else if cc.node_id != self.cfg.id && self.recovery.is_none() {
+                        // The re-added replica must be rebuilt from a snapshot that names it
+                        // in its configuration, not by replaying the log that removed it.
+                        let r = self.raft.as_mut().unwrap();
+                        if let Err(err) = r.storage.compact(self.applied, self.store.snapshot()) {
+                            return Err(self.fatal_io("write a snapshot", err));
+                        }
+                        r.snap_index = self.applied;
+                    }
+                }
+                EntryType::EntryConfChangeV2 => {
+                    let cc = ConfChangeV2::decode(&e.data[..]).unwrap_or_default();
+                    let r = self.raft.as_mut().unwrap();
+                    if let Ok(cs) = r.node.apply_conf_change(&cc) {
+                        if let Err(err) = r.storage.set_conf_state(cs) {
+                            return Err(self.fatal_io("save the configuration", err));
+                        }
                     }
                     self.applied = e.index;
                 }
@@ -663,7 +758,7 @@ impl Replica {
             return Err(UnpackError("trailing bytes in batch"));
         }
         if self.validator.is_some() {
-            self.raft.as_ref().unwrap().peers.broadcast(&check.buf);
+            self.raft.as_mut().unwrap().peers.broadcast(&check.buf);
         }
         self.settle(outcomes);
         Ok(())
@@ -689,6 +784,9 @@ impl Replica {
                 Outcome::Release { to, reply } => self.send_reply(to.conn, to.seq, reply),
                 Outcome::Failed { replica, req, objects } => {
                     self.counters.divergences += 1;
+                    if replica == self.cfg.id {
+                        self.unrepaired_failures += 1;
+                    }
                     let names: Vec<String> = objects.iter().map(|i| i.to_string()).collect();
                     self.events.emit(
                         Event::new("kv", "divergence", "recover")
@@ -731,6 +829,7 @@ impl Replica {
     // ---- recovery -------------------------------------------------------------------
 
     fn apply_recover(&mut self, index: u64, u: &mut Unpacker<'_>) -> Result<(), UnpackError> {
+        let time = u.u64()?;
         let target = u.u64()?;
         let n = u.u32()? as usize;
         if n > u.rest().len() / 8 {
@@ -741,11 +840,27 @@ impl Replica {
             objects.push(ObjectId(u.u64()?));
         }
         self.recover_proposed.remove(&target);
+        self.count_recovery(index, time, target);
         // This round covers what we were about to ask for on the target's behalf.
         if target != self.cfg.id {
             self.to_recover.remove(&target);
         }
+        if target == self.cfg.id && self.unrepaired_failures == 0 {
+            // We know of no request we failed: the entry is being replayed after a restart
+            // (the replayed state is clean), or the others stepped in before our CHECKs
+            // told us. Either way there is nothing to wait for; if we are wrong, the next
+            // comparison says so and we ask again.
+            self.events.emit(
+                Event::new("kv", "recover-skip", "continue")
+                    .replica(target as u32)
+                    .message(format!(
+                        "entry {index}: RECOVER for us, but we know of no failed request; not waiting for a repair"
+                    )),
+            );
+            return Ok(());
+        }
         if target == self.cfg.id {
+            self.unrepaired_failures = 0;
             self.counters.recoveries += 1;
             self.events.emit(
                 Event::new("kv", "recover", "wait-repair")
@@ -761,6 +876,14 @@ impl Replica {
                 objects,
                 buffered: VecDeque::new(),
             });
+            // A healthy replica may have applied the RECOVER, and sent its REPAIR, before
+            // we got here.
+            if let Some((from, frame)) = self.early_repairs.remove(&index) {
+                let mut u = Unpacker::new(&frame);
+                u.u8()?;
+                self.on_repair(from, &mut u)?;
+            }
+            self.early_repairs.retain(|&round, _| round > index);
             return Ok(());
         }
         // Pack our copies (as of this entry, the same point of the log as the target's).
@@ -794,16 +917,143 @@ impl Replica {
             p.u32(req.pos);
             p.bytes(reply);
         }
-        self.raft.as_ref().unwrap().peers.send(target, &p.buf);
+        self.raft.as_mut().unwrap().peers.send(target, &p.buf);
+        Ok(())
+    }
+
+    /// Too many recoveries of one replica within the window: the log decides, identically
+    /// on every replica, that it is to be replaced.
+    fn count_recovery(&mut self, index: u64, time: u64, target: u64) {
+        let window = self.cfg.recovery_window.as_millis() as u64;
+        let times = self.recover_times.entry(target).or_default();
+        times.push_back(time);
+        while times.front().is_some_and(|&t| t + window < time) {
+            times.pop_front();
+        }
+        if times.len() > self.cfg.max_recoveries && self.replace.insert(target) {
+            times.clear();
+            self.events.emit(Event::new("kv", "replace", "membership-change").replica(target as u32).message(format!(
+                "entry {index}: replica {target} needed more than {} recoveries within {:?}; it will be removed and re-added from a snapshot",
+                self.cfg.max_recoveries, self.cfg.recovery_window
+            )));
+        }
+    }
+
+    /// The leader carries out replacements: remove the replica, and re-add every configured
+    /// replica that is not a voter (after a fresh snapshot, so that it is rebuilt from one).
+    fn manage_membership(&mut self) {
+        let me = self.cfg.id;
+        let r = self.raft.as_mut().unwrap();
+        if r.node.raft.state != StateRole::Leader || r.node.raft.has_pending_conf() {
+            return;
+        }
+        let voters = r.node.raft.prs().conf().to_conf_state().voters;
+        if let Some(&x) = self.replace.iter().find(|x| voters.contains(x)) {
+            if x == me {
+                // A leader does not remove itself: hand leadership to a healthy voter.
+                if let Some(&other) = voters.iter().find(|&&v| v != me && !self.replace.contains(&v)) {
+                    r.node.transfer_leader(other);
+                }
+                return;
+            }
+            let mut cc = ConfChange::default();
+            cc.set_change_type(ConfChangeType::RemoveNode);
+            cc.node_id = x;
+            let _ = r.node.propose_conf_change(b"replace".to_vec(), cc);
+            return;
+        }
+        let configured = self.cfg.peers.len() as u64;
+        if let Some(x) = (1..=configured).find(|x| !voters.contains(x) && !self.replace.contains(x)) {
+            let mut cc = ConfChange::default();
+            cc.set_change_type(ConfChangeType::AddNode);
+            cc.node_id = x;
+            if r.node.propose_conf_change(b"rejoin".to_vec(), cc).is_ok() {
+                self.events.emit(
+                    Event::new("kv", "rejoin", "membership-change")
+                        .replica(x as u32)
+                        .message(format!(
+                            "proposed to add replica {x} back; it will be rebuilt from a snapshot"
+                        )),
+                );
+            }
+        }
+    }
+
+    /// This replica was removed to be replaced: drop every piece of state (the store, the
+    /// log, pending validations) and wait, empty, to be added back and sent a snapshot.
+    /// The Raft term and vote are kept, so that it can never vote twice in one term.
+    fn wipe_and_rejoin(&mut self) -> Result<(), i32> {
+        self.counters.replacements += 1;
+        self.events.emit(Event::new("kv", "replace", "wipe").replica(self.cfg.id as u32).message(
+            "removed from the cluster for replacement: discarding all state; waiting to be re-added and sent a snapshot",
+        ));
+        let pending: Vec<(u64, u64)> = self.inflight.keys().copied().collect();
+        for (conn, seq) in pending {
+            self.send_reply(conn, seq, Vec::new());
+        }
+        self.batch.clear();
+        let old = self.raft.take().expect("replicated");
+        let hard = raft::Storage::initial_state(&old.storage)
+            .map(|s| s.hard_state)
+            .unwrap_or_default();
+        let storage = match &self.cfg.data_dir {
+            Some(dir) => {
+                for f in ["state", "log", "snapshot"] {
+                    let _ = std::fs::remove_file(dir.join(f));
+                }
+                LogStore::open(dir, vec![], self.cfg.fsync).map_err(|e| self.fatal_io("reset the data directory", e))?
+            }
+            None => LogStore::new(vec![]),
+        };
+        let kept = raft::eraftpb::HardState {
+            term: hard.term,
+            vote: hard.vote,
+            ..Default::default()
+        };
+        storage
+            .set_hard_state(&kept)
+            .map_err(|e| self.fatal_io("reset the hard state", e))?;
+        let mut config = old.config.clone();
+        config.applied = 0;
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let node = RawNode::new(&config, storage.clone(), &logger).map_err(|e| {
+            self.halt(format!("cannot restart raft after replacement: {e}"));
+            lockstep_core::exit::DETECTED
+        })?;
+        self.raft = Some(RaftPart {
+            node,
+            config,
+            storage,
+            peers: old.peers,
+            last_tick: Instant::now(),
+            snap_index: 0,
+            rejoining: true,
+        });
+        self.store = Store::new(self.cfg.limits.clone());
+        self.validator = Some(Validator::new(self.n, self.cfg.id));
+        self.recovery = None;
+        self.to_recover.clear();
+        self.recover_proposed.clear();
+        self.recover_times.clear();
+        self.replace.clear();
+        self.early_repairs.clear();
+        self.unrepaired_failures = 0;
+        self.applied = 0;
         Ok(())
     }
 
     fn on_repair(&mut self, from: u64, u: &mut Unpacker<'_>) -> Result<(), UnpackError> {
         let round = u.u64()?;
-        let Some(rec) = self.recovery.as_ref() else {
-            return Ok(());
-        };
-        if rec.round != round {
+        let waiting = self.recovery.as_ref().map(|r| r.round);
+        if waiting != Some(round) {
+            // A repair for a RECOVER we have not applied yet: keep the first one until we
+            // reach it (bounded: at most a few rounds can be ahead of us).
+            if round > self.applied && waiting.is_none_or(|w| round > w) && self.early_repairs.len() < 16 {
+                let mut frame = vec![MSG_REPAIR];
+                frame.extend_from_slice(&round.to_le_bytes());
+                frame.extend_from_slice(u.rest());
+                self.early_repairs.entry(round).or_insert((from, frame));
+            }
             return Ok(());
         }
         // Decode everything before touching the store: a malformed repair changes nothing.
@@ -882,8 +1132,14 @@ impl Replica {
         let mut u = Unpacker::new(frame);
         let result = match u.u8() {
             Ok(MSG_RAFT) => match Message::decode(u.rest()) {
-                Ok(m) => {
+                Ok(mut m) => {
                     let r = self.raft.as_mut().unwrap();
+                    // A wiped replica may still get heartbeats sent before the leader applied
+                    // its removal, committing entries it no longer has; it only commits what
+                    // it holds until its snapshot arrives.
+                    if r.rejoining && m.get_msg_type() == MessageType::MsgHeartbeat {
+                        m.commit = m.commit.min(r.node.raft.raft_log.last_index());
+                    }
                     let _ = r.node.step(m);
                     Ok(())
                 }
@@ -963,12 +1219,14 @@ impl Replica {
                 return Err(lockstep_core::exit::DETECTED);
             }
         }
+        self.manage_membership();
         // Snapshot and compact the log now and then, or when a peer needs one.
         let r = self.raft.as_mut().unwrap();
         let wanted = r.storage.take_snapshot_wanted();
+        // A wanted snapshot may repeat the last index: it refreshes the configuration in it.
         if self.recovery.is_none()
-            && self.applied > r.snap_index
-            && (wanted || self.applied - r.snap_index >= self.cfg.snapshot_every)
+            && self.applied > 0
+            && (wanted || self.applied.saturating_sub(r.snap_index) >= self.cfg.snapshot_every)
         {
             let data = self.store.snapshot();
             let applied = self.applied;
@@ -1069,6 +1327,7 @@ impl Replica {
             stat("kv_max_recovery_us", c.max_recovery_us.to_string());
             stat("kv_held_dropped", c.held_dropped.to_string());
             stat("kv_order_timeouts", c.order_timeouts.to_string());
+            stat("kv_replacements", c.replacements.to_string());
             stat(
                 "kv_pending_validation",
                 self.validator.as_ref().map_or(0, |v| v.pending()).to_string(),
@@ -1079,7 +1338,7 @@ impl Replica {
     }
 }
 
-fn send_all(peers: &Peers, msgs: Vec<Message>) {
+fn send_all(peers: &mut Peers, msgs: Vec<Message>) {
     for m in msgs {
         let mut buf = Vec::with_capacity(m.encoded_len() + 1);
         buf.push(MSG_RAFT);

@@ -260,10 +260,15 @@ impl LogStore {
     pub fn compact(&self, index: u64, data: Vec<u8>) -> io::Result<()> {
         let mut c = self.lock();
         let snap_index = c.snap.get_metadata().index;
-        if index <= snap_index {
+        // The same index again only to refresh the configuration in the snapshot.
+        if index < snap_index || (index == snap_index && c.snap.get_metadata().get_conf_state() == &c.conf) {
             return Ok(());
         }
-        let term = c.entries[(index - snap_index - 1) as usize].term;
+        let term = if index == snap_index {
+            c.snap.get_metadata().term
+        } else {
+            c.entries[(index - snap_index - 1) as usize].term
+        };
         let mut snap = Snapshot {
             data,
             ..Default::default()
@@ -371,9 +376,13 @@ impl raft::Storage for LogStore {
         Ok(c.snap.get_metadata().index + c.entries.len() as u64)
     }
 
-    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+    fn snapshot(&self, request_index: u64, to: u64) -> raft::Result<Snapshot> {
         let mut c = self.lock();
-        if c.snap.get_metadata().index < request_index || c.snap.get_metadata().index == 0 {
+        let meta = c.snap.get_metadata();
+        // raft-rs refuses a snapshot whose configuration does not contain the receiver (a
+        // replica re-added after a replacement): make a newer one first.
+        let stale_conf = !meta.get_conf_state().voters.contains(&to) && !meta.get_conf_state().learners.contains(&to);
+        if meta.index < request_index || meta.index == 0 || stale_conf {
             c.snapshot_wanted = true;
             return Err(store_err(StorageError::SnapshotTemporarilyUnavailable));
         }

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Benchmarks for `lockstep kv` (CrossCheck), against its own baselines measured in the
+same run. Usage: bench/kv_bench.py [SECONDS] [ROUNDS]   (default 5 s per point, 3 rounds)
+
+1. Throughput, saturated: memcaslap (libmemcached-tools), 16 connections on 2 threads
+   spread over all replicas, key 64 B, value 400 B (the paper's value size), for three
+   mixes: 100% set, 75% get / 25% set (the paper's mix) and 90% get. Configurations
+   (CrossCheck's Table IV): single (one process, no protection), smr (3 replicas on Raft),
+   gop (+ object checks), crosscheck (+ validation and repair). The modes are interleaved
+   round by round so that machine noise hits them alike; the ratio is crosscheck / smr.
+2. Latency, paced: bench/kv_load.py at 500 requests/s over 4 connections (90% get, 400 B)
+   against replica 1, per configuration: mean latency, and the difference crosscheck - smr.
+3. Repair: 3-replica crosscheck cluster with --test-corruption; N corruptions (item, bucket
+   and LRU links, at rest and during access) on a follower and on the leader, each followed
+   by a request that touches the object. From the events: detection to repaired (divergence
+   event to repair event on the failed replica) and the repair step itself (the repair
+   event's duration: RECOVER applied to objects replaced).
+
+All replicas run on this one machine over loopback with --no-fsync, so the numbers
+include three replicas competing for 2 cores. Writes bench/out/kv.json, bench/out/kv.md
+and bench/out/kv.svg. Nothing here asserts on timing.
+"""
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release", "lockstep")
+OUT = os.path.join(ROOT, "bench", "out")
+SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+MODES = ["single", "smr", "gop", "crosscheck"]
+MIXES = [("set", 0.0), ("75% get", 0.75), ("90% get", 0.9)]
+PACED_RATE = 500
+CONNS = int(os.environ.get("KV_BENCH_CONNS", "64"))
+PORT = 17311
+
+
+def cmd(port, line, timeout=10):
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(line.encode() + b"\r\n")
+        out = b""
+        while not out.endswith(b"\r\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+            if line.startswith("stats") and not out.endswith(b"END\r\n"):
+                continue
+        return out.decode()
+
+
+def start(mode, events=None, extra=()):
+    n = 1 if mode == "single" else 3
+    args = [BIN, "kv", "cluster", "-n", str(n), "--port", str(PORT), "--mode", mode, "--no-fsync", *extra]
+    if events:
+        args += ["--events", events]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            roles = [cmd(PORT + i, "stats kv") for i in range(n)]
+            if all(("kv_role leader" in r or "kv_role follower" in r or "kv_role single" in r) for r in roles) and \
+                    any("kv_role leader" in r or "kv_role single" in r for r in roles):
+                return proc, n
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("cluster in mode %s did not start" % mode)
+
+
+def stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    time.sleep(0.5)
+
+
+def memcaslap(n, get_ratio):
+    with tempfile.NamedTemporaryFile("w", suffix=".cfg", delete=False) as f:
+        f.write("key\n64 64 1\nvalue\n400 400 1\ncmd\n0 %.2f\n1 %.2f\n" % (1 - get_ratio, get_ratio))
+        cfg = f.name
+    servers = ",".join("127.0.0.1:%d" % (PORT + i) for i in range(n))
+    out = subprocess.run(["memcaslap", "-s", servers, "-T", "2", "-c", str(CONNS), "-t", "%ds" % SECONDS, "-F", cfg],
+                         capture_output=True, text=True, timeout=SECONDS + 60).stdout
+    os.unlink(cfg)
+    total = [line for line in out.splitlines() if line.startswith("Run time:")]
+    if not total:
+        raise SystemExit("memcaslap printed no totals:\n" + out)
+    return int(total[-1].split("TPS:")[1].split()[0])
+
+
+def paced(port):
+    load = [sys.executable, os.path.join(ROOT, "bench", "kv_load.py"), str(port), str(PACED_RATE), "400", str(SECONDS)]
+    r = json.loads(subprocess.run(load, capture_output=True, text=True, check=True, timeout=SECONDS + 60).stdout)
+    return r["latency_us"], r["tps"]
+
+
+def throughput_and_latency():
+    tps = {m: {mix: [] for mix, _ in MIXES} for m in MODES}
+    lat = {m: [] for m in MODES}
+    for rnd in range(ROUNDS):
+        for mode in MODES:
+            proc, n = start(mode)
+            try:
+                for mix, ratio in MIXES:
+                    t = memcaslap(n, ratio)
+                    tps[mode][mix].append(t)
+                    print("round %d %-10s %-8s %7d TPS" % (rnd + 1, mode, mix, t), file=sys.stderr)
+                us, _ = paced(PORT)
+                lat[mode].append(us)
+                print("round %d %-10s paced   %7.0f us" % (rnd + 1, mode, us), file=sys.stderr)
+            finally:
+                stop(proc)
+    return tps, lat
+
+
+def repair_times(count=24):
+    evdir = tempfile.mkdtemp(prefix="kv-bench-events-")
+    proc, n = start("crosscheck", events=evdir, extra=["--test-corruption", "--max-recoveries", "1000"])
+    targets = [(t, r) for t in ("item", "bucket", "links") for r in ("", " recompute")]
+    unanswered = 0
+    try:
+        for i in range(count):
+            key = "bench-key-%d" % i
+            cmd(PORT, "set %s 0 0 400\r\n%s" % (key, "v" * 400))
+            time.sleep(0.2)
+            victim = PORT + (i % 3)
+            target, how = targets[i % len(targets)]
+            cmd(victim, "lockstep_corrupt %s %s%s %d" % (key, target, how, 7 * i + 1))
+            try:
+                cmd(victim, ("touch %s 1000" if target == "links" else "get %s") % key)
+            except OSError:
+                unanswered += 1
+            time.sleep(0.3)
+    finally:
+        stop(proc)
+    detect_to_repair, repair_step = [], []
+    for r in range(1, n + 1):
+        events = [json.loads(line) for line in open(os.path.join(evdir, "replica-%d.jsonl" % r))]
+        first_divergence = None
+        for e in events:
+            if e["kind"] == "divergence" and e.get("replica") == r and first_divergence is None:
+                first_divergence = e["ts"]
+            if e["kind"] == "repair":
+                repair_step.append(e["duration_us"])
+                if first_divergence is not None:
+                    detect_to_repair.append(1e6 * (e["ts"] - first_divergence))
+                first_divergence = None
+    return {"corruptions": count, "repairs": len(repair_step), "unanswered": unanswered, "detect_to_repair_us": detect_to_repair,
+            "repair_step_us": repair_step}
+
+
+def svg(tps):
+    W, H, L, B, T = 720, 360, 60, 60, 40
+    mixes = [m for m, _ in MIXES]
+    peak = max(statistics.median(v) for m in MODES for v in tps[m].values()) * 1.15
+    colours = {"single": "#888", "smr": "#4a7ab5", "gop": "#e2a33b", "crosscheck": "#3b9e5a"}
+    gw = (W - L - 20) / len(mixes)
+    bw = gw / (len(MODES) + 1)
+    out = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (W, H),
+           '<text x="%d" y="22" font-size="15">lockstep kv throughput (median TPS, memcaslap, 16 connections)</text>' % L]
+    ph = H - T - B
+    for gi, mix in enumerate(mixes):
+        for mi, mode in enumerate(MODES):
+            v = statistics.median(tps[mode][mix])
+            h = ph * v / peak
+            x = L + gi * gw + (mi + 0.5) * bw
+            out.append('<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"/>' % (x, T + ph - h, bw * 0.9, h, colours[mode]))
+            out.append('<text x="%.1f" y="%.1f" font-size="10" text-anchor="middle">%d</text>' % (x + bw * 0.45, T + ph - h - 3, v))
+        out.append('<text x="%.1f" y="%d" text-anchor="middle">%s</text>' % (L + gi * gw + gw / 2, H - B + 18, mix))
+    for mi, mode in enumerate(MODES):
+        out.append('<rect x="%d" y="%d" width="12" height="12" fill="%s"/><text x="%d" y="%d">%s</text>' % (
+            L + mi * 150, H - 22, colours[mode], L + mi * 150 + 16, H - 12, mode))
+    out.append('<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="#000"/>' % (L, T + ph, W - 20, T + ph))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def main():
+    if not os.path.exists(BIN):
+        raise SystemExit("build first: cargo build --release")
+    tps, lat = throughput_and_latency()
+    rep = repair_times()
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    result = {"seconds": SECONDS, "rounds": ROUNDS, "tps": tps, "paced_latency_us": lat, "repair": rep,
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=ROOT).stdout.strip()}
+    os.makedirs(OUT, exist_ok=True)
+    json.dump(result, open(os.path.join(OUT, "kv.json"), "w"), indent=1)
+    open(os.path.join(OUT, "kv.svg"), "w").write(svg(tps))
+    lines = ["### Throughput (median of %d rounds, %d s each, TPS)" % (ROUNDS, SECONDS), "",
+             "| mix | single | smr | gop | crosscheck | crosscheck / smr | gop / smr |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for mix, _ in MIXES:
+        m = {k: med(tps[k][mix]) for k in MODES}
+        lines.append("| %s | %d | %d | %d | %d | %.2f | %.2f |" % (
+            mix, m["single"], m["smr"], m["gop"], m["crosscheck"], m["crosscheck"] / m["smr"], m["gop"] / m["smr"]))
+    lines += ["", "### Latency at %d requests/s (kv_load.py, 4 connections, mean per request, median of rounds)" % PACED_RATE, "",
+              "| single | smr | gop | crosscheck | crosscheck - smr |", "|---:|---:|---:|---:|---:|",
+              "| %.0f us | %.0f us | %.0f us | %.0f us | %+.0f us |" % (
+                  med(lat["single"]), med(lat["smr"]), med(lat["gop"]), med(lat["crosscheck"]),
+                  med(lat["crosscheck"]) - med(lat["smr"]))]
+    d, s = rep["detect_to_repair_us"], rep["repair_step_us"]
+    lines += ["", "### Repair (%d corruptions, %d repairs, %d requests unanswered)" % (
+        rep["corruptions"], rep["repairs"], rep["unanswered"]), "",
+              "| measure | median | max |", "|---|---:|---:|",
+              "| detection (divergence event) to repaired | %.0f us | %.0f us |" % (med(d), max(d) if d else float("nan")),
+              "| repair step (RECOVER applied to objects replaced) | %.0f us | %.0f us |" % (med(s), max(s) if s else float("nan"))]
+    md = "\n".join(lines) + "\n"
+    open(os.path.join(OUT, "kv.md"), "w").write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
