@@ -599,8 +599,9 @@ impl Store {
         let i = id.index() as usize;
         match id.kind() {
             KIND_ITEM | KIND_LINKS => {
-                // Slots are u32 and dense; a repair naming a slot far beyond ours is bogus.
-                if i >= self.items.len() + (1 << 20) {
+                // No store can hold more items than its memory limit allows at the smallest
+                // item size: a slot beyond that is bogus, and must not make us allocate.
+                if i as u64 > self.limits.memory_bytes / 48 {
                     return Err(UnpackError("slot out of range"));
                 }
                 if self.items.len() <= i {
