@@ -132,7 +132,8 @@ struct ClusterArgs {
     /// Replica-to-replica port of replica 1 (default: PORT + 10000).
     #[arg(long)]
     peer_port: Option<u16>,
-    /// Keep each replica's Raft state in DIR/replica-<i> (default: memory only).
+    /// Keep each replica's Raft state in DIR/replica-<i> (default: memory only). With it, a
+    /// replica that exits (a crash, the watchdog) is restarted, up to 5 times.
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,
     /// Write each replica's events to DIR/replica-<i>.jsonl.
@@ -253,8 +254,7 @@ fn cluster(a: ClusterArgs) -> i32 {
             return 1;
         }
     }
-    let mut children: Vec<(u64, Child)> = Vec::new();
-    for id in 1..=a.n {
+    let spawn = |id: u64| -> std::io::Result<Child> {
         let mut cmd = Command::new(&exe);
         cmd.args(["kv", "serve", "--id", &id.to_string()]);
         cmd.args(["--listen", &format!("127.0.0.1:{}", a.port as u64 + id - 1)]);
@@ -279,11 +279,15 @@ fn cluster(a: ClusterArgs) -> i32 {
         if let Some(dir) = &a.events {
             cmd.arg("--events").arg(dir.join(format!("replica-{id}.jsonl")));
         }
-        match cmd.spawn() {
-            Ok(c) => children.push((id, c)),
+        cmd.spawn()
+    };
+    let mut children: Vec<(u64, Child, u32)> = Vec::new();
+    for id in 1..=a.n {
+        match spawn(id) {
+            Ok(c) => children.push((id, c, 0)),
             Err(e) => {
                 eprintln!("lockstep kv: cannot start replica {id}: {e}");
-                for (_, c) in &mut children {
+                for (_, c, _) in &mut children {
                     let _ = c.kill();
                 }
                 return 1;
@@ -301,25 +305,45 @@ fn cluster(a: ClusterArgs) -> i32 {
     while !children.is_empty() {
         std::thread::sleep(Duration::from_millis(100));
         if STOP.load(std::sync::atomic::Ordering::SeqCst) {
-            for (_, c) in &mut children {
+            for (_, c, _) in &mut children {
                 let _ = c.kill();
                 let _ = c.wait();
             }
             return status;
         }
-        children.retain_mut(|(id, c)| match c.try_wait() {
-            Ok(Some(st)) => {
-                eprintln!("lockstep kv: replica {id} exited ({st})");
-                if st.code() == Some(exit::DETECTED) {
-                    status = exit::DETECTED;
-                }
-                false
+        let mut i = 0;
+        while i < children.len() {
+            let (id, c, restarts) = &mut children[i];
+            let Ok(Some(st)) = c.try_wait() else {
+                i += 1;
+                continue;
+            };
+            eprintln!("lockstep kv: replica {id} exited ({st})");
+            if st.code() == Some(exit::DETECTED) {
+                status = exit::DETECTED;
             }
-            _ => true,
-        });
+            // Only a replica with a data directory may come back: one without would rejoin
+            // with no memory of what it acknowledged, which Raft does not allow.
+            if a.data_dir.is_some() && *restarts < CLUSTER_RESTARTS {
+                *restarts += 1;
+                match spawn(*id) {
+                    Ok(new) => {
+                        eprintln!("lockstep kv: restarted replica {id} from its data directory ({restarts} of {CLUSTER_RESTARTS})");
+                        *c = new;
+                        i += 1;
+                        continue;
+                    }
+                    Err(e) => eprintln!("lockstep kv: cannot restart replica {id}: {e}"),
+                }
+            }
+            children.remove(i);
+        }
     }
     status
 }
+
+/// Restarts per replica that `kv cluster --data-dir` performs before giving up on it.
+const CLUSTER_RESTARTS: u32 = 5;
 
 static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 

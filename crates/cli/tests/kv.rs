@@ -640,3 +640,69 @@ fn a_repaired_replica_restarts_and_replays_its_log() {
     assert!(kinds.iter().any(|k| k == "recover-skip"), "{kinds:?}");
     assert!(!kinds.iter().any(|k| k == "halt"), "{kinds:?}");
 }
+
+/// `kv cluster --data-dir` is the quick start: it restarts a replica that dies.
+#[test]
+fn cluster_restarts_a_killed_replica_from_its_data_directory() {
+    let base = free_ports(6);
+    let dir = scratch_dir("kv-cluster");
+    let mut cluster = lockstep()
+        .args([
+            "kv",
+            "cluster",
+            "-n",
+            "3",
+            "--port",
+            &base.to_string(),
+            "--peer-port",
+            &(base + 3).to_string(),
+        ])
+        .arg("--data-dir")
+        .arg(&dir)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid_of = |port: u16| -> Option<i32> {
+        let mut mc = Mc::connect(port).ok()?;
+        mc.send(b"stats\r\n");
+        loop {
+            let l = mc.read_line();
+            if l == "END" || l.is_empty() {
+                return None;
+            }
+            if let Some(p) = l.strip_prefix("STAT pid ") {
+                return p.parse().ok();
+            }
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut mc = loop {
+        if let Ok(mut m) = Mc::connect(base) {
+            if m.set("k", b"v") == "STORED" {
+                break m;
+            }
+        }
+        assert!(Instant::now() < deadline, "cluster did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let old = pid_of(base + 1).expect("pid of replica 2");
+    unsafe { libc::kill(old, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(new) = pid_of(base + 1) {
+            if new != old {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "replica 2 was not restarted");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(Mc::connect(base + 1).unwrap().get("k").as_deref(), Some(&b"v"[..]));
+    assert_eq!(mc.set("k2", b"v2"), "STORED");
+    unsafe { libc::kill(cluster.id() as i32, libc::SIGTERM) };
+    let status = cluster.wait().unwrap();
+    let mut err = String::new();
+    cluster.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(status.success(), "{status}: {err}");
+    assert!(err.contains("restarted replica 2 from its data directory"), "{err}");
+}

@@ -34,10 +34,13 @@ pub enum Outcome {
     /// The local replica is VALID: send the reply.
     Release { to: ReplyTo, reply: Vec<u8> },
     /// `replica` (1-based) disagrees with the majority on these objects.
+    /// The first few differing objects are also in `values`, as "id: its CRC / the
+    /// majority's CRC".
     Failed {
         replica: u64,
         req: ReqId,
         objects: Vec<ObjectId>,
+        values: Vec<String>,
     },
     /// Every replica's delta is known and no majority agrees: nobody can be trusted.
     NoMajority { req: ReqId },
@@ -152,10 +155,13 @@ impl Validator {
                     if p.status[r] != now {
                         p.status[r] = now;
                         if now == Status::Failed {
+                            let objects = Delta::differing(set, good);
+                            let values = objects.iter().take(4).map(|&o| compared(o, set, good)).collect();
                             out.push(Outcome::Failed {
                                 replica: r as u64 + 1,
                                 req: id,
-                                objects: Delta::differing(set, good),
+                                objects,
+                                values,
                             });
                         }
                     }
@@ -257,6 +263,15 @@ impl Validator {
     }
 }
 
+/// "id: a / b" for one object of two deltas ("-" where a delta did not touch it).
+fn compared(id: ObjectId, a: &[Pair], b: &[Pair]) -> String {
+    let crc = |set: &[Pair]| match set.binary_search_by_key(&id, |p| p.0) {
+        Ok(i) => format!("{:08x}", set[i].1),
+        Err(_) => "-".to_string(),
+    };
+    format!("{id}: {} / {}", crc(a), crc(b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,7 +301,8 @@ mod tests {
             vec![Outcome::Failed {
                 replica: 3,
                 req: R,
-                objects: vec![ObjectId(1)]
+                objects: vec![ObjectId(1)],
+                values: vec!["0:1: 00000002 / 00000001".into()],
             }]
         );
         assert_eq!(v.pending(), 0);
@@ -304,7 +320,8 @@ mod tests {
             vec![Outcome::Failed {
                 replica: 1,
                 req: R,
-                objects: vec![ObjectId(1)]
+                objects: vec![ObjectId(1)],
+                values: vec!["0:1: 00000009 / 00000001".into()],
             }]
         );
         assert_eq!(v.take_held(R), Some(TO));

@@ -1,0 +1,102 @@
+//! What a replica answers itself: `stats` and lockstep's own test commands.
+
+use super::*;
+
+impl Replica {
+    pub(super) fn local_command(&mut self, line: &str) -> String {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words[..] {
+            ["lockstep_digest"] => {
+                let (digest, bad) = self.store.digest();
+                format!("DIGEST {digest:016x} {} {bad}\r\n", self.applied)
+            }
+            ["lockstep_corrupt", key, what, ref rest @ ..] if self.cfg.test_corruption => {
+                let target = match what {
+                    "item" => Target::Item,
+                    "bucket" => Target::Bucket,
+                    "links" => Target::Links,
+                    _ => {
+                        return "CLIENT_ERROR usage: lockstep_corrupt <key> item|bucket|links [recompute] [bit]\r\n"
+                            .into()
+                    }
+                };
+                let recompute = rest.contains(&"recompute");
+                let bit = rest.iter().find_map(|w| w.parse::<u64>().ok()).unwrap_or(3);
+                match self.store.corrupt(key.as_bytes(), target, bit, recompute) {
+                    Some(id) => {
+                        self.events.emit(
+                            Event::new("kv", "inject", "flip")
+                                .replica(self.cfg.id as u32)
+                                .object(id.to_string())
+                                .message(format!(
+                                    "test corruption: flipped a bit of object {id} ({what} of {key:?}{})",
+                                    if recompute { ", CRC recomputed" } else { "" }
+                                )),
+                        );
+                        format!("CORRUPTED {id}\r\n")
+                    }
+                    None => "NOT_FOUND\r\n".into(),
+                }
+            }
+            ["lockstep_corrupt", ..] => {
+                "CLIENT_ERROR test corruption is off (start the replica with --test-corruption)\r\n".into()
+            }
+            _ => "ERROR\r\n".into(),
+        }
+    }
+
+    pub(super) fn stats(&self, args: &[String]) -> Vec<u8> {
+        let mut out = String::new();
+        let mut stat = |k: &str, v: String| out.push_str(&format!("STAT {k} {v}\r\n"));
+        let g = self.store.stats();
+        let c = &self.counters;
+        if args.is_empty() || args[0] == "kv" {
+            if args.is_empty() {
+                stat("pid", std::process::id().to_string());
+                stat("uptime", self.started.elapsed().as_secs().to_string());
+                stat("time", (now_ms() / 1000).to_string());
+                stat("version", env!("CARGO_PKG_VERSION").to_string());
+                stat("curr_connections", c.curr_connections.to_string());
+                stat("total_connections", c.total_connections.to_string());
+                stat("cmd_get", c.cmd_get.to_string());
+                stat("cmd_set", c.cmd_set.to_string());
+                stat("get_hits", c.get_hits.to_string());
+                stat("get_misses", c.get_misses.to_string());
+                stat("curr_items", g.items.to_string());
+                stat("bytes", g.bytes.to_string());
+                stat("limit_maxbytes", self.store.limits().memory_bytes.to_string());
+                stat("evictions", g.evictions.to_string());
+            }
+            let role = match &self.raft {
+                None => "single".to_string(),
+                Some(r) => match r.node.raft.state {
+                    StateRole::Leader => "leader".into(),
+                    StateRole::Follower => "follower".into(),
+                    _ => "candidate".into(),
+                },
+            };
+            stat("kv_mode", self.cfg.mode.name().into());
+            stat("kv_replica", self.cfg.id.to_string());
+            stat("kv_role", role);
+            stat("kv_applied", self.applied.to_string());
+            stat("kv_requests", c.requests.to_string());
+            stat("kv_detections", c.self_detections.to_string());
+            stat("kv_divergences", c.divergences.to_string());
+            stat("kv_recoveries", c.recoveries.to_string());
+            stat("kv_false_positives", c.false_positives.to_string());
+            stat("kv_repair_objects", c.repair_objects.to_string());
+            stat("kv_repair_bytes", c.repair_bytes.to_string());
+            stat("kv_last_recovery_us", c.last_recovery_us.to_string());
+            stat("kv_max_recovery_us", c.max_recovery_us.to_string());
+            stat("kv_held_dropped", c.held_dropped.to_string());
+            stat("kv_order_timeouts", c.order_timeouts.to_string());
+            stat("kv_replacements", c.replacements.to_string());
+            stat(
+                "kv_pending_validation",
+                self.validator.as_ref().map_or(0, |v| v.pending()).to_string(),
+            );
+        }
+        out.push_str("END\r\n");
+        out.into_bytes()
+    }
+}

@@ -1,0 +1,207 @@
+//! Ordering: batching requests into log entries, proposing RECOVERs, and handling raft-rs's
+//! `Ready` in the order it requires (send, install snapshot, apply, persist, send persisted
+//! messages, advance).
+
+use super::*;
+
+impl Replica {
+    pub(super) fn encode_batch(&self, batch: &[(u64, u64, Command)]) -> Vec<u8> {
+        let mut p = Packer::default();
+        p.u8(ENTRY_BATCH);
+        p.u64(now_ms());
+        p.u64(self.cfg.id);
+        p.u64(self.incarnation);
+        p.u32(batch.len() as u32);
+        for (conn, seq, cmd) in batch {
+            p.u64(*conn);
+            p.u64(*seq);
+            cmd.encode(&mut p);
+        }
+        p.buf
+    }
+
+    pub(super) fn propose_batch(&mut self) {
+        if self.batch.is_empty() {
+            return;
+        }
+        let data = self.encode_batch(&self.batch);
+        let r = self.raft.as_mut().expect("replicated");
+        // Without a known leader the proposal would be dropped: keep the batch for later.
+        if r.node.raft.leader_id == raft::INVALID_ID {
+            return;
+        }
+        if r.node.propose(vec![], data).is_ok() {
+            self.batch.clear();
+        }
+    }
+
+    pub(super) fn propose_recovers(&mut self) {
+        if self.to_recover.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let due: Vec<u64> = self
+            .to_recover
+            .iter()
+            .filter(|(_, (_, at))| *at <= now)
+            .map(|(t, _)| *t)
+            .collect();
+        for target in due {
+            if self.recover_proposed.contains_key(&target) {
+                continue;
+            }
+            let (ids, at) = self.to_recover.remove(&target).unwrap();
+            let mut p = Packer::default();
+            p.u8(ENTRY_RECOVER);
+            p.u64(now_ms());
+            p.u64(target);
+            p.u32(ids.len() as u32);
+            for id in &ids {
+                p.u64(id.0);
+            }
+            let r = self.raft.as_mut().unwrap();
+            if r.node.raft.leader_id != raft::INVALID_ID && r.node.propose(vec![], p.buf).is_ok() {
+                self.recover_proposed.insert(target, Instant::now());
+            } else {
+                self.to_recover.insert(target, (ids, at));
+            }
+        }
+    }
+
+    pub(super) fn on_ready(&mut self) -> Result<(), i32> {
+        let mut to_apply: Vec<Entry> = Vec::new();
+        let mut snapshot = None;
+        {
+            let r = self.raft.as_mut().unwrap();
+            if !r.node.has_ready() {
+                return Ok(());
+            }
+            let mut rd = r.node.ready();
+            send_all(&mut r.peers, rd.take_messages());
+            if !rd.snapshot().is_empty() {
+                let s = rd.snapshot().clone();
+                if let Err(e) = r.storage.apply_snapshot(s.clone()) {
+                    return Err(self.fatal_io("install a snapshot", e));
+                }
+                snapshot = Some(s);
+            }
+            to_apply.extend(rd.take_committed_entries());
+            if let Err(e) = r.storage.append(rd.entries()) {
+                return Err(self.fatal_io("append to the log", e));
+            }
+            if let Some(hs) = rd.hs() {
+                let r = self.raft.as_mut().unwrap();
+                if let Err(e) = r.storage.set_hard_state(hs) {
+                    return Err(self.fatal_io("save the hard state", e));
+                }
+            }
+            let r = self.raft.as_mut().unwrap();
+            send_all(&mut r.peers, rd.take_persisted_messages());
+            let mut light = r.node.advance(rd);
+            if let Some(c) = light.commit_index() {
+                if let Err(e) = r.storage.set_commit(c) {
+                    return Err(self.fatal_io("save the commit index", e));
+                }
+            }
+            let r = self.raft.as_mut().unwrap();
+            send_all(&mut r.peers, light.take_messages());
+            to_apply.extend(light.take_committed_entries());
+        }
+        if let Some(s) = snapshot {
+            let index = s.get_metadata().index;
+            match Store::restore(self.cfg.limits.clone(), &s.data) {
+                Ok(store) => {
+                    self.store = store;
+                    self.applied = index;
+                    let r = self.raft.as_mut().unwrap();
+                    r.snap_index = index;
+                    r.rejoining = false;
+                    self.events.emit(
+                        Event::new("kv", "snapshot", "continue")
+                            .replica(self.cfg.id as u32)
+                            .message(format!(
+                                "installed a snapshot at entry {index} ({} bytes)",
+                                s.data.len()
+                            )),
+                    );
+                }
+                Err(e) => {
+                    self.halt(format!("a snapshot from the leader does not restore: {e}"));
+                    return Err(lockstep_core::exit::DETECTED);
+                }
+            }
+        }
+        for e in to_apply {
+            if e.index <= self.applied {
+                continue;
+            }
+            match e.get_entry_type() {
+                EntryType::EntryNormal => {
+                    if e.data.is_empty() {
+                        self.applied = e.index;
+                    } else {
+                        self.apply(e.index, &e.data)?;
+                    }
+                }
+                EntryType::EntryConfChange => {
+                    let cc = ConfChange::decode(&e.data[..]).unwrap_or_default();
+                    let r = self.raft.as_mut().unwrap();
+                    if let Ok(cs) = r.node.apply_conf_change(&cc) {
+                        if let Err(err) = r.storage.set_conf_state(cs) {
+                            return Err(self.fatal_io("save the configuration", err));
+                        }
+                    }
+                    self.applied = e.index;
+                    let removed = cc.get_change_type() == ConfChangeType::RemoveNode;
+                    self.events.emit(
+                        Event::new("kv", "membership", "continue")
+                            .replica(cc.node_id as u32)
+                            .message(format!(
+                                "entry {}: replica {} {}",
+                                e.index,
+                                cc.node_id,
+                                if removed { "removed" } else { "added" }
+                            )),
+                    );
+                    if removed {
+                        self.replace.remove(&cc.node_id);
+                        if cc.node_id == self.cfg.id {
+                            return self.wipe_and_rejoin();
+                        }
+                    } else if cc.node_id != self.cfg.id && self.recovery.is_none() {
+                        // The re-added replica must be rebuilt from a snapshot that names it
+                        // in its configuration, not by replaying the log that removed it.
+                        let r = self.raft.as_mut().unwrap();
+                        if let Err(err) = r.storage.compact(self.applied, self.store.snapshot()) {
+                            return Err(self.fatal_io("write a snapshot", err));
+                        }
+                        r.snap_index = self.applied;
+                    }
+                }
+                EntryType::EntryConfChangeV2 => {
+                    let cc = ConfChangeV2::decode(&e.data[..]).unwrap_or_default();
+                    let r = self.raft.as_mut().unwrap();
+                    if let Ok(cs) = r.node.apply_conf_change(&cc) {
+                        if let Err(err) = r.storage.set_conf_state(cs) {
+                            return Err(self.fatal_io("save the configuration", err));
+                        }
+                    }
+                    self.applied = e.index;
+                }
+            }
+        }
+        // Raft's applied index only paces what it hands out; entries held back during a
+        // recovery are this replica's to apply later.
+        self.raft.as_mut().unwrap().node.advance_apply();
+        Ok(())
+    }
+}
+
+pub(super) fn send_all(peers: &mut Peers, msgs: Vec<Message>) {
+    for m in msgs {
+        let mut buf = Vec::with_capacity(m.encoded_len() + 1);
+        buf.push(MSG_RAFT);
+        m.encode(&mut buf).expect("encoding into a Vec cannot fail");
+        peers.send(m.to, &buf);
+    }
+}
