@@ -140,15 +140,12 @@ impl<T: Protected> Drop for GuardMut<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Hasher, Packer, UnpackError, Unpacker};
+    use crate::{FieldSink, Packer, UnpackError, Unpacker};
 
     #[derive(Debug, PartialEq)]
     struct Counter(u64);
     impl Protected for Counter {
-        fn checksum(&self, h: &mut Hasher) {
-            h.u64(self.0)
-        }
-        fn pack(&self, out: &mut Packer) {
+        fn fields<S: FieldSink>(&self, out: &mut S) {
             out.u64(self.0)
         }
         fn unpack(inp: &mut Unpacker<'_>) -> Result<Self, UnpackError> {

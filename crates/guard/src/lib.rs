@@ -22,7 +22,7 @@ mod pack;
 
 pub use delta::{Delta, Pair, CORRUPT_MARK};
 pub use guarded::{Corrupt, GuardMut, Guarded};
-pub use pack::{Hasher, Packer, Protected, UnpackError, Unpacker};
+pub use pack::{FieldSink, Hasher, Packer, Protected, UnpackError, Unpacker};
 
 /// Identifies a protected object identically on every replica: the kind in the top byte,
 /// a deterministic index (slot, bucket number) below it.

@@ -26,16 +26,61 @@ impl Hasher {
     }
 }
 
+/// Where an object's protected fields go: the CRC ([`Hasher`]) or the wire ([`Packer`]).
+/// Both take the fields in the same order and encoding, so one description of an
+/// object's fields serves both, and the CRC is the CRC of the packed bytes.
+pub trait FieldSink {
+    fn u8(&mut self, v: u8);
+    fn u32(&mut self, v: u32);
+    fn u64(&mut self, v: u64);
+    /// Length-prefixed bytes.
+    fn bytes(&mut self, b: &[u8]);
+}
+
+impl FieldSink for Hasher {
+    fn u8(&mut self, v: u8) {
+        self.crc = crc32c_append(self.crc, &[v]);
+    }
+    fn u32(&mut self, v: u32) {
+        Hasher::u32(self, v)
+    }
+    fn u64(&mut self, v: u64) {
+        Hasher::u64(self, v)
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        Hasher::bytes(self, b)
+    }
+}
+
+impl FieldSink for Packer {
+    fn u8(&mut self, v: u8) {
+        Packer::u8(self, v)
+    }
+    fn u32(&mut self, v: u32) {
+        Packer::u32(self, v)
+    }
+    fn u64(&mut self, v: u64) {
+        Packer::u64(self, v)
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        Packer::bytes(self, b)
+    }
+}
+
 /// A protected object: the state a replica must agree on and be able to repair.
 pub trait Protected: Sized {
-    /// Feed every protected field, in a fixed order, into `h`. Fields that are not
-    /// protected (caches, pointers, statistics) are left out.
-    fn checksum(&self, h: &mut Hasher);
-    /// Append the protected fields to `out`.
-    fn pack(&self, out: &mut Packer);
-    /// Rebuild an object from `pack`'s bytes.
+    /// Emit every protected field, in a fixed order. Fields that are not protected
+    /// (caches, pointers, statistics) are left out.
+    fn fields<S: FieldSink>(&self, out: &mut S);
+    /// Rebuild an object from the packed fields.
     fn unpack(inp: &mut Unpacker<'_>) -> Result<Self, UnpackError>;
 
+    fn checksum(&self, h: &mut Hasher) {
+        self.fields(h)
+    }
+    fn pack(&self, out: &mut Packer) {
+        self.fields(out)
+    }
     fn crc(&self) -> u32 {
         let mut h = Hasher::default();
         self.checksum(&mut h);

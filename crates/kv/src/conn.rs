@@ -63,41 +63,32 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Sender<Inbound>, item_ma
                 }
                 Parsed::Request { req, consumed } => {
                     at += consumed;
-                    match req {
-                        Request::Data { cmd, noreply } => {
-                            let seq = next_seq;
-                            next_seq += 1;
-                            if to_node.send(Inbound::Request { conn, seq, cmd }).is_err() {
+                    // Requests the replica thread answers: (message, whether to discard the reply).
+                    let to_replica = |seq| match req {
+                        Request::Data { cmd, noreply } => Ok((Inbound::Request { conn, seq, cmd }, noreply)),
+                        Request::Local { line } => Ok((Inbound::Local { conn, seq, line }, false)),
+                        Request::Stats { args } => Ok((Inbound::Stats { conn, seq, args }, false)),
+                        other => Err(other),
+                    };
+                    match to_replica(next_seq) {
+                        Ok((msg, noreply)) => {
+                            if to_node.send(msg).is_err() {
                                 break 'conn;
                             }
-                            slots.push_back(Slot::Await { seq, noreply });
-                        }
-                        Request::Local { line } => {
-                            let seq = next_seq;
+                            slots.push_back(Slot::Await { seq: next_seq, noreply });
                             next_seq += 1;
-                            if to_node.send(Inbound::Local { conn, seq, line }).is_err() {
-                                break 'conn;
-                            }
-                            slots.push_back(Slot::Await { seq, noreply: false });
                         }
-                        Request::Version => slots.push_back(Slot::Ready(VERSION.as_bytes().to_vec())),
-                        Request::Verbosity { noreply } => {
+                        Err(Request::Version) => slots.push_back(Slot::Ready(VERSION.as_bytes().to_vec())),
+                        Err(Request::Verbosity { noreply }) => {
                             if !noreply {
                                 slots.push_back(Slot::Ready(b"OK\r\n".to_vec()))
                             }
                         }
-                        Request::Stats { args } => {
-                            let seq = next_seq;
-                            next_seq += 1;
-                            if to_node.send(Inbound::Stats { conn, seq, args }).is_err() {
-                                break 'conn;
-                            }
-                            slots.push_back(Slot::Await { seq, noreply: false });
-                        }
-                        Request::Quit => {
+                        Err(Request::Quit) => {
                             slots.push_back(Slot::Quit);
                             close = true;
                         }
+                        Err(_) => unreachable!("every request kind is handled above"),
                     }
                 }
             }

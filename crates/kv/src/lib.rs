@@ -3,6 +3,7 @@
 pub mod check;
 pub mod command;
 pub mod conn;
+pub mod dedupe;
 pub mod fuzzing;
 pub mod objects;
 pub mod peer;

@@ -2,7 +2,7 @@
 //! items and their LRU links by slot, hash buckets by number, and two singletons (the slab
 //! allocator and the global counters/LRU ends).
 
-use lockstep_guard::{Hasher, ObjectId, Packer, Protected, UnpackError, Unpacker};
+use lockstep_guard::{FieldSink, ObjectId, Protected, UnpackError, Unpacker};
 
 pub const KIND_ITEM: u8 = 1;
 pub const KIND_LINKS: u8 = 2;
@@ -46,15 +46,7 @@ impl Item {
 }
 
 impl Protected for Item {
-    fn checksum(&self, h: &mut Hasher) {
-        h.bytes(&self.key);
-        h.bytes(&self.value);
-        h.u32(self.flags);
-        h.u64(self.exptime_ms);
-        h.u64(self.cas);
-        h.u64(self.stored_ms);
-    }
-    fn pack(&self, p: &mut Packer) {
+    fn fields<S: FieldSink>(&self, p: &mut S) {
         p.bytes(&self.key);
         p.bytes(&self.value);
         p.u32(self.flags);
@@ -83,12 +75,7 @@ pub struct Links {
 }
 
 impl Protected for Links {
-    fn checksum(&self, h: &mut Hasher) {
-        h.u32(self.prev);
-        h.u32(self.next);
-        h.u64(self.accessed_ms);
-    }
-    fn pack(&self, p: &mut Packer) {
+    fn fields<S: FieldSink>(&self, p: &mut S) {
         p.u32(self.prev);
         p.u32(self.next);
         p.u64(self.accessed_ms);
@@ -109,14 +96,7 @@ pub struct Bucket {
 }
 
 impl Protected for Bucket {
-    fn checksum(&self, h: &mut Hasher) {
-        h.u32(self.entries.len() as u32);
-        for &(k, s) in &self.entries {
-            h.u32(k);
-            h.u32(s);
-        }
-    }
-    fn pack(&self, p: &mut Packer) {
+    fn fields<S: FieldSink>(&self, p: &mut S) {
         p.u32(self.entries.len() as u32);
         for &(k, s) in &self.entries {
             p.u32(k);
@@ -147,14 +127,7 @@ pub struct Slab {
 }
 
 impl Protected for Slab {
-    fn checksum(&self, h: &mut Hasher) {
-        h.u32(self.high);
-        h.u32(self.free.len() as u32);
-        for &s in &self.free {
-            h.u32(s);
-        }
-    }
-    fn pack(&self, p: &mut Packer) {
+    fn fields<S: FieldSink>(&self, p: &mut S) {
         p.u32(self.high);
         p.u32(self.free.len() as u32);
         for &s in &self.free {
@@ -206,21 +179,7 @@ impl Default for Globals {
 }
 
 impl Protected for Globals {
-    fn checksum(&self, h: &mut Hasher) {
-        for v in [
-            self.cas,
-            self.items,
-            self.bytes,
-            self.oldest_live_ms,
-            self.now_ms,
-            self.evictions,
-        ] {
-            h.u64(v);
-        }
-        h.u32(self.lru_head);
-        h.u32(self.lru_tail);
-    }
-    fn pack(&self, p: &mut Packer) {
+    fn fields<S: FieldSink>(&self, p: &mut S) {
         for v in [
             self.cas,
             self.items,

@@ -11,6 +11,7 @@
 use crate::check::{Outcome, ReplyTo, ReqId, Validator};
 use crate::command::Command;
 use crate::conn;
+use crate::dedupe::Applied;
 use crate::peer::{self, Peers};
 use crate::storage::LogStore;
 use crate::store::{Limits, Store, Target};
@@ -96,6 +97,9 @@ const MSG_RAFT: u8 = 1;
 const MSG_CHECK: u8 = 2;
 const MSG_REPAIR: u8 = 3;
 
+/// A request of ours not applied this long after its proposal is proposed again (its
+/// leader may have died with it); the applied-tag table makes the repeat a no-op.
+const REPROPOSE_AFTER: Duration = Duration::from_secs(1);
 /// Requests per log entry, at most.
 const BATCH_MAX: usize = 256;
 /// A request that is not applied this long after it arrived is answered with an error.
@@ -129,6 +133,13 @@ struct Counters {
     replacements: u64,
 }
 
+struct Inflight {
+    arrived: Instant,
+    /// When it was last put into a proposal (None: waiting in the batch).
+    proposed: Option<Instant>,
+    cmd: Command,
+}
+
 struct Recovery {
     round: u64,
     started: Instant,
@@ -156,8 +167,10 @@ pub struct Replica {
     events: EventSink,
     conns: HashMap<u64, Sender<(u64, Vec<u8>)>>,
     batch: Vec<(u64, u64, Command)>,
-    /// (conn, seq) → when it arrived, for requests not applied yet.
-    inflight: HashMap<(u64, u64), Instant>,
+    /// Requests from our clients that are not applied yet.
+    inflight: HashMap<(u64, u64), Inflight>,
+    /// Tags of applied requests, so that a re-proposed request runs once.
+    applied_tags: Applied,
     raft: Option<RaftPart>,
     validator: Option<Validator>,
     recovery: Option<Recovery>,
@@ -243,6 +256,7 @@ impl Replica {
         let mut events = EventSink::new(cfg.events.as_deref(), true)
             .map_err(|e| (1, format!("cannot open the events file: {e}")))?;
         let mut store = Store::new(cfg.limits.clone());
+        let mut applied_tags = Applied::default();
         let mut raft = None;
         let mut applied = 0;
         if cfg.mode != Mode::Single {
@@ -261,7 +275,7 @@ impl Replica {
             };
             let (snap_index, data) = storage.snapshot_data();
             if snap_index > 0 {
-                store = Store::restore(cfg.limits.clone(), &data).map_err(|e| {
+                (store, applied_tags) = restore_data(&cfg.limits, &data).map_err(|e| {
                     (
                         lockstep_core::exit::DETECTED,
                         format!("the stored snapshot does not restore: {e}"),
@@ -318,6 +332,7 @@ impl Replica {
             conns: HashMap::new(),
             batch: Vec::new(),
             inflight: HashMap::new(),
+            applied_tags,
             raft,
             validator,
             recovery: None,
@@ -450,7 +465,14 @@ impl Replica {
                 self.conns.remove(&conn);
             }
             Inbound::Request { conn, seq, cmd } => {
-                self.inflight.insert((conn, seq), Instant::now());
+                self.inflight.insert(
+                    (conn, seq),
+                    Inflight {
+                        arrived: Instant::now(),
+                        proposed: None,
+                        cmd: cmd.clone(),
+                    },
+                );
                 self.batch.push((conn, seq, cmd));
                 if self.batch.len() >= BATCH_MAX {
                     self.propose_batch();
@@ -534,12 +556,18 @@ impl Replica {
         let mut check = Packer::default();
         check.u8(MSG_CHECK);
         check.u64(index);
-        check.u32(n);
+        // The count is patched in below: repeats of applied requests are left out.
+        let count_at = check.buf.len();
+        check.u32(0);
+        let mut checked = 0u32;
         let mut outcomes = Vec::new();
         for pos in 0..n {
             let conn = u.u64()?;
             let seq = u.u64()?;
             let cmd = Command::decode(u)?;
+            if !self.applied_tags.first_time((origin, incarnation, conn, seq)) {
+                continue;
+            }
             self.delta.clear();
             let reply = self.store.apply(&cmd, time, &mut self.delta);
             self.count(&cmd, &reply);
@@ -565,6 +593,7 @@ impl Replica {
                 }
                 Some(v) => {
                     let pairs = self.delta.finish().to_vec();
+                    checked += 1;
                     check.u32(pos);
                     encode_pairs(&mut check, &pairs);
                     outcomes.extend(v.local(ReqId { index, pos }, pairs, reply, origin, to));
@@ -574,7 +603,8 @@ impl Replica {
         if !u.is_empty() {
             return Err(UnpackError("trailing bytes in batch"));
         }
-        if self.validator.is_some() {
+        check.buf[count_at..count_at + 4].copy_from_slice(&checked.to_le_bytes());
+        if self.validator.is_some() && checked > 0 {
             self.raft.as_mut().unwrap().peers.broadcast(&check.buf);
         }
         self.settle(outcomes);
@@ -709,7 +739,7 @@ impl Replica {
         let late: Vec<(u64, u64)> = self
             .inflight
             .iter()
-            .filter(|(_, t)| now.duration_since(**t) > ORDER_TIMEOUT)
+            .filter(|(_, f)| now.duration_since(f.arrived) > ORDER_TIMEOUT)
             .map(|(k, _)| *k)
             .collect();
         if !late.is_empty() {
@@ -721,6 +751,13 @@ impl Replica {
                     seq,
                     b"SERVER_ERROR request not ordered in time (no quorum?)\r\n".to_vec(),
                 );
+            }
+        }
+        // Proposals that went nowhere (to a leader that died) go out again.
+        for (&(conn, seq), f) in self.inflight.iter_mut() {
+            if f.proposed.is_some_and(|p| now.duration_since(p) > REPROPOSE_AFTER) {
+                f.proposed = None;
+                self.batch.push((conn, seq, f.cmd.clone()));
             }
         }
         self.recover_proposed
@@ -751,14 +788,41 @@ impl Replica {
             && self.applied > 0
             && (wanted || self.applied.saturating_sub(r.snap_index) >= self.cfg.snapshot_every)
         {
-            let data = self.store.snapshot();
-            let applied = self.applied;
-            if let Err(e) = r.storage.compact(applied, data) {
-                return Err(self.fatal_io("write a snapshot", e));
-            }
-            self.raft.as_mut().unwrap().snap_index = applied;
+            self.take_snapshot()?;
         }
         Ok(())
+    }
+}
+
+/// A Raft snapshot's data: the store's objects and the applied-request table.
+fn restore_data(limits: &Limits, data: &[u8]) -> Result<(Store, Applied), UnpackError> {
+    let mut u = Unpacker::new(data);
+    let store = Store::restore(limits.clone(), u.bytes()?)?;
+    let tags = Applied::decode(&mut u)?;
+    if !u.is_empty() {
+        return Err(UnpackError("trailing bytes after the snapshot"));
+    }
+    Ok((store, tags))
+}
+
+impl Replica {
+    /// Snapshot the store at the applied index and compact the log up to it.
+    fn take_snapshot(&mut self) -> Result<(), i32> {
+        let data = self.snapshot_data();
+        let applied = self.applied;
+        let r = self.raft.as_mut().expect("replicated");
+        if let Err(e) = r.storage.compact(applied, data) {
+            return Err(self.fatal_io("write a snapshot", e));
+        }
+        self.raft.as_mut().expect("replicated").snap_index = applied;
+        Ok(())
+    }
+
+    fn snapshot_data(&self) -> Vec<u8> {
+        let mut p = Packer::default();
+        p.bytes(&self.store.snapshot());
+        self.applied_tags.encode(&mut p);
+        p.buf
     }
 }
 

@@ -31,7 +31,12 @@ impl Replica {
             return;
         }
         if r.node.propose(vec![], data).is_ok() {
-            self.batch.clear();
+            let now = Instant::now();
+            for (conn, seq, _) in self.batch.drain(..) {
+                if let Some(f) = self.inflight.get_mut(&(conn, seq)) {
+                    f.proposed = Some(now);
+                }
+            }
         }
     }
 
@@ -109,9 +114,10 @@ impl Replica {
         }
         if let Some(s) = snapshot {
             let index = s.get_metadata().index;
-            match Store::restore(self.cfg.limits.clone(), &s.data) {
-                Ok(store) => {
+            match restore_data(&self.cfg.limits, &s.data) {
+                Ok((store, tags)) => {
                     self.store = store;
+                    self.applied_tags = tags;
                     self.applied = index;
                     let r = self.raft.as_mut().unwrap();
                     r.snap_index = index;
@@ -171,11 +177,7 @@ impl Replica {
                     } else if cc.node_id != self.cfg.id && self.recovery.is_none() {
                         // The re-added replica must be rebuilt from a snapshot that names it
                         // in its configuration, not by replaying the log that removed it.
-                        let r = self.raft.as_mut().unwrap();
-                        if let Err(err) = r.storage.compact(self.applied, self.store.snapshot()) {
-                            return Err(self.fatal_io("write a snapshot", err));
-                        }
-                        r.snap_index = self.applied;
+                        self.take_snapshot()?;
                     }
                 }
                 EntryType::EntryConfChangeV2 => {

@@ -206,6 +206,7 @@ impl Replica {
             rejoining: true,
         });
         self.store = Store::new(self.cfg.limits.clone());
+        self.applied_tags = Applied::default();
         self.validator = Some(Validator::new(self.n, self.cfg.id));
         self.recovery = None;
         self.to_recover.clear();
