@@ -15,6 +15,12 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     crc32c::crc32c_append(crc, data)
 }
 
+/// The CRC32C of `a ++ b` from `crc32c(a)`, `crc32c(b)` and `b.len()`, in O(log len).
+#[inline]
+pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: usize) -> u32 {
+    crc32c::crc32c_combine(crc_a, crc_b, len_b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -24,6 +30,14 @@ mod tests {
         // RFC 3720 B.4: 32 bytes of zeros.
         assert_eq!(crc32c(&[0u8; 32]), 0x8A91_36AA);
         assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+    }
+
+    #[test]
+    fn combine_equals_whole() {
+        assert_eq!(
+            crc32c_combine(crc32c(b"hello, "), crc32c(b"world"), 5),
+            crc32c(b"hello, world")
+        );
     }
 
     #[test]

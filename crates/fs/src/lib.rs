@@ -1,0 +1,4 @@
+//! `lockstep fs`: a FUSE filesystem with a checksummed page cache (Loris).
+
+pub mod crc;
+pub mod store;
