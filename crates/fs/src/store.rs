@@ -66,34 +66,16 @@ struct StoreCopy {
 
 impl StoreCopy {
     fn table(&mut self, ino: u64) -> io::Result<&File> {
-        if !self.tables.contains_key(&ino) {
-            let name = match self.data_dir {
-                Some(_) => format!("{ino}.crc"),
-                None => ino.to_string(),
-            };
-            let f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(self.crc_dir.join(name))?;
-            self.tables.insert(ino, f);
-        }
-        Ok(&self.tables[&ino])
+        let name = match self.data_dir {
+            Some(_) => format!("{ino}.crc"),
+            None => ino.to_string(),
+        };
+        open_cached(&mut self.tables, ino, &self.crc_dir.join(name))
     }
 
     fn mirror_data(&mut self, ino: u64) -> io::Result<&File> {
         let dir = self.data_dir.as_ref().expect("mirror");
-        if !self.datas.contains_key(&ino) {
-            let f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(dir.join(format!("{ino}.data")))?;
-            self.datas.insert(ino, f);
-        }
-        Ok(&self.datas[&ino])
+        open_cached(&mut self.datas, ino, &dir.join(format!("{ino}.data")))
     }
 
     /// The stored CRC of a block; `Ok(None)` if its table chunk fails its own check.
@@ -117,6 +99,21 @@ impl StoreCopy {
     fn forget(&mut self, ino: u64) {
         self.tables.remove(&ino);
         self.datas.remove(&ino);
+    }
+}
+
+fn open_cached<'a>(files: &'a mut HashMap<u64, File>, ino: u64, path: &Path) -> io::Result<&'a File> {
+    match files.entry(ino) {
+        std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)?;
+            Ok(v.insert(f))
+        }
     }
 }
 
@@ -265,7 +262,7 @@ impl Store {
             // Slots past the end are cleared, so that a later extension reads as holes.
             let t = copy.table(ino)?;
             t.set_len(keep_chunks * PAGE as u64)?;
-            if blocks % SLOTS != 0 && blocks > 0 {
+            if !blocks.is_multiple_of(SLOTS) && blocks > 0 {
                 let last_chunk = (blocks - 1) / SLOTS;
                 if let Some(mut chunk) = read_chunk(t, last_chunk)? {
                     let from = (blocks % SLOTS) as usize * 4;
