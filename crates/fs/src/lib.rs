@@ -1,4 +1,5 @@
 //! `lockstep fs`: a FUSE filesystem with a checksummed page cache (Loris).
 
+pub mod cache;
 pub mod crc;
 pub mod store;

@@ -1,0 +1,633 @@
+//! The page cache: 4 KiB pages, each with the CRC32C of its used part.
+//!
+//! A page's CRC comes from the store on a miss (computed there once while verifying the
+//! block) or is maintained incrementally by writes (`crc::extend`, `crc::patch`), and the
+//! store persists that same CRC on write-back. Verification follows the configured
+//! strategy, plus a background scrubber:
+//! - a clean page that fails is dropped and read again from the store (counted);
+//! - a dirty page that fails is poisoned: reads of it get EIO, it is never written back,
+//!   and fsync of its file reports EIO.
+
+use crate::crc::{self, PAGE};
+use crate::store::{Store, StoreError};
+use lockstep_core::checksum::crc32c;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::time::{Duration, Instant};
+
+/// When a cached page is verified on read (§IV-C of the Loris paper).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verify {
+    EveryRead,
+    /// On read, if the last check is older than this.
+    LastCheck(Duration),
+    /// On read, if the last use is older than this.
+    LastUse(Duration),
+    None,
+}
+
+struct Page {
+    data: Box<[u8; PAGE]>,
+    /// Bytes of the page that belong to the file.
+    len: usize,
+    /// CRC32C of `data[..len]`.
+    crc: u32,
+    /// When it became dirty.
+    dirty: Option<Instant>,
+    poisoned: bool,
+    last_check: Instant,
+    last_use: Instant,
+    lru: u64,
+}
+
+impl Page {
+    fn empty(now: Instant) -> Page {
+        Page {
+            data: Box::new([0u8; PAGE]),
+            len: 0,
+            crc: 0,
+            dirty: None,
+            poisoned: false,
+            last_check: now,
+            last_use: now,
+            lru: 0,
+        }
+    }
+
+    fn intact(&self) -> bool {
+        crc32c(&self.data[..self.len]) == self.crc
+    }
+}
+
+struct FileData {
+    file: File,
+    /// The file's size including dirty data not written back yet.
+    size: u64,
+}
+
+#[derive(Default, Clone, Debug)]
+pub struct Stats {
+    pub reads: u64,
+    pub writes: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub checks: u64,
+    /// Clean pages that failed their check and were read again from the store.
+    pub clean_detected: u64,
+    /// Dirty pages that failed their check (poisoned).
+    pub dirty_detected: u64,
+    /// Reads and fsyncs answered with EIO because of a poisoned page or a bad block.
+    pub eio: u64,
+    pub scrubbed: u64,
+    /// Blocks that were bad on disk and repaired from the mirror.
+    pub disk_repaired: u64,
+    /// Blocks that were bad on disk with no good copy.
+    pub disk_corrupt: u64,
+    pub written_back: u64,
+    pub evicted: u64,
+    /// Test-only flips injected into cached pages.
+    pub injected: u64,
+}
+
+pub struct Cache {
+    store: Store,
+    pages: HashMap<(u64, u64), Page>,
+    lru: BTreeMap<u64, (u64, u64)>,
+    seq: u64,
+    limit: usize,
+    verify: Verify,
+    files: HashMap<u64, FileData>,
+    scrub_cursor: (u64, u64),
+    pub stats: Stats,
+}
+
+type R<T> = Result<T, i32>;
+
+impl Cache {
+    pub fn new(store: Store, limit_bytes: u64, verify: Verify) -> Cache {
+        Cache {
+            store,
+            pages: HashMap::new(),
+            lru: BTreeMap::new(),
+            seq: 0,
+            limit: (limit_bytes / PAGE as u64).max(16) as usize,
+            verify,
+            files: HashMap::new(),
+            scrub_cursor: (0, 0),
+            stats: Stats::default(),
+        }
+    }
+
+    pub fn store(&mut self) -> &mut Store {
+        &mut self.store
+    }
+
+    /// Give the cache the backing file of `ino` (opened read-write) and its size on disk.
+    pub fn attach(&mut self, ino: u64, open: impl FnOnce() -> std::io::Result<File>) -> R<()> {
+        if self.files.contains_key(&ino) {
+            return Ok(());
+        }
+        let file = open().map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        let size = file
+            .metadata()
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?
+            .len();
+        self.files.insert(ino, FileData { file, size });
+        Ok(())
+    }
+
+    pub fn is_attached(&self, ino: u64) -> bool {
+        self.files.contains_key(&ino)
+    }
+
+    /// The size of `ino` as the cache sees it (dirty data included), if attached.
+    pub fn size(&self, ino: u64) -> Option<u64> {
+        self.files.get(&ino).map(|f| f.size)
+    }
+
+    fn touch(&mut self, key: (u64, u64), now: Instant) {
+        self.seq += 1;
+        let seq = self.seq;
+        if let Some(p) = self.pages.get_mut(&key) {
+            self.lru.remove(&p.lru);
+            p.lru = seq;
+            p.last_use = now;
+            self.lru.insert(seq, key);
+        }
+    }
+
+    fn should_verify(&self, p: &Page, now: Instant) -> bool {
+        match self.verify {
+            Verify::EveryRead => true,
+            Verify::LastCheck(d) => now.duration_since(p.last_check) >= d,
+            Verify::LastUse(d) => now.duration_since(p.last_use) >= d,
+            Verify::None => false,
+        }
+    }
+
+    fn drop_page(&mut self, key: (u64, u64)) {
+        if let Some(p) = self.pages.remove(&key) {
+            self.lru.remove(&p.lru);
+        }
+    }
+
+    /// Check a cached page now. A clean page that fails is dropped (the next access reads
+    /// it from the store); a dirty one is poisoned. Returns whether it was intact.
+    fn check(&mut self, key: (u64, u64), now: Instant) -> bool {
+        let Some(p) = self.pages.get_mut(&key) else { return true };
+        self.stats.checks += 1;
+        p.last_check = now;
+        if p.poisoned {
+            return false;
+        }
+        if p.intact() {
+            return true;
+        }
+        if p.dirty.is_some() {
+            p.poisoned = true;
+            self.stats.dirty_detected += 1;
+        } else {
+            self.stats.clean_detected += 1;
+            self.drop_page(key);
+        }
+        false
+    }
+
+    /// The page for a read: from the cache (verified per strategy) or from the store.
+    fn page_for_read(&mut self, ino: u64, block: u64, now: Instant) -> R<(u64, u64)> {
+        let key = (ino, block);
+        if let Some(p) = self.pages.get(&key) {
+            if p.poisoned {
+                return Err(libc::EIO);
+            }
+            let verify = self.should_verify(p, now);
+            if !verify || self.check(key, now) {
+                self.stats.hits += 1;
+                self.touch(key, now);
+                return Ok(key);
+            }
+            if self.pages.get(&key).is_some_and(|p| p.poisoned) {
+                return Err(libc::EIO);
+            }
+            // A clean page failed and was dropped: read it again below.
+        }
+        self.load(ino, block, now)?;
+        Ok(key)
+    }
+
+    fn load(&mut self, ino: u64, block: u64, now: Instant) -> R<()> {
+        let f = self.files.get(&ino).ok_or(libc::EBADF)?;
+        let size = f.size;
+        let len = (size.saturating_sub(block * PAGE as u64)).min(PAGE as u64) as usize;
+        let mut page = Page::empty(now);
+        if len > 0 {
+            let (bytes, crc, info) = match self.store.read_block(ino, &f.file, block, len) {
+                Ok(r) => r,
+                Err(StoreError::Corrupt { .. }) => {
+                    self.stats.disk_corrupt += 1;
+                    return Err(libc::EIO);
+                }
+                Err(e) => return Err(e.errno()),
+            };
+            if info.repaired {
+                self.stats.disk_repaired += 1;
+            }
+            page.data[..len].copy_from_slice(&bytes);
+            page.len = len;
+            page.crc = crc;
+        }
+        self.stats.misses += 1;
+        self.pages.insert((ino, block), page);
+        self.touch((ino, block), now);
+        self.evict()
+    }
+
+    fn evict(&mut self) -> R<()> {
+        if self.pages.len() <= self.limit {
+            return Ok(());
+        }
+        let victims: Vec<(u64, u64)> = self
+            .lru
+            .values()
+            .filter(|k| self.pages.get(k).is_some_and(|p| !p.poisoned))
+            .take(self.pages.len() - self.limit)
+            .copied()
+            .collect();
+        for key in victims {
+            if self.pages.get(&key).is_some_and(|p| p.dirty.is_some()) {
+                self.write_back(key)?;
+            }
+            if self.pages.get(&key).is_some_and(|p| !p.poisoned) {
+                self.drop_page(key);
+                self.stats.evicted += 1;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn read(&mut self, ino: u64, off: u64, size: usize) -> R<Vec<u8>> {
+        self.stats.reads += 1;
+        let now = Instant::now();
+        let fsize = self.files.get(&ino).ok_or(libc::EBADF)?.size;
+        let end = (off + size as u64).min(fsize);
+        let mut out = Vec::with_capacity(end.saturating_sub(off) as usize);
+        let mut at = off;
+        while at < end {
+            let block = at / PAGE as u64;
+            let key = self.page_for_read(ino, block, now).inspect_err(|&e| {
+                if e == libc::EIO {
+                    self.stats.eio += 1;
+                }
+            })?;
+            let p = &self.pages[&key];
+            let start = (at % PAGE as u64) as usize;
+            let stop = ((end - block * PAGE as u64).min(PAGE as u64)) as usize;
+            // Bytes past the page's used part (a hole before a later write) read as zeros.
+            let stop_used = stop.min(p.len).max(start);
+            out.extend_from_slice(&p.data[start..stop_used]);
+            out.resize(out.len() + (stop - stop_used), 0);
+            at = block * PAGE as u64 + stop as u64;
+        }
+        Ok(out)
+    }
+
+    pub fn write(&mut self, ino: u64, off: u64, data: &[u8]) -> R<usize> {
+        self.stats.writes += 1;
+        let now = Instant::now();
+        let fsize = self.files.get(&ino).ok_or(libc::EBADF)?.size;
+        let mut done = 0;
+        while done < data.len() {
+            let pos = off + done as u64;
+            let block = pos / PAGE as u64;
+            let start = (pos % PAGE as u64) as usize;
+            let n = (PAGE - start).min(data.len() - done);
+            let chunk = &data[done..done + n];
+            let key = (ino, block);
+            let whole = start == 0 && n == PAGE;
+            if !self.pages.contains_key(&key) {
+                if !whole && block * (PAGE as u64) < fsize {
+                    self.load(ino, block, now).inspect_err(|&e| {
+                        if e == libc::EIO {
+                            self.stats.eio += 1;
+                        }
+                    })?;
+                } else {
+                    self.pages.insert(key, Page::empty(now));
+                    self.touch(key, now);
+                }
+            }
+            let p = self.pages.get_mut(&key).expect("page present");
+            if whole || (start == 0 && n >= p.len) {
+                // Everything in use is replaced: a fresh CRC, and a poisoned page heals.
+                p.data[..n].copy_from_slice(chunk);
+                p.data[n..].fill(0);
+                p.len = n;
+                p.crc = crc32c(&p.data[..n]);
+                p.poisoned = false;
+            } else {
+                let overlap_end = (start + n).min(p.len);
+                if start < overlap_end {
+                    let m = overlap_end - start;
+                    p.crc = crc::patch(p.crc, p.len, start, &p.data[start..overlap_end], &chunk[..m]);
+                    p.data[start..overlap_end].copy_from_slice(&chunk[..m]);
+                }
+                if start > p.len {
+                    let gap = start - p.len;
+                    p.data[p.len..start].fill(0);
+                    p.crc = crc::extend(p.crc, &[0u8; PAGE][..gap]);
+                    p.len = start;
+                }
+                let from = overlap_end.max(start);
+                if start + n > from {
+                    let rest = &chunk[from - start..];
+                    p.data[from..start + n].copy_from_slice(rest);
+                    p.crc = crc::extend(p.crc, rest);
+                    p.len = start + n;
+                }
+            }
+            if p.dirty.is_none() {
+                p.dirty = Some(now);
+            }
+            self.touch(key, now);
+            done += n;
+        }
+        let f = self.files.get_mut(&ino).expect("attached");
+        f.size = f.size.max(off + data.len() as u64);
+        self.evict()?;
+        Ok(data.len())
+    }
+
+    /// Write one dirty page back, after checking it: a page that fails is poisoned and
+    /// never written.
+    fn write_back(&mut self, key: (u64, u64)) -> R<()> {
+        let now = Instant::now();
+        if !self.check(key, now) {
+            return Err(libc::EIO);
+        }
+        let p = self.pages.get_mut(&key).expect("checked page exists");
+        let f = self.files.get(&key.0).ok_or(libc::EBADF)?;
+        self.store
+            .write_block(key.0, &f.file, key.1, &p.data[..p.len], p.crc)
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        p.dirty = None;
+        self.stats.written_back += 1;
+        Ok(())
+    }
+
+    /// Write back dirty pages of `ino` (all inodes if None) that are at least `age` old.
+    /// Returns EIO if any of them is poisoned.
+    pub fn flush(&mut self, ino: Option<u64>, age: Duration) -> R<()> {
+        let now = Instant::now();
+        let mut keys: Vec<(u64, u64)> = self
+            .pages
+            .iter()
+            .filter(|(k, p)| ino.is_none_or(|i| k.0 == i) && p.dirty.is_some_and(|d| now.duration_since(d) >= age))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.sort_unstable();
+        let mut result = Ok(());
+        for key in keys {
+            if let Err(e) = self.write_back(key) {
+                result = Err(e);
+            }
+        }
+        if ino.is_some() && self.pages.iter().any(|(k, p)| Some(k.0) == ino && p.poisoned) {
+            self.stats.eio += 1;
+            return Err(libc::EIO);
+        }
+        result
+    }
+
+    /// fsync: write back and make durable.
+    pub fn fsync(&mut self, ino: u64) -> R<()> {
+        self.flush(Some(ino), Duration::ZERO)?;
+        if let Some(f) = self.files.get(&ino) {
+            f.file.sync_data().map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        }
+        self.store.sync(ino).map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))
+    }
+
+    /// Cut or extend `ino` to `size`.
+    pub fn truncate(&mut self, ino: u64, size: u64) -> R<()> {
+        self.flush(Some(ino), Duration::ZERO)?;
+        let now = Instant::now();
+        let old = self.files.get(&ino).ok_or(libc::EBADF)?.size;
+        let mut fixups = Vec::new();
+        // The block whose used part changes: the new last one when cutting, the old last
+        // one when extending.
+        let edge = if size < old { size } else { old };
+        if edge % PAGE as u64 != 0 {
+            let block = edge / PAGE as u64;
+            self.page_for_read(ino, block, now)?;
+            let p = self.pages.get_mut(&(ino, block)).expect("loaded");
+            let new_len = ((size - block * PAGE as u64).min(PAGE as u64)) as usize;
+            if new_len < p.len {
+                p.data[new_len..].fill(0);
+                p.crc = crc32c(&p.data[..new_len]);
+            } else {
+                p.crc = crc::extend(p.crc, &[0u8; PAGE][..new_len - p.len]);
+            }
+            p.len = new_len;
+            fixups.push((block, p.crc));
+        }
+        let keep = size.div_ceil(PAGE as u64);
+        let gone: Vec<_> = self
+            .pages
+            .keys()
+            .filter(|k| k.0 == ino && k.1 >= keep)
+            .copied()
+            .collect();
+        for k in gone {
+            self.drop_page(k);
+        }
+        let f = self.files.get_mut(&ino).expect("attached");
+        self.store
+            .truncate(ino, &f.file, size, &fixups)
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        f.size = size;
+        Ok(())
+    }
+
+    /// The inode lost its last link: drop its pages, file and tables.
+    pub fn remove(&mut self, ino: u64) {
+        let gone: Vec<_> = self.pages.keys().filter(|k| k.0 == ino).copied().collect();
+        for k in gone {
+            self.drop_page(k);
+        }
+        self.files.remove(&ino);
+        self.store.remove(ino);
+    }
+
+    /// The kernel forgot the inode: write back its pages and close its file.
+    pub fn release_inode(&mut self, ino: u64) {
+        let _ = self.flush(Some(ino), Duration::ZERO);
+        if !self.pages.iter().any(|(k, p)| k.0 == ino && p.poisoned) {
+            let gone: Vec<_> = self.pages.keys().filter(|k| k.0 == ino).copied().collect();
+            for k in gone {
+                self.drop_page(k);
+            }
+            self.files.remove(&ino);
+            self.store.forget(ino);
+        }
+    }
+
+    /// Check the next `n` pages in key order (the background scrubber).
+    pub fn scrub(&mut self, n: usize) {
+        let now = Instant::now();
+        let mut keys: Vec<(u64, u64)> = self.pages.keys().copied().filter(|&k| k > self.scrub_cursor).collect();
+        if keys.len() < n {
+            keys = self.pages.keys().copied().collect();
+        }
+        keys.sort_unstable();
+        for key in keys.into_iter().take(n) {
+            self.stats.scrubbed += 1;
+            self.check(key, now);
+            self.scrub_cursor = key;
+        }
+    }
+
+    /// Test-only: flip one bit in each of `n` cached pages chosen by `pick` among those
+    /// with data (`dirty`: only dirty pages, Some(false): only clean ones). The CRC is not
+    /// updated, as a memory error would not. Returns how many pages were hit.
+    pub fn inject_flips(&mut self, n: usize, dirty: Option<bool>, mut rand: impl FnMut() -> u64) -> usize {
+        let mut keys: Vec<(u64, u64)> = self
+            .pages
+            .iter()
+            .filter(|(_, p)| p.len > 0 && !p.poisoned && dirty.is_none_or(|d| p.dirty.is_some() == d))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.sort_unstable();
+        let mut hit = 0;
+        for _ in 0..n {
+            if keys.is_empty() {
+                break;
+            }
+            let key = keys.swap_remove((rand() % keys.len() as u64) as usize);
+            let p = self.pages.get_mut(&key).expect("listed");
+            let bit = rand() % (p.len as u64 * 8);
+            p.data[(bit / 8) as usize] ^= 1 << (bit % 8);
+            hit += 1;
+        }
+        self.stats.injected += hit as u64;
+        hit
+    }
+
+    pub fn dirty_pages(&self) -> usize {
+        self.pages.values().filter(|p| p.dirty.is_some()).count()
+    }
+
+    pub fn cached_pages(&self) -> usize {
+        self.pages.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs::OpenOptions;
+
+    fn cache(tag: &str, verify: Verify) -> (Cache, std::path::PathBuf) {
+        let d = std::env::temp_dir().join(format!("lockstep-fs-cache-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let store = Store::open(&d, None).unwrap();
+        let path = store.data_root().join("f");
+        let mut c = Cache::new(store, 1 << 20, verify);
+        let p2 = path.clone();
+        c.attach(1, move || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&p2)
+        })
+        .unwrap();
+        (c, path)
+    }
+
+    fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    }
+
+    #[test]
+    fn writes_read_back_through_cache_and_store() {
+        let (mut c, _) = cache("rw", Verify::EveryRead);
+        let a = pattern(10_000, 1);
+        c.write(1, 0, &a).unwrap();
+        c.write(1, 5000, &pattern(100, 2)).unwrap(); // overwrite inside
+        c.write(1, 12_000, &pattern(10, 3)).unwrap(); // past the end: a gap of zeros
+        let mut want = a.clone();
+        want[5000..5100].copy_from_slice(&pattern(100, 2));
+        want.resize(12_000, 0);
+        want.extend_from_slice(&pattern(10, 3));
+        assert_eq!(c.read(1, 0, 20_000).unwrap(), want);
+        c.flush(None, Duration::ZERO).unwrap();
+        // Drop everything cached: the store's copy reads back the same.
+        let keys: Vec<_> = c.pages.keys().copied().collect();
+        for k in keys {
+            c.drop_page(k);
+        }
+        assert_eq!(c.read(1, 0, 20_000).unwrap(), want);
+        c.truncate(1, 7000).unwrap();
+        assert_eq!(c.read(1, 0, 20_000).unwrap(), want[..7000]);
+        c.truncate(1, 9000).unwrap();
+        let mut grown = want[..7000].to_vec();
+        grown.resize(9000, 0);
+        assert_eq!(c.read(1, 0, 20_000).unwrap(), grown);
+    }
+
+    #[test]
+    fn a_flip_in_a_clean_page_is_caught_and_reread() {
+        let (mut c, _) = cache("clean", Verify::EveryRead);
+        let a = pattern(8192, 4);
+        c.write(1, 0, &a).unwrap();
+        c.flush(None, Duration::ZERO).unwrap();
+        let mut x = 7u64;
+        assert_eq!(
+            c.inject_flips(1, Some(false), || {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                x >> 11
+            }),
+            1
+        );
+        assert_eq!(c.read(1, 0, 8192).unwrap(), a);
+        assert_eq!(c.stats.clean_detected, 1);
+    }
+
+    #[test]
+    fn a_flip_in_a_dirty_page_gives_eio_and_is_never_written_back() {
+        let (mut c, path) = cache("dirty", Verify::EveryRead);
+        let a = pattern(4096, 5);
+        c.write(1, 0, &a).unwrap();
+        c.flush(None, Duration::ZERO).unwrap();
+        c.write(1, 0, &pattern(4096, 6)).unwrap();
+        let mut x = 3u64;
+        c.inject_flips(1, Some(true), || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            x >> 11
+        });
+        assert_eq!(c.read(1, 0, 4096), Err(libc::EIO));
+        assert_eq!(c.fsync(1), Err(libc::EIO));
+        // The disk still has the last good version, not the corrupt one.
+        assert_eq!(std::fs::read(path).unwrap(), a);
+        // Overwriting the whole page heals it.
+        c.write(1, 0, &pattern(4096, 7)).unwrap();
+        assert_eq!(c.read(1, 0, 4096).unwrap(), pattern(4096, 7));
+        assert!(c.fsync(1).is_ok());
+    }
+
+    #[test]
+    fn the_scrubber_finds_flips_without_reads() {
+        let (mut c, _) = cache("scrub", Verify::None);
+        c.write(1, 0, &pattern(40_000, 8)).unwrap();
+        c.flush(None, Duration::ZERO).unwrap();
+        let mut x = 11u64;
+        c.inject_flips(3, None, || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            x >> 11
+        });
+        c.scrub(100);
+        assert_eq!(c.stats.clean_detected, 3);
+        assert_eq!(c.read(1, 0, 40_000).unwrap(), pattern(40_000, 8));
+    }
+}
