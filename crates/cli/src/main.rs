@@ -1,6 +1,7 @@
 //! `lockstep`: the thin command-line front end. One module per subcommand.
 
 mod cc;
+mod fs;
 mod inject;
 mod kv;
 mod run;
@@ -20,6 +21,7 @@ enum Command {
     Run(run::RunArgs),
     Inject(Box<inject::InjectArgs>),
     Kv(kv::KvArgs),
+    Fs(fs::FsArgs),
     /// Compile and link C with libsei's handler hardening (gcc arguments; see `lockstep cc --help`)
     Cc(CompilerArgs),
     /// Compile and link C++ with libsei's handler hardening (g++ arguments)
@@ -56,6 +58,7 @@ fn main() {
         Command::Run(args) => run::main(args),
         Command::Inject(args) => inject::main(*args),
         Command::Kv(args) => kv::main(args),
+        Command::Fs(args) => fs::main(args),
         Command::Cc(args) => cc::main(lockstep_sei::Lang::C, args.args),
         Command::Cxx(args) => cc::main(lockstep_sei::Lang::Cxx, args.args),
     };

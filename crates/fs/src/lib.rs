@@ -2,4 +2,6 @@
 
 pub mod cache;
 pub mod crc;
+pub mod mount;
+pub mod naming;
 pub mod store;

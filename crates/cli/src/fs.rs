@@ -1,0 +1,286 @@
+//! `lockstep fs`: mount, unmount and talk to the checksummed FUSE filesystem.
+
+use clap::{Args, Subcommand};
+use lockstep_core::exit;
+use lockstep_fs::cache::Verify;
+use lockstep_fs::mount::{self, Options};
+use std::io::{Read, Write};
+use std::os::fd::FromRawFd;
+use std::path::PathBuf;
+use std::time::Duration;
+
+const AFTER_HELP: &str = "\
+How it works:
+  File data is served from lockstep's own page cache (the kernel's is bypassed with direct
+  I/O). Every 4 KiB page carries the CRC32C of its contents, the same checksum the store
+  keeps for that block on disk: computed once when the page is modified, kept up to date
+  incrementally, and handed up by the store on a miss. A page that fails its check is
+  read again from the store if it is clean, and gives EIO (never wrong data, and it is
+  never written back) if it is dirty. Blocks that fail on disk are repaired from --mirror.
+
+Verification strategies (--verify):
+  every-read        check a page on every read
+  last-check=DUR    on read, if the page was last checked DUR ago or more (default 1s)
+  last-use=DUR      on read, if the page was last used DUR ago or more
+  none              only the scrubber checks
+  plus --scrub RATE: a background scrubber checks RATE pages per second.
+
+Examples:
+  lockstep fs mount --store /var/lib/fs-store /mnt/data
+  lockstep fs mount --store s --mirror m --verify every-read --scrub 1000 /mnt/x
+  lockstep fs ctl /mnt/data stats
+  lockstep fs umount /mnt/data";
+
+/// A FUSE filesystem whose checksummed page cache catches memory errors.
+#[derive(Args)]
+pub struct FsArgs {
+    #[command(subcommand)]
+    command: FsCommand,
+}
+
+#[derive(Subcommand)]
+enum FsCommand {
+    Mount(MountArgs),
+    Umount(UmountArgs),
+    Ctl(CtlArgs),
+}
+
+/// Mount the filesystem (as root). Returns once it is mounted, unless --foreground.
+#[derive(Args)]
+#[command(after_help = AFTER_HELP)]
+struct MountArgs {
+    /// Where files and block checksums are kept (default: MOUNTPOINT.store).
+    #[arg(long, value_name = "DIR")]
+    store: Option<PathBuf>,
+    /// A second copy of every block and checksum, for repairing bad blocks.
+    #[arg(long, value_name = "DIR")]
+    mirror: Option<PathBuf>,
+    /// every-read, last-check=DUR, last-use=DUR or none.
+    #[arg(long, default_value = "last-check=1s", value_name = "STRATEGY")]
+    verify: String,
+    /// Pages per second checked in the background (0: no scrubber).
+    #[arg(long, default_value_t = 64, value_name = "RATE")]
+    scrub: u64,
+    /// Memory for cached pages, e.g. 64M or 1G.
+    #[arg(long, default_value = "64M", value_name = "SIZE")]
+    cache_size: String,
+    /// Dirty pages are written back once they are this old (at most 30s).
+    #[arg(long, default_value = "5s", value_name = "DUR")]
+    dirty_age: String,
+    /// Write every event as a JSON line to FILE.
+    #[arg(long, value_name = "FILE")]
+    events: Option<PathBuf>,
+    /// Accept `flip` on the control socket (tests and measurements only).
+    #[arg(long)]
+    test_flips: bool,
+    /// Stay in the foreground instead of returning once mounted.
+    #[arg(short, long)]
+    foreground: bool,
+    mountpoint: PathBuf,
+}
+
+/// Write back everything dirty and unmount.
+#[derive(Args)]
+struct UmountArgs {
+    mountpoint: PathBuf,
+}
+
+/// Send a control command to a mount: stats, flush, or (with --test-flips) flip N clean|dirty|any.
+#[derive(Args)]
+struct CtlArgs {
+    mountpoint: PathBuf,
+    #[arg(trailing_var_arg = true, required = true)]
+    command: Vec<String>,
+}
+
+pub fn main(a: FsArgs) -> i32 {
+    match a.command {
+        FsCommand::Mount(m) => mount_cmd(m),
+        FsCommand::Umount(u) => match mount::umount(&u.mountpoint) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("lockstep fs: {e}");
+                1
+            }
+        },
+        FsCommand::Ctl(c) => {
+            let Some(store) = mount::store_of(&c.mountpoint) else {
+                eprintln!("lockstep fs: {} is not a lockstep fs mount", c.mountpoint.display());
+                return 1;
+            };
+            match mount::control(&store, &c.command.join(" ")) {
+                Ok(v) => {
+                    println!("{v}");
+                    if v["ok"] == true {
+                        0
+                    } else {
+                        1
+                    }
+                }
+                Err(e) => {
+                    eprintln!(
+                        "lockstep fs: cannot reach the daemon of {}: {e}",
+                        c.mountpoint.display()
+                    );
+                    1
+                }
+            }
+        }
+    }
+}
+
+fn usage(msg: String) -> i32 {
+    eprintln!("lockstep fs: {msg}");
+    exit::USAGE
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .map(|i| s.split_at(i))
+        .unwrap_or((s, "s"));
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("bad duration {s:?} (examples: 500ms, 2s, 1m)"))?;
+    let secs = match unit {
+        "ms" => v / 1000.0,
+        "s" | "" => v,
+        "m" => v * 60.0,
+        _ => return Err(format!("bad duration unit in {s:?} (use ms, s or m)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1u64 << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("bad size {s:?} (examples: 512K, 64M, 1G)"))
+}
+
+fn parse_verify(s: &str) -> Result<Verify, String> {
+    match s {
+        "every-read" => Ok(Verify::EveryRead),
+        "none" => Ok(Verify::None),
+        _ => match s.split_once('=') {
+            Some(("last-check", d)) => Ok(Verify::LastCheck(parse_duration(d)?)),
+            Some(("last-use", d)) => Ok(Verify::LastUse(parse_duration(d)?)),
+            _ => Err(format!(
+                "--verify {s:?}: use every-read, last-check=DUR, last-use=DUR or none"
+            )),
+        },
+    }
+}
+
+fn mount_cmd(m: MountArgs) -> i32 {
+    let verify = match parse_verify(&m.verify) {
+        Ok(v) => v,
+        Err(e) => return usage(e),
+    };
+    let cache_bytes = match parse_size(&m.cache_size) {
+        Ok(v) if v >= 64 << 10 => v,
+        Ok(_) => return usage("--cache-size must be at least 64K".into()),
+        Err(e) => return usage(e),
+    };
+    let dirty_age = match parse_duration(&m.dirty_age) {
+        Ok(d) if d <= Duration::from_secs(30) => d,
+        Ok(_) => return usage("--dirty-age is at most 30s (Loris bounds the age of dirty data)".into()),
+        Err(e) => return usage(e),
+    };
+    let mut store = m.store.unwrap_or_else(|| {
+        let mut s = m.mountpoint.clone().into_os_string();
+        s.push(".store");
+        PathBuf::from(s)
+    });
+    if store.is_relative() {
+        store = std::env::current_dir().map(|d| d.join(&store)).unwrap_or(store);
+    }
+    let mirror = m.mirror.map(|p| {
+        if p.is_relative() {
+            std::env::current_dir().map(|d| d.join(&p)).unwrap_or(p)
+        } else {
+            p
+        }
+    });
+    let o = Options {
+        store,
+        mirror,
+        mountpoint: m.mountpoint,
+        verify,
+        scrub_rate: m.scrub,
+        cache_bytes,
+        dirty_age,
+        events: m.events,
+        test_flips: m.test_flips,
+    };
+    if let Err(e) = mount::preflight(&o) {
+        eprintln!("lockstep fs: {e}");
+        return 1;
+    }
+    if m.foreground {
+        return mount::run(o, |r| {
+            if let Err(e) = r {
+                eprintln!("lockstep fs: {e}");
+            }
+        });
+    }
+    // Daemon: the parent returns once the child has mounted (or says why it could not).
+    let mut fds = [0; 2];
+    // SAFETY: plain pipe/fork before any thread exists.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        eprintln!("lockstep fs: pipe: {}", std::io::Error::last_os_error());
+        return 1;
+    }
+    let (mut rd, mut wr) = unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
+    match unsafe { libc::fork() } {
+        -1 => {
+            eprintln!("lockstep fs: fork: {}", std::io::Error::last_os_error());
+            1
+        }
+        0 => {
+            drop(rd);
+            unsafe { libc::setsid() };
+            let code = mount::run(o, move |r| {
+                let msg = match r {
+                    Ok(()) => "OK".to_string(),
+                    Err(e) => e,
+                };
+                let _ = wr.write_all(msg.as_bytes());
+                drop(wr);
+                // Detach from the terminal's output: events go to --events.
+                let null = std::fs::OpenOptions::new().write(true).open("/dev/null");
+                if let Ok(null) = null {
+                    use std::os::fd::AsRawFd;
+                    unsafe {
+                        libc::dup2(null.as_raw_fd(), 1);
+                        libc::dup2(null.as_raw_fd(), 2);
+                    }
+                }
+            });
+            std::process::exit(code);
+        }
+        _ => {
+            drop(wr);
+            let mut msg = String::new();
+            let _ = rd.read_to_string(&mut msg);
+            if msg == "OK" {
+                0
+            } else {
+                eprintln!(
+                    "lockstep fs: {}",
+                    if msg.is_empty() {
+                        "the daemon died before mounting"
+                    } else {
+                        &msg
+                    }
+                );
+                1
+            }
+        }
+    }
+}

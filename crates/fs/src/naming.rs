@@ -1,0 +1,642 @@
+//! The naming layer: FUSE operations on a backing directory tree (`STORE/data`). Names,
+//! directories, links, permissions and times live in the backing filesystem; file data
+//! goes through the checksummed cache. Every inode we know is held by an `O_PATH` file
+//! descriptor, so renames never invalidate anything, and the FUSE inode number is the
+//! backing inode number (the root is 1), which also keys the block CRC tables.
+
+use crate::cache::Cache;
+use fuser::consts::FOPEN_DIRECT_IO;
+use fuser::{
+    FileAttr, FileType, Filesystem, KernelConfig, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
+    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, FUSE_ROOT_ID,
+};
+use std::collections::HashMap;
+use std::ffi::{CString, OsStr};
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The kernel may cache names and attributes this long; data is never cached by the kernel
+/// (every open is direct I/O), so that this cache is the one serving reads.
+const TTL: Duration = Duration::from_secs(1);
+
+struct Inode {
+    fd: OwnedFd,
+    lookups: u64,
+    /// Its last link is gone; the CRC table goes when the kernel forgets it.
+    orphan: bool,
+}
+
+pub struct Naming {
+    root_st_ino: u64,
+    inodes: HashMap<u64, Inode>,
+    pub cache: Arc<Mutex<Cache>>,
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+}
+
+fn cstr(name: &OsStr) -> Result<CString, i32> {
+    CString::new(name.as_bytes()).map_err(|_| libc::EINVAL)
+}
+
+fn proc_path(fd: RawFd) -> CString {
+    CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL")
+}
+
+fn stat_fd(fd: RawFd) -> Result<libc::stat, i32> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid fd and an empty path with AT_EMPTY_PATH; st is written by the kernel.
+    let r = unsafe {
+        libc::fstatat(
+            fd,
+            c"".as_ptr(),
+            &mut st,
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    if r < 0 {
+        return Err(errno());
+    }
+    Ok(st)
+}
+
+fn stat_at(dir: RawFd, name: &CString) -> Result<libc::stat, i32> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid dir fd and NUL-terminated name.
+    let r = unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
+    if r < 0 {
+        return Err(errno());
+    }
+    Ok(st)
+}
+
+fn time(sec: i64, nsec: i64) -> SystemTime {
+    if sec >= 0 {
+        UNIX_EPOCH + Duration::new(sec as u64, nsec as u32)
+    } else {
+        UNIX_EPOCH
+    }
+}
+
+fn kind(mode: u32) -> FileType {
+    match mode & libc::S_IFMT {
+        libc::S_IFDIR => FileType::Directory,
+        libc::S_IFLNK => FileType::Symlink,
+        libc::S_IFCHR => FileType::CharDevice,
+        libc::S_IFBLK => FileType::BlockDevice,
+        libc::S_IFIFO => FileType::NamedPipe,
+        libc::S_IFSOCK => FileType::Socket,
+        _ => FileType::RegularFile,
+    }
+}
+
+impl Naming {
+    pub fn new(data_root: &Path, cache: Arc<Mutex<Cache>>) -> std::io::Result<Naming> {
+        let root = File::open(data_root)?;
+        let st = stat_fd(root.as_raw_fd()).map_err(std::io::Error::from_raw_os_error)?;
+        let fd = open_path(libc::AT_FDCWD, &CString::new(data_root.as_os_str().as_bytes()).unwrap())
+            .map_err(std::io::Error::from_raw_os_error)?;
+        let mut inodes = HashMap::new();
+        inodes.insert(
+            FUSE_ROOT_ID,
+            Inode {
+                fd,
+                lookups: 1,
+                orphan: false,
+            },
+        );
+        Ok(Naming {
+            root_st_ino: st.st_ino,
+            inodes,
+            cache,
+        })
+    }
+
+    fn ino_of(&self, st_ino: u64) -> u64 {
+        if st_ino == self.root_st_ino {
+            FUSE_ROOT_ID
+        } else {
+            st_ino
+        }
+    }
+
+    fn fd(&self, ino: u64) -> Result<RawFd, i32> {
+        self.inodes.get(&ino).map(|i| i.fd.as_raw_fd()).ok_or(libc::ESTALE)
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn attr(&self, ino: u64, st: &libc::stat) -> FileAttr {
+        let mut size = st.st_size as u64;
+        if kind(st.st_mode) == FileType::RegularFile {
+            if let Some(s) = self.cache().size(ino) {
+                size = s;
+            }
+        }
+        FileAttr {
+            ino,
+            size,
+            blocks: size.div_ceil(512),
+            atime: time(st.st_atime, st.st_atime_nsec),
+            mtime: time(st.st_mtime, st.st_mtime_nsec),
+            ctime: time(st.st_ctime, st.st_ctime_nsec),
+            crtime: UNIX_EPOCH,
+            kind: kind(st.st_mode),
+            perm: (st.st_mode & 0o7777) as u16,
+            nlink: st.st_nlink as u32,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            rdev: st.st_rdev as u32,
+            blksize: 4096,
+            flags: 0,
+        }
+    }
+
+    /// Look `name` up in `parent`, registering the inode (one more kernel reference).
+    fn do_lookup(&mut self, parent: u64, name: &OsStr) -> Result<FileAttr, i32> {
+        let pfd = self.fd(parent)?;
+        let c = cstr(name)?;
+        let st = stat_at(pfd, &c)?;
+        let ino = self.ino_of(st.st_ino);
+        match self.inodes.get_mut(&ino) {
+            Some(i) => i.lookups += 1,
+            None => {
+                let fd = open_path(pfd, &c)?;
+                self.inodes.insert(
+                    ino,
+                    Inode {
+                        fd,
+                        lookups: 1,
+                        orphan: false,
+                    },
+                );
+            }
+        }
+        Ok(self.attr(ino, &st))
+    }
+
+    /// Open the data of a regular file read-write for the cache.
+    fn attach(&self, ino: u64) -> Result<(), i32> {
+        let fd = self.fd(ino)?;
+        self.cache().attach(ino, || {
+            let p = proc_path(fd);
+            // SAFETY: NUL-terminated path; the returned fd is owned by the File.
+            let r = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(unsafe { File::from_raw_fd(r) })
+        })
+    }
+
+    fn chown_to(&self, dir: RawFd, name: &CString, req: &Request<'_>) {
+        // SAFETY: valid fd and path. Failure leaves root as owner, which only matters
+        // when non-root users write here.
+        unsafe { libc::fchownat(dir, name.as_ptr(), req.uid(), req.gid(), libc::AT_SYMLINK_NOFOLLOW) };
+    }
+
+    /// An inode whose last link is going away: remember it, or drop its tables at once if
+    /// the kernel holds no reference to it.
+    fn unlinking(&mut self, st: &libc::stat) {
+        if kind(st.st_mode) != FileType::RegularFile || st.st_nlink > 1 {
+            return;
+        }
+        let ino = self.ino_of(st.st_ino);
+        match self.inodes.get_mut(&ino) {
+            Some(i) => i.orphan = true,
+            None => self.cache().remove(ino),
+        }
+    }
+
+    fn touch_mtime(&self, fd: RawFd) {
+        let times = [
+            libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_OMIT,
+            },
+            libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_NOW,
+            },
+        ];
+        let p = proc_path(fd);
+        // SAFETY: valid path and a two-element times array.
+        unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) };
+    }
+}
+
+fn open_path(dir: RawFd, name: &CString) -> Result<OwnedFd, i32> {
+    // SAFETY: valid dir fd and name; the new fd is owned.
+    let r = unsafe { libc::openat(dir, name.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+    if r < 0 {
+        return Err(errno());
+    }
+    Ok(unsafe { OwnedFd::from_raw_fd(r) })
+}
+
+fn timespec(t: Option<TimeOrNow>) -> libc::timespec {
+    match t {
+        None => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        Some(TimeOrNow::Now) => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_NOW,
+        },
+        Some(TimeOrNow::SpecificTime(t)) => {
+            let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+            libc::timespec {
+                tv_sec: d.as_secs() as i64,
+                tv_nsec: d.subsec_nanos() as i64,
+            }
+        }
+    }
+}
+
+macro_rules! tryr {
+    ($reply:expr, $e:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(code) => {
+                $reply.error(code);
+                return;
+            }
+        }
+    };
+}
+
+impl Filesystem for Naming {
+    fn init(&mut self, _req: &Request<'_>, _config: &mut KernelConfig) -> Result<(), libc::c_int> {
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        let _ = self.cache().flush(None, Duration::ZERO);
+    }
+
+    fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
+        let attr = tryr!(reply, self.do_lookup(parent, name));
+        reply.entry(&TTL, &attr, 0);
+    }
+
+    fn forget(&mut self, _req: &Request<'_>, ino: u64, nlookup: u64) {
+        if ino == FUSE_ROOT_ID {
+            return;
+        }
+        let Some(i) = self.inodes.get_mut(&ino) else { return };
+        i.lookups = i.lookups.saturating_sub(nlookup);
+        if i.lookups == 0 {
+            let orphan = i.orphan;
+            self.inodes.remove(&ino);
+            let mut c = self.cache();
+            if orphan {
+                c.remove(ino);
+            } else {
+                c.release_inode(ino);
+            }
+        }
+    }
+
+    fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
+        let fd = tryr!(reply, self.fd(ino));
+        let st = tryr!(reply, stat_fd(fd));
+        reply.attr(&TTL, &self.attr(ino, &st));
+    }
+
+    fn setattr(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<u64>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<u32>,
+        reply: ReplyAttr,
+    ) {
+        let fd = tryr!(reply, self.fd(ino));
+        let p = proc_path(fd);
+        if let Some(m) = mode {
+            // SAFETY: valid path.
+            if unsafe { libc::chmod(p.as_ptr(), m & 0o7777) } < 0 {
+                return reply.error(errno());
+            }
+        }
+        if uid.is_some() || gid.is_some() {
+            let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
+            // SAFETY: valid fd, empty path with AT_EMPTY_PATH.
+            if unsafe { libc::fchownat(fd, c"".as_ptr(), u, g, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) } < 0 {
+                return reply.error(errno());
+            }
+        }
+        if let Some(s) = size {
+            tryr!(reply, self.attach(ino));
+            tryr!(reply, self.cache().truncate(ino, s));
+        }
+        if atime.is_some() || mtime.is_some() {
+            let times = [timespec(atime), timespec(mtime)];
+            // SAFETY: valid path and times.
+            if unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) } < 0 {
+                return reply.error(errno());
+            }
+        } else if size.is_some() {
+            self.touch_mtime(fd);
+        }
+        let st = tryr!(reply, stat_fd(fd));
+        reply.attr(&TTL, &self.attr(ino, &st));
+    }
+
+    fn readlink(&mut self, _req: &Request<'_>, ino: u64, reply: ReplyData) {
+        let fd = tryr!(reply, self.fd(ino));
+        let mut buf = vec![0u8; libc::PATH_MAX as usize];
+        // SAFETY: valid fd and buffer.
+        let n = unsafe { libc::readlinkat(fd, c"".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n < 0 {
+            return reply.error(errno());
+        }
+        reply.data(&buf[..n as usize]);
+    }
+
+    fn mknod(
+        &mut self,
+        req: &Request<'_>,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let pfd = tryr!(reply, self.fd(parent));
+        let c = tryr!(reply, cstr(name));
+        // SAFETY: valid dir fd and name.
+        if unsafe { libc::mknodat(pfd, c.as_ptr(), mode & !umask, rdev as libc::dev_t) } < 0 {
+            return reply.error(errno());
+        }
+        self.chown_to(pfd, &c, req);
+        let attr = tryr!(reply, self.do_lookup(parent, name));
+        reply.entry(&TTL, &attr, 0);
+    }
+
+    fn mkdir(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        let pfd = tryr!(reply, self.fd(parent));
+        let c = tryr!(reply, cstr(name));
+        // SAFETY: valid dir fd and name.
+        if unsafe { libc::mkdirat(pfd, c.as_ptr(), (mode & !umask) as libc::mode_t) } < 0 {
+            return reply.error(errno());
+        }
+        self.chown_to(pfd, &c, req);
+        let attr = tryr!(reply, self.do_lookup(parent, name));
+        reply.entry(&TTL, &attr, 0);
+    }
+
+    fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+        let pfd = tryr!(reply, self.fd(parent));
+        let c = tryr!(reply, cstr(name));
+        let st = tryr!(reply, stat_at(pfd, &c));
+        // SAFETY: valid dir fd and name.
+        if unsafe { libc::unlinkat(pfd, c.as_ptr(), 0) } < 0 {
+            return reply.error(errno());
+        }
+        self.unlinking(&st);
+        reply.ok();
+    }
+
+    fn rmdir(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+        let pfd = tryr!(reply, self.fd(parent));
+        let c = tryr!(reply, cstr(name));
+        // SAFETY: valid dir fd and name.
+        if unsafe { libc::unlinkat(pfd, c.as_ptr(), libc::AT_REMOVEDIR) } < 0 {
+            return reply.error(errno());
+        }
+        reply.ok();
+    }
+
+    fn symlink(&mut self, req: &Request<'_>, parent: u64, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        let pfd = tryr!(reply, self.fd(parent));
+        let c = tryr!(reply, cstr(link_name));
+        let t = tryr!(reply, cstr(target.as_os_str()));
+        // SAFETY: valid strings and dir fd.
+        if unsafe { libc::symlinkat(t.as_ptr(), pfd, c.as_ptr()) } < 0 {
+            return reply.error(errno());
+        }
+        self.chown_to(pfd, &c, req);
+        let attr = tryr!(reply, self.do_lookup(parent, link_name));
+        reply.entry(&TTL, &attr, 0);
+    }
+
+    fn rename(
+        &mut self,
+        _req: &Request<'_>,
+        parent: u64,
+        name: &OsStr,
+        newparent: u64,
+        newname: &OsStr,
+        flags: u32,
+        reply: ReplyEmpty,
+    ) {
+        let pfd = tryr!(reply, self.fd(parent));
+        let nfd = tryr!(reply, self.fd(newparent));
+        let c = tryr!(reply, cstr(name));
+        let n = tryr!(reply, cstr(newname));
+        let replaced = stat_at(nfd, &n).ok();
+        // SAFETY: valid fds and names.
+        let r = unsafe { libc::syscall(libc::SYS_renameat2, pfd, c.as_ptr(), nfd, n.as_ptr(), flags) };
+        if r < 0 {
+            return reply.error(errno());
+        }
+        if let Some(st) = replaced {
+            if flags & libc::RENAME_EXCHANGE == 0 {
+                self.unlinking(&st);
+            }
+        }
+        reply.ok();
+    }
+
+    fn link(&mut self, _req: &Request<'_>, ino: u64, newparent: u64, newname: &OsStr, reply: ReplyEntry) {
+        let fd = tryr!(reply, self.fd(ino));
+        let nfd = tryr!(reply, self.fd(newparent));
+        let n = tryr!(reply, cstr(newname));
+        // SAFETY: valid fds and name; AT_EMPTY_PATH links the inode the O_PATH fd holds.
+        if unsafe { libc::linkat(fd, c"".as_ptr(), nfd, n.as_ptr(), libc::AT_EMPTY_PATH) } < 0 {
+            return reply.error(errno());
+        }
+        let attr = tryr!(reply, self.do_lookup(newparent, newname));
+        reply.entry(&TTL, &attr, 0);
+    }
+
+    fn open(&mut self, _req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
+        let fd = tryr!(reply, self.fd(ino));
+        let st = tryr!(reply, stat_fd(fd));
+        if kind(st.st_mode) == FileType::RegularFile {
+            tryr!(reply, self.attach(ino));
+            if flags & libc::O_TRUNC != 0 {
+                tryr!(reply, self.cache().truncate(ino, 0));
+            }
+        }
+        reply.opened(0, FOPEN_DIRECT_IO);
+    }
+
+    fn read(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        offset: i64,
+        size: u32,
+        _flags: i32,
+        _lock_owner: Option<u64>,
+        reply: ReplyData,
+    ) {
+        tryr!(reply, self.attach(ino));
+        let data = tryr!(reply, self.cache().read(ino, offset.max(0) as u64, size as usize));
+        reply.data(&data);
+    }
+
+    fn write(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        offset: i64,
+        data: &[u8],
+        _write_flags: u32,
+        _flags: i32,
+        _lock_owner: Option<u64>,
+        reply: ReplyWrite,
+    ) {
+        tryr!(reply, self.attach(ino));
+        let n = tryr!(reply, self.cache().write(ino, offset.max(0) as u64, data));
+        if let Ok(fd) = self.fd(ino) {
+            self.touch_mtime(fd);
+        }
+        reply.written(n as u32);
+    }
+
+    fn flush(&mut self, _req: &Request<'_>, _ino: u64, _fh: u64, _lock_owner: u64, reply: ReplyEmpty) {
+        reply.ok();
+    }
+
+    fn fsync(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, _datasync: bool, reply: ReplyEmpty) {
+        if self.cache().is_attached(ino) {
+            tryr!(reply, self.cache().fsync(ino));
+        }
+        reply.ok();
+    }
+
+    fn opendir(&mut self, _req: &Request<'_>, _ino: u64, _flags: i32, reply: ReplyOpen) {
+        reply.opened(0, 0);
+    }
+
+    fn readdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, offset: i64, mut reply: ReplyDirectory) {
+        let fd = tryr!(reply, self.fd(ino));
+        let dir = match std::fs::read_dir(Path::new(&format!("/proc/self/fd/{fd}"))) {
+            Ok(d) => d,
+            Err(e) => return reply.error(e.raw_os_error().unwrap_or(libc::EIO)),
+        };
+        let mut entries: Vec<(u64, FileType, std::ffi::OsString)> = vec![
+            (ino, FileType::Directory, ".".into()),
+            (ino, FileType::Directory, "..".into()),
+        ];
+        for e in dir.flatten() {
+            use std::os::unix::fs::DirEntryExt;
+            let ft = match e.file_type() {
+                Ok(t) if t.is_dir() => FileType::Directory,
+                Ok(t) if t.is_symlink() => FileType::Symlink,
+                _ => FileType::RegularFile,
+            };
+            entries.push((self.ino_of(e.ino()), ft, e.file_name()));
+        }
+        for (i, (eino, ft, name)) in entries.iter().enumerate().skip(offset.max(0) as usize) {
+            if reply.add(*eino, i as i64 + 1, *ft, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn fsyncdir(&mut self, _req: &Request<'_>, _ino: u64, _fh: u64, _datasync: bool, reply: ReplyEmpty) {
+        reply.ok();
+    }
+
+    fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: ReplyStatfs) {
+        let fd = tryr!(reply, self.fd(FUSE_ROOT_ID));
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        let p = proc_path(fd);
+        // SAFETY: valid path and output struct.
+        if unsafe { libc::statvfs(p.as_ptr(), &mut s) } < 0 {
+            return reply.error(errno());
+        }
+        reply.statfs(
+            s.f_blocks,
+            s.f_bfree,
+            s.f_bavail,
+            s.f_files,
+            s.f_ffree,
+            s.f_bsize as u32,
+            s.f_namemax as u32,
+            s.f_frsize as u32,
+        );
+    }
+
+    fn access(&mut self, _req: &Request<'_>, _ino: u64, _mask: i32, reply: ReplyEmpty) {
+        // The kernel checks permissions itself (default_permissions).
+        reply.ok();
+    }
+
+    fn create(
+        &mut self,
+        req: &Request<'_>,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let pfd = tryr!(reply, self.fd(parent));
+        let c = tryr!(reply, cstr(name));
+        let oflags = libc::O_CREAT | libc::O_RDWR | libc::O_CLOEXEC | (flags & libc::O_EXCL);
+        // SAFETY: valid dir fd and name; the fd is closed right away.
+        let r = unsafe { libc::openat(pfd, c.as_ptr(), oflags, mode & !umask) };
+        if r < 0 {
+            return reply.error(errno());
+        }
+        unsafe { libc::close(r) };
+        self.chown_to(pfd, &c, req);
+        let attr = tryr!(reply, self.do_lookup(parent, name));
+        tryr!(reply, self.attach(attr.ino));
+        if flags & libc::O_TRUNC != 0 {
+            tryr!(reply, self.cache().truncate(attr.ino, 0));
+        }
+        reply.created(&TTL, &attr, 0, 0, FOPEN_DIRECT_IO);
+    }
+
+    fn fallocate(
+        &mut self,
+        _req: &Request<'_>,
+        _ino: u64,
+        _fh: u64,
+        _offset: i64,
+        _length: i64,
+        _mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(libc::EOPNOTSUPP);
+    }
+}
