@@ -11,6 +11,7 @@
 use crate::crc::{self, PAGE};
 use crate::store::{Store, StoreError};
 use lockstep_core::checksum::crc32c;
+use lockstep_core::Event;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::time::{Duration, Instant};
@@ -98,6 +99,10 @@ pub struct Cache {
     verify: Verify,
     files: HashMap<u64, FileData>,
     scrub_cursor: (u64, u64),
+    /// Pages that are dirty (poisoned ones included), for space accounting.
+    dirty_count: usize,
+    /// Detections and repairs not yet written to the event sink.
+    events: Vec<Event>,
     pub stats: Stats,
 }
 
@@ -114,6 +119,8 @@ impl Cache {
             verify,
             files: HashMap::new(),
             scrub_cursor: (0, 0),
+            dirty_count: 0,
+            events: Vec::new(),
             stats: Stats::default(),
         }
     }
@@ -168,7 +175,28 @@ impl Cache {
     fn drop_page(&mut self, key: (u64, u64)) {
         if let Some(p) = self.pages.remove(&key) {
             self.lru.remove(&p.lru);
+            if p.dirty.is_some() {
+                self.dirty_count -= 1;
+            }
         }
+    }
+
+    fn event(&mut self, kind: &'static str, action: &'static str, key: (u64, u64), message: String) {
+        self.events.push(
+            Event::new("fs", kind, action)
+                .object(format!("inode {} block {}", key.0, key.1))
+                .message(message),
+        );
+    }
+
+    /// Events since the last call, for the daemon to write out.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Bytes of dirty data not yet in the store.
+    pub fn dirty_bytes(&self) -> u64 {
+        (self.dirty_count * PAGE) as u64
     }
 
     /// Check a cached page now. A clean page that fails is dropped (the next access reads
@@ -186,9 +214,21 @@ impl Cache {
         if p.dirty.is_some() {
             p.poisoned = true;
             self.stats.dirty_detected += 1;
+            self.event(
+                "detect",
+                "eio",
+                key,
+                "a dirty page failed its checksum: reads get EIO and it is not written back".into(),
+            );
         } else {
             self.stats.clean_detected += 1;
             self.drop_page(key);
+            self.event(
+                "detect",
+                "reread",
+                key,
+                "a clean page failed its checksum: dropped, the next read comes from the store".into(),
+            );
         }
         false
     }
@@ -225,12 +265,24 @@ impl Cache {
                 Ok(r) => r,
                 Err(StoreError::Corrupt { .. }) => {
                     self.stats.disk_corrupt += 1;
+                    self.event(
+                        "disk-corrupt",
+                        "eio",
+                        (ino, block),
+                        "a block on disk fails its checksum and has no good copy: EIO".into(),
+                    );
                     return Err(libc::EIO);
                 }
                 Err(e) => return Err(e.errno()),
             };
             if info.repaired {
                 self.stats.disk_repaired += 1;
+                self.event(
+                    "repair",
+                    "mirror",
+                    (ino, block),
+                    "a block on disk failed its checksum; repaired from the mirror".into(),
+                );
             }
             page.data[..len].copy_from_slice(&bytes);
             page.len = len;
@@ -298,6 +350,10 @@ impl Cache {
         self.stats.writes += 1;
         let now = Instant::now();
         let fsize = self.files.get(&ino).ok_or(libc::EBADF)?.size;
+        let end = off + data.len() as u64;
+        if end > fsize {
+            self.grow_last_block(ino, fsize, end, now)?;
+        }
         let mut done = 0;
         while done < data.len() {
             let pos = off + done as u64;
@@ -350,6 +406,7 @@ impl Cache {
             }
             if p.dirty.is_none() {
                 p.dirty = Some(now);
+                self.dirty_count += 1;
             }
             self.touch(key, now);
             done += n;
@@ -358,6 +415,29 @@ impl Cache {
         f.size = f.size.max(off + data.len() as u64);
         self.evict()?;
         Ok(data.len())
+    }
+
+    /// The file grows from `old` to `new` bytes: its old last block, if partly used, now
+    /// has more bytes in use (zeros until written). Its CRC grows with them, in the cache,
+    /// so that the CRC stored on write-back covers the block's new used part.
+    fn grow_last_block(&mut self, ino: u64, old: u64, new: u64, now: Instant) -> R<()> {
+        if old.is_multiple_of(PAGE as u64) {
+            return Ok(());
+        }
+        let block = old / PAGE as u64;
+        self.page_for_read(ino, block, now)?;
+        let p = self.pages.get_mut(&(ino, block)).expect("loaded");
+        let new_len = ((new - block * PAGE as u64).min(PAGE as u64)) as usize;
+        if new_len > p.len {
+            p.data[p.len..new_len].fill(0);
+            p.crc = crc::extend(p.crc, &[0u8; PAGE][..new_len - p.len]);
+            p.len = new_len;
+            if p.dirty.is_none() {
+                p.dirty = Some(now);
+                self.dirty_count += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Write one dirty page back, after checking it: a page that fails is poisoned and
@@ -373,6 +453,7 @@ impl Cache {
             .write_block(key.0, &f.file, key.1, &p.data[..p.len], p.crc)
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         p.dirty = None;
+        self.dirty_count -= 1;
         self.stats.written_back += 1;
         Ok(())
     }
@@ -516,7 +597,11 @@ impl Cache {
     }
 
     pub fn dirty_pages(&self) -> usize {
-        self.pages.values().filter(|p| p.dirty.is_some()).count()
+        debug_assert_eq!(
+            self.dirty_count,
+            self.pages.values().filter(|p| p.dirty.is_some()).count()
+        );
+        self.dirty_count
     }
 
     pub fn cached_pages(&self) -> usize {
@@ -632,5 +717,72 @@ mod tests {
         c.scrub(100);
         assert_eq!(c.stats.clean_detected, 3);
         assert_eq!(c.read(1, 0, 40_000).unwrap(), pattern(40_000, 8));
+    }
+}
+
+#[cfg(test)]
+mod model_tests {
+    use super::*;
+    use std::fs::OpenOptions;
+
+    /// Random writes, truncates, write-backs and evictions against a Vec model.
+    #[test]
+    fn random_operations_match_a_model() {
+        let d = std::env::temp_dir().join(format!("lockstep-fs-model-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let store = Store::open(&d, None).unwrap();
+        let path = store.data_root().join("f");
+        // A small cache: pages are evicted and read back from the store.
+        let mut c = Cache::new(store, 16 * PAGE as u64, Verify::EveryRead);
+        c.attach(1, move || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+        })
+        .unwrap();
+        let mut model: Vec<u8> = Vec::new();
+        let mut x: u64 = 0x1234_5678_9abc_def1;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for op in 0..4000 {
+            match next() % 6 {
+                0..=2 => {
+                    let off = (next() % 200_000) as usize;
+                    let n = 1 + (next() % 20_000) as usize;
+                    let data: Vec<u8> = (0..n).map(|_| next() as u8).collect();
+                    c.write(1, off as u64, &data)
+                        .unwrap_or_else(|e| panic!("op {op}: write {off}+{n}: {e}"));
+                    if model.len() < off + n {
+                        model.resize(off + n, 0);
+                    }
+                    model[off..off + n].copy_from_slice(&data);
+                }
+                3 => {
+                    let size = (next() % 220_000) as usize;
+                    c.truncate(1, size as u64)
+                        .unwrap_or_else(|e| panic!("op {op}: truncate {size}: {e}"));
+                    model.resize(size, 0);
+                }
+                4 => c
+                    .flush(None, Duration::ZERO)
+                    .unwrap_or_else(|e| panic!("op {op}: flush: {e}")),
+                _ => {
+                    let got = c.read(1, 0, 300_000).unwrap_or_else(|e| panic!("op {op}: read: {e}"));
+                    assert!(
+                        got == model,
+                        "op {op}: content differs ({} vs {} bytes)",
+                        got.len(),
+                        model.len()
+                    );
+                }
+            }
+        }
     }
 }

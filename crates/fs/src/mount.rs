@@ -129,7 +129,7 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
         EventSink::new(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only()),
     ));
     let stop = Arc::new(AtomicBool::new(false));
-    start_writeback(cache.clone(), o.dirty_age, stop.clone());
+    start_writeback(cache.clone(), o.dirty_age, stop.clone(), events.clone());
     if o.scrub_rate > 0 {
         start_scrubber(cache.clone(), o.scrub_rate, stop.clone());
     }
@@ -154,10 +154,15 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
     let result = session.run();
     stop.store(true, Ordering::SeqCst);
     // Unmounted: everything dirty goes to the store before we exit.
-    let flushed = cache
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .flush(None, Duration::ZERO);
+    let (flushed, pending) = {
+        let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
+        let flushed = c.flush(None, Duration::ZERO);
+        (flushed, c.take_events())
+    };
+    let mut sink = events.lock().unwrap_or_else(|p| p.into_inner());
+    for e in pending {
+        sink.emit(e);
+    }
     let _ = std::fs::remove_file(control_path(&o.store));
     match (result, flushed) {
         (Ok(()), Ok(())) => 0,
@@ -210,14 +215,23 @@ fn mount_fuse(o: &Options) -> Result<OwnedFd, String> {
     Ok(fd)
 }
 
-fn start_writeback(cache: Arc<Mutex<Cache>>, age: Duration, stop: Arc<AtomicBool>) {
+/// Writes back dirty pages once they are `age` old, and writes out the cache's events.
+fn start_writeback(cache: Arc<Mutex<Cache>>, age: Duration, stop: Arc<AtomicBool>, events: Arc<Mutex<EventSink>>) {
     thread::Builder::new()
         .name("writeback".into())
         .spawn(move || {
             let tick = (age / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
             while !stop.load(Ordering::SeqCst) {
                 thread::sleep(tick);
-                let _ = cache.lock().unwrap_or_else(|p| p.into_inner()).flush(None, age);
+                let pending = {
+                    let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
+                    let _ = c.flush(None, age);
+                    c.take_events()
+                };
+                let mut sink = events.lock().unwrap_or_else(|p| p.into_inner());
+                for e in pending {
+                    sink.emit(e);
+                }
             }
         })
         .expect("spawn writeback");

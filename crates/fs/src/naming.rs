@@ -215,6 +215,34 @@ impl Naming {
         }
     }
 
+    /// Write-back must not find the disk full: a write is accepted only if the store has
+    /// room for it and for everything dirty before it. Otherwise the writer gets ENOSPC
+    /// now, while it can still act on it.
+    fn room_for(&self, len: usize) -> Result<(), i32> {
+        let avail = || -> Result<u64, i32> {
+            let fd = self.fd(FUSE_ROOT_ID)?;
+            let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+            let p = proc_path(fd);
+            // SAFETY: valid path and output struct.
+            if unsafe { libc::statvfs(p.as_ptr(), &mut s) } < 0 {
+                return Err(errno());
+            }
+            Ok(s.f_bavail * s.f_frsize)
+        };
+        // Block tables and directory growth need a little room of their own.
+        const MARGIN: u64 = 256 << 10;
+        let need = |c: &Cache| c.dirty_bytes() + len as u64 + MARGIN;
+        if avail()? >= need(&self.cache()) {
+            return Ok(());
+        }
+        // Writing back what is dirty turns reserved room into used room; then look again.
+        let flushed = self.cache().flush(None, Duration::ZERO);
+        if flushed == Err(libc::ENOSPC) || avail()? < need(&self.cache()) {
+            return Err(libc::ENOSPC);
+        }
+        Ok(())
+    }
+
     fn touch_mtime(&self, fd: RawFd) {
         let times = [
             libc::timespec {
@@ -521,6 +549,7 @@ impl Filesystem for Naming {
         reply: ReplyWrite,
     ) {
         tryr!(reply, self.attach(ino));
+        tryr!(reply, self.room_for(data.len()));
         let n = tryr!(reply, self.cache().write(ino, offset.max(0) as u64, data));
         if let Ok(fd) = self.fd(ino) {
             self.touch_mtime(fd);

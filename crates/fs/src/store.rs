@@ -130,6 +130,10 @@ fn read_chunk(t: &File, chunk: u64) -> io::Result<Option<[u8; PAGE]>> {
         return Ok(Some([0u8; PAGE]));
     }
     let sum = u32::from_le_bytes(buf[PAGE - 4..].try_into().unwrap());
+    // A chunk of zeros is one that was never written (a hole in the table file).
+    if n == PAGE && sum == 0 && buf.iter().all(|&b| b == 0) {
+        return Ok(Some(buf));
+    }
     if n < PAGE || crc32c(&buf[..PAGE - 4]) != sum {
         return Ok(None);
     }
@@ -261,7 +265,10 @@ impl Store {
             }
             // Slots past the end are cleared, so that a later extension reads as holes.
             let t = copy.table(ino)?;
-            t.set_len(keep_chunks * PAGE as u64)?;
+            // Only ever shortened: chunks past the end would be holes anyway.
+            if t.metadata()?.len() > keep_chunks * PAGE as u64 {
+                t.set_len(keep_chunks * PAGE as u64)?;
+            }
             if !blocks.is_multiple_of(SLOTS) && blocks > 0 {
                 let last_chunk = (blocks - 1) / SLOTS;
                 if let Some(mut chunk) = read_chunk(t, last_chunk)? {
@@ -369,6 +376,24 @@ mod tests {
         tf.write_all_at(&[1, 2, 3], 100).unwrap();
         g.write_all_at(&block[4000..4001], 4000).unwrap();
         assert!(plain.read_block(9, &g, 0, PAGE).is_err());
+    }
+
+    #[test]
+    fn a_table_with_holes_reads_as_unwritten_blocks() {
+        let dir = tmp("sparse");
+        let mut s = Store::open(&dir, None).unwrap();
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(s.data_root().join("s"))
+            .unwrap();
+        // Block 5000 lives in the table's fifth chunk: the first four are holes.
+        let block = vec![3u8; PAGE];
+        s.write_block(2, &f, 5000, &block, crc32c(&block)).unwrap();
+        assert!(s.read_block(2, &f, 10, PAGE).is_ok());
+        assert_eq!(s.read_block(2, &f, 5000, PAGE).unwrap().0, block);
     }
 
     #[test]

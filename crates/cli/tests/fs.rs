@@ -1,0 +1,517 @@
+//! `lockstep fs`: real FUSE mounts (as root), real workloads (git, a C build, fio,
+//! PostMark), random operations against a reference directory, on-disk and in-memory
+//! corruption.
+
+mod common;
+use common::*;
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn mounted(mnt: &Path) -> bool {
+    let canon = mnt.canonicalize().unwrap();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(canon.to_str().unwrap()))
+}
+
+/// A mount in the foreground, unmounted (and its daemon reaped) on drop.
+struct Mount {
+    mnt: PathBuf,
+    store: PathBuf,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Mount {
+    fn new(dir: &Path, args: &[&str]) -> Mount {
+        let mnt = dir.join("mnt");
+        std::fs::create_dir_all(&mnt).unwrap();
+        Mount::at(&mnt, &dir.join("store"), args)
+    }
+
+    fn at(mnt: &Path, store: &Path, args: &[&str]) -> Mount {
+        let log = mnt.with_extension(format!("log{}", std::process::id()));
+        let child = lockstep()
+            .args(["fs", "mount", "--foreground", "--store"])
+            .arg(store)
+            .args(args)
+            .arg(mnt)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let m = Mount {
+            mnt: mnt.to_path_buf(),
+            store: store.to_path_buf(),
+            child: Some(child),
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !mounted(&m.mnt) {
+            assert!(
+                Instant::now() < deadline,
+                "not mounted: {}",
+                std::fs::read_to_string(&m.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        m
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.mnt.join(name)
+    }
+
+    fn ctl(&self, cmd: &str) -> serde_json::Value {
+        let out = lockstep()
+            .args(["fs", "ctl"])
+            .arg(&self.mnt)
+            .args(cmd.split(' '))
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("ctl {cmd}: {}", String::from_utf8_lossy(&out.stderr)))
+    }
+
+    /// Unmount with `lockstep fs umount`; returns the daemon's exit status.
+    fn umount(mut self) -> i32 {
+        let out = lockstep().args(["fs", "umount"]).arg(&self.mnt).output().unwrap();
+        assert!(out.status.success(), "umount: {}", String::from_utf8_lossy(&out.stderr));
+        let code = self.child.take().unwrap().wait().unwrap().code().unwrap_or(-1);
+        assert!(!mounted(&self.mnt));
+        code
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let target = std::ffi::CString::new(self.mnt.to_str().unwrap()).unwrap();
+            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+fn fill(rng: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n).map(|_| rng.next() as u8).collect()
+}
+
+/// An fsx-style sequence: writes, truncates, renames, links, unlinks, fsyncs on 8 files,
+/// applied to the mount and to a plain reference directory, compared all along and after
+/// a remount.
+#[test]
+fn random_operations_match_a_reference_directory() {
+    let dir = scratch_dir("fs-fsx");
+    let reference = dir.join("ref");
+    std::fs::create_dir_all(&reference).unwrap();
+    // A small cache, so that pages are evicted and read back from the store too.
+    let events = dir.join("events.jsonl");
+    let m = Mount::new(
+        &dir,
+        &[
+            "--cache-size",
+            "256K",
+            "--dirty-age",
+            "200ms",
+            "--verify",
+            "every-read",
+            "--events",
+            events.to_str().unwrap(),
+        ],
+    );
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let names: Vec<String> = (0..8).map(|i| format!("f{i}")).collect();
+    let open = |root: &Path, name: &str| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(root.join(name))
+            .unwrap()
+    };
+    for op in 0..3000 {
+        let name = &names[rng.below(8) as usize];
+        let kind = rng.below(10);
+        if std::env::var_os("FSX_TRACE").is_some() {
+            eprintln!("op {op}: {kind} {name}");
+        }
+        match kind {
+            0..=4 => {
+                let off = rng.below(200_000);
+                let len = 1 + rng.below(20_000) as usize;
+                let data = fill(&mut rng, len);
+                for root in [&m.mnt, &reference] {
+                    if let Err(e) = open(root, name).write_all_at(&data, off) {
+                        std::thread::sleep(Duration::from_millis(1500));
+                        panic!(
+                            "op {op}: write {name} {off}+{len}: {e}; stats {}\n{}",
+                            m.ctl("stats"),
+                            std::fs::read_to_string(&events).unwrap_or_default()
+                        );
+                    }
+                }
+            }
+            5 => {
+                let size = rng.below(220_000);
+                for root in [&m.mnt, &reference] {
+                    if let Err(e) = open(root, name).set_len(size) {
+                        std::thread::sleep(Duration::from_millis(1500));
+                        panic!(
+                            "op {op}: set_len {name} {size}: {e}; stats {}\n{}",
+                            m.ctl("stats"),
+                            std::fs::read_to_string(&events).unwrap_or_default()
+                        );
+                    }
+                }
+            }
+            6 => {
+                let to = &names[rng.below(8) as usize];
+                for root in [&m.mnt, &reference] {
+                    if root.join(name).exists() {
+                        std::fs::rename(root.join(name), root.join(to)).unwrap();
+                    }
+                }
+            }
+            7 => {
+                let to = format!("{name}.link");
+                for root in [&m.mnt, &reference] {
+                    if root.join(name).exists() && !root.join(&to).exists() {
+                        std::fs::hard_link(root.join(name), root.join(&to)).unwrap();
+                    }
+                }
+            }
+            8 => {
+                for root in [&m.mnt, &reference] {
+                    let _ = std::fs::remove_file(root.join(name));
+                }
+            }
+            _ => {
+                if m.mnt.join(name).exists() {
+                    open(&m.mnt, name).sync_all().unwrap();
+                }
+            }
+        }
+        if op % 50 == 0 || op == 2999 {
+            compare_trees(&m.mnt, &reference, op);
+        }
+    }
+    assert_eq!(m.umount(), 0);
+    let m = Mount::new(&dir, &[]);
+    compare_trees(&m.mnt, &reference, 3000);
+    assert_eq!(m.umount(), 0);
+}
+
+fn compare_trees(a: &Path, b: &Path, op: usize) {
+    let list = |p: &Path| {
+        let mut v: Vec<String> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(list(a), list(b), "after op {op}");
+    for name in list(b) {
+        let (x, y) = (
+            std::fs::read(a.join(&name)).unwrap(),
+            std::fs::read(b.join(&name)).unwrap(),
+        );
+        assert!(
+            x == y,
+            "{name} differs after op {op} ({} vs {} bytes)",
+            x.len(),
+            y.len()
+        );
+    }
+}
+
+fn sh(dir: &Path, script: &str) -> String {
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(script)
+        .current_dir(dir)
+        .env("GIT_AUTHOR_DATE", "2026-01-01T00:00:00Z")
+        .env("GIT_COMMITTER_DATE", "2026-01-01T00:00:00Z")
+        .env("HOME", dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "script failed in {}:\n{script}\n{text}",
+        dir.display()
+    );
+    text
+}
+
+/// git, a C build, fio with verification and PostMark, each on the mount and on a plain
+/// directory; the outputs must be identical (PostMark's timing lines excepted).
+#[test]
+fn real_workloads_run_as_on_a_plain_directory() {
+    let dir = scratch_dir("fs-work");
+    let plain = dir.join("plain");
+    std::fs::create_dir_all(&plain).unwrap();
+    let m = Mount::new(&dir, &["--verify", "every-read", "--scrub", "1000"]);
+    let git = "set -e
+        git init -q -b main repo && cd repo
+        git config user.email t@example.com && git config user.name tester
+        for i in $(seq 1 30); do printf 'line %s\\n' $(seq 1 $i) > f$i.txt; done
+        mkdir sub && echo nested > sub/n.txt && ln -s f1.txt link
+        git add -A && git commit -q -m first
+        git checkout -q -b side && echo more >> f3.txt && git rm -q f4.txt && git commit -q -am second
+        git checkout -q main && git merge -q --no-edit side
+        git gc -q && git fsck --strict 2>&1
+        git log --format='%H %s' && git ls-files -s && cat f3.txt";
+    let c_build = "set -e
+        mkdir cproj && cd cproj
+        printf '#include \"util.h\"\\nint twice(int x) { return 2 * x; }\\n' > util.c
+        printf 'int twice(int x);\\n' > util.h
+        printf '#include <stdio.h>\\n#include \"util.h\"\\nint main(void) { for (int i = 0; i < 5; i++) printf(\"%%d\\\\n\", twice(i)); return 0; }\\n' > main.c
+        printf 'prog: main.o util.o\\n\\tgcc -o prog main.o util.o\\n%%.o: %%.c util.h\\n\\tgcc -O2 -Wall -c $<\\n' > Makefile
+        make -s && ./prog && touch util.c && make -s && ./prog && cmp -s main.o main.o && echo built";
+    for script in [git, c_build] {
+        assert_eq!(sh(&m.mnt, script), sh(&plain, script), "{script}");
+    }
+    let fio = |d: &Path| {
+        sh(
+            d,
+            "fio --name=v --rw=randwrite --bs=4k --size=4M --verify=crc32c --do_verify=1 --ioengine=psync \
+               --fallocate=none --minimal --output-format=terse | cut -d';' -f5",
+        )
+    };
+    assert_eq!(fio(&m.mnt).trim(), "0", "fio reported errors");
+    assert_eq!(fio(&plain).trim(), "0");
+    let postmark = |d: &Path| {
+        let cfg = format!(
+            "set location {}\nset number 300\nset transactions 1000\nset seed 42\nset size 500 20000\nrun\nquit\n",
+            d.display()
+        );
+        let mut child = Command::new("postmark")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(cfg.as_bytes()).unwrap();
+        let mut out = String::new();
+        child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+        assert!(child.wait().unwrap().success());
+        out.lines()
+            .filter(|l| !l.contains("second"))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(postmark(&m.mnt), postmark(&plain));
+    let stats = m.ctl("stats");
+    assert_eq!(stats["clean_detected"], 0);
+    assert_eq!(stats["eio"], 0);
+    assert!(stats["checks"].as_u64().unwrap() > 1000, "{stats}");
+    assert_eq!(m.umount(), 0);
+}
+
+#[test]
+fn disk_corruption_is_caught_and_the_mirror_repairs_it() {
+    let dir = scratch_dir("fs-disk");
+    let mirror = dir.join("mirror");
+    let data: Vec<u8> = fill(&mut Rng(77), 64 * 1024);
+    let m = Mount::new(&dir, &["--mirror", mirror.to_str().unwrap()]);
+    std::fs::write(m.path("victim"), &data).unwrap();
+    std::fs::write(m.path("bystander"), b"unharmed").unwrap();
+    assert_eq!(m.umount(), 0);
+    let backing = dir.join("store/data/victim");
+    let flip = |p: &Path, at: u64| {
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(p).unwrap();
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0x20], at).unwrap();
+    };
+    flip(&backing, 5000);
+    let m = Mount::new(&dir, &["--mirror", mirror.to_str().unwrap()]);
+    assert_eq!(std::fs::read(m.path("victim")).unwrap(), data);
+    assert_eq!(m.ctl("stats")["disk_repaired"], 1);
+    assert_eq!(m.umount(), 0);
+    // The repair was written back: the store's copy is good again.
+    assert_eq!(std::fs::read(&backing).unwrap(), data);
+    // Both copies bad: EIO for that file only, never its wrong data.
+    flip(&backing, 9000);
+    let ino = std::fs::metadata(&backing)
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap();
+    flip(&mirror.join(format!("{ino}.data")), 9000);
+    let m = Mount::new(&dir, &["--mirror", mirror.to_str().unwrap()]);
+    let err = std::fs::read(m.path("victim")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert_eq!(std::fs::read(m.path("bystander")).unwrap(), b"unharmed");
+    assert_eq!(m.ctl("stats")["disk_corrupt"], 1);
+    assert_eq!(m.umount(), 0);
+}
+
+/// Flips in clean pages are caught and repaired under every strategy (given its time
+/// condition), and by the scrubber alone.
+#[test]
+fn memory_flips_in_clean_pages_are_caught_by_each_strategy() {
+    let data: Vec<u8> = fill(&mut Rng(99), 256 * 1024);
+    for (verify, scrub, wait_ms) in [
+        ("every-read", "0", 0),
+        ("last-check=100ms", "0", 300),
+        ("last-use=100ms", "0", 300),
+        ("none", "100000", 1500),
+    ] {
+        let dir = scratch_dir("fs-flip");
+        let m = Mount::new(&dir, &["--test-flips", "--verify", verify, "--scrub", scrub]);
+        std::fs::write(m.path("f"), &data).unwrap();
+        assert_eq!(m.ctl("flush")["ok"], true);
+        assert_eq!(m.ctl("flip 10 clean")["flipped"], 10);
+        std::thread::sleep(Duration::from_millis(wait_ms));
+        assert_eq!(std::fs::read(m.path("f")).unwrap(), data, "{verify}");
+        let s = m.ctl("stats");
+        assert_eq!(s["clean_detected"], 10, "{verify}: {s}");
+        assert_eq!(m.umount(), 0);
+    }
+}
+
+#[test]
+fn a_flip_in_a_dirty_page_gives_eio_and_never_reaches_the_disk() {
+    let dir = scratch_dir("fs-dirty");
+    let m = Mount::new(
+        &dir,
+        &[
+            "--test-flips",
+            "--verify",
+            "every-read",
+            "--dirty-age",
+            "30s",
+            "--events",
+            dir.join("ev.jsonl").to_str().unwrap(),
+        ],
+    );
+    std::fs::write(m.path("old"), b"committed").unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(m.path("old")).unwrap();
+    f.sync_all().unwrap();
+    f.write_all_at(b"COMMITTED", 0).unwrap();
+    assert_eq!(m.ctl("flip 1 dirty")["flipped"], 1);
+    assert_eq!(
+        std::fs::read(m.path("old")).unwrap_err().raw_os_error(),
+        Some(libc::EIO)
+    );
+    assert_eq!(f.sync_all().unwrap_err().raw_os_error(), Some(libc::EIO));
+    drop(f);
+    // Unmounting writes back everything else; the daemon reports the page it refused.
+    assert_eq!(m.umount(), 86);
+    assert_eq!(std::fs::read(dir.join("store/data/old")).unwrap(), b"committed");
+    let events = std::fs::read_to_string(dir.join("ev.jsonl")).unwrap();
+    assert!(events.contains("\"kind\":\"detect\""), "{events}");
+}
+
+#[test]
+fn unmount_writes_back_dirty_data() {
+    let dir = scratch_dir("fs-umount");
+    let m = Mount::new(&dir, &["--dirty-age", "30s"]);
+    let data = fill(&mut Rng(5), 100_000);
+    std::fs::write(m.path("late"), &data).unwrap();
+    assert!(m.ctl("stats")["dirty_pages"].as_u64().unwrap() > 0);
+    assert_eq!(m.umount(), 0);
+    assert_eq!(std::fs::read(dir.join("store/data/late")).unwrap(), data);
+}
+
+#[test]
+fn a_full_disk_gives_enospc_to_the_writer_and_loses_nothing() {
+    let dir = scratch_dir("fs-full");
+    let store = dir.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(&store)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let mnt = dir.join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let m = Mount::at(&mnt, &store, &["--dirty-age", "30s"]);
+    let small = fill(&mut Rng(6), 500_000);
+    std::fs::write(m.path("small"), &small).unwrap();
+    let mut f = std::fs::File::create(m.path("big")).unwrap();
+    let chunk = vec![7u8; 64 * 1024];
+    let mut written = 0usize;
+    let err = loop {
+        match f.write(&chunk) {
+            Ok(n) => written += n,
+            Err(e) => break e,
+        }
+        assert!(written < 64 << 20, "no ENOSPC after {written} bytes");
+    };
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    drop(f);
+    // What was accepted is there, on the mount and after unmount.
+    let big = std::fs::read(m.path("big")).unwrap();
+    assert_eq!(big.len(), written);
+    assert!(big.iter().all(|&b| b == 7));
+    assert_eq!(std::fs::read(m.path("small")).unwrap(), small);
+    assert_eq!(m.umount(), 0);
+    assert_eq!(std::fs::read(store.join("data/small")).unwrap(), small);
+    assert_eq!(std::fs::read(store.join("data/big")).unwrap().len(), written);
+    let _ = Command::new("umount").arg(&store).status();
+}
+
+#[test]
+fn bad_mounts_get_clear_errors() {
+    let dir = scratch_dir("fs-bad");
+    let mnt = dir.join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let run = |args: &[&str]| {
+        let out = lockstep().args(["fs", "mount"]).args(args).arg(&mnt).output().unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    std::fs::write(dir.join("file"), b"x").unwrap();
+    let (code, err) = run(&["--store", dir.join("file/store").to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("cannot create the store"), "{err}");
+    let (code, err) = run(&["--verify", "sometimes"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--verify"), "{err}");
+    let (code, err) = run(&["--dirty-age", "60s"]);
+    assert_eq!(code, 2, "{err}");
+    let m = Mount::new(&dir, &[]);
+    let (code, err) = run(&["--store", dir.join("other").to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("busy"), "{err}");
+    // The daemon mode returns once mounted; umount finds it through the mount table.
+    drop(m);
+    let mnt2 = dir.join("mnt2");
+    std::fs::create_dir_all(&mnt2).unwrap();
+    let out = lockstep()
+        .args(["fs", "mount", "--store"])
+        .arg(dir.join("s2"))
+        .arg(&mnt2)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(mnt2.join("x"), b"daemon").unwrap();
+    let out = lockstep().args(["fs", "umount"]).arg(&mnt2).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(dir.join("s2/data/x")).unwrap(), b"daemon");
+    let out = lockstep().args(["fs", "umount"]).arg(&mnt2).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not mounted"));
+}
