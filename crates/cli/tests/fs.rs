@@ -21,7 +21,6 @@ fn mounted(mnt: &Path) -> bool {
 /// A mount in the foreground, unmounted (and its daemon reaped) on drop.
 struct Mount {
     mnt: PathBuf,
-    store: PathBuf,
     child: Option<Child>,
     log: PathBuf,
 }
@@ -46,7 +45,6 @@ impl Mount {
             .unwrap();
         let m = Mount {
             mnt: mnt.to_path_buf(),
-            store: store.to_path_buf(),
             child: Some(child),
             log,
         };
