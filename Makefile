@@ -43,6 +43,8 @@ bench: build
 	bench/inject_throughput.sh 300 reg
 	python3 bench/sei_bench.py 5
 	bench/sei_eval.sh 1000
+	python3 bench/kv_bench.py 5 3
+	python3 bench/fs_bench.py 5 3
 
 lint:
 	$(CARGO) fmt --all
