@@ -9,6 +9,7 @@
 //!   and fsync of its file reports EIO.
 
 use crate::crc::{self, PAGE};
+use crate::shared::{DirtyRecord, Shared};
 use crate::store::{Store, StoreError};
 use lockstep_core::checksum::crc32c;
 use lockstep_core::Event;
@@ -28,7 +29,8 @@ pub enum Verify {
 }
 
 struct Page {
-    data: Box<[u8; PAGE]>,
+    /// Where its bytes are in the shared slab.
+    slot: usize,
     /// Bytes of the page that belong to the file.
     len: usize,
     /// CRC32C of `data[..len]`.
@@ -42,9 +44,9 @@ struct Page {
 }
 
 impl Page {
-    fn empty(now: Instant) -> Page {
+    fn empty(slot: usize, now: Instant) -> Page {
         Page {
-            data: Box::new([0u8; PAGE]),
+            slot,
             len: 0,
             crc: 0,
             dirty: None,
@@ -55,8 +57,8 @@ impl Page {
         }
     }
 
-    fn intact(&self) -> bool {
-        crc32c(&self.data[..self.len]) == self.crc
+    fn intact(&self, shared: &Shared) -> bool {
+        crc32c(&shared.page(self.slot)[..self.len]) == self.crc
     }
 }
 
@@ -95,7 +97,10 @@ pub struct Cache {
     pages: HashMap<(u64, u64), Page>,
     lru: BTreeMap<u64, (u64, u64)>,
     seq: u64,
-    limit: usize,
+    /// Page data and the Dirty State Store, in memory that outlives this process.
+    shared: Shared,
+    /// Slots of `shared` holding no page.
+    free: Vec<usize>,
     verify: Verify,
     files: HashMap<u64, FileData>,
     scrub_cursor: (u64, u64),
@@ -109,13 +114,26 @@ pub struct Cache {
 type R<T> = Result<T, i32>;
 
 impl Cache {
-    pub fn new(store: Store, limit_bytes: u64, verify: Verify) -> Cache {
+    /// A cache of about `limit_bytes` in a fresh shared region.
+    pub fn with_memory(store: Store, limit_bytes: u64, verify: Verify) -> std::io::Result<Cache> {
+        let slots = (limit_bytes / PAGE as u64).max(16) as usize;
+        Ok(Cache::new(store, Shared::create(slots)?, verify))
+    }
+
+    /// A cache whose pages live in `shared` (any dirty pages there must have been written
+    /// back by recovery first: the cache starts empty).
+    pub fn new(store: Store, mut shared: Shared, verify: Verify) -> Cache {
+        for slot in 0..shared.slots() {
+            shared.clear(slot);
+        }
+        let free = (0..shared.slots()).rev().collect();
         Cache {
             store,
             pages: HashMap::new(),
             lru: BTreeMap::new(),
             seq: 0,
-            limit: (limit_bytes / PAGE as u64).max(16) as usize,
+            shared,
+            free,
             verify,
             files: HashMap::new(),
             scrub_cursor: (0, 0),
@@ -178,7 +196,39 @@ impl Cache {
             if p.dirty.is_some() {
                 self.dirty_count -= 1;
             }
+            self.shared.clear(p.slot);
+            self.free.push(p.slot);
         }
+    }
+
+    /// Keep the DSS record of a page in step with the page: a dirty page is recorded with
+    /// its used length and CRC; a clean one has no record.
+    fn record(&mut self, key: (u64, u64)) {
+        let Some(p) = self.pages.get(&key) else { return };
+        if p.dirty.is_some() && !p.poisoned {
+            self.shared.set_dirty(DirtyRecord {
+                slot: p.slot,
+                ino: key.0,
+                block: key.1,
+                len: p.len,
+                crc: p.crc,
+            });
+        } else {
+            self.shared.clear(p.slot);
+        }
+    }
+
+    /// A new, empty page for `key`, in a free slot (evicting the least recently used page
+    /// if there is none).
+    fn new_page(&mut self, key: (u64, u64), now: Instant) -> R<()> {
+        if self.free.is_empty() {
+            self.evict_one()?;
+        }
+        let slot = self.free.pop().ok_or(libc::ENOMEM)?;
+        self.shared.page_mut(slot).fill(0);
+        self.pages.insert(key, Page::empty(slot, now));
+        self.touch(key, now);
+        Ok(())
     }
 
     fn event(&mut self, kind: &'static str, action: &'static str, key: (u64, u64), message: String) {
@@ -208,11 +258,13 @@ impl Cache {
         if p.poisoned {
             return false;
         }
-        if p.intact() {
+        if p.intact(&self.shared) {
             return true;
         }
         if p.dirty.is_some() {
             p.poisoned = true;
+            // A poisoned page is not recovered after a crash either.
+            self.shared.clear(p.slot);
             self.stats.dirty_detected += 1;
             self.event(
                 "detect",
@@ -259,7 +311,7 @@ impl Cache {
         let f = self.files.get(&ino).ok_or(libc::EBADF)?;
         let size = f.size;
         let len = (size.saturating_sub(block * PAGE as u64)).min(PAGE as u64) as usize;
-        let mut page = Page::empty(now);
+        let mut fetched = None;
         if len > 0 {
             let (bytes, crc, info) = match self.store.read_block(ino, &f.file, block, len) {
                 Ok(r) => r,
@@ -284,36 +336,33 @@ impl Cache {
                     "a block on disk failed its checksum; repaired from the mirror".into(),
                 );
             }
-            page.data[..len].copy_from_slice(&bytes);
-            page.len = len;
-            page.crc = crc;
+            fetched = Some((bytes, crc));
         }
         self.stats.misses += 1;
-        self.pages.insert((ino, block), page);
-        self.touch((ino, block), now);
-        self.evict()
+        self.new_page((ino, block), now)?;
+        if let Some((bytes, crc)) = fetched {
+            let p = self.pages.get_mut(&(ino, block)).expect("just added");
+            self.shared.page_mut(p.slot)[..len].copy_from_slice(&bytes);
+            p.len = len;
+            p.crc = crc;
+        }
+        Ok(())
     }
 
-    fn evict(&mut self) -> R<()> {
-        if self.pages.len() <= self.limit {
-            return Ok(());
-        }
-        let victims: Vec<(u64, u64)> = self
+    /// Make room: write back (if dirty) and drop the least recently used page that is not
+    /// poisoned.
+    fn evict_one(&mut self) -> R<()> {
+        let victim = self
             .lru
             .values()
-            .filter(|k| self.pages.get(k).is_some_and(|p| !p.poisoned))
-            .take(self.pages.len() - self.limit)
-            .copied()
-            .collect();
-        for key in victims {
-            if self.pages.get(&key).is_some_and(|p| p.dirty.is_some()) {
-                self.write_back(key)?;
-            }
-            if self.pages.get(&key).is_some_and(|p| !p.poisoned) {
-                self.drop_page(key);
-                self.stats.evicted += 1;
-            }
+            .find(|k| self.pages.get(k).is_some_and(|p| !p.poisoned))
+            .copied();
+        let Some(key) = victim else { return Err(libc::ENOMEM) };
+        if self.pages.get(&key).is_some_and(|p| p.dirty.is_some()) {
+            self.write_back(key)?;
         }
+        self.drop_page(key);
+        self.stats.evicted += 1;
         Ok(())
     }
 
@@ -332,11 +381,12 @@ impl Cache {
                 }
             })?;
             let p = &self.pages[&key];
+            let data = self.shared.page(p.slot);
             let start = (at % PAGE as u64) as usize;
             let stop = ((end - block * PAGE as u64).min(PAGE as u64)) as usize;
             // Bytes past the page's used part (a hole before a later write) read as zeros.
             let stop_used = stop.min(p.len).max(start);
-            out.extend_from_slice(&p.data[start..stop_used]);
+            out.extend_from_slice(&data[start..stop_used]);
             out.resize(out.len() + (stop - stop_used), 0);
             at = block * PAGE as u64 + stop as u64;
         }
@@ -371,35 +421,35 @@ impl Cache {
                         }
                     })?;
                 } else {
-                    self.pages.insert(key, Page::empty(now));
-                    self.touch(key, now);
+                    self.new_page(key, now)?;
                 }
             }
             let p = self.pages.get_mut(&key).expect("page present");
+            let d = self.shared.page_mut(p.slot);
             if whole || (start == 0 && n >= p.len) {
                 // Everything in use is replaced: a fresh CRC, and a poisoned page heals.
-                p.data[..n].copy_from_slice(chunk);
-                p.data[n..].fill(0);
+                d[..n].copy_from_slice(chunk);
+                d[n..].fill(0);
                 p.len = n;
-                p.crc = crc32c(&p.data[..n]);
+                p.crc = crc32c(&d[..n]);
                 p.poisoned = false;
             } else {
                 let overlap_end = (start + n).min(p.len);
                 if start < overlap_end {
                     let m = overlap_end - start;
-                    p.crc = crc::patch(p.crc, p.len, start, &p.data[start..overlap_end], &chunk[..m]);
-                    p.data[start..overlap_end].copy_from_slice(&chunk[..m]);
+                    p.crc = crc::patch(p.crc, p.len, start, &d[start..overlap_end], &chunk[..m]);
+                    d[start..overlap_end].copy_from_slice(&chunk[..m]);
                 }
                 if start > p.len {
                     let gap = start - p.len;
-                    p.data[p.len..start].fill(0);
+                    d[p.len..start].fill(0);
                     p.crc = crc::extend(p.crc, &[0u8; PAGE][..gap]);
                     p.len = start;
                 }
                 let from = overlap_end.max(start);
                 if start + n > from {
                     let rest = &chunk[from - start..];
-                    p.data[from..start + n].copy_from_slice(rest);
+                    d[from..start + n].copy_from_slice(rest);
                     p.crc = crc::extend(p.crc, rest);
                     p.len = start + n;
                 }
@@ -408,12 +458,12 @@ impl Cache {
                 p.dirty = Some(now);
                 self.dirty_count += 1;
             }
+            self.record(key);
             self.touch(key, now);
             done += n;
         }
         let f = self.files.get_mut(&ino).expect("attached");
         f.size = f.size.max(off + data.len() as u64);
-        self.evict()?;
         Ok(data.len())
     }
 
@@ -429,13 +479,14 @@ impl Cache {
         let p = self.pages.get_mut(&(ino, block)).expect("loaded");
         let new_len = ((new - block * PAGE as u64).min(PAGE as u64)) as usize;
         if new_len > p.len {
-            p.data[p.len..new_len].fill(0);
+            self.shared.page_mut(p.slot)[p.len..new_len].fill(0);
             p.crc = crc::extend(p.crc, &[0u8; PAGE][..new_len - p.len]);
             p.len = new_len;
             if p.dirty.is_none() {
                 p.dirty = Some(now);
                 self.dirty_count += 1;
             }
+            self.record((ino, block));
         }
         Ok(())
     }
@@ -450,9 +501,10 @@ impl Cache {
         let p = self.pages.get_mut(&key).expect("checked page exists");
         let f = self.files.get(&key.0).ok_or(libc::EBADF)?;
         self.store
-            .write_block(key.0, &f.file, key.1, &p.data[..p.len], p.crc)
+            .write_block(key.0, &f.file, key.1, &self.shared.page(p.slot)[..p.len], p.crc)
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         p.dirty = None;
+        self.shared.clear(p.slot);
         self.dirty_count -= 1;
         self.stats.written_back += 1;
         Ok(())
@@ -505,9 +557,10 @@ impl Cache {
             self.page_for_read(ino, block, now)?;
             let p = self.pages.get_mut(&(ino, block)).expect("loaded");
             let new_len = ((size - block * PAGE as u64).min(PAGE as u64)) as usize;
+            let d = self.shared.page_mut(p.slot);
             if new_len < p.len {
-                p.data[new_len..].fill(0);
-                p.crc = crc32c(&p.data[..new_len]);
+                d[new_len..].fill(0);
+                p.crc = crc32c(&d[..new_len]);
             } else {
                 p.crc = crc::extend(p.crc, &[0u8; PAGE][..new_len - p.len]);
             }
@@ -589,7 +642,7 @@ impl Cache {
             let key = keys.swap_remove((rand() % keys.len() as u64) as usize);
             let p = self.pages.get_mut(&key).expect("listed");
             let bit = rand() % (p.len as u64 * 8);
-            p.data[(bit / 8) as usize] ^= 1 << (bit % 8);
+            self.shared.page_mut(p.slot)[(bit / 8) as usize] ^= 1 << (bit % 8);
             hit += 1;
         }
         self.stats.injected += hit as u64;
@@ -619,7 +672,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         let store = Store::open(&d, None).unwrap();
         let path = store.data_root().join("f");
-        let mut c = Cache::new(store, 1 << 20, verify);
+        let mut c = Cache::with_memory(store, 1 << 20, verify).unwrap();
         let p2 = path.clone();
         c.attach(1, move || {
             OpenOptions::new()
@@ -733,7 +786,7 @@ mod model_tests {
         let store = Store::open(&d, None).unwrap();
         let path = store.data_root().join("f");
         // A small cache: pages are evicted and read back from the store.
-        let mut c = Cache::new(store, 16 * PAGE as u64, Verify::EveryRead);
+        let mut c = Cache::with_memory(store, 16 * PAGE as u64, Verify::EveryRead).unwrap();
         c.attach(1, move || {
             OpenOptions::new()
                 .read(true)

@@ -4,4 +4,5 @@ pub mod cache;
 pub mod crc;
 pub mod mount;
 pub mod naming;
+pub mod shared;
 pub mod store;

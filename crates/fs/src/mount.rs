@@ -110,7 +110,13 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
         }
     };
     let data_root = store.data_root();
-    let cache = Arc::new(Mutex::new(Cache::new(store, o.cache_bytes, o.verify)));
+    let cache = match Cache::with_memory(store, o.cache_bytes, o.verify) {
+        Ok(c) => Arc::new(Mutex::new(c)),
+        Err(e) => {
+            ready(Err(format!("cannot create the cache's memory: {e}")));
+            return 1;
+        }
+    };
     let naming = match Naming::new(&data_root, cache.clone()) {
         Ok(n) => n,
         Err(e) => {

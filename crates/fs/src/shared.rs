@@ -1,0 +1,241 @@
+//! Memory that outlives the cache daemon: a memfd that the supervisor holds, mapped by
+//! each daemon it starts. It holds the page slab (every cached page's data) and the Dirty
+//! State Store (Loris §V-B): one record per page slot, naming the dirty page in it (inode,
+//! block, used length, CRC) and protected by its own CRC. After a crash, the next daemon
+//! finds every dirty page through the records, checks each record and each page against
+//! its CRC, and writes them back, or refuses.
+//!
+//! Layout: a 4 KiB header, then `slots` records of 32 bytes (rounded up to whole pages),
+//! then `slots` pages of 4 KiB.
+
+use crate::crc::PAGE;
+use lockstep_core::checksum::crc32c;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+const MAGIC: u64 = 0x4C53_4653_5353_0001; // "LSFSSS" v1
+const RECORD: usize = 32;
+const DIRTY: u32 = 2;
+
+/// A dirty page as the DSS knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DirtyRecord {
+    pub slot: usize,
+    pub ino: u64,
+    pub block: u64,
+    pub len: usize,
+    pub crc: u32,
+}
+
+pub struct Shared {
+    fd: OwnedFd,
+    base: *mut u8,
+    size: usize,
+    slots: usize,
+}
+
+// SAFETY: the mapping is only accessed through &self/&mut self of the one Cache that owns it.
+unsafe impl Send for Shared {}
+
+fn records_bytes(slots: usize) -> usize {
+    (slots * RECORD).div_ceil(PAGE) * PAGE
+}
+
+impl Shared {
+    /// A new region for `slots` pages (the supervisor creates it once per mount).
+    pub fn create(slots: usize) -> std::io::Result<Shared> {
+        assert!(slots > 0);
+        // SAFETY: plain syscall with a static name.
+        let fd = unsafe { libc::memfd_create(c"lockstep-fs-cache".as_ptr(), 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let size = PAGE + records_bytes(slots) + slots * PAGE;
+        // SAFETY: valid fd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut s = Shared::map(fd, size, slots)?;
+        s.header_mut()[..8].copy_from_slice(&MAGIC.to_le_bytes());
+        s.header_mut()[8..16].copy_from_slice(&(slots as u64).to_le_bytes());
+        Ok(s)
+    }
+
+    /// Map a region created earlier (by the supervisor, for a restarted daemon).
+    pub fn open(fd: OwnedFd) -> std::io::Result<Shared> {
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid fd and output struct.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut head = [0u8; 16];
+        // SAFETY: reads 16 bytes into a local buffer.
+        if unsafe { libc::pread(fd.as_raw_fd(), head.as_mut_ptr().cast(), 16, 0) } != 16 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "short shared region",
+            ));
+        }
+        let magic = u64::from_le_bytes(head[..8].try_into().unwrap());
+        let slots = u64::from_le_bytes(head[8..].try_into().unwrap()) as usize;
+        let size = st.st_size as usize;
+        if magic != MAGIC || slots == 0 || PAGE + records_bytes(slots) + slots * PAGE != size {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the shared region's header is corrupt",
+            ));
+        }
+        Shared::map(fd, size, slots)
+    }
+
+    fn map(fd: OwnedFd, size: usize, slots: usize) -> std::io::Result<Shared> {
+        // SAFETY: mapping a memfd of `size` bytes, shared.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Shared {
+            fd,
+            base: p.cast(),
+            size,
+            slots,
+        })
+    }
+
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    fn header_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the first page is the header, inside the mapping.
+        unsafe { std::slice::from_raw_parts_mut(self.base, PAGE) }
+    }
+
+    fn record(&self, slot: usize) -> &[u8] {
+        assert!(slot < self.slots);
+        // SAFETY: inside the records area.
+        unsafe { std::slice::from_raw_parts(self.base.add(PAGE + slot * RECORD), RECORD) }
+    }
+
+    fn record_mut(&mut self, slot: usize) -> &mut [u8] {
+        assert!(slot < self.slots);
+        // SAFETY: inside the records area; &mut self makes it exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(PAGE + slot * RECORD), RECORD) }
+    }
+
+    pub fn page(&self, slot: usize) -> &[u8; PAGE] {
+        assert!(slot < self.slots);
+        // SAFETY: inside the page area, page-aligned.
+        unsafe { &*(self.base.add(PAGE + records_bytes(self.slots) + slot * PAGE) as *const [u8; PAGE]) }
+    }
+
+    pub fn page_mut(&mut self, slot: usize) -> &mut [u8; PAGE] {
+        assert!(slot < self.slots);
+        // SAFETY: as above; &mut self makes it exclusive.
+        unsafe { &mut *(self.base.add(PAGE + records_bytes(self.slots) + slot * PAGE) as *mut [u8; PAGE]) }
+    }
+
+    /// Record that `slot` holds a dirty page (or update its length and CRC).
+    pub fn set_dirty(&mut self, r: DirtyRecord) {
+        let rec = self.record_mut(r.slot);
+        rec[0..4].copy_from_slice(&DIRTY.to_le_bytes());
+        rec[4..8].copy_from_slice(&(r.len as u32).to_le_bytes());
+        rec[8..16].copy_from_slice(&r.ino.to_le_bytes());
+        rec[16..24].copy_from_slice(&r.block.to_le_bytes());
+        rec[24..28].copy_from_slice(&r.crc.to_le_bytes());
+        let sum = crc32c(&rec[..28]);
+        rec[28..32].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    /// The page in `slot` is clean (or gone): nothing to recover there.
+    pub fn clear(&mut self, slot: usize) {
+        self.record_mut(slot).fill(0);
+    }
+
+    /// Every dirty record, verified. `Err(slot)` names the first record that fails its
+    /// CRC or says something impossible.
+    pub fn dirty_records(&self) -> Result<Vec<DirtyRecord>, usize> {
+        let mut out = Vec::new();
+        for slot in 0..self.slots {
+            let rec = self.record(slot);
+            if rec.iter().all(|&b| b == 0) {
+                continue;
+            }
+            let sum = u32::from_le_bytes(rec[28..32].try_into().unwrap());
+            let state = u32::from_le_bytes(rec[0..4].try_into().unwrap());
+            let len = u32::from_le_bytes(rec[4..8].try_into().unwrap()) as usize;
+            if crc32c(&rec[..28]) != sum || state != DIRTY || len > PAGE {
+                return Err(slot);
+            }
+            out.push(DirtyRecord {
+                slot,
+                ino: u64::from_le_bytes(rec[8..16].try_into().unwrap()),
+                block: u64::from_le_bytes(rec[16..24].try_into().unwrap()),
+                len,
+                crc: u32::from_le_bytes(rec[24..28].try_into().unwrap()),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Test-only: damage a record, as a wild write in the crashed daemon would.
+    pub fn damage_record(&mut self, slot: usize) {
+        self.record_mut(slot)[10] ^= 1;
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.base.cast(), self.size) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_survive_a_remap_and_damage_is_caught() {
+        let mut s = Shared::create(8).unwrap();
+        s.page_mut(3)[..5].copy_from_slice(b"hello");
+        s.set_dirty(DirtyRecord {
+            slot: 3,
+            ino: 42,
+            block: 7,
+            len: 5,
+            crc: crc32c(b"hello"),
+        });
+        let dup = s.fd().try_clone().unwrap();
+        let mut t = Shared::open(dup).unwrap();
+        let recs = t.dirty_records().unwrap();
+        assert_eq!(
+            recs,
+            vec![DirtyRecord {
+                slot: 3,
+                ino: 42,
+                block: 7,
+                len: 5,
+                crc: crc32c(b"hello")
+            }]
+        );
+        assert_eq!(&t.page(3)[..5], b"hello");
+        t.damage_record(3);
+        assert_eq!(s.dirty_records(), Err(3));
+        s.clear(3);
+        assert!(t.dirty_records().unwrap().is_empty());
+    }
+}
