@@ -147,6 +147,11 @@ impl Cache {
         &mut self.store
     }
 
+    /// The shared region (handles of known inodes live there too).
+    pub fn shared(&mut self) -> &mut Shared {
+        &mut self.shared
+    }
+
     /// Give the cache the backing file of `ino` (opened read-write) and its size on disk.
     pub fn attach(&mut self, ino: u64, open: impl FnOnce() -> std::io::Result<File>) -> R<()> {
         if self.files.contains_key(&ino) {

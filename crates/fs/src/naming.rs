@@ -125,8 +125,25 @@ impl Naming {
         }
     }
 
-    fn fd(&self, ino: u64) -> Result<RawFd, i32> {
-        self.inodes.get(&ino).map(|i| i.fd.as_raw_fd()).ok_or(libc::ESTALE)
+    /// The O_PATH descriptor of `ino`. An inode the kernel knows but this daemon does not
+    /// (we were restarted) is reopened from the file handle kept in shared memory.
+    fn fd(&mut self, ino: u64) -> Result<RawFd, i32> {
+        if let Some(i) = self.inodes.get(&ino) {
+            return Ok(i.fd.as_raw_fd());
+        }
+        let (lookups, htype, handle) = self.cache().shared().handle(ino).ok_or(libc::ESTALE)?;
+        let root = self.inodes[&FUSE_ROOT_ID].fd.as_raw_fd();
+        let fd = open_by_handle(root, htype, &handle)?;
+        let raw = fd.as_raw_fd();
+        self.inodes.insert(
+            ino,
+            Inode {
+                fd,
+                lookups,
+                orphan: false,
+            },
+        );
+        Ok(raw)
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
@@ -165,10 +182,19 @@ impl Naming {
         let c = cstr(name)?;
         let st = stat_at(pfd, &c)?;
         let ino = self.ino_of(st.st_ino);
+        // An inode we lost in a restart but the kernel still holds is found again here.
+        let known = self.fd(ino).is_ok();
         match self.inodes.get_mut(&ino) {
-            Some(i) => i.lookups += 1,
-            None => {
+            Some(i) if known => {
+                i.lookups += 1;
+                let n = i.lookups;
+                self.cache().shared().set_lookups(ino, n);
+            }
+            _ => {
                 let fd = open_path(pfd, &c)?;
+                if let Some((htype, handle)) = handle_of(pfd, &c) {
+                    self.cache().shared().put_handle(ino, 1, htype, &handle);
+                }
                 self.inodes.insert(
                     ino,
                     Inode {
@@ -183,7 +209,7 @@ impl Naming {
     }
 
     /// Open the data of a regular file read-write for the cache.
-    fn attach(&self, ino: u64) -> Result<(), i32> {
+    fn attach(&mut self, ino: u64) -> Result<(), i32> {
         let fd = self.fd(ino)?;
         self.cache().attach(ino, || {
             let p = proc_path(fd);
@@ -218,9 +244,10 @@ impl Naming {
     /// Write-back must not find the disk full: a write is accepted only if the store has
     /// room for it and for everything dirty before it. Otherwise the writer gets ENOSPC
     /// now, while it can still act on it.
-    fn room_for(&self, len: usize) -> Result<(), i32> {
+    fn room_for(&mut self, len: usize) -> Result<(), i32> {
+        let root = self.fd(FUSE_ROOT_ID)?;
         let avail = || -> Result<u64, i32> {
-            let fd = self.fd(FUSE_ROOT_ID)?;
+            let fd = root;
             let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
             let p = proc_path(fd);
             // SAFETY: valid path and output struct.
@@ -258,6 +285,51 @@ impl Naming {
         // SAFETY: valid path and a two-element times array.
         unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) };
     }
+}
+
+/// The kernel's file handle for `name` in `dir` (for reopening after a restart).
+fn handle_of(dir: RawFd, name: &CString) -> Option<(i32, Vec<u8>)> {
+    let mut fh = FileHandle {
+        bytes: crate::shared::HANDLE_MAX as u32,
+        htype: 0,
+        data: [0; 128],
+    };
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: fh has room for HANDLE_MAX bytes as announced in `bytes`.
+    let r = unsafe {
+        libc::name_to_handle_at(
+            dir,
+            name.as_ptr(),
+            (&mut fh as *mut FileHandle).cast(),
+            &mut mount_id,
+            0,
+        )
+    };
+    (r == 0).then(|| (fh.htype, fh.data[..fh.bytes as usize].to_vec()))
+}
+
+fn open_by_handle(mount_fd: RawFd, htype: i32, handle: &[u8]) -> Result<OwnedFd, i32> {
+    let mut fh = FileHandle {
+        bytes: handle.len() as u32,
+        htype,
+        data: [0; 128],
+    };
+    fh.data[..handle.len()].copy_from_slice(handle);
+    let flags = libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    // SAFETY: a well-formed handle buffer; the returned fd is owned.
+    let r = unsafe { libc::open_by_handle_at(mount_fd, (&mut fh as *mut FileHandle).cast(), flags) };
+    if r < 0 {
+        return Err(libc::ESTALE);
+    }
+    Ok(unsafe { OwnedFd::from_raw_fd(r) })
+}
+
+/// `struct file_handle` with room for its bytes.
+#[repr(C)]
+struct FileHandle {
+    bytes: u32,
+    htype: i32,
+    data: [u8; 128],
 }
 
 fn open_path(dir: RawFd, name: &CString) -> Result<OwnedFd, i32> {
@@ -319,12 +391,19 @@ impl Filesystem for Naming {
         if ino == FUSE_ROOT_ID {
             return;
         }
+        if self.fd(ino).is_err() {
+            return;
+        }
         let Some(i) = self.inodes.get_mut(&ino) else { return };
         i.lookups = i.lookups.saturating_sub(nlookup);
-        if i.lookups == 0 {
-            let orphan = i.orphan;
+        let left = i.lookups;
+        if left > 0 {
+            self.cache().shared().set_lookups(ino, left);
+        } else {
+            let orphan = self.inodes[&ino].orphan;
             self.inodes.remove(&ino);
             let mut c = self.cache();
+            c.shared().drop_handle(ino);
             if orphan {
                 c.remove(ino);
             } else {

@@ -5,8 +5,11 @@
 //! finds every dirty page through the records, checks each record and each page against
 //! its CRC, and writes them back, or refuses.
 //!
+//! It also keeps the file handle (`name_to_handle_at`) of every inode the kernel holds,
+//! so that a restarted daemon can reopen inodes by the numbers the kernel still uses.
+//!
 //! Layout: a 4 KiB header, then `slots` records of 32 bytes (rounded up to whole pages),
-//! then `slots` pages of 4 KiB.
+//! then the handle table (`HANDLES` entries of 64 bytes), then `slots` pages of 4 KiB.
 
 use crate::crc::PAGE;
 use lockstep_core::checksum::crc32c;
@@ -15,6 +18,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 const MAGIC: u64 = 0x4C53_4653_5353_0001; // "LSFSSS" v1
 const RECORD: usize = 32;
 const DIRTY: u32 = 2;
+/// Entries in the handle table (open addressing; 4 MiB).
+const HANDLES: usize = 1 << 16;
+const HANDLE: usize = 64;
+/// The longest file handle kept (ext4 and tmpfs handles are 8 to 12 bytes).
+pub const HANDLE_MAX: usize = 40;
+const EMPTY: u64 = 0;
+const TOMBSTONE: u64 = u64::MAX;
 
 /// A dirty page as the DSS knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +50,10 @@ fn records_bytes(slots: usize) -> usize {
     (slots * RECORD).div_ceil(PAGE) * PAGE
 }
 
+fn pages_at(slots: usize) -> usize {
+    PAGE + records_bytes(slots) + HANDLES * HANDLE
+}
+
 impl Shared {
     /// A new region for `slots` pages (the supervisor creates it once per mount).
     pub fn create(slots: usize) -> std::io::Result<Shared> {
@@ -50,7 +64,7 @@ impl Shared {
             return Err(std::io::Error::last_os_error());
         }
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let size = PAGE + records_bytes(slots) + slots * PAGE;
+        let size = pages_at(slots) + slots * PAGE;
         // SAFETY: valid fd.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } < 0 {
             return Err(std::io::Error::last_os_error());
@@ -79,7 +93,7 @@ impl Shared {
         let magic = u64::from_le_bytes(head[..8].try_into().unwrap());
         let slots = u64::from_le_bytes(head[8..].try_into().unwrap()) as usize;
         let size = st.st_size as usize;
-        if magic != MAGIC || slots == 0 || PAGE + records_bytes(slots) + slots * PAGE != size {
+        if magic != MAGIC || slots == 0 || pages_at(slots) + slots * PAGE != size {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 "the shared region's header is corrupt",
@@ -139,13 +153,13 @@ impl Shared {
     pub fn page(&self, slot: usize) -> &[u8; PAGE] {
         assert!(slot < self.slots);
         // SAFETY: inside the page area, page-aligned.
-        unsafe { &*(self.base.add(PAGE + records_bytes(self.slots) + slot * PAGE) as *const [u8; PAGE]) }
+        unsafe { &*(self.base.add(pages_at(self.slots) + slot * PAGE) as *const [u8; PAGE]) }
     }
 
     pub fn page_mut(&mut self, slot: usize) -> &mut [u8; PAGE] {
         assert!(slot < self.slots);
         // SAFETY: as above; &mut self makes it exclusive.
-        unsafe { &mut *(self.base.add(PAGE + records_bytes(self.slots) + slot * PAGE) as *mut [u8; PAGE]) }
+        unsafe { &mut *(self.base.add(pages_at(self.slots) + slot * PAGE) as *mut [u8; PAGE]) }
     }
 
     /// Record that `slot` holds a dirty page (or update its length and CRC).
@@ -189,6 +203,89 @@ impl Shared {
             });
         }
         Ok(out)
+    }
+
+    fn handle_entry(&mut self, i: usize) -> &mut [u8] {
+        // SAFETY: inside the handle table; &mut self makes it exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(PAGE + records_bytes(self.slots) + i * HANDLE), HANDLE) }
+    }
+
+    /// Find the entry of `nodeid`, or (with `insert`) a free one for it.
+    fn find_handle(&mut self, nodeid: u64, insert: bool) -> Option<usize> {
+        let mut i = (nodeid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 48) as usize % HANDLES;
+        let mut free = None;
+        for _ in 0..HANDLES {
+            let id = u64::from_le_bytes(self.handle_entry(i)[..8].try_into().unwrap());
+            if id == nodeid {
+                return Some(i);
+            }
+            if id == TOMBSTONE && free.is_none() {
+                free = Some(i);
+            }
+            if id == EMPTY {
+                return if insert { free.or(Some(i)) } else { None };
+            }
+            i = (i + 1) % HANDLES;
+        }
+        if insert {
+            free
+        } else {
+            None
+        }
+    }
+
+    /// Remember how to reopen `nodeid` (a file handle of `htype`), with the kernel's lookup
+    /// count. False if the handle is too long or the table is full.
+    pub fn put_handle(&mut self, nodeid: u64, lookups: u64, htype: i32, handle: &[u8]) -> bool {
+        assert!(nodeid != EMPTY && nodeid != TOMBSTONE);
+        if handle.len() > HANDLE_MAX {
+            return false;
+        }
+        let Some(i) = self.find_handle(nodeid, true) else {
+            return false;
+        };
+        let e = self.handle_entry(i);
+        e[..8].copy_from_slice(&nodeid.to_le_bytes());
+        e[8..16].copy_from_slice(&lookups.to_le_bytes());
+        e[16..20].copy_from_slice(&htype.to_le_bytes());
+        e[20..22].copy_from_slice(&(handle.len() as u16).to_le_bytes());
+        e[22..22 + handle.len()].copy_from_slice(handle);
+        let sum = crc32c(&e[..HANDLE - 4]);
+        e[HANDLE - 4..].copy_from_slice(&sum.to_le_bytes());
+        true
+    }
+
+    pub fn set_lookups(&mut self, nodeid: u64, lookups: u64) {
+        if let Some(i) = self.find_handle(nodeid, false) {
+            let e = self.handle_entry(i);
+            e[8..16].copy_from_slice(&lookups.to_le_bytes());
+            let sum = crc32c(&e[..HANDLE - 4]);
+            e[HANDLE - 4..].copy_from_slice(&sum.to_le_bytes());
+        }
+    }
+
+    pub fn drop_handle(&mut self, nodeid: u64) {
+        if let Some(i) = self.find_handle(nodeid, false) {
+            let e = self.handle_entry(i);
+            e.fill(0);
+            e[..8].copy_from_slice(&TOMBSTONE.to_le_bytes());
+        }
+    }
+
+    /// (lookups, handle type, handle) of `nodeid`; None if unknown or its entry is damaged.
+    pub fn handle(&mut self, nodeid: u64) -> Option<(u64, i32, Vec<u8>)> {
+        let i = self.find_handle(nodeid, false)?;
+        let e = self.handle_entry(i);
+        let sum = u32::from_le_bytes(e[HANDLE - 4..].try_into().unwrap());
+        let len = u16::from_le_bytes(e[20..22].try_into().unwrap()) as usize;
+        if crc32c(&e[..HANDLE - 4]) != sum || len > HANDLE_MAX {
+            return None;
+        }
+        Some((
+            u64::from_le_bytes(e[8..16].try_into().unwrap()),
+            i32::from_le_bytes(e[16..20].try_into().unwrap()),
+            e[22..22 + len].to_vec(),
+        ))
     }
 
     /// Test-only: damage a record, as a wild write in the crashed daemon would.
@@ -237,5 +334,11 @@ mod tests {
         assert_eq!(s.dirty_records(), Err(3));
         s.clear(3);
         assert!(t.dirty_records().unwrap().is_empty());
+        assert!(s.put_handle(77, 2, 1, b"abcdefgh"));
+        assert_eq!(t.handle(77), Some((2, 1, b"abcdefgh".to_vec())));
+        t.set_lookups(77, 5);
+        assert_eq!(s.handle(77).unwrap().0, 5);
+        s.drop_handle(77);
+        assert_eq!(t.handle(77), None);
     }
 }
