@@ -73,6 +73,9 @@ struct MountArgs {
     /// Accept `flip` on the control socket (tests and measurements only).
     #[arg(long)]
     test_flips: bool,
+    /// Accept `crash` and `crash-damaged` on the control socket (tests and measurements).
+    #[arg(long)]
+    test_crash: bool,
     /// Stay in the foreground instead of returning once mounted.
     #[arg(short, long)]
     foreground: bool,
@@ -217,6 +220,7 @@ fn mount_cmd(m: MountArgs) -> i32 {
         dirty_age,
         events: m.events,
         test_flips: m.test_flips,
+        test_crash: m.test_crash,
     };
     if let Err(e) = mount::preflight(&o) {
         eprintln!("lockstep fs: {e}");
@@ -245,22 +249,22 @@ fn mount_cmd(m: MountArgs) -> i32 {
         0 => {
             drop(rd);
             unsafe { libc::setsid() };
+            // Detached from the terminal's output: errors before the mount go back through
+            // the pipe, and events go to --events.
+            if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+                use std::os::fd::AsRawFd;
+                unsafe {
+                    libc::dup2(null.as_raw_fd(), 0);
+                    libc::dup2(null.as_raw_fd(), 1);
+                    libc::dup2(null.as_raw_fd(), 2);
+                }
+            }
             let code = mount::run(o, move |r| {
                 let msg = match r {
                     Ok(()) => "OK".to_string(),
                     Err(e) => e,
                 };
                 let _ = wr.write_all(msg.as_bytes());
-                drop(wr);
-                // Detach from the terminal's output: events go to --events.
-                let null = std::fs::OpenOptions::new().write(true).open("/dev/null");
-                if let Ok(null) = null {
-                    use std::os::fd::AsRawFd;
-                    unsafe {
-                        libc::dup2(null.as_raw_fd(), 1);
-                        libc::dup2(null.as_raw_fd(), 2);
-                    }
-                }
             });
             std::process::exit(code);
         }

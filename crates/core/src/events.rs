@@ -100,6 +100,17 @@ impl EventSink {
         Ok(EventSink { file, stderr, count: 0 })
     }
 
+    /// Like `new`, but appends to an existing file (a restarted process keeps the history).
+    pub fn append(path: Option<&Path>, stderr: bool) -> std::io::Result<Self> {
+        let file = match path {
+            Some(p) => Some(BufWriter::new(
+                std::fs::OpenOptions::new().create(true).append(true).open(p)?,
+            )),
+            None => None,
+        };
+        Ok(EventSink { file, stderr, count: 0 })
+    }
+
     /// A sink that only prints to stderr.
     pub fn stderr_only() -> Self {
         EventSink {

@@ -4,5 +4,6 @@ pub mod cache;
 pub mod crc;
 pub mod mount;
 pub mod naming;
+pub mod recovery;
 pub mod shared;
 pub mod store;

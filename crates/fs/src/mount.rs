@@ -3,6 +3,7 @@
 
 use crate::cache::{Cache, Verify};
 use crate::naming::Naming;
+use crate::shared::Shared;
 use crate::store::Store;
 use lockstep_core::{Event, EventSink};
 use std::ffi::CString;
@@ -30,6 +31,8 @@ pub struct Options {
     pub events: Option<PathBuf>,
     /// Accept `flip` on the control socket (measurements and tests only).
     pub test_flips: bool,
+    /// Accept `crash` and `crash-damaged` on the control socket (tests and measurements).
+    pub test_crash: bool,
 }
 
 /// The control socket of the mount whose store is `store`.
@@ -101,26 +104,25 @@ pub fn preflight(o: &Options) -> Result<(), String> {
 
 /// Mount and serve until unmounted. `ready` is called once the mount is in place (or with
 /// the reason it failed).
+///
+/// This process is the supervisor: it holds /dev/fuse and the shared memory, and relays
+/// each request to a cache daemon (a forked child) over a SOCK_SEQPACKET socket, keeping
+/// every request that has no reply yet. When the daemon dies, the supervisor starts a new
+/// one, which recovers the dirty pages from the shared memory, writes them back, and is then
+/// sent the same INIT and every unanswered request again. The application sees a slow
+/// call, not an error. If recovery finds the Dirty State Store damaged, the new daemon
+/// refuses (86); the supervisor then drops the connection, so the mount returns errors
+/// instead of serving or storing corrupt data.
 pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
-    let store = match Store::open(&o.store, o.mirror.as_deref()) {
+    if let Err(e) = Store::open(&o.store, o.mirror.as_deref()) {
+        ready(Err(format!("cannot open the store {}: {e}", o.store.display())));
+        return 1;
+    }
+    let slots = (o.cache_bytes / crate::crc::PAGE as u64).max(16) as usize;
+    let shared = match Shared::create(slots) {
         Ok(s) => s,
         Err(e) => {
-            ready(Err(format!("cannot open the store {}: {e}", o.store.display())));
-            return 1;
-        }
-    };
-    let data_root = store.data_root();
-    let cache = match Cache::with_memory(store, o.cache_bytes, o.verify) {
-        Ok(c) => Arc::new(Mutex::new(c)),
-        Err(e) => {
             ready(Err(format!("cannot create the cache's memory: {e}")));
-            return 1;
-        }
-    };
-    let naming = match Naming::new(&data_root, cache.clone()) {
-        Ok(n) => n,
-        Err(e) => {
-            ready(Err(format!("cannot open {}: {e}", data_root.display())));
             return 1;
         }
     };
@@ -131,22 +133,379 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
             return 1;
         }
     };
+    // One events file for the supervisor and every daemon it starts: emptied once, then
+    // appended to by all of them.
+    if let Some(p) = &o.events {
+        let _ = std::fs::File::create(p);
+    }
+    let mut events = EventSink::append(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only());
+    supervise(&o, fuse, shared, &mut events, ready)
+}
+
+/// Requests that get no reply (FORGET, BATCH_FORGET, INTERRUPT).
+fn expects_reply(opcode: u32) -> bool {
+    !matches!(opcode, 2 | 42 | 36)
+}
+const FUSE_INIT: u32 = 26;
+/// A daemon that dies this often within `RESTART_WINDOW` is not restarted again.
+const RESTARTS_MAX: usize = 10;
+const RESTART_WINDOW: Duration = Duration::from_secs(60);
+
+fn supervise(
+    o: &Options,
+    fuse: OwnedFd,
+    shared: Shared,
+    events: &mut EventSink,
+    ready: impl FnOnce(Result<(), String>),
+) -> i32 {
+    use std::collections::BTreeMap;
+    use std::os::fd::AsRawFd;
+    let mut ready = Some(ready);
+    let mut inflight: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut init: Option<Vec<u8>> = None;
+    let mut restarts: Vec<std::time::Instant> = Vec::new();
+    let mut buf = vec![0u8; (16 << 20) + 4096];
+    let mut unmounted = false;
+    let mut generation = 0u64;
+    loop {
+        // A new daemon: recovery if this is not the first, then INIT and the requests the
+        // last one left unanswered.
+        let replayed: Vec<u64> = inflight.keys().copied().collect();
+        let (sock, child) = match spawn_daemon(o, &shared, generation > 0, &replayed) {
+            Ok(x) => x,
+            Err(e) => {
+                if let Some(r) = ready.take() {
+                    r(Err(e));
+                }
+                return 1;
+            }
+        };
+        let mut swallow = None;
+        if generation > 0 {
+            if let Some(req) = &init {
+                swallow = Some(u64::from_le_bytes(req[8..16].try_into().unwrap()));
+                let _ = send_packet(&sock, req);
+            }
+            for req in inflight.values() {
+                let _ = send_packet(&sock, req);
+            }
+        }
+        // Relay until the daemon goes away.
+        let mut fds = [
+            libc::pollfd {
+                fd: fuse.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: sock.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let status = loop {
+            if !unmounted {
+                fds[0].events = libc::POLLIN;
+            } else {
+                fds[0].events = 0;
+            }
+            // SAFETY: two valid pollfds.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+            if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                break None;
+            }
+            if fds[1].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+                // SAFETY: reading into our buffer.
+                let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+                if n <= 0 {
+                    break None;
+                }
+                let reply = &buf[..n as usize];
+                if reply.len() >= 16 {
+                    let unique = u64::from_le_bytes(reply[8..16].try_into().unwrap());
+                    if swallow == Some(unique) {
+                        swallow = None;
+                    } else {
+                        // SAFETY: writing one reply to /dev/fuse.
+                        unsafe { libc::write(fuse.as_raw_fd(), reply.as_ptr().cast(), reply.len()) };
+                        inflight.remove(&unique);
+                        if init.as_ref().is_some_and(|i| i[8..16] == reply[8..16]) {
+                            if let Some(r) = ready.take() {
+                                r(Ok(()));
+                            }
+                        }
+                    }
+                }
+            }
+            // After an unmount /dev/fuse polls as an error; the read then says ENODEV.
+            if !unmounted && fds[0].revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 {
+                // SAFETY: reading one request from /dev/fuse into our buffer.
+                let n = unsafe { libc::read(fuse.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+                if n < 0 {
+                    match std::io::Error::last_os_error().raw_os_error() {
+                        Some(libc::ENODEV) => {
+                            // Unmounted: the daemon sees the end of its stream, writes back
+                            // and exits.
+                            unmounted = true;
+                            // SAFETY: shutting down our end's writes.
+                            unsafe { libc::shutdown(sock.as_raw_fd(), libc::SHUT_WR) };
+                        }
+                        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::ENOENT) => {}
+                        _ => break None,
+                    }
+                } else if n >= 16 {
+                    let req = buf[..n as usize].to_vec();
+                    let opcode = u32::from_le_bytes(req[4..8].try_into().unwrap());
+                    let unique = u64::from_le_bytes(req[8..16].try_into().unwrap());
+                    if opcode == FUSE_INIT {
+                        init = Some(req.clone());
+                    }
+                    if expects_reply(opcode) {
+                        inflight.insert(unique, req.clone());
+                    }
+                    if let Err(e) = send_packet(&sock, &req) {
+                        // A dead daemon is restarted and gets it again; any other failure
+                        // must not leave the caller waiting forever.
+                        if !matches!(e.raw_os_error(), Some(libc::EPIPE) | Some(libc::ECONNRESET))
+                            && expects_reply(opcode)
+                        {
+                            inflight.remove(&unique);
+                            fail_request(&fuse, unique, libc::EIO);
+                            events.emit(Event::new("fs", "relay-error", "eio").message(format!(
+                                "request {unique} (opcode {opcode}) could not be passed to the daemon: {e}"
+                            )));
+                        }
+                    }
+                }
+            }
+            if let Ok(Some(st)) = child_status(child) {
+                break Some(st);
+            }
+        };
+        drop(sock);
+        let status = match status {
+            Some(s) => s,
+            None => wait_child(child),
+        };
+        if unmounted {
+            let _ = std::fs::remove_file(control_path(&o.store));
+            return status;
+        }
+        if status == lockstep_core::exit::DETECTED {
+            events.emit(Event::new("fs", "halt", "abort").message(
+                "the cache daemon refused to continue (its dirty state failed verification); dropping the mount's connection so that nothing corrupt is served or stored".to_string(),
+            ));
+            if let Some(r) = ready.take() {
+                r(Err("the cache daemon refused to start".into()));
+            }
+            return lockstep_core::exit::DETECTED;
+        }
+        let now = std::time::Instant::now();
+        restarts.retain(|t| now.duration_since(*t) < RESTART_WINDOW);
+        restarts.push(now);
+        if restarts.len() > RESTARTS_MAX || ready.is_some() {
+            events.emit(Event::new("fs", "halt", "abort").message(format!(
+                "the cache daemon died (status {status}) {} times within {RESTART_WINDOW:?}; giving up",
+                restarts.len()
+            )));
+            if let Some(r) = ready.take() {
+                r(Err(format!("the cache daemon died during start-up (status {status})")));
+            }
+            return lockstep_core::exit::DETECTED;
+        }
+        events.emit(Event::new("fs", "crash", "restart").message(format!(
+            "the cache daemon died (status {status}) with {} request(s) unanswered; starting a new one",
+            inflight.len()
+        )));
+        generation += 1;
+    }
+}
+
+/// Answer request `unique` with an error, as the daemon would.
+fn fail_request(fuse: &OwnedFd, unique: u64, errno: i32) {
+    use std::os::fd::AsRawFd;
+    let mut reply = [0u8; 16];
+    reply[..4].copy_from_slice(&16u32.to_le_bytes());
+    reply[4..8].copy_from_slice(&(-errno).to_le_bytes());
+    reply[8..16].copy_from_slice(&unique.to_le_bytes());
+    // SAFETY: writing one reply to /dev/fuse.
+    unsafe { libc::write(fuse.as_raw_fd(), reply.as_ptr().cast(), reply.len()) };
+}
+
+fn send_packet(sock: &OwnedFd, data: &[u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: sending our buffer.
+    let n = unsafe { libc::send(sock.as_raw_fd(), data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn child_status(pid: libc::pid_t) -> std::io::Result<Option<i32>> {
+    let mut st = 0;
+    // SAFETY: waiting for our own child without blocking.
+    let r = unsafe { libc::waitpid(pid, &mut st, libc::WNOHANG) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((r == pid).then(|| decode_status(st)))
+}
+
+fn wait_child(pid: libc::pid_t) -> i32 {
+    let mut st = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(pid, &mut st, 0) };
+    decode_status(st)
+}
+
+fn decode_status(st: i32) -> i32 {
+    if libc::WIFEXITED(st) {
+        libc::WEXITSTATUS(st)
+    } else {
+        lockstep_core::exit::SIGNAL_BASE + libc::WTERMSIG(st)
+    }
+}
+
+/// Fork a cache daemon on one end of a new socket pair; returns our end and its pid.
+fn spawn_daemon(
+    o: &Options,
+    shared: &Shared,
+    recover: bool,
+    replayed: &[u64],
+) -> Result<(OwnedFd, libc::pid_t), String> {
+    use std::os::fd::AsRawFd;
+    let mut sv = [0; 2];
+    // SAFETY: plain syscall into a local array.
+    if unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            sv.as_mut_ptr(),
+        )
+    } < 0
+    {
+        return Err(format!("socketpair: {}", std::io::Error::last_os_error()));
+    }
+    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+    // A datagram must fit the socket buffer whole: writes and read replies reach 1 MiB.
+    for fd in [ours.as_raw_fd(), theirs.as_raw_fd()] {
+        for opt in [libc::SO_SNDBUFFORCE, libc::SO_RCVBUFFORCE] {
+            let size: libc::c_int = 8 << 20;
+            // SAFETY: setting an int socket option.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as u32,
+                )
+            };
+        }
+    }
+    let shared_fd = shared.fd().try_clone().map_err(|e| format!("dup: {e}"))?;
+    // SAFETY: the supervisor is single-threaded, so the child may run Rust code freely.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            drop(ours);
+            // The daemon keeps only its socket, the shared memory and stdio: an inherited
+            // pipe (the mount command waiting for "mounted") must not stay open in it.
+            close_fds_except(&[theirs.as_raw_fd(), shared_fd.as_raw_fd()]);
+            let code = daemon(
+                o.clone(),
+                theirs,
+                shared_fd,
+                recover,
+                replayed.iter().copied().collect(),
+            );
+            std::process::exit(code);
+        }
+        pid => Ok((ours, pid)),
+    }
+}
+
+fn close_fds_except(keep: &[i32]) {
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    for fd in fds {
+        if fd > 2 && !keep.contains(&fd) {
+            // SAFETY: closing descriptors this fresh child does not use.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+/// The cache daemon: recover (after a crash), then serve FUSE requests from the socket.
+fn daemon(
+    o: Options,
+    sock: OwnedFd,
+    shared_fd: OwnedFd,
+    recover: bool,
+    replayed: std::collections::HashSet<u64>,
+) -> i32 {
     let events = Arc::new(Mutex::new(
-        EventSink::new(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only()),
+        EventSink::append(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only()),
     ));
+    let emit = |e: Event| events.lock().unwrap_or_else(|p| p.into_inner()).emit(e);
+    let mut store = match Store::open(&o.store, o.mirror.as_deref()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lockstep fs: cannot open the store {}: {e}", o.store.display());
+            return 1;
+        }
+    };
+    let mut shared = match Shared::open(shared_fd) {
+        Ok(s) => s,
+        Err(e) => {
+            emit(Event::new("fs", "halt", "exit 86").message(format!("the shared memory does not verify: {e}")));
+            return lockstep_core::exit::DETECTED;
+        }
+    };
+    if recover {
+        let t = std::time::Instant::now();
+        match crate::recovery::recover(&mut store, &mut shared) {
+            Ok(n) => emit(
+                Event::new("fs", "recover", "continue")
+                    .duration_us(t.elapsed().as_micros() as u64)
+                    .message(format!(
+                        "restarted after a crash: {n} dirty page(s) verified and written back; {} request(s) replayed",
+                        replayed.len()
+                    )),
+            ),
+            Err(why) => {
+                emit(Event::new("fs", "halt", "exit 86").message(format!("recovery refused: {why}")));
+                return lockstep_core::exit::DETECTED;
+            }
+        }
+    }
+    let data_root = store.data_root();
+    let cache = Arc::new(Mutex::new(Cache::new(store, shared, o.verify)));
+    let naming = match Naming::new(&data_root, cache.clone(), replayed) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("lockstep fs: cannot open {}: {e}", data_root.display());
+            return 1;
+        }
+    };
     let stop = Arc::new(AtomicBool::new(false));
     start_writeback(cache.clone(), o.dirty_age, stop.clone(), events.clone());
     if o.scrub_rate > 0 {
         start_scrubber(cache.clone(), o.scrub_rate, stop.clone());
     }
     if let Err(e) = start_control(&o, cache.clone()) {
-        ready(Err(e));
+        eprintln!("lockstep fs: {e}");
         return 1;
     }
-    events
-        .lock()
-        .unwrap()
-        .emit(Event::new("fs", "mount", "continue").message(format!(
+    if !recover {
+        emit(Event::new("fs", "mount", "continue").message(format!(
             "mounted {} on {} (verify {:?}, scrub {} pages/s, cache {} MiB{})",
             o.store.display(),
             o.mountpoint.display(),
@@ -155,8 +514,8 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
             o.cache_bytes >> 20,
             if o.mirror.is_some() { ", mirrored" } else { "" }
         )));
-    ready(Ok(()));
-    let mut session = fuser::Session::from_fd(naming, fuse, fuser::SessionACL::All);
+    }
+    let mut session = fuser::Session::from_fd(naming, sock, fuser::SessionACL::All);
     let result = session.run();
     stop.store(true, Ordering::SeqCst);
     // Unmounted: everything dirty goes to the store before we exit.
@@ -169,7 +528,6 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
     for e in pending {
         sink.emit(e);
     }
-    let _ = std::fs::remove_file(control_path(&o.store));
     match (result, flushed) {
         (Ok(()), Ok(())) => 0,
         (Err(e), _) => {
@@ -264,19 +622,26 @@ fn start_control(o: &Options, cache: Arc<Mutex<Cache>>) -> Result<(), String> {
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     let flips = o.test_flips;
+    let crash = o.test_crash;
     thread::Builder::new()
         .name("control".into())
         .spawn(move || {
             let mut seed = std::process::id() as u64 ^ 0x9E37_79B9_7F4A_7C15;
             for conn in listener.incoming().flatten() {
-                let _ = serve_control(conn, &cache, flips, &mut seed);
+                let _ = serve_control(conn, &cache, flips, crash, &mut seed);
             }
         })
         .expect("spawn control");
     Ok(())
 }
 
-fn serve_control(conn: UnixStream, cache: &Mutex<Cache>, flips: bool, seed: &mut u64) -> std::io::Result<()> {
+fn serve_control(
+    conn: UnixStream,
+    cache: &Mutex<Cache>,
+    flips: bool,
+    crash: bool,
+    seed: &mut u64,
+) -> std::io::Result<()> {
     let mut w = conn.try_clone()?;
     for line in BufReader::new(conn).lines() {
         let line = line?;
@@ -304,7 +669,25 @@ fn serve_control(conn: UnixStream, cache: &Mutex<Cache>, flips: bool, seed: &mut
                 serde_json::json!({"ok": true, "flipped": hit})
             }
             ["flip", ..] => serde_json::json!({"ok": false, "error": "test flips are off (mount with --test-flips)"}),
-            _ => serde_json::json!({"ok": false, "error": "commands: stats, flush, flip N clean|dirty|any"}),
+            // The daemon dies as a software bug would make it: no flush, no goodbye.
+            ["crash"] if crash => std::process::abort(),
+            // As above, after a wild write into the Dirty State Store: recovery must refuse.
+            ["crash-damaged"] if crash => {
+                let slot = c.shared().dirty_records().ok().and_then(|r| r.first().map(|d| d.slot));
+                match slot {
+                    Some(slot) => {
+                        c.shared().damage_record(slot);
+                        std::process::abort()
+                    }
+                    None => serde_json::json!({"ok": false, "error": "no dirty page to damage"}),
+                }
+            }
+            ["crash" | "crash-damaged"] => {
+                serde_json::json!({"ok": false, "error": "test crashes are off (mount with --test-crash)"})
+            }
+            _ => {
+                serde_json::json!({"ok": false, "error": "commands: stats, flush, flip N clean|dirty|any, crash, crash-damaged"})
+            }
         };
         drop(c);
         writeln!(w, "{reply}")?;

@@ -10,7 +10,7 @@ use fuser::{
     FileAttr, FileType, Filesystem, KernelConfig, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
     ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, FUSE_ROOT_ID,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{CString, OsStr};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -31,6 +31,9 @@ struct Inode {
 }
 
 pub struct Naming {
+    /// Requests a crashed daemon may have carried out already: they are replayed, so a
+    /// name that already exists (or is already gone) is their own earlier effect.
+    replayed: HashSet<u64>,
     root_st_ino: u64,
     inodes: HashMap<u64, Inode>,
     pub cache: Arc<Mutex<Cache>>,
@@ -96,7 +99,7 @@ fn kind(mode: u32) -> FileType {
 }
 
 impl Naming {
-    pub fn new(data_root: &Path, cache: Arc<Mutex<Cache>>) -> std::io::Result<Naming> {
+    pub fn new(data_root: &Path, cache: Arc<Mutex<Cache>>, replayed: HashSet<u64>) -> std::io::Result<Naming> {
         let root = File::open(data_root)?;
         let st = stat_fd(root.as_raw_fd()).map_err(std::io::Error::from_raw_os_error)?;
         let fd = open_path(libc::AT_FDCWD, &CString::new(data_root.as_os_str().as_bytes()).unwrap())
@@ -111,6 +114,7 @@ impl Naming {
             },
         );
         Ok(Naming {
+            replayed,
             root_st_ino: st.st_ino,
             inodes,
             cache,
@@ -133,7 +137,7 @@ impl Naming {
         }
         let (lookups, htype, handle) = self.cache().shared().handle(ino).ok_or(libc::ESTALE)?;
         let root = self.inodes[&FUSE_ROOT_ID].fd.as_raw_fd();
-        let fd = open_by_handle(root, htype, &handle)?;
+        let fd = open_by_handle(root, htype, &handle, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)?;
         let raw = fd.as_raw_fd();
         self.inodes.insert(
             ino,
@@ -270,6 +274,13 @@ impl Naming {
         Ok(())
     }
 
+    /// The errno of the call that just failed, unless it is `tolerated` and this request is
+    /// a replay (then its earlier run did the work: mkdir gives EEXIST, unlink ENOENT).
+    fn failure(&self, req: &Request<'_>, tolerated: i32) -> Option<i32> {
+        let e = errno();
+        (e != tolerated || !self.replayed.contains(&req.unique())).then_some(e)
+    }
+
     fn touch_mtime(&self, fd: RawFd) {
         let times = [
             libc::timespec {
@@ -308,14 +319,13 @@ fn handle_of(dir: RawFd, name: &CString) -> Option<(i32, Vec<u8>)> {
     (r == 0).then(|| (fh.htype, fh.data[..fh.bytes as usize].to_vec()))
 }
 
-fn open_by_handle(mount_fd: RawFd, htype: i32, handle: &[u8]) -> Result<OwnedFd, i32> {
+pub(crate) fn open_by_handle(mount_fd: RawFd, htype: i32, handle: &[u8], flags: i32) -> Result<OwnedFd, i32> {
     let mut fh = FileHandle {
         bytes: handle.len() as u32,
         htype,
         data: [0; 128],
     };
     fh.data[..handle.len()].copy_from_slice(handle);
-    let flags = libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC;
     // SAFETY: a well-formed handle buffer; the returned fd is owned.
     let r = unsafe { libc::open_by_handle_at(mount_fd, (&mut fh as *mut FileHandle).cast(), flags) };
     if r < 0 {
@@ -493,7 +503,9 @@ impl Filesystem for Naming {
         let c = tryr!(reply, cstr(name));
         // SAFETY: valid dir fd and name.
         if unsafe { libc::mknodat(pfd, c.as_ptr(), mode & !umask, rdev as libc::dev_t) } < 0 {
-            return reply.error(errno());
+            if let Some(e) = self.failure(req, libc::EEXIST) {
+                return reply.error(e);
+            }
         }
         self.chown_to(pfd, &c, req);
         let attr = tryr!(reply, self.do_lookup(parent, name));
@@ -505,17 +517,23 @@ impl Filesystem for Naming {
         let c = tryr!(reply, cstr(name));
         // SAFETY: valid dir fd and name.
         if unsafe { libc::mkdirat(pfd, c.as_ptr(), (mode & !umask) as libc::mode_t) } < 0 {
-            return reply.error(errno());
+            if let Some(e) = self.failure(req, libc::EEXIST) {
+                return reply.error(e);
+            }
         }
         self.chown_to(pfd, &c, req);
         let attr = tryr!(reply, self.do_lookup(parent, name));
         reply.entry(&TTL, &attr, 0);
     }
 
-    fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+    fn unlink(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
-        let st = tryr!(reply, stat_at(pfd, &c));
+        let st = match stat_at(pfd, &c) {
+            Ok(st) => st,
+            Err(libc::ENOENT) if self.replayed.contains(&req.unique()) => return reply.ok(),
+            Err(e) => return reply.error(e),
+        };
         // SAFETY: valid dir fd and name.
         if unsafe { libc::unlinkat(pfd, c.as_ptr(), 0) } < 0 {
             return reply.error(errno());
@@ -524,12 +542,14 @@ impl Filesystem for Naming {
         reply.ok();
     }
 
-    fn rmdir(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
         // SAFETY: valid dir fd and name.
         if unsafe { libc::unlinkat(pfd, c.as_ptr(), libc::AT_REMOVEDIR) } < 0 {
-            return reply.error(errno());
+            if let Some(e) = self.failure(req, libc::ENOENT) {
+                return reply.error(e);
+            }
         }
         reply.ok();
     }
@@ -540,7 +560,9 @@ impl Filesystem for Naming {
         let t = tryr!(reply, cstr(target.as_os_str()));
         // SAFETY: valid strings and dir fd.
         if unsafe { libc::symlinkat(t.as_ptr(), pfd, c.as_ptr()) } < 0 {
-            return reply.error(errno());
+            if let Some(e) = self.failure(req, libc::EEXIST) {
+                return reply.error(e);
+            }
         }
         self.chown_to(pfd, &c, req);
         let attr = tryr!(reply, self.do_lookup(parent, link_name));
@@ -549,7 +571,7 @@ impl Filesystem for Naming {
 
     fn rename(
         &mut self,
-        _req: &Request<'_>,
+        req: &Request<'_>,
         parent: u64,
         name: &OsStr,
         newparent: u64,
@@ -565,7 +587,10 @@ impl Filesystem for Naming {
         // SAFETY: valid fds and names.
         let r = unsafe { libc::syscall(libc::SYS_renameat2, pfd, c.as_ptr(), nfd, n.as_ptr(), flags) };
         if r < 0 {
-            return reply.error(errno());
+            return match self.failure(req, libc::ENOENT) {
+                Some(e) => reply.error(e),
+                None => reply.ok(),
+            };
         }
         if let Some(st) = replaced {
             if flags & libc::RENAME_EXCHANGE == 0 {
@@ -575,13 +600,15 @@ impl Filesystem for Naming {
         reply.ok();
     }
 
-    fn link(&mut self, _req: &Request<'_>, ino: u64, newparent: u64, newname: &OsStr, reply: ReplyEntry) {
+    fn link(&mut self, req: &Request<'_>, ino: u64, newparent: u64, newname: &OsStr, reply: ReplyEntry) {
         let fd = tryr!(reply, self.fd(ino));
         let nfd = tryr!(reply, self.fd(newparent));
         let n = tryr!(reply, cstr(newname));
         // SAFETY: valid fds and name; AT_EMPTY_PATH links the inode the O_PATH fd holds.
         if unsafe { libc::linkat(fd, c"".as_ptr(), nfd, n.as_ptr(), libc::AT_EMPTY_PATH) } < 0 {
-            return reply.error(errno());
+            if let Some(e) = self.failure(req, libc::EEXIST) {
+                return reply.error(e);
+            }
         }
         let attr = tryr!(reply, self.do_lookup(newparent, newname));
         reply.entry(&TTL, &attr, 0);
@@ -721,9 +748,16 @@ impl Filesystem for Naming {
         let c = tryr!(reply, cstr(name));
         let oflags = libc::O_CREAT | libc::O_RDWR | libc::O_CLOEXEC | (flags & libc::O_EXCL);
         // SAFETY: valid dir fd and name; the fd is closed right away.
-        let r = unsafe { libc::openat(pfd, c.as_ptr(), oflags, mode & !umask) };
+        let mut r = unsafe { libc::openat(pfd, c.as_ptr(), oflags, mode & !umask) };
         if r < 0 {
-            return reply.error(errno());
+            if let Some(e) = self.failure(req, libc::EEXIST) {
+                return reply.error(e);
+            }
+            // A replayed O_EXCL create whose first run created the file: open it.
+            r = unsafe { libc::openat(pfd, c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+            if r < 0 {
+                return reply.error(errno());
+            }
         }
         unsafe { libc::close(r) };
         self.chown_to(pfd, &c, req);
