@@ -31,6 +31,9 @@ struct Inode {
 }
 
 pub struct Naming {
+    /// The backing root opened for reading: the mount fd that open_by_handle_at needs
+    /// (it refuses an O_PATH descriptor).
+    root_dir: File,
     /// Requests a crashed daemon may have carried out already: they are replayed, so a
     /// name that already exists (or is already gone) is their own earlier effect.
     replayed: HashSet<u64>,
@@ -114,6 +117,7 @@ impl Naming {
             },
         );
         Ok(Naming {
+            root_dir: root,
             replayed,
             root_st_ino: st.st_ino,
             inodes,
@@ -135,9 +139,15 @@ impl Naming {
         if let Some(i) = self.inodes.get(&ino) {
             return Ok(i.fd.as_raw_fd());
         }
-        let (lookups, htype, handle) = self.cache().shared().handle(ino).ok_or(libc::ESTALE)?;
-        let root = self.inodes[&FUSE_ROOT_ID].fd.as_raw_fd();
-        let fd = open_by_handle(root, htype, &handle, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)?;
+        let Some((lookups, htype, handle)) = self.cache().shared().handle(ino) else {
+            return Err(libc::ESTALE);
+        };
+        let root = self.root_dir.as_raw_fd();
+        let fd = open_by_handle(root, htype, &handle, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC).inspect_err(
+            |e| {
+                eprintln!("lockstep fs: inode {ino} does not reopen from its handle: errno {e}");
+            },
+        )?;
         let raw = fd.as_raw_fd();
         self.inodes.insert(
             ino,
@@ -187,7 +197,8 @@ impl Naming {
         let st = stat_at(pfd, &c)?;
         let ino = self.ino_of(st.st_ino);
         // An inode we lost in a restart but the kernel still holds is found again here.
-        let known = self.fd(ino).is_ok();
+        let known =
+            self.inodes.contains_key(&ino) || (self.cache().shared().handle(ino).is_some() && self.fd(ino).is_ok());
         match self.inodes.get_mut(&ino) {
             Some(i) if known => {
                 i.lookups += 1;
@@ -329,7 +340,7 @@ pub(crate) fn open_by_handle(mount_fd: RawFd, htype: i32, handle: &[u8], flags: 
     // SAFETY: a well-formed handle buffer; the returned fd is owned.
     let r = unsafe { libc::open_by_handle_at(mount_fd, (&mut fh as *mut FileHandle).cast(), flags) };
     if r < 0 {
-        return Err(libc::ESTALE);
+        return Err(errno());
     }
     Ok(unsafe { OwnedFd::from_raw_fd(r) })
 }
