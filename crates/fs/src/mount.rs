@@ -147,9 +147,10 @@ fn expects_reply(opcode: u32) -> bool {
     !matches!(opcode, 2 | 42 | 36)
 }
 const FUSE_INIT: u32 = 26;
-/// A daemon that dies this often within `RESTART_WINDOW` is not restarted again.
-const RESTARTS_MAX: usize = 10;
-const RESTART_WINDOW: Duration = Duration::from_secs(60);
+/// A request that has been replayed this often and still kills the daemon is not replayed
+/// again (Loris §V-D: a replay that crashes the cache again and again means recovery is
+/// not possible).
+const REPLAYS_MAX: u32 = 3;
 
 fn supervise(
     o: &Options,
@@ -163,7 +164,7 @@ fn supervise(
     let mut ready = Some(ready);
     let mut inflight: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
     let mut init: Option<Vec<u8>> = None;
-    let mut restarts: Vec<std::time::Instant> = Vec::new();
+    let mut replays: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
     let mut buf = vec![0u8; (16 << 20) + 4096];
     let mut unmounted = false;
     let mut generation = 0u64;
@@ -186,7 +187,8 @@ fn supervise(
                 swallow = Some(u64::from_le_bytes(req[8..16].try_into().unwrap()));
                 let _ = send_packet(&sock, req);
             }
-            for req in inflight.values() {
+            for (unique, req) in &inflight {
+                *replays.entry(*unique).or_default() += 1;
                 let _ = send_packet(&sock, req);
             }
         }
@@ -300,14 +302,13 @@ fn supervise(
             }
             return lockstep_core::exit::DETECTED;
         }
-        let now = std::time::Instant::now();
-        restarts.retain(|t| now.duration_since(*t) < RESTART_WINDOW);
-        restarts.push(now);
-        if restarts.len() > RESTARTS_MAX || ready.is_some() {
-            events.emit(Event::new("fs", "halt", "abort").message(format!(
-                "the cache daemon died (status {status}) {} times within {RESTART_WINDOW:?}; giving up",
-                restarts.len()
-            )));
+        replays.retain(|u, _| inflight.contains_key(u));
+        let poison = replays.iter().find(|(_, n)| **n >= REPLAYS_MAX).map(|(u, _)| *u);
+        if poison.is_some() || ready.is_some() {
+            events.emit(Event::new("fs", "halt", "abort").message(match poison {
+                Some(u) => format!("request {u} crashed the cache daemon {REPLAYS_MAX} times in a row; giving up"),
+                None => format!("the cache daemon died before the mount was ready (status {status})"),
+            }));
             if let Some(r) = ready.take() {
                 r(Err(format!("the cache daemon died during start-up (status {status})")));
             }
