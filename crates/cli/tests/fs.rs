@@ -387,6 +387,27 @@ fn memory_flips_in_clean_pages_are_caught_by_each_strategy() {
     }
 }
 
+/// Flips at a rate, while a reader reads the same clean file over and over with every-read:
+/// every read returns the right bytes, and the flips are counted as detected.
+#[test]
+fn flips_at_a_rate_never_reach_a_reader() {
+    let dir = scratch_dir("fs-rate");
+    let m = Mount::new(&dir, &["--test-flips", "--verify", "every-read", "--scrub", "0"]);
+    let data = fill(&mut Rng(1234), 512 * 1024);
+    std::fs::write(m.path("f"), &data).unwrap();
+    assert_eq!(m.ctl("flush")["ok"], true);
+    assert_eq!(m.ctl("flip-rate 200 clean")["ok"], true);
+    for _ in 0..20 {
+        assert_eq!(std::fs::read(m.path("f")).unwrap(), data);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(m.ctl("flip-rate 0 any")["ok"], true);
+    let s = m.ctl("stats");
+    assert!(s["injected"].as_u64().unwrap() >= 50, "{s}");
+    assert!(s["clean_detected"].as_u64().unwrap() >= 20, "{s}");
+    assert_eq!(m.umount(), 0);
+}
+
 #[test]
 fn a_flip_in_a_dirty_page_gives_eio_and_never_reaches_the_disk() {
     let dir = scratch_dir("fs-dirty");
@@ -514,7 +535,7 @@ fn bad_mounts_get_clear_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not mounted"));
 }
 
-/// The cache daemon is killed (abort, as a bug would) five times during a write-heavy
+/// The cache daemon dies (abort, SIGSEGV, SIGKILL) five times during a write-heavy
 /// workload with 30 s of dirty data in memory. Each time the supervisor starts a new one,
 /// which verifies the dirty state, writes it back and answers the replayed requests: the
 /// workload sees no error and every byte it wrote is there.
@@ -562,15 +583,17 @@ fn the_daemon_crashes_under_a_write_heavy_workload_and_nothing_is_lost() {
         }
         written
     });
-    for _ in 0..5 {
+    // Two aborts (a failed assertion), a SIGSEGV and two SIGKILLs.
+    for how in ["abort", "segv", "kill", "abort", "kill"] {
         std::thread::sleep(Duration::from_millis(300));
-        let out = lockstep()
-            .args(["fs", "ctl"])
-            .arg(&m.mnt)
-            .arg("crash")
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "the daemon answered instead of crashing");
+        if how == "kill" {
+            let pid = m.ctl("stats")["pid"].as_i64().unwrap() as i32;
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        } else {
+            let cmd: &[&str] = if how == "segv" { &["crash", "segv"] } else { &["crash"] };
+            let out = lockstep().args(["fs", "ctl"]).arg(&m.mnt).args(cmd).output().unwrap();
+            assert!(!out.status.success(), "the daemon answered instead of crashing");
+        }
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let written = writer.join().expect("the workload saw an error");
@@ -580,6 +603,9 @@ fn the_daemon_crashes_under_a_write_heavy_workload_and_nothing_is_lost() {
     assert_eq!(m.umount(), 0);
     let ev = std::fs::read_to_string(&events).unwrap();
     assert_eq!(ev.matches("\"kind\":\"crash\"").count(), 5, "{ev}");
+    for status in ["status 134", "status 139", "status 137"] {
+        assert!(ev.contains(status), "no crash with {status}: {ev}");
+    }
     assert_eq!(ev.matches("\"kind\":\"recover\"").count(), 5, "{ev}");
     // After unmount the store holds it all.
     for (path, data) in &written {

@@ -624,16 +624,62 @@ fn start_control(o: &Options, cache: Arc<Mutex<Cache>>) -> Result<(), String> {
     let listener = UnixListener::bind(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     let flips = o.test_flips;
     let crash = o.test_crash;
+    let rate = Arc::new(FlipRate::default());
+    if flips {
+        start_flipper(cache.clone(), rate.clone());
+    }
     thread::Builder::new()
         .name("control".into())
         .spawn(move || {
             let mut seed = std::process::id() as u64 ^ 0x9E37_79B9_7F4A_7C15;
             for conn in listener.incoming().flatten() {
-                let _ = serve_control(conn, &cache, flips, crash, &mut seed);
+                let _ = serve_control(conn, &cache, flips, crash, &rate, &mut seed);
             }
         })
         .expect("spawn control");
     Ok(())
+}
+
+/// Test-only background flips: `per_sec` pages a second, of the kind in `which`
+/// (0 any, 1 clean, 2 dirty).
+#[derive(Default)]
+struct FlipRate {
+    per_sec: std::sync::atomic::AtomicU64,
+    which: std::sync::atomic::AtomicU64,
+}
+
+fn start_flipper(cache: Arc<Mutex<Cache>>, rate: Arc<FlipRate>) {
+    thread::Builder::new()
+        .name("flipper".into())
+        .spawn(move || {
+            let mut seed = 0x2545_F491_4F6C_DD1Du64 ^ std::process::id() as u64;
+            let mut owed = 0.0f64;
+            loop {
+                thread::sleep(Duration::from_millis(10));
+                let per_sec = rate.per_sec.load(Ordering::Relaxed);
+                if per_sec == 0 {
+                    continue;
+                }
+                owed += per_sec as f64 / 100.0;
+                let n = owed as usize;
+                owed -= n as f64;
+                let dirty = match rate.which.load(Ordering::Relaxed) {
+                    1 => Some(false),
+                    2 => Some(true),
+                    _ => None,
+                };
+                cache
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .inject_flips(n, dirty, || {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 7;
+                        seed ^= seed << 17;
+                        seed
+                    });
+            }
+        })
+        .expect("spawn flipper");
 }
 
 fn serve_control(
@@ -641,6 +687,7 @@ fn serve_control(
     cache: &Mutex<Cache>,
     flips: bool,
     crash: bool,
+    rate: &FlipRate,
     seed: &mut u64,
 ) -> std::io::Result<()> {
     let mut w = conn.try_clone()?;
@@ -669,9 +716,32 @@ fn serve_control(
                 });
                 serde_json::json!({"ok": true, "flipped": hit})
             }
-            ["flip", ..] => serde_json::json!({"ok": false, "error": "test flips are off (mount with --test-flips)"}),
+            ["flip-rate", n, which] if flips => match n.parse::<u64>() {
+                Ok(per_sec) => {
+                    let w = match which {
+                        "clean" => 1,
+                        "dirty" => 2,
+                        _ => 0,
+                    };
+                    rate.which.store(w, Ordering::Relaxed);
+                    rate.per_sec.store(per_sec, Ordering::Relaxed);
+                    serde_json::json!({"ok": true, "flips_per_second": per_sec})
+                }
+                Err(_) => {
+                    serde_json::json!({"ok": false, "error": "flip-rate N clean|dirty|any (N pages per second, 0 stops)"})
+                }
+            },
+            ["flip" | "flip-rate", ..] => {
+                serde_json::json!({"ok": false, "error": "test flips are off (mount with --test-flips)"})
+            }
             // The daemon dies as a software bug would make it: no flush, no goodbye.
             ["crash"] if crash => std::process::abort(),
+            // A real segmentation fault, as a wild pointer would cause.
+            ["crash", "segv"] if crash => {
+                // SAFETY: deliberately not safe: this write faults, which is the point.
+                unsafe { std::ptr::write_volatile(std::ptr::dangling_mut::<u8>().wrapping_add(8), 1) };
+                serde_json::json!({"ok": false, "error": "still alive after a wild write"})
+            }
             // As above, after a wild write into the Dirty State Store: recovery must refuse.
             ["crash-damaged"] if crash => {
                 let slot = c.shared().dirty_records().ok().and_then(|r| r.first().map(|d| d.slot));
@@ -687,7 +757,7 @@ fn serve_control(
                 serde_json::json!({"ok": false, "error": "test crashes are off (mount with --test-crash)"})
             }
             _ => {
-                serde_json::json!({"ok": false, "error": "commands: stats, flush, flip N clean|dirty|any, crash, crash-damaged"})
+                serde_json::json!({"ok": false, "error": "commands: stats, flush, flip N clean|dirty|any, flip-rate N clean|dirty|any, crash [segv], crash-damaged"})
             }
         };
         drop(c);
@@ -699,7 +769,7 @@ fn serve_control(
 fn stats_json(c: &Cache) -> serde_json::Value {
     let s = &c.stats;
     serde_json::json!({
-        "ok": true,
+        "ok": true, "pid": std::process::id(),
         "cached_pages": c.cached_pages(), "dirty_pages": c.dirty_pages(),
         "reads": s.reads, "writes": s.writes, "hits": s.hits, "misses": s.misses, "checks": s.checks,
         "clean_detected": s.clean_detected, "dirty_detected": s.dirty_detected, "eio": s.eio,
