@@ -691,6 +691,14 @@ mod tests {
         (c, path)
     }
 
+    /// A small deterministic generator for picking pages and bits.
+    fn lcg(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            x >> 11
+        }
+    }
+
     fn pattern(n: usize, seed: u8) -> Vec<u8> {
         (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
     }
@@ -728,14 +736,7 @@ mod tests {
         let a = pattern(8192, 4);
         c.write(1, 0, &a).unwrap();
         c.flush(None, Duration::ZERO).unwrap();
-        let mut x = 7u64;
-        assert_eq!(
-            c.inject_flips(1, Some(false), || {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-                x >> 11
-            }),
-            1
-        );
+        assert_eq!(c.inject_flips(1, Some(false), lcg(7)), 1);
         assert_eq!(c.read(1, 0, 8192).unwrap(), a);
         assert_eq!(c.stats.clean_detected, 1);
     }
@@ -747,11 +748,7 @@ mod tests {
         c.write(1, 0, &a).unwrap();
         c.flush(None, Duration::ZERO).unwrap();
         c.write(1, 0, &pattern(4096, 6)).unwrap();
-        let mut x = 3u64;
-        c.inject_flips(1, Some(true), || {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-            x >> 11
-        });
+        c.inject_flips(1, Some(true), lcg(3));
         assert_eq!(c.read(1, 0, 4096), Err(libc::EIO));
         assert_eq!(c.fsync(1), Err(libc::EIO));
         // The disk still has the last good version, not the corrupt one.
@@ -767,11 +764,7 @@ mod tests {
         let (mut c, _) = cache("scrub", Verify::None);
         c.write(1, 0, &pattern(40_000, 8)).unwrap();
         c.flush(None, Duration::ZERO).unwrap();
-        let mut x = 11u64;
-        c.inject_flips(3, None, || {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-            x >> 11
-        });
+        c.inject_flips(3, None, lcg(11));
         c.scrub(100);
         assert_eq!(c.stats.clean_detected, 3);
         assert_eq!(c.read(1, 0, 40_000).unwrap(), pattern(40_000, 8));

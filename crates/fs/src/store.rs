@@ -320,6 +320,16 @@ impl Store {
 mod tests {
     use super::*;
 
+    fn fresh(path: impl AsRef<Path>) -> File {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .unwrap()
+    }
+
     fn tmp(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("lockstep-fs-store-{tag}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
@@ -332,13 +342,7 @@ mod tests {
         let dir = tmp("rt");
         let mut s = Store::open(&dir.join("s"), Some(&dir.join("m"))).unwrap();
         let path = s.data_root().join("f");
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
+        let f = fresh(&path);
         let block: Vec<u8> = (0..PAGE).map(|i| (i % 251) as u8).collect();
         s.write_block(7, &f, 0, &block, crc32c(&block)).unwrap();
         s.write_block(7, &f, 1, &block[..100], crc32c(&block[..100])).unwrap();
@@ -357,13 +361,7 @@ mod tests {
         assert!(!s.read_block(7, &f, 0, PAGE).unwrap().2.repaired);
         // Without a mirror the same flip is an error, never wrong data.
         let mut plain = Store::open(&dir.join("p"), None).unwrap();
-        let g = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(plain.data_root().join("g"))
-            .unwrap();
+        let g = fresh(plain.data_root().join("g"));
         plain.write_block(9, &g, 0, &block, crc32c(&block)).unwrap();
         g.write_all_at(&[0xff], 4000).unwrap();
         assert!(matches!(
@@ -382,13 +380,7 @@ mod tests {
     fn a_table_with_holes_reads_as_unwritten_blocks() {
         let dir = tmp("sparse");
         let mut s = Store::open(&dir, None).unwrap();
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(s.data_root().join("s"))
-            .unwrap();
+        let f = fresh(s.data_root().join("s"));
         // Block 5000 lives in the table's fifth chunk: the first four are holes.
         let block = vec![3u8; PAGE];
         s.write_block(2, &f, 5000, &block, crc32c(&block)).unwrap();
@@ -400,13 +392,7 @@ mod tests {
     fn holes_and_truncation() {
         let dir = tmp("holes");
         let mut s = Store::open(&dir, None).unwrap();
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(s.data_root().join("h"))
-            .unwrap();
+        let f = fresh(s.data_root().join("h"));
         let block = vec![5u8; PAGE];
         s.write_block(1, &f, 3, &block, crc32c(&block)).unwrap();
         // Blocks 0..3 were never written: holes read as zeros and pass.
