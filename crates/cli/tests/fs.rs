@@ -136,7 +136,12 @@ fn random_operations_match_a_reference_directory() {
             events.to_str().unwrap(),
         ],
     );
-    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    // LOCKSTEP_FSX_SEED=N replays another sequence.
+    let seed = std::env::var("LOCKSTEP_FSX_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5eed_1234_abcd_0001u64);
+    let mut rng = Rng(seed | 1);
     let names: Vec<String> = (0..8).map(|i| format!("f{i}")).collect();
     let open = |root: &Path, name: &str| {
         std::fs::OpenOptions::new()
@@ -642,4 +647,49 @@ fn a_damaged_dirty_state_store_makes_recovery_refuse() {
     assert_eq!(std::fs::read(dir.join("store/data/f")).unwrap(), b"durable");
     let log = std::fs::read_to_string(&m.log).unwrap();
     assert!(log.contains("recovery refused"), "{log}");
+}
+
+/// Metadata goes to the backing filesystem: modes, owners, times, links, statfs, and the
+/// kernel's permission checks for a user other than root.
+#[test]
+fn metadata_and_permissions() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = scratch_dir("fs-meta");
+    let m = Mount::new(&dir, &[]);
+    std::fs::write(m.path("f"), b"data").unwrap();
+    std::fs::set_permissions(m.path("f"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    assert_eq!(std::fs::metadata(m.path("f")).unwrap().mode() & 0o7777, 0o640);
+    std::os::unix::fs::chown(m.path("f"), Some(65534), Some(65534)).unwrap();
+    assert_eq!(std::fs::metadata(m.path("f")).unwrap().uid(), 65534);
+    let t = std::time::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+    std::fs::File::options()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap()
+        .set_modified(t)
+        .unwrap();
+    assert_eq!(std::fs::metadata(m.path("f")).unwrap().modified().unwrap(), t);
+    std::os::unix::fs::symlink("f", m.path("s")).unwrap();
+    assert_eq!(std::fs::read_link(m.path("s")).unwrap(), Path::new("f"));
+    assert_eq!(std::fs::read(m.path("s")).unwrap(), b"data");
+    std::fs::hard_link(m.path("f"), m.path("h")).unwrap();
+    assert_eq!(std::fs::metadata(m.path("f")).unwrap().nlink(), 2);
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    let c = std::ffi::CString::new(m.mnt.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+    assert!(st.f_blocks > 0 && st.f_bsize > 0);
+    // Another user may not read a 0600 file it does not own (checked by the kernel).
+    std::fs::write(m.path("secret"), b"x").unwrap();
+    std::fs::set_permissions(m.path("secret"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])
+        .arg(m.path("secret"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+        "{out:?}"
+    );
+    assert_eq!(m.umount(), 0);
 }
