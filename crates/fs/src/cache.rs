@@ -143,10 +143,6 @@ impl Cache {
         }
     }
 
-    pub fn store(&mut self) -> &mut Store {
-        &mut self.store
-    }
-
     /// The shared region (handles of known inodes live there too).
     pub fn shared(&mut self) -> &mut Shared {
         &mut self.shared
@@ -572,16 +568,7 @@ impl Cache {
             p.len = new_len;
             fixups.push((block, p.crc));
         }
-        let keep = size.div_ceil(PAGE as u64);
-        let gone: Vec<_> = self
-            .pages
-            .keys()
-            .filter(|k| k.0 == ino && k.1 >= keep)
-            .copied()
-            .collect();
-        for k in gone {
-            self.drop_page(k);
-        }
+        self.drop_pages(ino, size.div_ceil(PAGE as u64));
         let f = self.files.get_mut(&ino).expect("attached");
         self.store
             .truncate(ino, &f.file, size, &fixups)
@@ -590,12 +577,22 @@ impl Cache {
         Ok(())
     }
 
-    /// The inode lost its last link: drop its pages, file and tables.
-    pub fn remove(&mut self, ino: u64) {
-        let gone: Vec<_> = self.pages.keys().filter(|k| k.0 == ino).copied().collect();
+    /// Drop the cached pages of `ino` from block `from` on, dirty or not.
+    fn drop_pages(&mut self, ino: u64, from: u64) {
+        let gone: Vec<_> = self
+            .pages
+            .keys()
+            .filter(|k| k.0 == ino && k.1 >= from)
+            .copied()
+            .collect();
         for k in gone {
             self.drop_page(k);
         }
+    }
+
+    /// The inode lost its last link: drop its pages, file and tables.
+    pub fn remove(&mut self, ino: u64) {
+        self.drop_pages(ino, 0);
         self.files.remove(&ino);
         self.store.remove(ino);
     }
@@ -604,10 +601,7 @@ impl Cache {
     pub fn release_inode(&mut self, ino: u64) {
         let _ = self.flush(Some(ino), Duration::ZERO);
         if !self.pages.iter().any(|(k, p)| k.0 == ino && p.poisoned) {
-            let gone: Vec<_> = self.pages.keys().filter(|k| k.0 == ino).copied().collect();
-            for k in gone {
-                self.drop_page(k);
-            }
+            self.drop_pages(ino, 0);
             self.files.remove(&ino);
             self.store.forget(ino);
         }

@@ -201,10 +201,6 @@ impl Store {
         self.root.join("data")
     }
 
-    pub fn has_mirror(&self) -> bool {
-        self.mirror.is_some()
-    }
-
     /// Read block `block` of inode `ino` from `data` (the file's first `len` bytes of that
     /// block are in use) and verify it. Returns the bytes and their CRC, which the cache
     /// keeps: it never computes it again.

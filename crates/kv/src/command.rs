@@ -48,12 +48,6 @@ pub enum Command {
 }
 
 impl Command {
-    /// Whether the command can change the store (used for statistics only: every command,
-    /// reads included, goes through the log, because reads bump LRU state and expire items).
-    pub fn is_update(&self) -> bool {
-        !matches!(self, Command::Get { touch: None, .. })
-    }
-
     pub fn encode(&self, p: &mut Packer) {
         match self {
             Command::Get { keys, with_cas, touch } => {

@@ -305,11 +305,6 @@ impl LogStore {
         Ok(())
     }
 
-    /// Entries kept in the log since the snapshot.
-    pub fn log_len(&self) -> usize {
-        self.lock().entries.len()
-    }
-
     pub fn take_snapshot_wanted(&self) -> bool {
         std::mem::take(&mut self.lock().snapshot_wanted)
     }

@@ -531,17 +531,6 @@ impl Store {
         }
     }
 
-    /// Objects that fail their check now (a scrub).
-    pub fn scrub(&self) -> Vec<ObjectId> {
-        let mut bad = Vec::new();
-        self.for_each_object(|id, _, ok| {
-            if !ok {
-                bad.push(id)
-            }
-        });
-        bad
-    }
-
     /// The current stored CRC of an object, or GONE if it does not exist.
     pub fn object_crc(&self, id: ObjectId) -> u32 {
         self.with_object(id, |g| g.gcrc()).unwrap_or(GONE)

@@ -151,13 +151,8 @@ impl Replica {
                 }
                 EntryType::EntryConfChange => {
                     let cc = ConfChange::decode(&e.data[..]).unwrap_or_default();
-                    let r = self.raft.as_mut().unwrap();
-                    if let Ok(cs) = r.node.apply_conf_change(&cc) {
-                        if let Err(err) = r.storage.set_conf_state(cs) {
-                            return Err(self.fatal_io("save the configuration", err));
-                        }
-                    }
-                    self.applied = e.index;
+                    let cs = self.raft.as_mut().unwrap().node.apply_conf_change(&cc);
+                    self.save_conf(cs, e.index)?;
                     let removed = cc.get_change_type() == ConfChangeType::RemoveNode;
                     self.events.emit(
                         Event::new("kv", "membership", "continue")
@@ -182,19 +177,25 @@ impl Replica {
                 }
                 EntryType::EntryConfChangeV2 => {
                     let cc = ConfChangeV2::decode(&e.data[..]).unwrap_or_default();
-                    let r = self.raft.as_mut().unwrap();
-                    if let Ok(cs) = r.node.apply_conf_change(&cc) {
-                        if let Err(err) = r.storage.set_conf_state(cs) {
-                            return Err(self.fatal_io("save the configuration", err));
-                        }
-                    }
-                    self.applied = e.index;
+                    let cs = self.raft.as_mut().unwrap().node.apply_conf_change(&cc);
+                    self.save_conf(cs, e.index)?;
                 }
             }
         }
         // Raft's applied index only paces what it hands out; entries held back during a
         // recovery are this replica's to apply later.
         self.raft.as_mut().unwrap().node.advance_apply();
+        Ok(())
+    }
+
+    /// Persist the configuration a conf-change entry produced; the entry is then applied.
+    fn save_conf(&mut self, cs: raft::Result<raft::eraftpb::ConfState>, index: u64) -> Result<(), i32> {
+        if let Ok(cs) = cs {
+            if let Err(err) = self.raft.as_mut().unwrap().storage.set_conf_state(cs) {
+                return Err(self.fatal_io("save the configuration", err));
+            }
+        }
+        self.applied = index;
         Ok(())
     }
 }
