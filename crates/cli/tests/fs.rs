@@ -11,7 +11,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn mounted(mnt: &Path) -> bool {
-    let canon = mnt.canonicalize().unwrap();
+    // Not the mountpoint itself: a dead mount cannot be stat'ed.
+    let canon = mnt
+        .parent()
+        .unwrap()
+        .canonicalize()
+        .unwrap()
+        .join(mnt.file_name().unwrap());
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap()
         .lines()
@@ -76,10 +82,12 @@ impl Mount {
     }
 
     /// Unmount with `lockstep fs umount`; returns the daemon's exit status.
+    /// Unmount with `lockstep fs umount`; returns its exit status, which is the daemon's.
     fn umount(mut self) -> i32 {
         let out = lockstep().args(["fs", "umount"]).arg(&self.mnt).output().unwrap();
-        assert!(out.status.success(), "umount: {}", String::from_utf8_lossy(&out.stderr));
-        let code = self.child.take().unwrap().wait().unwrap().code().unwrap_or(-1);
+        let code = out.status.code().unwrap_or(-1);
+        let daemon = self.child.take().unwrap().wait().unwrap().code().unwrap_or(-1);
+        assert_eq!(code, daemon, "umount: {}", String::from_utf8_lossy(&out.stderr));
         assert!(!mounted(&self.mnt));
         code
     }
@@ -340,7 +348,7 @@ fn disk_corruption_is_caught_and_the_mirror_repairs_it() {
     std::fs::write(m.path("victim"), &data).unwrap();
     std::fs::write(m.path("bystander"), b"unharmed").unwrap();
     assert_eq!(m.umount(), 0);
-    let backing = dir.join("store/data/victim");
+    let backing = dir.join("store/victim");
     let flip = |p: &Path, at: u64| {
         let f = std::fs::OpenOptions::new().read(true).write(true).open(p).unwrap();
         let mut b = [0u8];
@@ -356,10 +364,7 @@ fn disk_corruption_is_caught_and_the_mirror_repairs_it() {
     assert_eq!(std::fs::read(&backing).unwrap(), data);
     // Both copies bad: EIO for that file only, never its wrong data.
     flip(&backing, 9000);
-    let ino = std::fs::metadata(&backing)
-        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-        .unwrap();
-    flip(&mirror.join(format!("{ino}.data")), 9000);
+    flip(&mirror.join("victim"), 9000);
     let m = Mount::new(&dir, &["--mirror", mirror.to_str().unwrap()]);
     let err = std::fs::read(m.path("victim")).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
@@ -441,7 +446,7 @@ fn a_flip_in_a_dirty_page_gives_eio_and_never_reaches_the_disk() {
     drop(f);
     // Unmounting writes back everything else; the daemon reports the page it refused.
     assert_eq!(m.umount(), 86);
-    assert_eq!(std::fs::read(dir.join("store/data/old")).unwrap(), b"committed");
+    assert_eq!(std::fs::read(dir.join("store/old")).unwrap(), b"committed");
     let events = std::fs::read_to_string(dir.join("ev.jsonl")).unwrap();
     assert!(events.contains("\"kind\":\"detect\""), "{events}");
 }
@@ -454,7 +459,7 @@ fn unmount_writes_back_dirty_data() {
     std::fs::write(m.path("late"), &data).unwrap();
     assert!(m.ctl("stats")["dirty_pages"].as_u64().unwrap() > 0);
     assert_eq!(m.umount(), 0);
-    assert_eq!(std::fs::read(dir.join("store/data/late")).unwrap(), data);
+    assert_eq!(std::fs::read(dir.join("store/late")).unwrap(), data);
 }
 
 #[test]
@@ -491,8 +496,8 @@ fn a_full_disk_gives_enospc_to_the_writer_and_loses_nothing() {
     assert!(big.iter().all(|&b| b == 7));
     assert_eq!(std::fs::read(m.path("small")).unwrap(), small);
     assert_eq!(m.umount(), 0);
-    assert_eq!(std::fs::read(store.join("data/small")).unwrap(), small);
-    assert_eq!(std::fs::read(store.join("data/big")).unwrap().len(), written);
+    assert_eq!(std::fs::read(store.join("small")).unwrap(), small);
+    assert_eq!(std::fs::read(store.join("big")).unwrap().len(), written);
     let _ = Command::new("umount").arg(&store).status();
 }
 
@@ -535,9 +540,52 @@ fn bad_mounts_get_clear_errors() {
     std::fs::write(mnt2.join("x"), b"daemon").unwrap();
     let out = lockstep().args(["fs", "umount"]).arg(&mnt2).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(std::fs::read(dir.join("s2/data/x")).unwrap(), b"daemon");
+    assert_eq!(std::fs::read(dir.join("s2/x")).unwrap(), b"daemon");
     let out = lockstep().args(["fs", "umount"]).arg(&mnt2).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("not mounted"));
+    // A directory with files in it is not taken for a store: adopt makes it one.
+    let plain = dir.join("plain");
+    std::fs::create_dir_all(&plain).unwrap();
+    std::fs::write(plain.join("mine"), b"precious").unwrap();
+    let (code, err) = run(&["--store", plain.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("lockstep fs adopt"), "{err}");
+    assert_eq!(std::fs::read(plain.join("mine")).unwrap(), b"precious");
+}
+
+/// A mount whose server was killed (supervisor and daemon) is recognised: mounting over
+/// it says what happened and what to do, and `fs umount` cleans it up.
+#[test]
+fn a_dead_mount_is_recognised_and_cleaned_up() {
+    let dir = scratch_dir("fs-dead");
+    let mut m = Mount::new(&dir, &[]);
+    std::fs::write(m.path("f"), b"x").unwrap();
+    let daemon = m.ctl("stats")["pid"].as_i64().unwrap() as i32;
+    let mut supervisor = m.child.take().unwrap();
+    unsafe { libc::kill(supervisor.id() as i32, libc::SIGKILL) };
+    unsafe { libc::kill(daemon, libc::SIGKILL) };
+    supervisor.wait().unwrap();
+    let out = lockstep()
+        .args(["fs", "mount", "--store"])
+        .arg(dir.join("store"))
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("dead lockstep mount") && err.contains("fs umount"),
+        "{err}"
+    );
+    let out = lockstep().args(["fs", "umount"]).arg(&m.mnt).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("dead mount"), "{err}");
+    assert!(!mounted(&m.mnt));
+    // The store mounts again, with what had been written back.
+    let m = Mount::at(&m.mnt.clone(), &dir.join("store"), &[]);
+    assert!(m.path("f").exists());
+    assert_eq!(m.umount(), 0);
 }
 
 /// The cache daemon dies (abort, SIGSEGV, SIGKILL) five times during a write-heavy
@@ -615,7 +663,7 @@ fn the_daemon_crashes_under_a_write_heavy_workload_and_nothing_is_lost() {
     // After unmount the store holds it all.
     for (path, data) in &written {
         let rel = path.strip_prefix(dir.join("mnt")).unwrap();
-        assert_eq!(&std::fs::read(dir.join("store/data").join(rel)).unwrap(), data);
+        assert_eq!(&std::fs::read(dir.join("store").join(rel)).unwrap(), data);
     }
 }
 
@@ -644,7 +692,7 @@ fn a_damaged_dirty_state_store_makes_recovery_refuse() {
     assert!(std::fs::read(m.path("f")).is_err());
     let target = std::ffi::CString::new(m.mnt.to_str().unwrap()).unwrap();
     unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    assert_eq!(std::fs::read(dir.join("store/data/f")).unwrap(), b"durable");
+    assert_eq!(std::fs::read(dir.join("store/f")).unwrap(), b"durable");
     let log = std::fs::read_to_string(&m.log).unwrap();
     assert!(log.contains("recovery refused"), "{log}");
 }

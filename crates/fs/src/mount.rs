@@ -45,9 +45,24 @@ fn source(store: &Path) -> String {
     format!("lockstep:{}", store.display())
 }
 
+/// The absolute path of a mountpoint, without touching the mount itself (a dead FUSE
+/// mount cannot be stat'ed).
+fn mount_path(path: &Path) -> Option<PathBuf> {
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir().ok()?.join(path)
+    };
+    let parent = abs.parent()?.canonicalize().ok()?;
+    Some(match abs.file_name() {
+        Some(n) => parent.join(n),
+        None => parent,
+    })
+}
+
 /// Whether `path` is a mount point now (its entry in /proc/self/mountinfo).
 pub fn is_mountpoint(path: &Path) -> bool {
-    let Ok(canon) = path.canonicalize() else { return false };
+    let Some(canon) = mount_path(path) else { return false };
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()
         .lines()
@@ -56,7 +71,7 @@ pub fn is_mountpoint(path: &Path) -> bool {
 
 /// The store of the lockstep mount at `path`, from /proc/self/mountinfo.
 pub fn store_of(path: &Path) -> Option<PathBuf> {
-    let canon = path.canonicalize().ok()?;
+    let canon = mount_path(path)?;
     for l in std::fs::read_to_string("/proc/self/mountinfo").ok()?.lines() {
         let fields: Vec<&str> = l.split(' ').collect();
         if fields.get(4).map(|m| PathBuf::from(unescape(m))) != Some(canon.clone()) {
@@ -76,10 +91,26 @@ fn unescape(s: &str) -> String {
         .replace("\\134", "\\")
 }
 
+/// Whether the lockstep mount at `mountpoint` (per mountinfo) has lost its server: the
+/// supervisor holds the store's lock for as long as it serves.
+pub fn is_dead_mount(mountpoint: &Path) -> Option<PathBuf> {
+    let store = store_of(mountpoint)?;
+    match StoreLock::holder(&store) {
+        Ok(None) => Some(store),
+        _ => None,
+    }
+}
+
 /// Check everything that can be checked before mounting; a clear message otherwise.
 pub fn preflight(o: &Options) -> Result<(), String> {
-    if !o.mountpoint.is_dir() {
-        return Err(format!("mountpoint {} is not a directory", o.mountpoint.display()));
+    if let Some(store) = is_dead_mount(&o.mountpoint) {
+        return Err(format!(
+            "{} holds a dead lockstep mount (of {}): its server is gone and it answers every call with an \
+             error. Run `lockstep fs umount {}` to clean it up, then mount again",
+            o.mountpoint.display(),
+            store.display(),
+            o.mountpoint.display()
+        ));
     }
     if is_mountpoint(&o.mountpoint) {
         return Err(format!(
@@ -87,11 +118,18 @@ pub fn preflight(o: &Options) -> Result<(), String> {
             o.mountpoint.display()
         ));
     }
+    if !o.mountpoint.is_dir() {
+        return Err(format!("mountpoint {} is not a directory", o.mountpoint.display()));
+    }
     for (what, dir) in std::iter::once(("store", &o.store)).chain(o.mirror.iter().map(|m| ("mirror", m))) {
         std::fs::create_dir_all(dir).map_err(|e| format!("cannot create the {what} {}: {e}", dir.display()))?;
-        let probe = dir.join(".lockstep-write-test");
+        crate::store::require_store(dir, what)?;
+        let probe = dir.join(crate::store::META).join("write-test");
         std::fs::write(&probe, b"x").map_err(|e| format!("the {what} {} is not writable: {e}", dir.display()))?;
         let _ = std::fs::remove_file(probe);
+        if let Ok(Some(holder)) = StoreLock::holder(dir) {
+            return Err(format!("the {what} {} is in use: {holder}", dir.display()));
+        }
     }
     if o.mirror
         .as_ref()
@@ -99,7 +137,104 @@ pub fn preflight(o: &Options) -> Result<(), String> {
     {
         return Err("--mirror must be another directory than --store".into());
     }
+    // Inodes are kept as file handles: the store's filesystem must support them.
+    let root = std::fs::File::open(&o.store).map_err(|e| format!("cannot open the store: {e}"))?;
+    {
+        use std::os::fd::AsRawFd;
+        crate::naming::handle_of(root.as_raw_fd(), &CString::default()).map_err(|e| {
+            format!(
+                "the store {} is on a filesystem without file handles (name_to_handle_at: {}); use a \
+                 local filesystem such as ext4, xfs, btrfs or tmpfs",
+                o.store.display(),
+                std::io::Error::from_raw_os_error(e)
+            )
+        })?;
+    }
     Ok(())
+}
+
+/// The store's lock (`STORE/.lockstep/lock`, flock): held by the supervisor of the one
+/// mount that serves the store, which also writes who it is into the file.
+pub struct StoreLock {
+    _file: std::fs::File,
+}
+
+impl StoreLock {
+    fn path(store: &Path) -> PathBuf {
+        store.join(crate::store::META).join("lock")
+    }
+
+    /// Take the lock, or say who holds it.
+    pub fn take(store: &Path, mountpoint: &Path) -> Result<StoreLock, String> {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(Self::path(store))
+            .map_err(|e| format!("cannot open the lock of {}: {e}", store.display()))?;
+        // SAFETY: flock on our own descriptor.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } < 0 {
+            let who = std::fs::read_to_string(Self::path(store)).unwrap_or_default();
+            return Err(format!("the store {} is in use: {}", store.display(), who.trim()));
+        }
+        f.set_len(0).map_err(|e| e.to_string())?;
+        let who = format!(
+            "mounted at {} by process {}\n",
+            mountpoint.canonicalize().unwrap_or(mountpoint.to_path_buf()).display(),
+            std::process::id()
+        );
+        std::os::unix::fs::FileExt::write_all_at(&f, who.as_bytes(), 0).map_err(|e| e.to_string())?;
+        Ok(StoreLock { _file: f })
+    }
+
+    /// Who holds the lock of `store` (None: nobody).
+    pub fn holder(store: &Path) -> std::io::Result<Option<String>> {
+        use std::os::fd::AsRawFd;
+        let f = match std::fs::File::open(Self::path(store)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        // SAFETY: flock on our own descriptor; released when it closes.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+            return Ok(None);
+        }
+        let who = std::fs::read_to_string(Self::path(store)).unwrap_or_default();
+        Ok(Some(who.trim().to_string()))
+    }
+
+    /// Wait until nobody holds the lock of `store` (the supervisor has exited).
+    pub fn wait_free(store: &Path, limit: Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < deadline {
+            if matches!(Self::holder(store), Ok(None)) {
+                return true;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+}
+
+/// Raise the soft limit on open files to the hard limit: the daemon's descriptors are
+/// bounded by design, but open files of the mount's users each hold one.
+fn raise_nofile_limit() {
+    // SAFETY: rlimit is plain data.
+    let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: reading and setting our own limit.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+/// The unmount report a daemon leaves in the store: its exit status and what it says.
+fn report_path(store: &Path) -> PathBuf {
+    store.join(crate::store::META).join("last-unmount.json")
 }
 
 /// Mount and serve until unmounted. `ready` is called once the mount is in place (or with
@@ -114,10 +249,39 @@ pub fn preflight(o: &Options) -> Result<(), String> {
 /// refuses (86); the supervisor then drops the connection, so the mount returns errors
 /// instead of serving or storing corrupt data.
 pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
-    if let Err(e) = Store::open(&o.store, o.mirror.as_deref()) {
-        ready(Err(format!("cannot open the store {}: {e}", o.store.display())));
-        return 1;
+    raise_nofile_limit();
+    let lock = match StoreLock::take(&o.store, &o.mountpoint) {
+        Ok(l) => l,
+        Err(e) => {
+            ready(Err(e));
+            return 1;
+        }
+    };
+    let mirror_lock = match o
+        .mirror
+        .as_deref()
+        .map(|m| StoreLock::take(m, &o.mountpoint))
+        .transpose()
+    {
+        Ok(l) => l,
+        Err(e) => {
+            ready(Err(e));
+            return 1;
+        }
+    };
+    match Store::open(&o.store, o.mirror.as_deref()) {
+        Ok(s) => {
+            if let Err(e) = s.clear_orphans() {
+                ready(Err(format!("cannot clean the store {}: {e}", o.store.display())));
+                return 1;
+            }
+        }
+        Err(e) => {
+            ready(Err(format!("cannot open the store {}: {e}", o.store.display())));
+            return 1;
+        }
     }
+    let _ = std::fs::remove_file(report_path(&o.store));
     let slots = (o.cache_bytes / crate::crc::PAGE as u64).max(16) as usize;
     let shared = match Shared::create(slots) {
         Ok(s) => s,
@@ -139,7 +303,9 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
         let _ = std::fs::File::create(p);
     }
     let mut events = EventSink::append(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only());
-    supervise(&o, fuse, shared, &mut events, ready)
+    let status = supervise(&o, fuse, shared, &mut events, ready);
+    drop((lock, mirror_lock));
+    status
 }
 
 /// Requests that get no reply (FORGET, BATCH_FORGET, INTERRUPT).
@@ -222,7 +388,13 @@ fn supervise(
                 if n <= 0 {
                     break None;
                 }
-                let reply = &buf[..n as usize];
+                let reply = &mut buf[..n as usize];
+                if init
+                    .as_ref()
+                    .is_some_and(|i| reply.len() >= 16 && i[8..16] == reply[8..16])
+                {
+                    allow_shared_mmap(reply);
+                }
                 if reply.len() >= 16 {
                     let unique = u64::from_le_bytes(reply[8..16].try_into().unwrap());
                     if swallow == Some(unique) {
@@ -320,6 +492,26 @@ fn supervise(
         )));
         generation += 1;
     }
+}
+
+/// Ask the kernel to allow `MAP_SHARED` mappings of direct-I/O files
+/// (FUSE_DIRECT_IO_ALLOW_MMAP, in the extended INIT flags): fuser 0.15 speaks protocol 7.31
+/// and cannot say it. The mapped pages then live in the kernel's page cache, which reads
+/// them from and writes them back through this cache (verified on the way in, checksummed
+/// on the way out); while mapped they are not covered by our checksums.
+fn allow_shared_mmap(reply: &mut [u8]) {
+    const FLAGS: usize = 16 + 12;
+    const FLAGS2: usize = 16 + 40;
+    const FUSE_INIT_EXT: u32 = 1 << 30;
+    const FUSE_DIRECT_IO_ALLOW_MMAP_HI: u32 = 1 << (36 - 32);
+    if reply.len() < FLAGS2 + 4 || i32::from_le_bytes(reply[4..8].try_into().expect("4 bytes")) != 0 {
+        return;
+    }
+    let flags = u32::from_le_bytes(reply[FLAGS..FLAGS + 4].try_into().expect("4 bytes")) | FUSE_INIT_EXT;
+    reply[FLAGS..FLAGS + 4].copy_from_slice(&flags.to_le_bytes());
+    let flags2 =
+        u32::from_le_bytes(reply[FLAGS2..FLAGS2 + 4].try_into().expect("4 bytes")) | FUSE_DIRECT_IO_ALLOW_MMAP_HI;
+    reply[FLAGS2..FLAGS2 + 4].copy_from_slice(&flags2.to_le_bytes());
 }
 
 /// Answer request `unique` with an error, as the daemon would.
@@ -456,7 +648,10 @@ fn daemon(
         EventSink::append(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only()),
     ));
     let emit = |e: Event| events.lock().unwrap_or_else(|p| p.into_inner()).emit(e);
-    let mut store = match Store::open(&o.store, o.mirror.as_deref()) {
+    // Modes come from the caller (FUSE passes its umask); ours must not be applied on top.
+    // SAFETY: plain syscall.
+    unsafe { libc::umask(0) };
+    let store = match Store::open(&o.store, o.mirror.as_deref()) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("lockstep fs: cannot open the store {}: {e}", o.store.display());
@@ -472,7 +667,7 @@ fn daemon(
     };
     if recover {
         let t = std::time::Instant::now();
-        match crate::recovery::recover(&mut store, &mut shared) {
+        match crate::recovery::recover(&store, &mut shared) {
             Ok(n) => emit(
                 Event::new("fs", "recover", "continue")
                     .duration_us(t.elapsed().as_micros() as u64)
@@ -487,17 +682,25 @@ fn daemon(
             }
         }
     }
-    let data_root = store.data_root();
+    let root = store.root().to_path_buf();
     let cache = Arc::new(Mutex::new(Cache::new(store, shared, o.verify)));
-    let naming = match Naming::new(&data_root, cache.clone(), replayed) {
+    let naming_events = Arc::new(Mutex::new(Vec::new()));
+    let lost = Arc::new(Mutex::new(Vec::new()));
+    let naming = match Naming::new(&root, cache.clone(), replayed, naming_events.clone(), lost.clone()) {
         Ok(n) => n,
         Err(e) => {
-            eprintln!("lockstep fs: cannot open {}: {e}", data_root.display());
+            eprintln!("lockstep fs: cannot open {}: {e}", root.display());
             return 1;
         }
     };
     let stop = Arc::new(AtomicBool::new(false));
-    start_writeback(cache.clone(), o.dirty_age, stop.clone(), events.clone());
+    start_writeback(
+        cache.clone(),
+        o.dirty_age,
+        stop.clone(),
+        events.clone(),
+        naming_events.clone(),
+    );
     if o.scrub_rate > 0 {
         start_scrubber(cache.clone(), o.scrub_rate, stop.clone());
     }
@@ -519,27 +722,41 @@ fn daemon(
     let mut session = fuser::Session::from_fd(naming, sock, fuser::SessionACL::All);
     let result = session.run();
     stop.store(true, Ordering::SeqCst);
-    // Unmounted: everything dirty goes to the store before we exit.
-    let (flushed, pending) = {
+    // Unmounted: everything dirty went to the store in `destroy` (and again here, in case
+    // the session ended without one). Poisoned pages are never written: say which files
+    // lost acknowledged data.
+    let pending = {
         let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
-        let flushed = c.flush(None, Duration::ZERO);
-        (flushed, c.take_events())
+        let _ = c.flush(None, Duration::ZERO);
+        c.take_events()
     };
+    drop(session);
     let mut sink = events.lock().unwrap_or_else(|p| p.into_inner());
-    for e in pending {
+    for e in pending
+        .into_iter()
+        .chain(naming_events.lock().unwrap_or_else(|p| p.into_inner()).drain(..))
+    {
         sink.emit(e);
     }
-    match (result, flushed) {
-        (Ok(()), Ok(())) => 0,
-        (Err(e), _) => {
-            eprintln!("lockstep fs: the FUSE session ended with an error: {e}");
-            1
-        }
-        (_, Err(_)) => {
-            eprintln!("lockstep fs: some dirty pages failed their checks and were not written back (EIO was reported)");
-            lockstep_core::exit::DETECTED
-        }
+    let lost = lost.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (status, message) = match (result, lost.is_empty()) {
+        (Err(e), _) => (1, format!("the FUSE session ended with an error: {e}")),
+        (Ok(()), true) => (0, "unmounted; all data written back".to_string()),
+        (Ok(()), false) => (
+            lockstep_core::exit::DETECTED,
+            format!(
+                "acknowledged data was discarded because it failed its checksum in memory (never \
+                 written; the store keeps the previous version): {}",
+                lost.join(", ")
+            ),
+        ),
+    };
+    if status != 0 {
+        sink.emit(Event::new("fs", "unmount", "exit").message(message.clone()));
     }
+    let report = serde_json::json!({"status": status, "message": message});
+    let _ = std::fs::write(report_path(&o.store), format!("{report}\n"));
+    status
 }
 
 fn mount_fuse(o: &Options) -> Result<OwnedFd, String> {
@@ -581,7 +798,13 @@ fn mount_fuse(o: &Options) -> Result<OwnedFd, String> {
 }
 
 /// Writes back dirty pages once they are `age` old, and writes out the cache's events.
-fn start_writeback(cache: Arc<Mutex<Cache>>, age: Duration, stop: Arc<AtomicBool>, events: Arc<Mutex<EventSink>>) {
+fn start_writeback(
+    cache: Arc<Mutex<Cache>>,
+    age: Duration,
+    stop: Arc<AtomicBool>,
+    events: Arc<Mutex<EventSink>>,
+    naming_events: Arc<Mutex<Vec<Event>>>,
+) {
     thread::Builder::new()
         .name("writeback".into())
         .spawn(move || {
@@ -593,8 +816,13 @@ fn start_writeback(cache: Arc<Mutex<Cache>>, age: Duration, stop: Arc<AtomicBool
                     let _ = c.flush(None, age);
                     c.take_events()
                 };
+                let more: Vec<Event> = naming_events
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .drain(..)
+                    .collect();
                 let mut sink = events.lock().unwrap_or_else(|p| p.into_inner());
-                for e in pending {
+                for e in pending.into_iter().chain(more) {
                     sink.emit(e);
                 }
             }
@@ -774,6 +1002,7 @@ fn stats_json(c: &Cache) -> serde_json::Value {
         "reads": s.reads, "writes": s.writes, "hits": s.hits, "misses": s.misses, "checks": s.checks,
         "clean_detected": s.clean_detected, "dirty_detected": s.dirty_detected, "eio": s.eio,
         "scrubbed": s.scrubbed, "disk_repaired": s.disk_repaired, "disk_corrupt": s.disk_corrupt,
+        "table_repaired": s.table_repaired,
         "written_back": s.written_back, "evicted": s.evicted, "injected": s.injected,
     })
 }
@@ -788,13 +1017,44 @@ pub fn control(store: &Path, command: &str) -> std::io::Result<serde_json::Value
     serde_json::from_str(&line).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
-/// Flush the mount at `mountpoint` and unmount it.
-pub fn umount(mountpoint: &Path) -> Result<(), String> {
+/// What `umount` found.
+pub struct Unmounted {
+    /// The daemon's exit status: 0, or 86 when it discarded acknowledged data.
+    pub status: i32,
+    pub message: String,
+}
+
+/// Flush the mount at `mountpoint`, unmount it, and wait for its server to finish: its
+/// report says whether every acknowledged byte reached the store. A dead mount (its server
+/// is gone) is detached, with a message that says so.
+pub fn umount(mountpoint: &Path) -> Result<Unmounted, String> {
     if !is_mountpoint(mountpoint) {
         return Err(format!("{} is not mounted", mountpoint.display()));
     }
-    if let Some(store) = store_of(mountpoint) {
-        match control(&store, "flush") {
+    let target = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| "bad path".to_string())?;
+    if let Some(store) = is_dead_mount(mountpoint) {
+        // SAFETY: valid path.
+        if unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) } < 0 {
+            return Err(format!(
+                "cannot detach the dead mount {}: {}",
+                mountpoint.display(),
+                std::io::Error::last_os_error()
+            ));
+        }
+        return Ok(Unmounted {
+            status: 1,
+            message: format!(
+                "{} was a dead mount: its server (of store {}) had exited, so data it had not written \
+                 back is lost. Detached; `lockstep fs check {}` verifies what the store holds",
+                mountpoint.display(),
+                store.display(),
+                store.display()
+            ),
+        });
+    }
+    let store = store_of(mountpoint);
+    if let Some(store) = &store {
+        match control(store, "flush") {
             Ok(v) if v["ok"] == true => {}
             Ok(v) => eprintln!(
                 "lockstep fs: flush before unmount reported {v}; unmounting anyway (the daemon flushes again)"
@@ -802,7 +1062,6 @@ pub fn umount(mountpoint: &Path) -> Result<(), String> {
             Err(e) => eprintln!("lockstep fs: cannot reach the daemon ({e}); unmounting"),
         }
     }
-    let target = CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| "bad path".to_string())?;
     // SAFETY: valid path.
     if unsafe { libc::umount2(target.as_ptr(), 0) } < 0 {
         let e = std::io::Error::last_os_error();
@@ -814,5 +1073,24 @@ pub fn umount(mountpoint: &Path) -> Result<(), String> {
             _ => format!("cannot unmount {}: {e}", mountpoint.display()),
         });
     }
-    Ok(())
+    let Some(store) = store else {
+        return Ok(Unmounted {
+            status: 0,
+            message: "unmounted".into(),
+        });
+    };
+    if !StoreLock::wait_free(&store, Duration::from_secs(120)) {
+        return Err(format!(
+            "unmounted, but the server of {} is still running after 120 s",
+            store.display()
+        ));
+    }
+    let report: serde_json::Value = std::fs::read_to_string(report_path(&store))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or(serde_json::json!({"status": 1, "message": "the server left no unmount report"}));
+    Ok(Unmounted {
+        status: report["status"].as_i64().unwrap_or(1) as i32,
+        message: report["message"].as_str().unwrap_or("").to_string(),
+    })
 }

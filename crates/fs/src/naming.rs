@@ -1,49 +1,158 @@
-//! The naming layer: FUSE operations on a backing directory tree (`STORE/data`). Names,
-//! directories, links, permissions and times live in the backing filesystem; file data
-//! goes through the checksummed cache. Every inode we know is held by an `O_PATH` file
-//! descriptor, so renames never invalidate anything, and the FUSE inode number is the
-//! backing inode number (the root is 1), which also keys the block CRC tables.
+//! The naming layer: FUSE operations on a backing directory tree (the store's root).
+//! Names, directories, links, permissions and times live in the backing filesystem; file
+//! data goes through the checksummed cache.
+//!
+//! Descriptors are not held per inode. Every inode the kernel remembers is kept as a file
+//! handle (`name_to_handle_at`, at most `HANDLE_MAX` bytes, no allocation) plus one known
+//! name, and is opened on demand through a small LRU of `O_PATH` descriptors. Open files
+//! and files with dirty pages hold their data descriptor in the cache; everything else is
+//! closed. So a tree of a million files needs no more descriptors than a tree of ten.
+//!
+//! The FUSE inode number is the backing inode number (the root is 1). Block CRC tables
+//! are keyed by path (see `store.rs`), so this layer keeps the store's tables in step
+//! with every rename, link and unlink.
 
 use crate::cache::Cache;
+use crate::shared::HANDLE_MAX;
+use crate::store::{Place, Store, Tables, META};
 use fuser::consts::FOPEN_DIRECT_IO;
 use fuser::{
     FileAttr, FileType, Filesystem, KernelConfig, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, FUSE_ROOT_ID,
+    ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, FUSE_ROOT_ID,
 };
-use std::collections::{HashMap, HashSet};
-use std::ffi::{CString, OsStr};
+use lockstep_core::Event;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The kernel may cache names and attributes this long; data is never cached by the kernel
 /// (every open is direct I/O), so that this cache is the one serving reads.
 const TTL: Duration = Duration::from_secs(1);
+/// `O_PATH` descriptors kept open for inodes that are not open files.
+const PATH_FDS_MAX: usize = 256;
+/// The kernel asks the server to clear setuid/setgid on this write (the writer lacks
+/// CAP_FSETID).
+const FUSE_WRITE_KILL_SUIDGID: u32 = 1 << 2;
+const MAX_DEPTH: usize = 4096;
+
+/// A file handle of the backing filesystem, inline.
+#[derive(Clone, Copy)]
+pub struct Handle {
+    pub htype: i32,
+    len: u8,
+    bytes: [u8; HANDLE_MAX],
+}
+
+impl Handle {
+    pub fn new(htype: i32, bytes: &[u8]) -> Option<Handle> {
+        if bytes.len() > HANDLE_MAX {
+            return None;
+        }
+        let mut h = Handle {
+            htype,
+            len: bytes.len() as u8,
+            bytes: [0; HANDLE_MAX],
+        };
+        h.bytes[..bytes.len()].copy_from_slice(bytes);
+        Some(h)
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
 
 struct Inode {
-    fd: OwnedFd,
+    handle: Handle,
     lookups: u64,
-    /// Its last link is gone; the CRC table goes when the kernel forgets it.
+    /// One of its names (parent inode, name); None when unknown (after a restart) or gone.
+    name: Option<(u64, OsString)>,
+    /// Its last link is gone while the kernel still holds it: its tables are orphans.
     orphan: bool,
+}
+
+/// A descriptor for an inode: an `O_PATH` one, or the open data file of an attached file.
+#[derive(Clone)]
+enum Fd {
+    Path(Arc<OwnedFd>),
+    File(Arc<File>),
+}
+
+impl Fd {
+    fn raw(&self) -> RawFd {
+        match self {
+            Fd::Path(f) => f.as_raw_fd(),
+            Fd::File(f) => f.as_raw_fd(),
+        }
+    }
+}
+
+/// A small LRU of `O_PATH` descriptors.
+#[derive(Default)]
+struct PathFds {
+    by_ino: HashMap<u64, (Arc<OwnedFd>, u64)>,
+    order: BTreeMap<u64, u64>,
+    seq: u64,
+}
+
+impl PathFds {
+    fn get(&mut self, ino: u64) -> Option<Arc<OwnedFd>> {
+        self.seq += 1;
+        let (fd, seq) = self.by_ino.get_mut(&ino)?;
+        self.order.remove(seq);
+        *seq = self.seq;
+        self.order.insert(self.seq, ino);
+        Some(fd.clone())
+    }
+
+    fn put(&mut self, ino: u64, fd: Arc<OwnedFd>) {
+        self.seq += 1;
+        self.forget(ino);
+        self.by_ino.insert(ino, (fd, self.seq));
+        self.order.insert(self.seq, ino);
+        while self.by_ino.len() > PATH_FDS_MAX {
+            let (_, oldest) = self.order.pop_first().expect("non-empty");
+            self.by_ino.remove(&oldest);
+        }
+    }
+
+    fn forget(&mut self, ino: u64) {
+        if let Some((_, seq)) = self.by_ino.remove(&ino) {
+            self.order.remove(&seq);
+        }
+    }
 }
 
 pub struct Naming {
     /// The backing root opened for reading: the mount fd that open_by_handle_at needs
     /// (it refuses an O_PATH descriptor).
     root_dir: File,
+    root_path: Arc<OwnedFd>,
+    root: PathBuf,
     /// Requests a crashed daemon may have carried out already: they are replayed, so a
     /// name that already exists (or is already gone) is their own earlier effect.
     replayed: HashSet<u64>,
     root_st_ino: u64,
     inodes: HashMap<u64, Inode>,
+    fds: PathFds,
     pub cache: Arc<Mutex<Cache>>,
+    /// Namespace events (table upkeep that failed) for the daemon to write out.
+    events: Arc<Mutex<Vec<Event>>>,
+    /// Filled at unmount: files whose acknowledged data was discarded (poisoned pages).
+    lost: Arc<Mutex<Vec<String>>>,
 }
 
 fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+}
+
+fn io_errno(e: std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
 }
 
 fn cstr(name: &OsStr) -> Result<CString, i32> {
@@ -55,6 +164,7 @@ fn proc_path(fd: RawFd) -> CString {
 }
 
 fn stat_fd(fd: RawFd) -> Result<libc::stat, i32> {
+    // SAFETY: stat is plain data; the kernel fills it in.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: a valid fd and an empty path with AT_EMPTY_PATH; st is written by the kernel.
     let r = unsafe {
@@ -72,6 +182,7 @@ fn stat_fd(fd: RawFd) -> Result<libc::stat, i32> {
 }
 
 fn stat_at(dir: RawFd, name: &CString) -> Result<libc::stat, i32> {
+    // SAFETY: stat is plain data; the kernel fills it in.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid dir fd and NUL-terminated name.
     let r = unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
@@ -101,27 +212,149 @@ fn kind(mode: u32) -> FileType {
     }
 }
 
+fn dirent_kind(d_type: u8) -> FileType {
+    match d_type {
+        libc::DT_DIR => FileType::Directory,
+        libc::DT_LNK => FileType::Symlink,
+        libc::DT_CHR => FileType::CharDevice,
+        libc::DT_BLK => FileType::BlockDevice,
+        libc::DT_FIFO => FileType::NamedPipe,
+        libc::DT_SOCK => FileType::Socket,
+        _ => FileType::RegularFile,
+    }
+}
+
+/// The kernel's file handle for `name` in `dir` (`name` empty: `dir` itself).
+pub fn handle_of(dir: RawFd, name: &CString) -> Result<Handle, i32> {
+    let mut fh = FileHandle {
+        bytes: HANDLE_MAX as u32,
+        htype: 0,
+        data: [0; 128],
+    };
+    let mut mount_id: libc::c_int = 0;
+    let flags = if name.as_bytes().is_empty() {
+        libc::AT_EMPTY_PATH
+    } else {
+        0
+    };
+    // SAFETY: fh has room for HANDLE_MAX bytes as announced in `bytes`.
+    let r = unsafe {
+        libc::name_to_handle_at(
+            dir,
+            name.as_ptr(),
+            (&mut fh as *mut FileHandle).cast(),
+            &mut mount_id,
+            flags,
+        )
+    };
+    if r < 0 {
+        return Err(errno());
+    }
+    Handle::new(fh.htype, &fh.data[..fh.bytes as usize]).ok_or(libc::EOVERFLOW)
+}
+
+pub(crate) fn open_by_handle(mount_fd: RawFd, h: &Handle, flags: i32) -> Result<OwnedFd, i32> {
+    let mut fh = FileHandle {
+        bytes: h.len as u32,
+        htype: h.htype,
+        data: [0; 128],
+    };
+    fh.data[..h.bytes().len()].copy_from_slice(h.bytes());
+    // SAFETY: a well-formed handle buffer.
+    let r = unsafe { libc::open_by_handle_at(mount_fd, (&mut fh as *mut FileHandle).cast(), flags) };
+    if r < 0 {
+        return Err(errno());
+    }
+    // SAFETY: a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(r) })
+}
+
+/// `struct file_handle` with room for its bytes.
+#[repr(C)]
+struct FileHandle {
+    bytes: u32,
+    htype: i32,
+    data: [u8; 128],
+}
+
+fn open_at(dir: RawFd, name: &CString, flags: i32) -> Result<OwnedFd, i32> {
+    // SAFETY: valid dir fd and name.
+    let r = unsafe { libc::openat(dir, name.as_ptr(), flags | libc::O_CLOEXEC) };
+    if r < 0 {
+        return Err(errno());
+    }
+    // SAFETY: a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(r) })
+}
+
+/// Reopen an `O_PATH` (or any) descriptor with real access `flags`.
+fn reopen(fd: RawFd, flags: i32) -> Result<File, i32> {
+    let p = proc_path(fd);
+    // SAFETY: NUL-terminated path.
+    let r = unsafe { libc::open(p.as_ptr(), flags | libc::O_CLOEXEC) };
+    if r < 0 {
+        return Err(errno());
+    }
+    // SAFETY: a new descriptor that nothing else owns.
+    Ok(unsafe { File::from_raw_fd(r) })
+}
+
+fn timespec(t: Option<TimeOrNow>) -> libc::timespec {
+    match t {
+        None => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        Some(TimeOrNow::Now) => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_NOW,
+        },
+        Some(TimeOrNow::SpecificTime(t)) => {
+            let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+            libc::timespec {
+                tv_sec: d.as_secs() as i64,
+                tv_nsec: d.subsec_nanos() as i64,
+            }
+        }
+    }
+}
+
+macro_rules! tryr {
+    ($reply:expr, $e:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(code) => {
+                $reply.error(code);
+                return;
+            }
+        }
+    };
+}
+
 impl Naming {
-    pub fn new(data_root: &Path, cache: Arc<Mutex<Cache>>, replayed: HashSet<u64>) -> std::io::Result<Naming> {
-        let root = File::open(data_root)?;
-        let st = stat_fd(root.as_raw_fd()).map_err(std::io::Error::from_raw_os_error)?;
-        let fd = open_path(libc::AT_FDCWD, &CString::new(data_root.as_os_str().as_bytes()).unwrap())
-            .map_err(std::io::Error::from_raw_os_error)?;
-        let mut inodes = HashMap::new();
-        inodes.insert(
-            FUSE_ROOT_ID,
-            Inode {
-                fd,
-                lookups: 1,
-                orphan: false,
-            },
-        );
+    pub fn new(
+        root: &Path,
+        cache: Arc<Mutex<Cache>>,
+        replayed: HashSet<u64>,
+        events: Arc<Mutex<Vec<Event>>>,
+        lost: Arc<Mutex<Vec<String>>>,
+    ) -> std::io::Result<Naming> {
+        let root_dir = File::open(root)?;
+        let st = stat_fd(root_dir.as_raw_fd()).map_err(std::io::Error::from_raw_os_error)?;
+        let c = CString::new(root.as_os_str().as_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+        let root_path =
+            open_at(libc::AT_FDCWD, &c, libc::O_PATH | libc::O_DIRECTORY).map_err(std::io::Error::from_raw_os_error)?;
         Ok(Naming {
-            root_dir: root,
+            root_dir,
+            root_path: Arc::new(root_path),
+            root: root.to_path_buf(),
             replayed,
             root_st_ino: st.st_ino,
-            inodes,
+            inodes: HashMap::new(),
+            fds: PathFds::default(),
             cache,
+            events,
+            lost,
         })
     }
 
@@ -133,48 +366,109 @@ impl Naming {
         }
     }
 
-    /// The O_PATH descriptor of `ino`. An inode the kernel knows but this daemon does not
-    /// (we were restarted) is reopened from the file handle kept in shared memory.
-    fn fd(&mut self, ino: u64) -> Result<RawFd, i32> {
-        if let Some(i) = self.inodes.get(&ino) {
-            return Ok(i.fd.as_raw_fd());
-        }
-        let Some((lookups, htype, handle)) = self.cache().shared().handle(ino) else {
-            return Err(libc::ESTALE);
-        };
-        let root = self.root_dir.as_raw_fd();
-        let fd = open_by_handle(root, htype, &handle, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC).inspect_err(
-            |e| {
-                eprintln!("lockstep fs: inode {ino} does not reopen from its handle: errno {e}");
-            },
-        )?;
-        let raw = fd.as_raw_fd();
-        self.inodes.insert(
-            ino,
-            Inode {
-                fd,
-                lookups,
-                orphan: false,
-            },
-        );
-        Ok(raw)
-    }
-
     fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn note(&self, what: &str, e: impl std::fmt::Display) {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Event::new("fs", "table-upkeep", "continue").message(format!("{what}: {e}")));
+    }
+
+    /// The handle of `ino`: ours, or (after a restart) the one kept in shared memory.
+    fn handle(&mut self, ino: u64) -> Result<Handle, i32> {
+        if let Some(i) = self.inodes.get(&ino) {
+            return Ok(i.handle);
+        }
+        let (lookups, htype, bytes) = self.cache().shared().handle(ino).ok_or(libc::ESTALE)?;
+        let handle = Handle::new(htype, &bytes).ok_or(libc::ESTALE)?;
+        self.inodes.insert(
+            ino,
+            Inode {
+                handle,
+                lookups,
+                name: None,
+                orphan: false,
+            },
+        );
+        Ok(handle)
+    }
+
+    /// A descriptor of `ino`: the root's, an attached file's, or an `O_PATH` one opened
+    /// from its handle (and kept in a small LRU).
+    fn fd(&mut self, ino: u64) -> Result<Fd, i32> {
+        if ino == FUSE_ROOT_ID {
+            return Ok(Fd::Path(self.root_path.clone()));
+        }
+        if let Some(f) = self.cache().file_of(ino) {
+            return Ok(Fd::File(f));
+        }
+        if let Some(f) = self.fds.get(ino) {
+            return Ok(Fd::Path(f));
+        }
+        let h = self.handle(ino)?;
+        let fd = open_by_handle(
+            self.root_dir.as_raw_fd(),
+            &h,
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+        .inspect_err(|e| eprintln!("lockstep fs: inode {ino} does not reopen from its handle: errno {e}"))?;
+        let fd = Arc::new(fd);
+        self.fds.put(ino, fd.clone());
+        Ok(Fd::Path(fd))
+    }
+
+    /// The path of `ino` relative to the root: from its known names, else from the kernel
+    /// (validated), else by searching the tree (only after a restart lost the names).
+    fn rel_path(&mut self, ino: u64) -> Result<PathBuf, i32> {
+        let mut parts = Vec::new();
+        let mut at = ino;
+        while at != FUSE_ROOT_ID {
+            match self.inodes.get(&at).and_then(|i| i.name.clone()) {
+                Some((parent, name)) if parts.len() < MAX_DEPTH => {
+                    parts.push(name);
+                    at = parent;
+                }
+                _ => {
+                    let base = self.found_path(at)?;
+                    return Ok(parts.iter().rev().fold(base, |p, n| p.join(n)));
+                }
+            }
+        }
+        Ok(parts.iter().rev().fold(PathBuf::new(), |p, n| p.join(n)))
+    }
+
+    fn found_path(&mut self, ino: u64) -> Result<PathBuf, i32> {
+        let fd = self.fd(ino)?;
+        crate::recovery::path_of(&self.root, fd.raw()).ok_or(libc::ESTALE)
+    }
+
+    /// Where the tables of the regular file `ino` are.
+    fn place_of(&mut self, ino: u64) -> Result<PlaceBuf, i32> {
+        if self.inodes.get(&ino).is_some_and(|i| i.orphan) {
+            return Ok(PlaceBuf::Orphan(ino));
+        }
+        Ok(PlaceBuf::Path(self.rel_path(ino)?))
+    }
+
     fn attr(&self, ino: u64, st: &libc::stat) -> FileAttr {
         let mut size = st.st_size as u64;
+        let mut blocks = st.st_blocks as u64;
         if kind(st.st_mode) == FileType::RegularFile {
-            if let Some(s) = self.cache().size(ino) {
+            let c = self.cache();
+            if let Some(s) = c.size(ino) {
                 size = s;
             }
+            // Dirty pages past the end on disk will take room when written back.
+            let on_disk = (st.st_size as u64).div_ceil(crate::crc::PAGE as u64);
+            blocks += 8 * c.dirty_blocks(ino).iter().filter(|&&b| b >= on_disk).count() as u64;
         }
         FileAttr {
             ino,
             size,
-            blocks: size.div_ceil(512),
+            blocks,
             atime: time(st.st_atime, st.st_atime_nsec),
             mtime: time(st.st_mtime, st.st_mtime_nsec),
             ctime: time(st.st_ctime, st.st_ctime_nsec),
@@ -190,69 +484,112 @@ impl Naming {
         }
     }
 
+    /// `.lockstep` in the root is the store's own: invisible and untouchable.
+    fn hidden(&self, parent: u64, name: &OsStr) -> bool {
+        parent == FUSE_ROOT_ID && name.as_bytes() == META.as_bytes()
+    }
+
     /// Look `name` up in `parent`, registering the inode (one more kernel reference).
     fn do_lookup(&mut self, parent: u64, name: &OsStr) -> Result<FileAttr, i32> {
+        if self.hidden(parent, name) {
+            return Err(libc::ENOENT);
+        }
         let pfd = self.fd(parent)?;
         let c = cstr(name)?;
-        let st = stat_at(pfd, &c)?;
+        let st = stat_at(pfd.raw(), &c)?;
         let ino = self.ino_of(st.st_ino);
-        // An inode we lost in a restart but the kernel still holds is found again here.
-        let known =
-            self.inodes.contains_key(&ino) || (self.cache().shared().handle(ino).is_some() && self.fd(ino).is_ok());
-        match self.inodes.get_mut(&ino) {
-            Some(i) if known => {
-                i.lookups += 1;
-                let n = i.lookups;
-                self.cache().shared().set_lookups(ino, n);
-            }
-            _ => {
-                let fd = open_path(pfd, &c)?;
-                if let Some((htype, handle)) = handle_of(pfd, &c) {
-                    self.cache().shared().put_handle(ino, 1, htype, &handle);
-                }
+        if ino != FUSE_ROOT_ID {
+            // An inode we lost in a restart but the kernel still holds is found again here.
+            if !self.inodes.contains_key(&ino) && self.handle(ino).is_err() {
+                let handle = handle_of(pfd.raw(), &c)?;
                 self.inodes.insert(
                     ino,
                     Inode {
-                        fd,
-                        lookups: 1,
+                        handle,
+                        lookups: 0,
+                        name: None,
                         orphan: false,
                     },
                 );
+            }
+            let i = self.inodes.get_mut(&ino).expect("registered");
+            i.lookups += 1;
+            if i.name.is_none() {
+                i.name = Some((parent, name.to_os_string()));
+            }
+            let (n, h) = (i.lookups, i.handle);
+            let mut c = self.cache();
+            let shared = c.shared();
+            if n == 1 || shared.handle(ino).is_none() {
+                shared.put_handle(ino, n, h.htype, h.bytes());
+            } else {
+                shared.set_lookups(ino, n);
             }
         }
         Ok(self.attr(ino, &st))
     }
 
-    /// Open the data of a regular file read-write for the cache.
+    /// Open the data of a regular file read-write for the cache, with its tables.
     fn attach(&mut self, ino: u64) -> Result<(), i32> {
+        if self.cache().is_attached(ino) {
+            return self.cache().attach(ino, |_| unreachable!("attached"));
+        }
         let fd = self.fd(ino)?;
-        self.cache().attach(ino, || {
-            let p = proc_path(fd);
-            // SAFETY: NUL-terminated path; the returned fd is owned by the File.
-            let r = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-            if r < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(unsafe { File::from_raw_fd(r) })
+        let place = self.place_of(ino)?;
+        self.cache().attach(ino, |store: &Store| {
+            let data = reopen(fd.raw(), libc::O_RDWR).map_err(std::io::Error::from_raw_os_error)?;
+            let tables: Tables = store.tables(place.as_place())?;
+            Ok((data, tables))
         })
     }
 
+    /// Owner of a new node: the caller, and the directory's group if it is setgid (as the
+    /// kernel does for local filesystems).
     fn chown_to(&self, dir: RawFd, name: &CString, req: &Request<'_>) {
+        let gid = match stat_fd(dir) {
+            Ok(st) if st.st_mode & libc::S_ISGID != 0 => st.st_gid,
+            _ => req.gid(),
+        };
         // SAFETY: valid fd and path. Failure leaves root as owner, which only matters
         // when non-root users write here.
-        unsafe { libc::fchownat(dir, name.as_ptr(), req.uid(), req.gid(), libc::AT_SYMLINK_NOFOLLOW) };
+        unsafe { libc::fchownat(dir, name.as_ptr(), req.uid(), gid, libc::AT_SYMLINK_NOFOLLOW) };
     }
 
-    /// An inode whose last link is going away: remember it, or drop its tables at once if
-    /// the kernel holds no reference to it.
-    fn unlinking(&mut self, st: &libc::stat) {
-        if kind(st.st_mode) != FileType::RegularFile || st.st_nlink > 1 {
-            return;
-        }
+    /// The name `name` in `parent` (inode `st`) is gone: keep the tables in step, and
+    /// forget it as the inode's known name.
+    fn name_removed(&mut self, parent: u64, name: &OsStr, st: &libc::stat) {
         let ino = self.ino_of(st.st_ino);
-        match self.inodes.get_mut(&ino) {
-            Some(i) => i.orphan = true,
-            None => self.cache().remove(ino),
+        if let Some(i) = self.inodes.get_mut(&ino) {
+            if i.name.as_ref().is_some_and(|(p, n)| *p == parent && n == name) {
+                i.name = None;
+            }
+        }
+        match kind(st.st_mode) {
+            FileType::RegularFile => {}
+            FileType::Directory => {
+                if let Ok(rel) = self.rel_path(parent).map(|p| p.join(name)) {
+                    if let Err(e) = self.cache().store().dir_removed(&rel) {
+                        self.note("cannot remove the tables of a removed directory", e);
+                    }
+                }
+                return;
+            }
+            _ => return,
+        }
+        let Ok(rel) = self.rel_path(parent).map(|p| p.join(name)) else {
+            return;
+        };
+        let last = st.st_nlink <= 1;
+        let held = last && self.inodes.contains_key(&ino);
+        if let Some(i) = self.inodes.get_mut(&ino).filter(|_| held) {
+            i.orphan = true;
+        }
+        let r = self.cache().store().unlinked(&rel, held.then_some(ino));
+        if let Err(e) = r {
+            self.note(&format!("cannot drop the tables of {}", rel.display()), e);
+        }
+        if last && !held {
+            self.cache().remove(ino, false);
         }
     }
 
@@ -260,13 +597,12 @@ impl Naming {
     /// room for it and for everything dirty before it. Otherwise the writer gets ENOSPC
     /// now, while it can still act on it.
     fn room_for(&mut self, len: usize) -> Result<(), i32> {
-        let root = self.fd(FUSE_ROOT_ID)?;
+        let root = self.root_dir.as_raw_fd();
         let avail = || -> Result<u64, i32> {
-            let fd = root;
+            // SAFETY: statvfs is plain data; the kernel fills it in.
             let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-            let p = proc_path(fd);
-            // SAFETY: valid path and output struct.
-            if unsafe { libc::statvfs(p.as_ptr(), &mut s) } < 0 {
+            // SAFETY: valid fd and output struct.
+            if unsafe { libc::fstatvfs(root, &mut s) } < 0 {
                 return Err(errno());
             }
             Ok(s.f_bavail * s.f_frsize)
@@ -307,91 +643,108 @@ impl Naming {
         // SAFETY: valid path and a two-element times array.
         unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) };
     }
-}
 
-/// The kernel's file handle for `name` in `dir` (for reopening after a restart).
-fn handle_of(dir: RawFd, name: &CString) -> Option<(i32, Vec<u8>)> {
-    let mut fh = FileHandle {
-        bytes: crate::shared::HANDLE_MAX as u32,
-        htype: 0,
-        data: [0; 128],
-    };
-    let mut mount_id: libc::c_int = 0;
-    // SAFETY: fh has room for HANDLE_MAX bytes as announced in `bytes`.
-    let r = unsafe {
-        libc::name_to_handle_at(
-            dir,
-            name.as_ptr(),
-            (&mut fh as *mut FileHandle).cast(),
-            &mut mount_id,
-            0,
-        )
-    };
-    (r == 0).then(|| (fh.htype, fh.data[..fh.bytes as usize].to_vec()))
-}
-
-pub(crate) fn open_by_handle(mount_fd: RawFd, htype: i32, handle: &[u8], flags: i32) -> Result<OwnedFd, i32> {
-    let mut fh = FileHandle {
-        bytes: handle.len() as u32,
-        htype,
-        data: [0; 128],
-    };
-    fh.data[..handle.len()].copy_from_slice(handle);
-    // SAFETY: a well-formed handle buffer; the returned fd is owned.
-    let r = unsafe { libc::open_by_handle_at(mount_fd, (&mut fh as *mut FileHandle).cast(), flags) };
-    if r < 0 {
-        return Err(errno());
+    /// Clear setuid, and setgid if group-executable, as a local filesystem does when a
+    /// user without CAP_FSETID writes.
+    fn kill_suidgid(&self, fd: RawFd) {
+        let Ok(st) = stat_fd(fd) else { return };
+        let mut mode = st.st_mode & 0o7777;
+        if mode & libc::S_ISUID != 0 {
+            mode &= !libc::S_ISUID;
+        }
+        if mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
+            mode &= !libc::S_ISGID;
+        }
+        if mode != st.st_mode & 0o7777 {
+            let p = proc_path(fd);
+            // SAFETY: valid path.
+            unsafe { libc::chmod(p.as_ptr(), mode) };
+        }
     }
-    Ok(unsafe { OwnedFd::from_raw_fd(r) })
-}
 
-/// `struct file_handle` with room for its bytes.
-#[repr(C)]
-struct FileHandle {
-    bytes: u32,
-    htype: i32,
-    data: [u8; 128],
-}
-
-fn open_path(dir: RawFd, name: &CString) -> Result<OwnedFd, i32> {
-    // SAFETY: valid dir fd and name; the new fd is owned.
-    let r = unsafe { libc::openat(dir, name.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
-    if r < 0 {
-        return Err(errno());
+    /// A new regular file at `parent`/`name`: tables left there by a file that had the name
+    /// before (a crash between its unlink and the table's) must not apply to it.
+    fn fresh_tables(&mut self, parent: u64, name: &OsStr) {
+        if let Ok(rel) = self.rel_path(parent).map(|p| p.join(name)) {
+            if let Err(e) = self.cache().store().unlinked(&rel, None) {
+                self.note("cannot clear stale tables", e);
+            }
+        }
     }
-    Ok(unsafe { OwnedFd::from_raw_fd(r) })
-}
 
-fn timespec(t: Option<TimeOrNow>) -> libc::timespec {
-    match t {
-        None => libc::timespec {
-            tv_sec: 0,
-            tv_nsec: libc::UTIME_OMIT,
-        },
-        Some(TimeOrNow::Now) => libc::timespec {
-            tv_sec: 0,
-            tv_nsec: libc::UTIME_NOW,
-        },
-        Some(TimeOrNow::SpecificTime(t)) => {
-            let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-            libc::timespec {
-                tv_sec: d.as_secs() as i64,
-                tv_nsec: d.subsec_nanos() as i64,
+    /// Backing-file SEEK_DATA/SEEK_HOLE, with dirty pages counted as data.
+    fn seek_data_hole(&mut self, ino: u64, offset: u64, whence: i32) -> Result<u64, i32> {
+        self.attach(ino)?;
+        let (file, size, dirty) = {
+            let c = self.cache();
+            (
+                c.file_of(ino).ok_or(libc::EBADF)?,
+                c.size(ino).ok_or(libc::EBADF)?,
+                c.dirty_blocks(ino),
+            )
+        };
+        if offset >= size {
+            return Err(libc::ENXIO);
+        }
+        let page = crate::crc::PAGE as u64;
+        let disk = |pos: u64, how: i32| -> Result<Option<u64>, i32> {
+            // SAFETY: lseek on our own descriptor.
+            let r = unsafe { libc::lseek(file.as_raw_fd(), pos as i64, how) };
+            if r < 0 {
+                return match errno() {
+                    libc::ENXIO => Ok(None),
+                    e => Err(e),
+                };
+            }
+            Ok(Some(r as u64))
+        };
+        let is_dirty = |pos: u64| dirty.binary_search(&(pos / page)).is_ok();
+        if whence == libc::SEEK_DATA {
+            let on_disk = disk(offset, libc::SEEK_DATA)?.filter(|&p| p < size);
+            let in_cache = dirty
+                .iter()
+                .find(|&&b| (b + 1) * page > offset)
+                .map(|&b| (b * page).max(offset))
+                .filter(|&p| p < size);
+            return match (on_disk, in_cache) {
+                (Some(a), Some(b)) => Ok(a.min(b)),
+                (Some(a), None) | (None, Some(a)) => Ok(a),
+                (None, None) => Err(libc::ENXIO),
+            };
+        }
+        let mut pos = offset;
+        loop {
+            if pos >= size {
+                return Ok(size);
+            }
+            if is_dirty(pos) {
+                pos = (pos / page + 1) * page;
+                continue;
+            }
+            match disk(pos, libc::SEEK_HOLE)? {
+                // Past the end on disk: a hole until dirty data that extends the file.
+                None => return Ok(pos),
+                Some(h) if h >= size => return Ok(size),
+                Some(h) if !is_dirty(h) => return Ok(h),
+                Some(h) => pos = h,
             }
         }
     }
 }
 
-macro_rules! tryr {
-    ($reply:expr, $e:expr) => {
-        match $e {
-            Ok(v) => v,
-            Err(code) => {
-                $reply.error(code);
-                return;
-            }
+/// An owned `Place`.
+enum PlaceBuf {
+    Path(PathBuf),
+    Orphan(u64),
+}
+
+impl PlaceBuf {
+    fn as_place(&self) -> Place<'_> {
+        match self {
+            PlaceBuf::Path(p) => Place::Path(p),
+            PlaceBuf::Orphan(i) => Place::Orphan(*i),
         }
-    };
+    }
 }
 
 impl Filesystem for Naming {
@@ -401,6 +754,17 @@ impl Filesystem for Naming {
 
     fn destroy(&mut self) {
         let _ = self.cache().flush(None, Duration::ZERO);
+        let poisoned = self.cache().poisoned();
+        let mut lost = Vec::new();
+        for (ino, pages) in poisoned {
+            let name = match self.place_of(ino) {
+                Ok(PlaceBuf::Path(p)) => p.display().to_string(),
+                Ok(PlaceBuf::Orphan(_)) => format!("inode {ino} (already unlinked)"),
+                Err(_) => format!("inode {ino}"),
+            };
+            lost.push(format!("{name} ({pages} page(s))"));
+        }
+        *self.lost.lock().unwrap_or_else(|p| p.into_inner()) = lost;
     }
 
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
@@ -409,10 +773,7 @@ impl Filesystem for Naming {
     }
 
     fn forget(&mut self, _req: &Request<'_>, ino: u64, nlookup: u64) {
-        if ino == FUSE_ROOT_ID {
-            return;
-        }
-        if self.fd(ino).is_err() {
+        if ino == FUSE_ROOT_ID || self.handle(ino).is_err() {
             return;
         }
         let Some(i) = self.inodes.get_mut(&ino) else { return };
@@ -420,22 +781,23 @@ impl Filesystem for Naming {
         let left = i.lookups;
         if left > 0 {
             self.cache().shared().set_lookups(ino, left);
+            return;
+        }
+        let orphan = i.orphan;
+        self.inodes.remove(&ino);
+        self.fds.forget(ino);
+        let mut c = self.cache();
+        c.shared().drop_handle(ino);
+        if orphan {
+            c.remove(ino, true);
         } else {
-            let orphan = self.inodes[&ino].orphan;
-            self.inodes.remove(&ino);
-            let mut c = self.cache();
-            c.shared().drop_handle(ino);
-            if orphan {
-                c.remove(ino);
-            } else {
-                c.release_inode(ino);
-            }
+            c.release_inode(ino);
         }
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
         let fd = tryr!(reply, self.fd(ino));
-        let st = tryr!(reply, stat_fd(fd));
+        let st = tryr!(reply, stat_fd(fd.raw()));
         reply.attr(&TTL, &self.attr(ino, &st));
     }
 
@@ -458,23 +820,34 @@ impl Filesystem for Naming {
         reply: ReplyAttr,
     ) {
         let fd = tryr!(reply, self.fd(ino));
-        let p = proc_path(fd);
+        let p = proc_path(fd.raw());
+        if let Some(s) = size {
+            tryr!(reply, self.attach(ino));
+            tryr!(reply, self.cache().truncate(ino, s));
+        }
+        if uid.is_some() || gid.is_some() {
+            let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
+            // SAFETY: valid fd, empty path with AT_EMPTY_PATH.
+            let r = unsafe {
+                libc::fchownat(
+                    fd.raw(),
+                    c"".as_ptr(),
+                    u,
+                    g,
+                    libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+                )
+            };
+            if r < 0 {
+                return reply.error(errno());
+            }
+        }
+        // After chown, which may have cleared setuid/setgid: the kernel sends the mode it
+        // wants in the same request.
         if let Some(m) = mode {
             // SAFETY: valid path.
             if unsafe { libc::chmod(p.as_ptr(), m & 0o7777) } < 0 {
                 return reply.error(errno());
             }
-        }
-        if uid.is_some() || gid.is_some() {
-            let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
-            // SAFETY: valid fd, empty path with AT_EMPTY_PATH.
-            if unsafe { libc::fchownat(fd, c"".as_ptr(), u, g, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) } < 0 {
-                return reply.error(errno());
-            }
-        }
-        if let Some(s) = size {
-            tryr!(reply, self.attach(ino));
-            tryr!(reply, self.cache().truncate(ino, s));
         }
         if atime.is_some() || mtime.is_some() {
             let times = [timespec(atime), timespec(mtime)];
@@ -483,9 +856,9 @@ impl Filesystem for Naming {
                 return reply.error(errno());
             }
         } else if size.is_some() {
-            self.touch_mtime(fd);
+            self.touch_mtime(fd.raw());
         }
-        let st = tryr!(reply, stat_fd(fd));
+        let st = tryr!(reply, stat_fd(fd.raw()));
         reply.attr(&TTL, &self.attr(ino, &st));
     }
 
@@ -493,7 +866,7 @@ impl Filesystem for Naming {
         let fd = tryr!(reply, self.fd(ino));
         let mut buf = vec![0u8; libc::PATH_MAX as usize];
         // SAFETY: valid fd and buffer.
-        let n = unsafe { libc::readlinkat(fd, c"".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        let n = unsafe { libc::readlinkat(fd.raw(), c"".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
         if n < 0 {
             return reply.error(errno());
         }
@@ -510,72 +883,93 @@ impl Filesystem for Naming {
         rdev: u32,
         reply: ReplyEntry,
     ) {
+        if self.hidden(parent, name) {
+            return reply.error(libc::EPERM);
+        }
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
         // SAFETY: valid dir fd and name.
-        if unsafe { libc::mknodat(pfd, c.as_ptr(), mode & !umask, rdev as libc::dev_t) } < 0 {
+        if unsafe { libc::mknodat(pfd.raw(), c.as_ptr(), mode & !umask, rdev as libc::dev_t) } < 0 {
             if let Some(e) = self.failure(req, libc::EEXIST) {
                 return reply.error(e);
             }
+        } else if mode & libc::S_IFMT == libc::S_IFREG || mode & libc::S_IFMT == 0 {
+            self.fresh_tables(parent, name);
         }
-        self.chown_to(pfd, &c, req);
+        self.chown_to(pfd.raw(), &c, req);
         let attr = tryr!(reply, self.do_lookup(parent, name));
         reply.entry(&TTL, &attr, 0);
     }
 
     fn mkdir(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        if self.hidden(parent, name) {
+            return reply.error(libc::EPERM);
+        }
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
         // SAFETY: valid dir fd and name.
-        if unsafe { libc::mkdirat(pfd, c.as_ptr(), (mode & !umask) as libc::mode_t) } < 0 {
+        if unsafe { libc::mkdirat(pfd.raw(), c.as_ptr(), (mode & !umask) as libc::mode_t) } < 0 {
             if let Some(e) = self.failure(req, libc::EEXIST) {
                 return reply.error(e);
             }
         }
-        self.chown_to(pfd, &c, req);
+        self.chown_to(pfd.raw(), &c, req);
         let attr = tryr!(reply, self.do_lookup(parent, name));
         reply.entry(&TTL, &attr, 0);
     }
 
     fn unlink(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+        if self.hidden(parent, name) {
+            return reply.error(libc::ENOENT);
+        }
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
-        let st = match stat_at(pfd, &c) {
+        let st = match stat_at(pfd.raw(), &c) {
             Ok(st) => st,
             Err(libc::ENOENT) if self.replayed.contains(&req.unique()) => return reply.ok(),
             Err(e) => return reply.error(e),
         };
         // SAFETY: valid dir fd and name.
-        if unsafe { libc::unlinkat(pfd, c.as_ptr(), 0) } < 0 {
+        if unsafe { libc::unlinkat(pfd.raw(), c.as_ptr(), 0) } < 0 {
             return reply.error(errno());
         }
-        self.unlinking(&st);
+        self.name_removed(parent, name, &st);
         reply.ok();
     }
 
     fn rmdir(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+        if self.hidden(parent, name) {
+            return reply.error(libc::ENOENT);
+        }
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
+        let st = stat_at(pfd.raw(), &c);
         // SAFETY: valid dir fd and name.
-        if unsafe { libc::unlinkat(pfd, c.as_ptr(), libc::AT_REMOVEDIR) } < 0 {
+        if unsafe { libc::unlinkat(pfd.raw(), c.as_ptr(), libc::AT_REMOVEDIR) } < 0 {
             if let Some(e) = self.failure(req, libc::ENOENT) {
                 return reply.error(e);
             }
+        }
+        if let Ok(st) = st {
+            self.name_removed(parent, name, &st);
         }
         reply.ok();
     }
 
     fn symlink(&mut self, req: &Request<'_>, parent: u64, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        if self.hidden(parent, link_name) {
+            return reply.error(libc::EPERM);
+        }
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(link_name));
         let t = tryr!(reply, cstr(target.as_os_str()));
         // SAFETY: valid strings and dir fd.
-        if unsafe { libc::symlinkat(t.as_ptr(), pfd, c.as_ptr()) } < 0 {
+        if unsafe { libc::symlinkat(t.as_ptr(), pfd.raw(), c.as_ptr()) } < 0 {
             if let Some(e) = self.failure(req, libc::EEXIST) {
                 return reply.error(e);
             }
         }
-        self.chown_to(pfd, &c, req);
+        self.chown_to(pfd.raw(), &c, req);
         let attr = tryr!(reply, self.do_lookup(parent, link_name));
         reply.entry(&TTL, &attr, 0);
     }
@@ -590,35 +984,72 @@ impl Filesystem for Naming {
         flags: u32,
         reply: ReplyEmpty,
     ) {
+        if self.hidden(parent, name) || self.hidden(newparent, newname) {
+            return reply.error(libc::EPERM);
+        }
         let pfd = tryr!(reply, self.fd(parent));
         let nfd = tryr!(reply, self.fd(newparent));
         let c = tryr!(reply, cstr(name));
         let n = tryr!(reply, cstr(newname));
-        let replaced = stat_at(nfd, &n).ok();
+        let moved = stat_at(pfd.raw(), &c).ok();
+        let replaced = stat_at(nfd.raw(), &n).ok();
         // SAFETY: valid fds and names.
-        let r = unsafe { libc::syscall(libc::SYS_renameat2, pfd, c.as_ptr(), nfd, n.as_ptr(), flags) };
-        if r < 0 {
-            return match self.failure(req, libc::ENOENT) {
-                Some(e) => reply.error(e),
-                None => reply.ok(),
-            };
+        let r = unsafe { libc::syscall(libc::SYS_renameat2, pfd.raw(), c.as_ptr(), nfd.raw(), n.as_ptr(), flags) };
+        let replay = r < 0;
+        if replay {
+            if let Some(e) = self.failure(req, libc::ENOENT) {
+                return reply.error(e);
+            }
         }
-        if let Some(st) = replaced {
-            if flags & libc::RENAME_EXCHANGE == 0 {
-                self.unlinking(&st);
+        let exchange = flags & libc::RENAME_EXCHANGE != 0;
+        // The replaced file's tables go first, then the moved file's take their place.
+        if let (Some(st), false, false) = (replaced, exchange, replay) {
+            if moved.is_none_or(|m| m.st_ino != st.st_ino) {
+                self.name_removed(newparent, newname, &st);
+            }
+        }
+        let from = self.rel_path(parent).map(|p| p.join(name));
+        let to = self.rel_path(newparent).map(|p| p.join(newname));
+        if let (Ok(from), Ok(to)) = (&from, &to) {
+            if let Err(e) = self.cache().store().renamed(from, to, exchange) {
+                self.note(&format!("cannot move the tables of {}", from.display()), e);
+            }
+        }
+        if let Some(st) = moved {
+            let ino = self.ino_of(st.st_ino);
+            if let Some(i) = self.inodes.get_mut(&ino) {
+                i.name = Some((newparent, newname.to_os_string()));
+            }
+        }
+        if let (Some(st), true) = (replaced, exchange) {
+            let ino = self.ino_of(st.st_ino);
+            if let Some(i) = self.inodes.get_mut(&ino) {
+                i.name = Some((parent, name.to_os_string()));
             }
         }
         reply.ok();
     }
 
     fn link(&mut self, req: &Request<'_>, ino: u64, newparent: u64, newname: &OsStr, reply: ReplyEntry) {
+        if self.hidden(newparent, newname) {
+            return reply.error(libc::EPERM);
+        }
         let fd = tryr!(reply, self.fd(ino));
         let nfd = tryr!(reply, self.fd(newparent));
         let n = tryr!(reply, cstr(newname));
-        // SAFETY: valid fds and name; AT_EMPTY_PATH links the inode the O_PATH fd holds.
-        if unsafe { libc::linkat(fd, c"".as_ptr(), nfd, n.as_ptr(), libc::AT_EMPTY_PATH) } < 0 {
+        // SAFETY: valid fds and name; AT_EMPTY_PATH links the inode the fd holds.
+        if unsafe { libc::linkat(fd.raw(), c"".as_ptr(), nfd.raw(), n.as_ptr(), libc::AT_EMPTY_PATH) } < 0 {
             if let Some(e) = self.failure(req, libc::EEXIST) {
                 return reply.error(e);
+            }
+        }
+        if stat_fd(fd.raw()).is_ok_and(|st| kind(st.st_mode) == FileType::RegularFile) {
+            let existing = self.rel_path(ino);
+            let new = self.rel_path(newparent).map(|p| p.join(newname));
+            if let (Ok(e), Ok(n)) = (existing, new) {
+                if let Err(err) = self.cache().store().linked(&e, &n) {
+                    self.note(&format!("cannot link the tables of {}", e.display()), err);
+                }
             }
         }
         let attr = tryr!(reply, self.do_lookup(newparent, newname));
@@ -627,14 +1058,29 @@ impl Filesystem for Naming {
 
     fn open(&mut self, _req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
         let fd = tryr!(reply, self.fd(ino));
-        let st = tryr!(reply, stat_fd(fd));
+        let st = tryr!(reply, stat_fd(fd.raw()));
         if kind(st.st_mode) == FileType::RegularFile {
             tryr!(reply, self.attach(ino));
             if flags & libc::O_TRUNC != 0 {
                 tryr!(reply, self.cache().truncate(ino, 0));
             }
+            self.cache().opened(ino);
         }
         reply.opened(0, FOPEN_DIRECT_IO);
+    }
+
+    fn release(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        _flags: i32,
+        _lock_owner: Option<u64>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.cache().released(ino);
+        reply.ok();
     }
 
     fn read(
@@ -660,7 +1106,7 @@ impl Filesystem for Naming {
         _fh: u64,
         offset: i64,
         data: &[u8],
-        _write_flags: u32,
+        write_flags: u32,
         _flags: i32,
         _lock_owner: Option<u64>,
         reply: ReplyWrite,
@@ -669,7 +1115,10 @@ impl Filesystem for Naming {
         tryr!(reply, self.room_for(data.len()));
         let n = tryr!(reply, self.cache().write(ino, offset.max(0) as u64, data));
         if let Ok(fd) = self.fd(ino) {
-            self.touch_mtime(fd);
+            if write_flags & FUSE_WRITE_KILL_SUIDGID != 0 {
+                self.kill_suidgid(fd.raw());
+            }
+            self.touch_mtime(fd.raw());
         }
         reply.written(n as u32);
     }
@@ -689,43 +1138,66 @@ impl Filesystem for Naming {
         reply.opened(0, 0);
     }
 
+    /// Entries come straight from the backing directory, with its own `d_off` cookies as
+    /// offsets: they stay valid while entries are removed, and each call reads only what
+    /// it returns.
     fn readdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, offset: i64, mut reply: ReplyDirectory) {
         let fd = tryr!(reply, self.fd(ino));
-        let dir = match std::fs::read_dir(Path::new(&format!("/proc/self/fd/{fd}"))) {
-            Ok(d) => d,
-            Err(e) => return reply.error(e.raw_os_error().unwrap_or(libc::EIO)),
-        };
-        let mut entries: Vec<(u64, FileType, std::ffi::OsString)> = vec![
-            (ino, FileType::Directory, ".".into()),
-            (ino, FileType::Directory, "..".into()),
-        ];
-        for e in dir.flatten() {
-            use std::os::unix::fs::DirEntryExt;
-            let ft = match e.file_type() {
-                Ok(t) if t.is_dir() => FileType::Directory,
-                Ok(t) if t.is_symlink() => FileType::Symlink,
-                _ => FileType::RegularFile,
-            };
-            entries.push((self.ino_of(e.ino()), ft, e.file_name()));
+        let dir = tryr!(reply, reopen(fd.raw(), libc::O_RDONLY | libc::O_DIRECTORY));
+        // SAFETY: seeking our own directory descriptor to a cookie it gave out.
+        if unsafe { libc::lseek(dir.as_raw_fd(), offset, libc::SEEK_SET) } < 0 {
+            return reply.error(errno());
         }
-        for (i, (eino, ft, name)) in entries.iter().enumerate().skip(offset.max(0) as usize) {
-            if reply.add(*eino, i as i64 + 1, *ft, name) {
+        let mut buf = [0u8; 8192];
+        loop {
+            // SAFETY: getdents64 into our buffer.
+            let n = unsafe { libc::syscall(libc::SYS_getdents64, dir.as_raw_fd(), buf.as_mut_ptr(), buf.len()) };
+            if n < 0 {
+                return reply.error(errno());
+            }
+            if n == 0 {
                 break;
+            }
+            let mut at = 0usize;
+            while at < n as usize {
+                // struct linux_dirent64: u64 ino, i64 off, u16 reclen, u8 type, name.
+                let d_ino = u64::from_ne_bytes(buf[at..at + 8].try_into().expect("8 bytes"));
+                let d_off = i64::from_ne_bytes(buf[at + 8..at + 16].try_into().expect("8 bytes"));
+                let reclen = u16::from_ne_bytes([buf[at + 16], buf[at + 17]]) as usize;
+                let d_type = buf[at + 18];
+                let name_bytes = &buf[at + 19..at + reclen];
+                let name = OsStr::from_bytes(
+                    &name_bytes[..name_bytes.iter().position(|&b| b == 0).unwrap_or(name_bytes.len())],
+                );
+                at += reclen;
+                if self.hidden(ino, name) {
+                    continue;
+                }
+                let eino = if ino == FUSE_ROOT_ID && name.as_bytes() == b".." {
+                    FUSE_ROOT_ID
+                } else {
+                    self.ino_of(d_ino)
+                };
+                if reply.add(eino, d_off, dirent_kind(d_type), name) {
+                    return reply.ok();
+                }
             }
         }
         reply.ok();
     }
 
-    fn fsyncdir(&mut self, _req: &Request<'_>, _ino: u64, _fh: u64, _datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, _datasync: bool, reply: ReplyEmpty) {
+        let fd = tryr!(reply, self.fd(ino));
+        let dir = tryr!(reply, reopen(fd.raw(), libc::O_RDONLY | libc::O_DIRECTORY));
+        tryr!(reply, dir.sync_all().map_err(io_errno));
         reply.ok();
     }
 
     fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: ReplyStatfs) {
-        let fd = tryr!(reply, self.fd(FUSE_ROOT_ID));
+        // SAFETY: statvfs is plain data; the kernel fills it in.
         let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-        let p = proc_path(fd);
-        // SAFETY: valid path and output struct.
-        if unsafe { libc::statvfs(p.as_ptr(), &mut s) } < 0 {
+        // SAFETY: valid fd and output struct.
+        if unsafe { libc::fstatvfs(self.root_dir.as_raw_fd(), &mut s) } < 0 {
             return reply.error(errno());
         }
         reply.statfs(
@@ -755,41 +1227,96 @@ impl Filesystem for Naming {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        if self.hidden(parent, name) {
+            return reply.error(libc::EPERM);
+        }
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
-        let oflags = libc::O_CREAT | libc::O_RDWR | libc::O_CLOEXEC | (flags & libc::O_EXCL);
+        let excl = libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC;
         // SAFETY: valid dir fd and name; the fd is closed right away.
-        let mut r = unsafe { libc::openat(pfd, c.as_ptr(), oflags, mode & !umask) };
-        if r < 0 {
-            if let Some(e) = self.failure(req, libc::EEXIST) {
-                return reply.error(e);
-            }
-            // A replayed O_EXCL create whose first run created the file: open it.
-            r = unsafe { libc::openat(pfd, c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-            if r < 0 {
-                return reply.error(errno());
-            }
+        let r = unsafe { libc::openat(pfd.raw(), c.as_ptr(), excl, mode & !umask) };
+        if r >= 0 {
+            // SAFETY: our own new descriptor.
+            unsafe { libc::close(r) };
+            self.fresh_tables(parent, name);
+            self.chown_to(pfd.raw(), &c, req);
+        } else if errno() != libc::EEXIST || (flags & libc::O_EXCL != 0 && !self.replayed.contains(&req.unique())) {
+            return reply.error(errno());
         }
-        unsafe { libc::close(r) };
-        self.chown_to(pfd, &c, req);
         let attr = tryr!(reply, self.do_lookup(parent, name));
+        if attr.kind != FileType::RegularFile {
+            return reply.error(libc::EISDIR);
+        }
         tryr!(reply, self.attach(attr.ino));
-        if flags & libc::O_TRUNC != 0 {
+        if flags & libc::O_TRUNC != 0 && r < 0 {
             tryr!(reply, self.cache().truncate(attr.ino, 0));
         }
+        self.cache().opened(attr.ino);
+        let attr = match self.fd(attr.ino).and_then(|fd| stat_fd(fd.raw())) {
+            Ok(st) => self.attr(attr.ino, &st),
+            Err(_) => attr,
+        };
         reply.created(&TTL, &attr, 0, 0, FOPEN_DIRECT_IO);
     }
 
     fn fallocate(
         &mut self,
         _req: &Request<'_>,
-        _ino: u64,
+        ino: u64,
         _fh: u64,
-        _offset: i64,
-        _length: i64,
-        _mode: i32,
+        offset: i64,
+        length: i64,
+        mode: i32,
         reply: ReplyEmpty,
     ) {
-        reply.error(libc::EOPNOTSUPP);
+        if offset < 0 || length <= 0 {
+            return reply.error(libc::EINVAL);
+        }
+        let (off, len) = (offset as u64, length as u64);
+        let end = tryr!(reply, off.checked_add(len).ok_or(libc::EFBIG));
+        tryr!(reply, self.attach(ino));
+        let size = self.cache().size(ino).unwrap_or(0);
+        const ZEROING: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
+        match mode & !libc::FALLOC_FL_KEEP_SIZE {
+            // Preallocation: the file reads the same, only its size may grow.
+            0 => {
+                if mode & libc::FALLOC_FL_KEEP_SIZE == 0 && end > size {
+                    tryr!(reply, self.room_for(0));
+                    tryr!(reply, self.cache().truncate(ino, end));
+                }
+            }
+            // Punched or zeroed ranges read as zeros: written as zeros through the cache,
+            // so that their checksums stay right (the space is not given back).
+            m if m & !ZEROING == 0
+                && (m & libc::FALLOC_FL_PUNCH_HOLE == 0 || mode & libc::FALLOC_FL_KEEP_SIZE != 0) =>
+            {
+                let stop = if mode & libc::FALLOC_FL_KEEP_SIZE != 0 {
+                    end.min(size)
+                } else {
+                    end
+                };
+                let zeros = vec![0u8; 1 << 20];
+                let mut at = off;
+                while at < stop {
+                    let n = (stop - at).min(zeros.len() as u64) as usize;
+                    tryr!(reply, self.room_for(n));
+                    tryr!(reply, self.cache().write(ino, at, &zeros[..n]));
+                    at += n as u64;
+                }
+            }
+            _ => return reply.error(libc::EOPNOTSUPP),
+        }
+        reply.ok();
+    }
+
+    fn lseek(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, offset: i64, whence: i32, reply: ReplyLseek) {
+        if whence != libc::SEEK_DATA && whence != libc::SEEK_HOLE {
+            return reply.error(libc::EINVAL);
+        }
+        if offset < 0 {
+            return reply.error(libc::ENXIO);
+        }
+        let at = tryr!(reply, self.seek_data_hole(ino, offset as u64, whence));
+        reply.offset(at as i64);
     }
 }

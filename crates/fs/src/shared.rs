@@ -18,8 +18,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 const MAGIC: u64 = 0x4C53_4653_5353_0001; // "LSFSSS" v1
 const RECORD: usize = 32;
 const DIRTY: u32 = 2;
-/// Entries in the handle table (open addressing; 4 MiB).
-const HANDLES: usize = 1 << 16;
+/// Entries in the handle table (open addressing; 16 MiB of address space, touched only
+/// where used). Inodes beyond it still work, but cannot be reopened after a daemon crash.
+const HANDLES: usize = 1 << 18;
 const HANDLE: usize = 64;
 /// The longest file handle kept (ext4 and tmpfs handles are 8 to 12 bytes).
 pub const HANDLE_MAX: usize = 40;

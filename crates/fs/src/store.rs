@@ -1,35 +1,53 @@
-//! The file store: file data in backing files, and a CRC32C for every 4 KiB block in a
-//! checksummed side table, optionally mirrored for repair.
+//! The file store: file data in an ordinary directory tree, and a CRC32C for every 4 KiB
+//! block in a checksummed side table, optionally mirrored for repair.
 //!
-//! Layout under `--store DIR`:
-//! - `DIR/data/...`: the namespace and file data (the naming layer works on it directly).
-//! - `DIR/.lockstep/crc/<backing inode>`: the block CRC table of that inode (shared by its
-//!   hard links). It is a sequence of 4 KiB chunks, each holding 1023 block CRCs and the
-//!   CRC of those 4092 bytes, so a damaged table is detected too.
+//! Layout (store format 2) under `--store DIR`:
+//! - `DIR/...`: the namespace and file data, exactly as the mount shows them.
+//! - `DIR/.lockstep/format`: the format marker; `DIR/.lockstep/lock`: held (flock) by the
+//!   mount that serves the store.
+//! - `DIR/.lockstep/crc/<path>`: the block CRC table of the regular file `DIR/<path>`.
+//!   Hard links of a file have hard-linked tables, and a rename moves the table with the
+//!   file. Tables are keyed by path, not by inode number, because the path is what
+//!   survives `cp -a`, `rsync -a`, tar and a restore from backup; inode numbers do not. (A
+//!   per-file id in an extended attribute would be lost by rsync and tar without extra
+//!   flags.) A copy without `-H` turns hard links into separate files, and their tables
+//!   into separate, still matching, copies.
+//! - `DIR/.lockstep/orphans/<inode>`: the table of a file whose last name was removed while
+//!   it was still open.
 //!
-//! `--mirror DIR2` keeps a second copy of every block and table: `DIR2/<inode>.data` and
-//! `DIR2/<inode>.crc`. A block that fails its check in the store is read from the mirror,
-//! checked there, and written back over the bad copy.
+//! A table is a sequence of chunk pairs: chunk `k` covers blocks `1023k .. 1023k+1022` and
+//! is stored twice, at offsets `2k` and `2k+1` pages. A chunk holds 1023 block CRCs and the
+//! CRC of those 4092 bytes. A copy that fails its CRC is rewritten from the other one. If
+//! both fail, a block is still accepted when its CRC equals the slot of either copy (a
+//! damaged slot cannot match by chance, except with probability 2^-32), so only blocks
+//! whose checksums are really lost become unreadable.
+//!
+//! `--mirror DIR2` is a second store with the same layout (`DIR2/<path>` and
+//! `DIR2/.lockstep/crc/<path>`), kept in step by every write, truncate and namespace
+//! change. A block that fails its check in the store is read from the mirror, checked
+//! there, and written back over the bad copy.
 //!
 //! A block's CRC covers its used part (the file's bytes in it). A table slot of 0 stands
 //! for "never written": the block must then be all zeros (a hole).
 
 use crate::crc::PAGE;
 use lockstep_core::checksum::crc32c;
-use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-const SLOTS: u64 = 1023;
+/// Block CRCs per table chunk.
+pub const SLOTS: u64 = 1023;
+/// The directory of lockstep's own files in a store; hidden from the mount.
+pub const META: &str = ".lockstep";
+const FORMAT: &str = "lockstep fs store, format 2\n";
 
 #[derive(Debug)]
 pub enum StoreError {
     Io(io::Error),
     /// The block and its mirror copy (if any) both fail their checks.
     Corrupt {
-        ino: u64,
         block: u64,
     },
 }
@@ -54,93 +72,91 @@ impl StoreError {
 pub struct ReadInfo {
     /// The block was bad in the store and repaired from the mirror.
     pub repaired: bool,
+    /// One copy of its table chunk was damaged and rewritten from the other.
+    pub table_repaired: bool,
 }
 
-struct StoreCopy {
-    crc_dir: PathBuf,
-    /// Mirror copies keep the data beside the table; the primary's data is the caller's file.
-    data_dir: Option<PathBuf>,
-    tables: HashMap<u64, File>,
-    datas: HashMap<u64, File>,
+/// Where a file's tables are: under its path, or among the orphans (no name left).
+#[derive(Debug, Clone, Copy)]
+pub enum Place<'a> {
+    Path(&'a Path),
+    Orphan(u64),
 }
 
-impl StoreCopy {
-    fn table(&mut self, ino: u64) -> io::Result<&File> {
-        let name = match self.data_dir {
-            Some(_) => format!("{ino}.crc"),
-            None => ino.to_string(),
-        };
-        open_cached(&mut self.tables, ino, &self.crc_dir.join(name))
-    }
-
-    fn mirror_data(&mut self, ino: u64) -> io::Result<&File> {
-        let dir = self.data_dir.as_ref().expect("mirror");
-        open_cached(&mut self.datas, ino, &dir.join(format!("{ino}.data")))
-    }
-
-    /// The stored CRC of a block; `Ok(None)` if its table chunk fails its own check.
-    fn crc(&mut self, ino: u64, block: u64) -> io::Result<Option<u32>> {
-        let chunk = read_chunk(self.table(ino)?, block / SLOTS)?;
-        Ok(chunk.map(|c| slot(&c, block % SLOTS)))
-    }
-
-    fn set_crc(&mut self, ino: u64, block: u64, crc: u32) -> io::Result<()> {
-        let t = self.table(ino)?;
-        // A chunk that is damaged is rebuilt around this slot: its other blocks then fail
-        // their checks and are repaired from the mirror or reported.
-        let mut chunk = read_chunk(t, block / SLOTS)?.unwrap_or([0u8; PAGE]);
-        let s = (block % SLOTS) as usize * 4;
-        chunk[s..s + 4].copy_from_slice(&crc.to_le_bytes());
-        let sum = crc32c(&chunk[..PAGE - 4]);
-        chunk[PAGE - 4..].copy_from_slice(&sum.to_le_bytes());
-        t.write_all_at(&chunk, block / SLOTS * PAGE as u64)
-    }
-
-    fn forget(&mut self, ino: u64) {
-        self.tables.remove(&ino);
-        self.datas.remove(&ino);
-    }
+/// The open tables of one file: its table in the store and, with a mirror, the mirror's
+/// copy of its data and table.
+pub struct Tables {
+    table: File,
+    mirror: Option<(File, File)>,
 }
 
-fn open_cached<'a>(files: &'a mut HashMap<u64, File>, ino: u64, path: &Path) -> io::Result<&'a File> {
-    match files.entry(ino) {
-        std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
-        std::collections::hash_map::Entry::Vacant(v) => {
-            let f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(path)?;
-            Ok(v.insert(f))
-        }
-    }
+/// One table chunk as read from its two copies.
+enum Chunk {
+    /// A copy passed its CRC (`repaired`: the other did not and was rewritten).
+    Good { slots: Box<[u8; PAGE]>, repaired: bool },
+    /// Both copies fail: each slot has two candidates.
+    Damaged { a: Box<[u8; PAGE]>, b: Box<[u8; PAGE]> },
 }
 
 fn slot(chunk: &[u8; PAGE], i: u64) -> u32 {
     let s = i as usize * 4;
-    u32::from_le_bytes(chunk[s..s + 4].try_into().unwrap())
+    u32::from_le_bytes([chunk[s], chunk[s + 1], chunk[s + 2], chunk[s + 3]])
 }
 
-/// A table chunk, `None` if it fails its CRC; a chunk past the end reads as all holes.
-fn read_chunk(t: &File, chunk: u64) -> io::Result<Option<[u8; PAGE]>> {
-    let mut buf = [0u8; PAGE];
-    let n = read_full(t, &mut buf, chunk * PAGE as u64)?;
-    if n == 0 {
-        return Ok(Some([0u8; PAGE]));
-    }
-    let sum = u32::from_le_bytes(buf[PAGE - 4..].try_into().unwrap());
-    // A chunk of zeros is one that was never written (a hole in the table file).
-    if n == PAGE && sum == 0 && buf.iter().all(|&b| b == 0) {
-        return Ok(Some(buf));
-    }
-    if n < PAGE || crc32c(&buf[..PAGE - 4]) != sum {
-        return Ok(None);
-    }
-    Ok(Some(buf))
+fn seal(chunk: &mut [u8; PAGE]) {
+    let sum = crc32c(&chunk[..PAGE - 4]);
+    chunk[PAGE - 4..].copy_from_slice(&sum.to_le_bytes());
 }
 
-fn read_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
+/// A copy passes if its CRC matches, or if it is all zeros (never written: a hole).
+fn copy_ok(c: &[u8; PAGE]) -> bool {
+    let sum = slot(c, SLOTS);
+    crc32c(&c[..PAGE - 4]) == sum || (sum == 0 && c.iter().all(|&b| b == 0))
+}
+
+fn read_chunk(t: &File, k: u64) -> io::Result<Chunk> {
+    let mut a = Box::new([0u8; PAGE]);
+    let mut b = Box::new([0u8; PAGE]);
+    let na = read_full(t, &mut a[..], 2 * k * PAGE as u64)?;
+    let nb = read_full(t, &mut b[..], (2 * k + 1) * PAGE as u64)?;
+    // A short copy is a torn or cut table: not trusted unless it is absent altogether.
+    let a_ok = (na == PAGE || na == 0) && copy_ok(&a);
+    let b_ok = (nb == PAGE || nb == 0) && copy_ok(&b);
+    match (a_ok, b_ok) {
+        (true, true) if a == b => Ok(Chunk::Good {
+            slots: a,
+            repaired: false,
+        }),
+        // Both valid but different: a write was torn between the copies. The first copy is
+        // always written first, so it is the newer one.
+        (true, _) => {
+            write_copy(t, k, 1, &a)?;
+            Ok(Chunk::Good {
+                slots: a,
+                repaired: !b_ok,
+            })
+        }
+        (false, true) => {
+            write_copy(t, k, 0, &b)?;
+            Ok(Chunk::Good {
+                slots: b,
+                repaired: true,
+            })
+        }
+        (false, false) => Ok(Chunk::Damaged { a, b }),
+    }
+}
+
+fn write_copy(t: &File, k: u64, copy: u64, c: &[u8; PAGE]) -> io::Result<()> {
+    t.write_all_at(c, (2 * k + copy) * PAGE as u64)
+}
+
+fn write_chunk(t: &File, k: u64, c: &[u8; PAGE]) -> io::Result<()> {
+    write_copy(t, k, 0, c)?;
+    write_copy(t, k, 1, c)
+}
+
+pub(crate) fn read_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
     let mut done = 0;
     while done < buf.len() {
         match f.read_at(&mut buf[done..], off + done as u64) {
@@ -153,162 +169,659 @@ fn read_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
     Ok(done)
 }
 
-/// The CRC of `data` if it matches the stored `crc` (a 0 slot: the block was never
-/// written and must be a hole of zeros). Computed once; the cache keeps it.
-fn verified(data: &[u8], stored: u32) -> Option<u32> {
-    let crc = crc32c(data);
-    (crc == stored || (stored == 0 && data.iter().all(|&b| b == 0))).then_some(crc)
+/// Whether `data` matches a stored slot value (0: never written, so it must be zeros).
+fn matches(data: &[u8], crc: u32, stored: u32) -> bool {
+    crc == stored || (stored == 0 && data.iter().all(|&b| b == 0))
+}
+
+/// Read block `block` (its first `len` bytes are in use) of `data` and verify it against
+/// table `t`. Returns the bytes, their CRC and whether a table copy was repaired, or
+/// `None` if the block does not verify.
+fn read_verified(t: &File, data: &File, block: u64, len: usize) -> io::Result<Option<(Vec<u8>, u32, bool)>> {
+    let mut buf = vec![0u8; len];
+    let n = read_full(data, &mut buf, block * PAGE as u64)?;
+    buf[n..].fill(0);
+    let crc = crc32c(&buf);
+    let i = block % SLOTS;
+    let ok = match read_chunk(t, block / SLOTS)? {
+        Chunk::Good { slots, repaired } => matches(&buf, crc, slot(&slots, i)).then_some(repaired),
+        Chunk::Damaged { a, b } => {
+            (matches(&buf, crc, slot(&a, i)) || matches(&buf, crc, slot(&b, i))).then_some(false)
+        }
+    };
+    Ok(ok.map(|repaired| (buf, crc, repaired)))
+}
+
+/// Set one slot of table `t`. If both copies of its chunk are damaged, the chunk is
+/// rebuilt from whichever candidate of each slot matches the data in `data` (a slot that
+/// matches neither keeps the first copy's value and keeps failing: its checksum is lost).
+fn set_crc(t: &File, data: &File, block: u64, crc: u32) -> io::Result<()> {
+    let k = block / SLOTS;
+    let mut c = match read_chunk(t, k)? {
+        Chunk::Good { slots, .. } => slots,
+        Chunk::Damaged { a, b } => rebuild_chunk(data, k, &a, &b)?,
+    };
+    let s = (block % SLOTS) as usize * 4;
+    c[s..s + 4].copy_from_slice(&crc.to_le_bytes());
+    seal(&mut c);
+    write_chunk(t, k, &c)
+}
+
+fn rebuild_chunk(data: &File, k: u64, a: &[u8; PAGE], b: &[u8; PAGE]) -> io::Result<Box<[u8; PAGE]>> {
+    let size = data.metadata()?.len();
+    let mut c = Box::new([0u8; PAGE]);
+    let mut buf = vec![0u8; PAGE];
+    for i in 0..SLOTS {
+        let block = k * SLOTS + i;
+        let start = block * PAGE as u64;
+        let len = size.saturating_sub(start).min(PAGE as u64) as usize;
+        if len == 0 {
+            continue;
+        }
+        let n = read_full(data, &mut buf[..len], start)?;
+        buf[n..len].fill(0);
+        let crc = crc32c(&buf[..len]);
+        let pick = if matches(&buf[..len], crc, slot(b, i)) && !matches(&buf[..len], crc, slot(a, i)) {
+            slot(b, i)
+        } else {
+            slot(a, i)
+        };
+        let s = i as usize * 4;
+        c[s..s + 4].copy_from_slice(&pick.to_le_bytes());
+    }
+    Ok(c)
+}
+
+/// Cut table `t` to cover `blocks` blocks: slots past the end are cleared, so that a later
+/// extension reads as holes.
+fn cut_table(t: &File, data: &File, blocks: u64) -> io::Result<()> {
+    let keep = blocks.div_ceil(SLOTS);
+    if t.metadata()?.len() > 2 * keep * PAGE as u64 {
+        t.set_len(2 * keep * PAGE as u64)?;
+    }
+    if blocks > 0 && !blocks.is_multiple_of(SLOTS) {
+        let k = (blocks - 1) / SLOTS;
+        let mut c = match read_chunk(t, k)? {
+            Chunk::Good { slots, .. } => slots,
+            Chunk::Damaged { a, b } => rebuild_chunk(data, k, &a, &b)?,
+        };
+        c[(blocks % SLOTS) as usize * 4..PAGE - 4].fill(0);
+        seal(&mut c);
+        write_chunk(t, k, &c)?;
+    }
+    Ok(())
+}
+
+fn open_rw(path: &Path) -> io::Result<File> {
+    let open = || {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+    };
+    match open() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if let Some(p) = path.parent() {
+                fs::create_dir_all(p)?;
+            }
+            open()
+        }
+        // A stale directory of tables where a file's table now belongs (its directory was
+        // removed while the daemon was down).
+        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+            fs::remove_dir_all(path)?;
+            open()
+        }
+        r => r,
+    }
+}
+
+fn ignore_missing(r: io::Result<()>) -> io::Result<()> {
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
+/// Remove a file or a directory tree, if it exists.
+fn remove_any(p: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => ignore_missing(fs::remove_dir_all(p)),
+        Ok(_) => ignore_missing(fs::remove_file(p)),
+        Err(_) => Ok(()),
+    }
+}
+
+/// One copy of the store (the primary or the mirror): its root and what lives under it.
+#[derive(Clone, Debug)]
+struct Copy {
+    root: PathBuf,
+}
+
+impl Copy {
+    fn meta(&self) -> PathBuf {
+        self.root.join(META)
+    }
+
+    fn table(&self, place: Place) -> PathBuf {
+        match place {
+            Place::Path(rel) => self.meta().join("crc").join(rel),
+            Place::Orphan(ino) => self.meta().join("orphans").join(ino.to_string()),
+        }
+    }
+
+    /// The mirror's copy of a file's data.
+    fn data(&self, place: Place) -> PathBuf {
+        match place {
+            Place::Path(rel) => self.root.join(rel),
+            Place::Orphan(ino) => self.meta().join("orphans").join(format!("{ino}.data")),
+        }
+    }
+
+    /// The paths that move with a file in this copy: its table, and (mirror) its data.
+    fn paths(&self, place: Place, with_data: bool) -> Vec<PathBuf> {
+        let mut v = vec![self.table(place)];
+        if with_data {
+            v.push(self.data(place));
+        }
+        v
+    }
+}
+
+/// What `Store::open` found in a directory.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// A format-2 store.
+    Store,
+    /// Empty or missing: a new store may be made there.
+    Empty,
+    /// Files, but no `.lockstep`: `lockstep fs adopt` makes it a store.
+    PlainDirectory,
+    /// A store of an older format (inode-keyed tables under `data/`).
+    OldFormat,
+}
+
+pub fn layout(dir: &Path) -> io::Result<Layout> {
+    match fs::read_to_string(dir.join(META).join("format")) {
+        Ok(s) if s == FORMAT => return Ok(Layout::Store),
+        Ok(s) => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("unknown store format {:?}", s.trim()),
+            ))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    if dir.join(META).join("crc").is_dir() && dir.join("data").is_dir() {
+        return Ok(Layout::OldFormat);
+    }
+    match fs::read_dir(dir) {
+        Ok(mut d) => Ok(if d.next().is_none() {
+            Layout::Empty
+        } else {
+            Layout::PlainDirectory
+        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Layout::Empty),
+        Err(e) => Err(e),
+    }
+}
+
+/// Make `dir` a store (it must be empty, or be adopted by the caller, which then fills in
+/// the tables).
+pub fn init(dir: &Path) -> io::Result<()> {
+    let meta = dir.join(META);
+    fs::create_dir_all(meta.join("crc"))?;
+    fs::create_dir_all(meta.join("orphans"))?;
+    let tmp = meta.join("format.tmp");
+    fs::write(&tmp, FORMAT)?;
+    fs::rename(tmp, meta.join("format"))
+}
+
+/// A clear refusal for a directory that is not a format-2 store.
+pub fn require_store(dir: &Path, what: &str) -> Result<(), String> {
+    match layout(dir) {
+        Ok(Layout::Store) => Ok(()),
+        Ok(Layout::Empty) => init(dir).map_err(|e| format!("cannot create the {what} {}: {e}", dir.display())),
+        Ok(Layout::PlainDirectory) => Err(format!(
+            "the {what} {} holds files but is not a lockstep store; run `lockstep fs adopt {}` to make it one",
+            dir.display(),
+            dir.display()
+        )),
+        Ok(Layout::OldFormat) => Err(format!(
+            "the {what} {} was made by an older lockstep (format 1, tables keyed by inode); move its data/ \
+             directory out and run `lockstep fs adopt` on it",
+            dir.display()
+        )),
+        Err(e) => Err(format!("the {what} {} cannot be read: {e}", dir.display())),
+    }
 }
 
 pub struct Store {
-    root: PathBuf,
-    primary: StoreCopy,
-    mirror: Option<StoreCopy>,
+    primary: Copy,
+    mirror: Option<Copy>,
 }
 
 impl Store {
-    /// Open (creating if needed) the store in `dir` and the mirror in `mirror`.
+    /// Open the store in `dir` and the mirror in `mirror`; both must be format-2 stores
+    /// (`require_store` makes empty directories into stores).
     pub fn open(dir: &Path, mirror: Option<&Path>) -> io::Result<Store> {
-        let crc_dir = dir.join(".lockstep").join("crc");
-        fs::create_dir_all(dir.join("data"))?;
-        fs::create_dir_all(&crc_dir)?;
-        let mirror = match mirror {
-            Some(m) => {
-                fs::create_dir_all(m)?;
-                Some(StoreCopy {
-                    crc_dir: m.to_path_buf(),
-                    data_dir: Some(m.to_path_buf()),
-                    tables: HashMap::new(),
-                    datas: HashMap::new(),
-                })
+        for d in std::iter::once(dir).chain(mirror) {
+            if layout(d)? != Layout::Store {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{} is not a lockstep store", d.display()),
+                ));
             }
-            None => None,
-        };
+        }
         Ok(Store {
-            root: dir.to_path_buf(),
-            primary: StoreCopy {
-                crc_dir,
-                data_dir: None,
-                tables: HashMap::new(),
-                datas: HashMap::new(),
+            primary: Copy {
+                root: dir.to_path_buf(),
             },
-            mirror,
+            mirror: mirror.map(|m| Copy { root: m.to_path_buf() }),
         })
     }
 
     /// The directory that holds the namespace.
-    pub fn data_root(&self) -> PathBuf {
-        self.root.join("data")
+    pub fn root(&self) -> &Path {
+        &self.primary.root
     }
 
-    /// Read block `block` of inode `ino` from `data` (the file's first `len` bytes of that
-    /// block are in use) and verify it. Returns the bytes and their CRC, which the cache
-    /// keeps: it never computes it again.
+    fn copies(&self) -> impl Iterator<Item = (&Copy, bool)> {
+        std::iter::once((&self.primary, false)).chain(self.mirror.iter().map(|m| (m, true)))
+    }
+
+    /// Open (creating if needed) the tables of the file at `place`.
+    pub fn tables(&self, place: Place) -> io::Result<Tables> {
+        let table = open_rw(&self.primary.table(place))?;
+        let mirror = match &self.mirror {
+            Some(m) => Some((open_rw(&m.data(place))?, open_rw(&m.table(place))?)),
+            None => None,
+        };
+        Ok(Tables { table, mirror })
+    }
+
+    /// Read block `block` of `data` (its first `len` bytes are in use) and verify it.
+    /// Returns the bytes and their CRC, which the cache keeps: it never computes it again.
     pub fn read_block(
-        &mut self,
-        ino: u64,
+        &self,
+        t: &Tables,
         data: &File,
         block: u64,
         len: usize,
     ) -> Result<(Vec<u8>, u32, ReadInfo), StoreError> {
         assert!(len <= PAGE);
-        let mut buf = vec![0u8; len];
-        let n = read_full(data, &mut buf, block * PAGE as u64)?;
-        buf[n..].fill(0);
-        if let Some(stored) = self.primary.crc(ino, block)? {
-            if let Some(crc) = verified(&buf, stored) {
-                return Ok((buf, crc, ReadInfo::default()));
-            }
+        if let Some((buf, crc, table_repaired)) = read_verified(&t.table, data, block, len)? {
+            return Ok((
+                buf,
+                crc,
+                ReadInfo {
+                    repaired: false,
+                    table_repaired,
+                },
+            ));
         }
-        // Bad data or a bad table chunk: the mirror's copy, if it checks out, repairs ours.
-        let Some(m) = self.mirror.as_mut() else {
-            return Err(StoreError::Corrupt { ino, block });
+        // Bad data or a lost checksum: the mirror's copy, if it checks out, repairs ours.
+        let Some((mdata, mtable)) = &t.mirror else {
+            return Err(StoreError::Corrupt { block });
         };
-        let mut good = vec![0u8; len];
-        let n = read_full(m.mirror_data(ino)?, &mut good, block * PAGE as u64)?;
-        good[n..].fill(0);
-        match m.crc(ino, block)?.and_then(|stored| verified(&good, stored)) {
-            Some(crc) => {
+        match read_verified(mtable, mdata, block, len)? {
+            Some((good, crc, _)) => {
                 data.write_all_at(&good, block * PAGE as u64)?;
-                self.primary.set_crc(ino, block, crc)?;
-                Ok((good, crc, ReadInfo { repaired: true }))
+                set_crc(&t.table, data, block, crc)?;
+                Ok((
+                    good,
+                    crc,
+                    ReadInfo {
+                        repaired: true,
+                        table_repaired: false,
+                    },
+                ))
             }
-            None => Err(StoreError::Corrupt { ino, block }),
+            None => Err(StoreError::Corrupt { block }),
         }
     }
 
     /// Write a block with the CRC the cache computed for it (the store does not recompute).
-    pub fn write_block(&mut self, ino: u64, data: &File, block: u64, bytes: &[u8], crc: u32) -> io::Result<()> {
+    pub fn write_block(&self, t: &Tables, data: &File, block: u64, bytes: &[u8], crc: u32) -> io::Result<()> {
         assert!(bytes.len() <= PAGE);
         data.write_all_at(bytes, block * PAGE as u64)?;
-        self.primary.set_crc(ino, block, crc)?;
-        if let Some(m) = self.mirror.as_mut() {
-            m.mirror_data(ino)?.write_all_at(bytes, block * PAGE as u64)?;
-            m.set_crc(ino, block, crc)?;
+        set_crc(&t.table, data, block, crc)?;
+        if let Some((mdata, mtable)) = &t.mirror {
+            mdata.write_all_at(bytes, block * PAGE as u64)?;
+            set_crc(mtable, mdata, block, crc)?;
         }
         Ok(())
     }
 
     /// Cut or extend a file to `size`. `fixups` are the new CRCs of blocks whose used part
     /// changed (the new last block when cut inside it, the old last block when extended).
-    pub fn truncate(&mut self, ino: u64, data: &File, size: u64, fixups: &[(u64, u32)]) -> io::Result<()> {
+    pub fn truncate(&self, t: &Tables, data: &File, size: u64, fixups: &[(u64, u32)]) -> io::Result<()> {
         data.set_len(size)?;
         let blocks = size.div_ceil(PAGE as u64);
-        let keep_chunks = blocks.div_ceil(SLOTS);
-        for copy in std::iter::once(&mut self.primary).chain(self.mirror.as_mut()) {
-            if copy.data_dir.is_some() {
-                copy.mirror_data(ino)?.set_len(size)?;
+        cut_table(&t.table, data, blocks)?;
+        for &(block, crc) in fixups {
+            set_crc(&t.table, data, block, crc)?;
+        }
+        if let Some((mdata, mtable)) = &t.mirror {
+            mdata.set_len(size)?;
+            cut_table(mtable, mdata, blocks)?;
+            for &(block, crc) in fixups {
+                set_crc(mtable, mdata, block, crc)?;
             }
-            // Slots past the end are cleared, so that a later extension reads as holes.
-            let t = copy.table(ino)?;
-            // Only ever shortened: chunks past the end would be holes anyway.
-            if t.metadata()?.len() > keep_chunks * PAGE as u64 {
-                t.set_len(keep_chunks * PAGE as u64)?;
-            }
-            if !blocks.is_multiple_of(SLOTS) && blocks > 0 {
-                let last_chunk = (blocks - 1) / SLOTS;
-                if let Some(mut chunk) = read_chunk(t, last_chunk)? {
-                    let from = (blocks % SLOTS) as usize * 4;
-                    chunk[from..PAGE - 4].fill(0);
-                    let sum = crc32c(&chunk[..PAGE - 4]);
-                    chunk[PAGE - 4..].copy_from_slice(&sum.to_le_bytes());
-                    t.write_all_at(&chunk, last_chunk * PAGE as u64)?;
+        }
+        Ok(())
+    }
+
+    /// Make the tables (and mirror) durable; the caller syncs the data file.
+    pub fn sync(&self, t: &Tables) -> io::Result<()> {
+        t.table.sync_data()?;
+        if let Some((mdata, mtable)) = &t.mirror {
+            mtable.sync_data()?;
+            mdata.sync_data()?;
+        }
+        Ok(())
+    }
+
+    /// A file was renamed: its tables (and mirror data) move with it. With `exchange`,
+    /// the two swap.
+    pub fn renamed(&self, from: &Path, to: &Path, exchange: bool) -> io::Result<()> {
+        for (copy, with_data) in self.copies() {
+            let froms = copy.paths(Place::Path(from), with_data);
+            let tos = copy.paths(Place::Path(to), with_data);
+            for (f, t) in froms.iter().zip(&tos) {
+                let (fe, te) = (fs::symlink_metadata(f).is_ok(), fs::symlink_metadata(t).is_ok());
+                if let Some(p) = t.parent() {
+                    fs::create_dir_all(p)?;
+                }
+                if exchange && fe && te {
+                    rename2(f, t, libc::RENAME_EXCHANGE)?;
+                } else if exchange && te {
+                    fs::rename(t, f)?;
+                } else if fe {
+                    // A plain rename replaces what was at `to`, as it did in the namespace;
+                    // a directory of tables that is in the way goes first.
+                    if fs::symlink_metadata(t).is_ok_and(|m| m.is_dir()) && !fs::symlink_metadata(f)?.is_dir() {
+                        remove_any(t)?;
+                    }
+                    if fs::rename(f, t).is_err() {
+                        remove_any(t)?;
+                        fs::rename(f, t)?;
+                    }
                 }
             }
-            for &(block, crc) in fixups {
-                copy.set_crc(ino, block, crc)?;
+        }
+        Ok(())
+    }
+
+    /// A new hard link `new` of the file at `existing`: its tables get the same link.
+    pub fn linked(&self, existing: &Path, new: &Path) -> io::Result<()> {
+        for (copy, with_data) in self.copies() {
+            for (e, n) in copy
+                .paths(Place::Path(existing), with_data)
+                .iter()
+                .zip(copy.paths(Place::Path(new), with_data))
+            {
+                if fs::symlink_metadata(e).is_err() {
+                    continue;
+                }
+                if let Some(p) = n.parent() {
+                    fs::create_dir_all(p)?;
+                }
+                remove_any(&n)?;
+                fs::hard_link(e, &n)?;
             }
         }
         Ok(())
     }
 
-    /// The inode is gone (its last link was removed): drop its table and mirror copy.
-    pub fn remove(&mut self, ino: u64) {
-        self.primary.forget(ino);
-        let _ = fs::remove_file(self.primary.crc_dir.join(ino.to_string()));
-        if let Some(m) = self.mirror.as_mut() {
-            m.forget(ino);
-            let _ = fs::remove_file(m.crc_dir.join(format!("{ino}.crc")));
-            let _ = fs::remove_file(m.crc_dir.join(format!("{ino}.data")));
-        }
-    }
-
-    /// Make the tables (and mirror) of `ino` durable; the caller syncs the data file.
-    pub fn sync(&mut self, ino: u64) -> io::Result<()> {
-        self.primary.table(ino)?.sync_data()?;
-        if let Some(m) = self.mirror.as_mut() {
-            m.table(ino)?.sync_data()?;
-            m.mirror_data(ino)?.sync_data()?;
+    /// The name `rel` of a regular file was removed. `orphan`: it was the last name and the
+    /// file is still open, so its tables move to the orphans (by inode) until it is closed.
+    pub fn unlinked(&self, rel: &Path, orphan: Option<u64>) -> io::Result<()> {
+        for (copy, with_data) in self.copies() {
+            let names = copy.paths(Place::Path(rel), with_data);
+            match orphan {
+                Some(ino) => {
+                    for (n, o) in names.iter().zip(copy.paths(Place::Orphan(ino), with_data)) {
+                        if fs::symlink_metadata(n).is_ok() {
+                            if let Some(p) = o.parent() {
+                                fs::create_dir_all(p)?;
+                            }
+                            fs::rename(n, o)?;
+                        }
+                    }
+                }
+                None => {
+                    for n in names {
+                        ignore_missing(fs::remove_file(n))?;
+                    }
+                }
+            }
         }
         Ok(())
     }
 
-    /// Close cached handles of an inode the kernel forgot.
-    pub fn forget(&mut self, ino: u64) {
-        self.primary.forget(ino);
-        if let Some(m) = self.mirror.as_mut() {
-            m.forget(ino);
+    /// A directory was removed: whatever tables are left under it go too.
+    pub fn dir_removed(&self, rel: &Path) -> io::Result<()> {
+        for (copy, with_data) in self.copies() {
+            for p in copy.paths(Place::Path(rel), with_data) {
+                remove_any(&p)?;
+            }
         }
+        Ok(())
+    }
+
+    /// An orphan file was closed for the last time: its tables go.
+    pub fn orphan_gone(&self, ino: u64) {
+        for (copy, with_data) in self.copies() {
+            for p in copy.paths(Place::Orphan(ino), with_data) {
+                let _ = fs::remove_file(p);
+            }
+        }
+    }
+
+    /// At mount: orphans of an earlier mount belong to files that no longer exist.
+    pub fn clear_orphans(&self) -> io::Result<()> {
+        for (copy, _) in self.copies() {
+            let dir = copy.meta().join("orphans");
+            remove_any(&dir)?;
+            fs::create_dir_all(&dir)?;
+        }
+        Ok(())
+    }
+}
+
+fn rename2(from: &Path, to: &Path, flags: u32) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let f = std::ffi::CString::new(from.as_os_str().as_bytes())?;
+    let t = std::ffi::CString::new(to.as_os_str().as_bytes())?;
+    // SAFETY: two NUL-terminated paths relative to the current directory.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            f.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            flags,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Offline verification and table building for whole trees (`lockstep fs check` and
+/// `lockstep fs adopt`).
+pub mod offline {
+    use super::*;
+
+    /// What `check` found in one file.
+    #[derive(Debug, Default)]
+    pub struct FileReport {
+        pub path: PathBuf,
+        /// Blocks that fail their check (data or lost checksum) with no good mirror copy.
+        pub bad_blocks: Vec<u64>,
+        pub repaired_blocks: u64,
+        pub repaired_chunks: u64,
+    }
+
+    #[derive(Debug, Default)]
+    pub struct Report {
+        pub files: u64,
+        pub blocks: u64,
+        pub damaged: Vec<FileReport>,
+        pub repaired_blocks: u64,
+        pub repaired_chunks: u64,
+        /// Tables whose file no longer exists (removed by `check`).
+        pub stale_tables: u64,
+    }
+
+    /// Every entry under `root` (relative path and metadata, not following symlinks),
+    /// skipping `.lockstep`, in name order.
+    pub fn walk(root: &Path, each: &mut dyn FnMut(&Path, &fs::Metadata)) -> io::Result<()> {
+        let mut stack = vec![PathBuf::new()];
+        while let Some(rel) = stack.pop() {
+            let mut names: Vec<_> = fs::read_dir(root.join(&rel))?.collect::<Result<_, _>>()?;
+            names.sort_by_key(|e| e.file_name());
+            for e in names.into_iter().rev() {
+                if rel.as_os_str().is_empty() && e.file_name() == META {
+                    continue;
+                }
+                let r = rel.join(e.file_name());
+                let m = fs::symlink_metadata(root.join(&r))?;
+                each(&r, &m);
+                if m.is_dir() {
+                    stack.push(r);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every regular file under `root`, relative, skipping `.lockstep`.
+    pub fn regular_files(root: &Path, mut each: impl FnMut(&Path) -> io::Result<()>) -> io::Result<()> {
+        let mut files = Vec::new();
+        walk(root, &mut |rel, m| {
+            if m.is_file() {
+                files.push(rel.to_path_buf());
+            }
+        })?;
+        for f in files {
+            each(&f)?;
+        }
+        Ok(())
+    }
+
+    /// Verify every block of every file (repairing damaged table copies and, with a mirror,
+    /// bad blocks), and `progress` after each file.
+    pub fn check(store: &Store, mut progress: impl FnMut(&Report)) -> io::Result<Report> {
+        let mut report = Report::default();
+        let root = store.root().to_path_buf();
+        regular_files(&root, |rel| {
+            let data = OpenOptions::new().read(true).write(true).open(root.join(rel))?;
+            let t = store.tables(Place::Path(rel))?;
+            let size = data.metadata()?.len();
+            let mut fr = FileReport {
+                path: rel.to_path_buf(),
+                ..Default::default()
+            };
+            for block in 0..size.div_ceil(PAGE as u64) {
+                let len = (size - block * PAGE as u64).min(PAGE as u64) as usize;
+                match store.read_block(&t, &data, block, len) {
+                    Ok((_, _, info)) => {
+                        fr.repaired_blocks += info.repaired as u64;
+                        fr.repaired_chunks += info.table_repaired as u64;
+                    }
+                    Err(StoreError::Corrupt { block }) => fr.bad_blocks.push(block),
+                    Err(StoreError::Io(e)) => return Err(e),
+                }
+            }
+            report.files += 1;
+            report.blocks += size.div_ceil(PAGE as u64);
+            report.repaired_blocks += fr.repaired_blocks;
+            report.repaired_chunks += fr.repaired_chunks;
+            if !fr.bad_blocks.is_empty() {
+                report.damaged.push(fr);
+            }
+            progress(&report);
+            Ok(())
+        })?;
+        // Tables left behind by a file that is gone (the daemon was killed between the two
+        // steps of an unlink).
+        let crc = root.join(META).join("crc");
+        let mut stale = Vec::new();
+        regular_files(&crc, |rel| {
+            if fs::symlink_metadata(root.join(rel))
+                .map(|m| !m.is_file())
+                .unwrap_or(true)
+            {
+                stale.push(crc.join(rel));
+            }
+            Ok(())
+        })?;
+        for p in stale {
+            fs::remove_file(p)?;
+            report.stale_tables += 1;
+        }
+        Ok(report)
+    }
+
+    /// Make the existing tree at `dir` a store: write the format marker and a table for
+    /// every regular file, computed from its current contents. Returns the number of files.
+    pub fn adopt(dir: &Path, mut progress: impl FnMut(u64)) -> io::Result<u64> {
+        match layout(dir)? {
+            Layout::Store => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{} is a lockstep store already", dir.display()),
+                ))
+            }
+            Layout::OldFormat => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{} is a format-1 store; adopt its data/ directory instead",
+                        dir.display()
+                    ),
+                ))
+            }
+            Layout::Empty | Layout::PlainDirectory => {}
+        }
+        // The marker is written last, so that an interrupted adopt can simply be run again.
+        let meta = dir.join(META);
+        fs::create_dir_all(meta.join("crc"))?;
+        let mut n = 0;
+        let mut buf = vec![0u8; PAGE];
+        regular_files(dir, |rel| {
+            let data = File::open(dir.join(rel))?;
+            let table = open_rw(&meta.join("crc").join(rel))?;
+            table.set_len(0)?;
+            let size = data.metadata()?.len();
+            let blocks = size.div_ceil(PAGE as u64);
+            for k in 0..blocks.div_ceil(SLOTS) {
+                let mut c = Box::new([0u8; PAGE]);
+                for i in 0..SLOTS.min(blocks - k * SLOTS) {
+                    let start = (k * SLOTS + i) * PAGE as u64;
+                    let len = (size - start).min(PAGE as u64) as usize;
+                    let got = read_full(&data, &mut buf[..len], start)?;
+                    buf[got..len].fill(0);
+                    let s = i as usize * 4;
+                    c[s..s + 4].copy_from_slice(&crc32c(&buf[..len]).to_le_bytes());
+                }
+                seal(&mut c);
+                write_chunk(&table, k, &c)?;
+            }
+            table.sync_data()?;
+            n += 1;
+            progress(n);
+            Ok(())
+        })?;
+        init(dir)?;
+        Ok(n)
     }
 }
 
@@ -333,16 +846,23 @@ mod tests {
         d
     }
 
+    fn store(dir: &Path, mirror: Option<&Path>) -> Store {
+        for d in std::iter::once(dir).chain(mirror) {
+            require_store(d, "store").unwrap();
+        }
+        Store::open(dir, mirror).unwrap()
+    }
+
     #[test]
     fn blocks_round_trip_and_disk_flips_are_caught_and_mirrored_back() {
         let dir = tmp("rt");
-        let mut s = Store::open(&dir.join("s"), Some(&dir.join("m"))).unwrap();
-        let path = s.data_root().join("f");
-        let f = fresh(&path);
+        let s = store(&dir.join("s"), Some(&dir.join("m")));
+        let f = fresh(s.root().join("f"));
+        let t = s.tables(Place::Path(Path::new("f"))).unwrap();
         let block: Vec<u8> = (0..PAGE).map(|i| (i % 251) as u8).collect();
-        s.write_block(7, &f, 0, &block, crc32c(&block)).unwrap();
-        s.write_block(7, &f, 1, &block[..100], crc32c(&block[..100])).unwrap();
-        let (got, crc, info) = s.read_block(7, &f, 1, 100).unwrap();
+        s.write_block(&t, &f, 0, &block, crc32c(&block)).unwrap();
+        s.write_block(&t, &f, 1, &block[..100], crc32c(&block[..100])).unwrap();
+        let (got, crc, info) = s.read_block(&t, &f, 1, 100).unwrap();
         assert_eq!(
             (&got[..], crc, info.repaired),
             (&block[..100], crc32c(&block[..100]), false)
@@ -351,57 +871,146 @@ mod tests {
         let mut b = [0u8; 1];
         f.read_exact_at(&mut b, 10).unwrap();
         f.write_all_at(&[b[0] ^ 0x10], 10).unwrap();
-        let (got, _, info) = s.read_block(7, &f, 0, PAGE).unwrap();
+        let (got, _, info) = s.read_block(&t, &f, 0, PAGE).unwrap();
         assert!(info.repaired);
         assert_eq!(got, block);
-        assert!(!s.read_block(7, &f, 0, PAGE).unwrap().2.repaired);
+        assert!(!s.read_block(&t, &f, 0, PAGE).unwrap().2.repaired);
+        // The mirror is a store of its own, with the same layout.
+        assert_eq!(
+            fs::read(dir.join("m/f")).unwrap(),
+            fs::read(s.root().join("f")).unwrap()
+        );
         // Without a mirror the same flip is an error, never wrong data.
-        let mut plain = Store::open(&dir.join("p"), None).unwrap();
-        let g = fresh(plain.data_root().join("g"));
-        plain.write_block(9, &g, 0, &block, crc32c(&block)).unwrap();
+        let plain = store(&dir.join("p"), None);
+        let g = fresh(plain.root().join("g"));
+        let tg = plain.tables(Place::Path(Path::new("g"))).unwrap();
+        plain.write_block(&tg, &g, 0, &block, crc32c(&block)).unwrap();
         g.write_all_at(&[0xff], 4000).unwrap();
         assert!(matches!(
-            plain.read_block(9, &g, 0, PAGE),
-            Err(StoreError::Corrupt { ino: 9, block: 0 })
+            plain.read_block(&tg, &g, 0, PAGE),
+            Err(StoreError::Corrupt { block: 0 })
         ));
-        // A damaged CRC table is caught as well.
-        let t = plain.primary.crc_dir.join("9");
-        let tf = OpenOptions::new().write(true).open(&t).unwrap();
-        tf.write_all_at(&[1, 2, 3], 100).unwrap();
-        g.write_all_at(&block[4000..4001], 4000).unwrap();
-        assert!(plain.read_block(9, &g, 0, PAGE).is_err());
+    }
+
+    #[test]
+    fn a_damaged_table_copy_is_repaired_and_a_doubly_damaged_chunk_loses_only_its_bad_slots() {
+        let dir = tmp("chunk");
+        let s = store(&dir, None);
+        let f = fresh(s.root().join("f"));
+        let t = s.tables(Place::Path(Path::new("f"))).unwrap();
+        for b in 0..4u64 {
+            let data = vec![b as u8 + 1; PAGE];
+            s.write_block(&t, &f, b, &data, crc32c(&data)).unwrap();
+        }
+        let table = dir.join(META).join("crc").join("f");
+        let tf = OpenOptions::new().write(true).open(&table).unwrap();
+        // One copy damaged (slot 1): repaired from the other, every block reads.
+        tf.write_all_at(&[0x55], 4 + 1).unwrap();
+        let (_, _, info) = s.read_block(&t, &f, 1, PAGE).unwrap();
+        assert!(info.table_repaired);
+        assert!(!s.read_block(&t, &f, 1, PAGE).unwrap().2.table_repaired);
+        // Both copies damaged, in slot 1 of one and slot 2 of the other: every block still
+        // matches one candidate.
+        tf.write_all_at(&[0x55], 4 + 1).unwrap();
+        tf.write_all_at(&[0x55], PAGE as u64 + 8 + 1).unwrap();
+        for b in 0..4 {
+            assert!(s.read_block(&t, &f, b, PAGE).is_ok(), "block {b}");
+        }
+        // Both copies damaged in the same slot: only that block is lost.
+        tf.write_all_at(&[0x66], PAGE as u64 + 4 + 1).unwrap();
+        assert!(s.read_block(&t, &f, 1, PAGE).is_err());
+        for b in [0, 2, 3] {
+            assert!(s.read_block(&t, &f, b, PAGE).is_ok(), "block {b}");
+        }
+        // A write into the damaged chunk rebuilds it from the blocks that verify.
+        let data = vec![9u8; PAGE];
+        s.write_block(&t, &f, 3, &data, crc32c(&data)).unwrap();
+        for b in 0..4 {
+            assert_eq!(s.read_block(&t, &f, b, PAGE).is_ok(), b != 1, "block {b}");
+        }
     }
 
     #[test]
     fn a_table_with_holes_reads_as_unwritten_blocks() {
         let dir = tmp("sparse");
-        let mut s = Store::open(&dir, None).unwrap();
-        let f = fresh(s.data_root().join("s"));
+        let s = store(&dir, None);
+        let f = fresh(s.root().join("s"));
+        let t = s.tables(Place::Path(Path::new("s"))).unwrap();
         // Block 5000 lives in the table's fifth chunk: the first four are holes.
         let block = vec![3u8; PAGE];
-        s.write_block(2, &f, 5000, &block, crc32c(&block)).unwrap();
-        assert!(s.read_block(2, &f, 10, PAGE).is_ok());
-        assert_eq!(s.read_block(2, &f, 5000, PAGE).unwrap().0, block);
+        s.write_block(&t, &f, 5000, &block, crc32c(&block)).unwrap();
+        assert!(s.read_block(&t, &f, 10, PAGE).is_ok());
+        assert_eq!(s.read_block(&t, &f, 5000, PAGE).unwrap().0, block);
     }
 
     #[test]
     fn holes_and_truncation() {
         let dir = tmp("holes");
-        let mut s = Store::open(&dir, None).unwrap();
-        let f = fresh(s.data_root().join("h"));
+        let s = store(&dir, None);
+        let f = fresh(s.root().join("h"));
+        let t = s.tables(Place::Path(Path::new("h"))).unwrap();
         let block = vec![5u8; PAGE];
-        s.write_block(1, &f, 3, &block, crc32c(&block)).unwrap();
+        s.write_block(&t, &f, 3, &block, crc32c(&block)).unwrap();
         // Blocks 0..3 were never written: holes read as zeros and pass.
-        let (got, _, _) = s.read_block(1, &f, 1, PAGE).unwrap();
+        let (got, _, _) = s.read_block(&t, &f, 1, PAGE).unwrap();
         assert!(got.iter().all(|&b| b == 0));
-        s.truncate(1, &f, PAGE as u64 * 3 + 10, &[(3, crc32c(&block[..10]))])
+        s.truncate(&t, &f, PAGE as u64 * 3 + 10, &[(3, crc32c(&block[..10]))])
             .unwrap();
-        assert_eq!(s.read_block(1, &f, 3, 10).unwrap().0, block[..10]);
+        assert_eq!(s.read_block(&t, &f, 3, 10).unwrap().0, block[..10]);
         // Extension: the old block 3 grows with zeros (its CRC extended), block 4 is a hole.
         let mut grown = block[..10].to_vec();
         grown.resize(PAGE, 0);
-        s.truncate(1, &f, PAGE as u64 * 5, &[(3, crc32c(&grown))]).unwrap();
-        assert_eq!(s.read_block(1, &f, 3, PAGE).unwrap().0, grown);
-        assert!(s.read_block(1, &f, 4, PAGE).is_ok());
+        s.truncate(&t, &f, PAGE as u64 * 5, &[(3, crc32c(&grown))]).unwrap();
+        assert_eq!(s.read_block(&t, &f, 3, PAGE).unwrap().0, grown);
+        assert!(s.read_block(&t, &f, 4, PAGE).is_ok());
+    }
+
+    #[test]
+    fn tables_follow_renames_links_and_unlinks() {
+        let dir = tmp("names");
+        let s = store(&dir.join("s"), Some(&dir.join("m")));
+        fs::create_dir_all(s.root().join("a")).unwrap();
+        let f = fresh(s.root().join("a/f"));
+        let t = s.tables(Place::Path(Path::new("a/f"))).unwrap();
+        let block = vec![7u8; 100];
+        s.write_block(&t, &f, 0, &block, crc32c(&block)).unwrap();
+        drop(t);
+        fs::rename(s.root().join("a"), s.root().join("b")).unwrap();
+        s.renamed(Path::new("a"), Path::new("b"), false).unwrap();
+        fs::hard_link(s.root().join("b/f"), s.root().join("g")).unwrap();
+        s.linked(Path::new("b/f"), Path::new("g")).unwrap();
+        for name in ["b/f", "g"] {
+            let t = s.tables(Place::Path(Path::new(name))).unwrap();
+            assert_eq!(s.read_block(&t, &f, 0, 100).unwrap().0, block, "{name}");
+        }
+        s.unlinked(Path::new("b/f"), None).unwrap();
+        s.unlinked(Path::new("g"), Some(77)).unwrap();
+        let t = s.tables(Place::Orphan(77)).unwrap();
+        assert_eq!(s.read_block(&t, &f, 0, 100).unwrap().0, block);
+        s.orphan_gone(77);
+        assert!(!dir.join("s/.lockstep/orphans/77").exists());
+        assert!(!dir.join("m/.lockstep/orphans/77.data").exists());
+    }
+
+    #[test]
+    fn adopt_then_check_then_a_copy_checks_too() {
+        let dir = tmp("adopt");
+        let tree = dir.join("tree");
+        fs::create_dir_all(tree.join("x/y")).unwrap();
+        fs::write(tree.join("x/y/big"), vec![1u8; 3 * PAGE + 17]).unwrap();
+        fs::write(tree.join("small"), b"hello").unwrap();
+        fs::write(tree.join("empty"), b"").unwrap();
+        assert_eq!(layout(&tree).unwrap(), Layout::PlainDirectory);
+        assert_eq!(offline::adopt(&tree, |_| {}).unwrap(), 3);
+        assert_eq!(layout(&tree).unwrap(), Layout::Store);
+        let r = offline::check(&Store::open(&tree, None).unwrap(), |_| {}).unwrap();
+        assert_eq!((r.files, r.blocks, r.damaged.len()), (3, 5, 0));
+        // Damage a byte of data: check names the file and the block.
+        let f = OpenOptions::new().write(true).open(tree.join("x/y/big")).unwrap();
+        f.write_all_at(b"Z", PAGE as u64 * 2 + 5).unwrap();
+        let r = offline::check(&Store::open(&tree, None).unwrap(), |_| {}).unwrap();
+        assert_eq!(r.damaged.len(), 1);
+        assert_eq!(r.damaged[0].path, Path::new("x/y/big"));
+        assert_eq!(r.damaged[0].bad_blocks, vec![2]);
     }
 }
