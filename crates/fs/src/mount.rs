@@ -501,7 +501,7 @@ fn supervise(
 /// on the way out); while mapped they are not covered by our checksums.
 fn allow_shared_mmap(reply: &mut [u8]) {
     const FLAGS: usize = 16 + 12;
-    const FLAGS2: usize = 16 + 40;
+    const FLAGS2: usize = 16 + 32;
     const FUSE_INIT_EXT: u32 = 1 << 30;
     const FUSE_DIRECT_IO_ALLOW_MMAP_HI: u32 = 1 << (36 - 32);
     if reply.len() < FLAGS2 + 4 || i32::from_le_bytes(reply[4..8].try_into().expect("4 bytes")) != 0 {
