@@ -18,10 +18,10 @@ use std::fs::File;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Files kept attached (data and table descriptors open) while nothing needs them: the
-/// rest are closed and opened again on demand, so that the number of descriptors does not
-/// grow with the number of files. Open files and files with dirty pages stay attached.
-pub const IDLE_FILES_MAX: usize = 256;
+/// Files kept attached (data and table descriptors open) while no FUSE handle has them
+/// open: the rest are written back and closed, and opened again on demand, so that the
+/// number of descriptors does not grow with the number of files.
+pub const IDLE_FILES_MAX: usize = 64;
 
 /// When a cached page is verified on read (§IV-C of the Loris paper). Only `EveryRead`
 /// (the default) never returns a page that fails its CRC; the others leave a window, which
@@ -211,27 +211,27 @@ impl Cache {
         Ok(())
     }
 
-    /// Close the least recently used idle files beyond `IDLE_FILES_MAX`.
+    /// Close the least recently used files that are not open, beyond `IDLE_FILES_MAX`.
+    /// Their dirty pages are written back first (write-back under descriptor pressure); a
+    /// file with poisoned pages stays.
     fn close_idle_files(&mut self) {
-        let idle = self.files.values().filter(|f| f.idle()).count();
-        let mut excess = idle.saturating_sub(IDLE_FILES_MAX);
+        let closable = self.files.values().filter(|f| f.opens == 0).count();
+        let excess = closable.saturating_sub(IDLE_FILES_MAX);
         if excess == 0 {
             return;
         }
         let victims: Vec<u64> = self
             .file_lru
             .values()
-            .filter(|ino| self.files[*ino].idle())
+            .filter(|ino| self.files[*ino].opens == 0)
             .take(excess)
             .copied()
             .collect();
         for ino in victims {
-            if let Some(f) = self.files.remove(&ino) {
-                self.file_lru.remove(&f.seq);
-                excess -= 1;
+            if self.files[&ino].dirty.is_empty() || self.flush(Some(ino), Duration::ZERO).is_ok() {
+                self.detach(ino);
             }
         }
-        debug_assert_eq!(excess, 0);
     }
 
     fn detach(&mut self, ino: u64) {

@@ -34,7 +34,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// (every open is direct I/O), so that this cache is the one serving reads.
 const TTL: Duration = Duration::from_secs(1);
 /// `O_PATH` descriptors kept open for inodes that are not open files.
-const PATH_FDS_MAX: usize = 256;
+const PATH_FDS_MAX: usize = 128;
 /// The kernel asks the server to clear setuid/setgid on this write (the writer lacks
 /// CAP_FSETID).
 const FUSE_WRITE_KILL_SUIDGID: u32 = 1 << 2;
