@@ -569,12 +569,25 @@ fn the_daemon_crashes_under_a_write_heavy_workload_and_nothing_is_lost() {
 fn a_damaged_dirty_state_store_makes_recovery_refuse() {
     let dir = scratch_dir("fs-dss");
     let m = Mount::new(&dir, &["--test-crash", "--dirty-age", "30s"]);
+    std::fs::write(m.path("t"), vec![b'o'; 10_000]).unwrap();
+    std::fs::write(m.path("u"), vec![b'u'; 10_000]).unwrap();
+    assert_eq!(m.ctl("flush")["ok"], true);
     std::fs::write(m.path("f"), b"durable").unwrap();
     let f = std::fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
     f.sync_all().unwrap();
-    // Overwritten in place (not truncated: a truncate goes to the store at once).
     f.write_all_at(b"DIRTY!!", 0).unwrap();
     drop(f);
+    // Truncated (O_TRUNC, and ftruncate) and rewritten: the truncations are undone with
+    // the rest, and the store keeps the last good versions.
+    std::fs::write(m.path("t"), b"new").unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("u"))
+        .unwrap()
+        .set_len(100)
+        .unwrap();
+    assert_eq!(std::fs::read(m.path("t")).unwrap(), b"new");
+    assert_eq!(std::fs::read(m.path("u")).unwrap(), vec![b'u'; 100]);
     let _ = lockstep()
         .args(["fs", "ctl"])
         .arg(&m.mnt)
@@ -589,6 +602,8 @@ fn a_damaged_dirty_state_store_makes_recovery_refuse() {
     let target = std::ffi::CString::new(m.mnt.to_str().unwrap()).unwrap();
     unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
     assert_eq!(std::fs::read(dir.join("store/f")).unwrap(), b"durable");
+    assert_eq!(std::fs::read(dir.join("store/t")).unwrap(), vec![b'o'; 10_000]);
+    assert_eq!(std::fs::read(dir.join("store/u")).unwrap(), vec![b'u'; 10_000]);
     let log = std::fs::read_to_string(&m.log).unwrap();
     assert!(log.contains("recovery refused"), "{log}");
 }

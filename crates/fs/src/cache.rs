@@ -9,7 +9,7 @@
 //!   and fsync of its file reports EIO.
 
 use crate::crc::{self, PAGE};
-use crate::shared::{DirtyRecord, Shared};
+use crate::shared::{DirtyRecord, Shared, SizeRecord};
 use crate::store::{Store, StoreError, Tables};
 use lockstep_core::checksum::crc32c;
 use lockstep_core::Event;
@@ -73,8 +73,15 @@ impl Page {
 struct FileData {
     file: Arc<File>,
     tables: Tables,
-    /// The file's size including dirty data not written back yet.
+    /// The file's size including dirty data and truncations not written back yet.
     size: u64,
+    /// The backing file's size.
+    disk_size: u64,
+    /// A truncation not applied to the store yet: the lowest size the file was cut to.
+    /// Bytes at or past it on disk are gone for readers.
+    cut: Option<u64>,
+    /// Since when the size has differed from the store's (a pending truncate).
+    resized: Option<Instant>,
     /// Open FUSE file handles: an open file stays attached (an unlinked one could not be
     /// opened again).
     opens: u32,
@@ -86,7 +93,7 @@ struct FileData {
 
 impl FileData {
     fn idle(&self) -> bool {
-        self.opens == 0 && self.dirty.is_empty()
+        self.opens == 0 && self.dirty.is_empty() && self.resized.is_none()
     }
 }
 
@@ -201,6 +208,9 @@ impl Cache {
                 file: Arc::new(file),
                 tables,
                 size,
+                disk_size: size,
+                cut: None,
+                resized: None,
                 opens: 0,
                 dirty: BTreeSet::new(),
                 seq,
@@ -228,7 +238,7 @@ impl Cache {
             .copied()
             .collect();
         for ino in victims {
-            if self.files[&ino].dirty.is_empty() || self.flush(Some(ino), Duration::ZERO).is_ok() {
+            if self.files[&ino].idle() || self.flush(Some(ino), Duration::ZERO).is_ok() {
                 self.detach(ino);
             }
         }
@@ -449,13 +459,20 @@ impl Cache {
         Ok(key)
     }
 
+    /// Bring block `block` of `ino` into the cache from the store (verified there). What a
+    /// pending truncation cut off reads as zeros.
     fn load(&mut self, ino: u64, block: u64, now: Instant) -> R<()> {
         let f = self.files.get(&ino).ok_or(libc::EBADF)?;
-        let size = f.size;
-        let len = (size.saturating_sub(block * PAGE as u64)).min(PAGE as u64) as usize;
+        let start = block * PAGE as u64;
+        let len = f.size.saturating_sub(start).min(PAGE as u64) as usize;
+        let on_disk = f.disk_size.saturating_sub(start).min(PAGE as u64) as usize;
+        let valid = f
+            .cut
+            .map_or(on_disk, |c| on_disk.min(c.saturating_sub(start) as usize))
+            .min(len);
         let mut fetched = None;
-        if len > 0 {
-            let (bytes, crc, info) = match self.store.read_block(&f.tables, &f.file, block, len) {
+        if valid > 0 {
+            let (bytes, crc, info) = match self.store.read_block(&f.tables, &f.file, block, on_disk) {
                 Ok(r) => r,
                 Err(StoreError::Corrupt { .. }) => {
                     self.stats.disk_corrupt += 1;
@@ -491,12 +508,22 @@ impl Cache {
         }
         self.stats.misses += 1;
         self.new_page((ino, block), now)?;
-        if let Some((bytes, crc)) = fetched {
-            let p = self.pages.get_mut(&(ino, block)).expect("just added");
-            self.shared.page_mut(p.slot)[..len].copy_from_slice(&bytes);
-            p.len = len;
-            p.crc = crc;
-        }
+        let p = self.pages.get_mut(&(ino, block)).expect("just added");
+        let d = self.shared.page_mut(p.slot);
+        p.len = len;
+        p.crc = match fetched {
+            // The whole block as the store verified it, then zeros up to the file's size.
+            Some((bytes, crc)) if valid == on_disk => {
+                d[..valid].copy_from_slice(&bytes);
+                crc::extend(crc, &[0u8; PAGE][..len - valid])
+            }
+            // Part of it was cut off: computed afresh from bytes verified just now.
+            Some((bytes, _)) => {
+                d[..valid].copy_from_slice(&bytes[..valid]);
+                crc32c(&d[..len])
+            }
+            None => crc::zeros(len),
+        };
         Ok(())
     }
 
@@ -643,11 +670,13 @@ impl Cache {
         if !self.check(key, now) {
             return Err(libc::EIO);
         }
+        self.apply_size(key.0)?;
         let p = self.pages.get(&key).expect("checked page exists");
-        let f = self.files.get(&key.0).ok_or(libc::EBADF)?;
+        let f = self.files.get_mut(&key.0).ok_or(libc::EBADF)?;
         self.store
             .write_block(&f.tables, &f.file, key.1, &self.shared.page(p.slot)[..p.len], p.crc)
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        f.disk_size = f.disk_size.max(key.1 * PAGE as u64 + p.len as u64);
         self.shared.clear(p.slot);
         self.mark_clean(key);
         self.stats.written_back += 1;
@@ -663,11 +692,24 @@ impl Cache {
             None => self
                 .files
                 .iter()
-                .filter(|(_, f)| !f.dirty.is_empty())
+                .filter(|(_, f)| !f.dirty.is_empty() || f.resized.is_some())
                 .map(|(i, _)| *i)
                 .collect(),
         };
         let mut keys = Vec::new();
+        let mut result = Ok(());
+        for &i in &inos {
+            let due = self
+                .files
+                .get(&i)
+                .and_then(|f| f.resized)
+                .is_some_and(|t| now.duration_since(t) >= age);
+            if due {
+                if let Err(e) = self.apply_size(i) {
+                    result = Err(e);
+                }
+            }
+        }
         for i in inos {
             let Some(f) = self.files.get(&i) else { continue };
             keys.extend(f.dirty.iter().map(|&b| (i, b)).filter(|k| {
@@ -677,7 +719,6 @@ impl Cache {
             }));
         }
         keys.sort_unstable();
-        let mut result = Ok(());
         for key in keys {
             if let Err(e) = self.write_back(key) {
                 result = Err(e);
@@ -707,19 +748,24 @@ impl Cache {
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))
     }
 
-    /// Cut or extend `ino` to `size`.
+    /// Cut or extend `ino` to `size`. Like a write, it happens in the cache and reaches the
+    /// store later (recorded in the Dirty State Store meanwhile), so that a refused recovery
+    /// leaves the file as it last was in the store: an O_TRUNC is undone with the rest.
     pub fn truncate(&mut self, ino: u64, size: u64) -> R<()> {
-        self.flush(Some(ino), Duration::ZERO)?;
         let now = Instant::now();
         let old = self.files.get(&ino).ok_or(libc::EBADF)?.size;
-        let mut fixups = Vec::new();
         // The block whose used part changes: the new last one when cutting, the old last
         // one when extending.
-        let edge = if size < old { size } else { old };
+        let edge = size.min(old);
         if edge % PAGE as u64 != 0 {
             let block = edge / PAGE as u64;
+            let key = (ino, block);
             self.page_for_read(ino, block, now)?;
-            let p = self.pages.get_mut(&(ino, block)).expect("loaded");
+            // Checked whatever the strategy: the CRC is recomputed from these bytes.
+            if !self.check(key, now) {
+                self.page_for_read(ino, block, now)?;
+            }
+            let p = self.pages.get_mut(&key).expect("loaded");
             let new_len = ((size - block * PAGE as u64).min(PAGE as u64)) as usize;
             let d = self.shared.page_mut(p.slot);
             if new_len < p.len {
@@ -729,14 +775,44 @@ impl Cache {
                 p.crc = crc::extend(p.crc, &[0u8; PAGE][..new_len - p.len]);
             }
             p.len = new_len;
-            fixups.push((block, p.crc));
+            self.mark_dirty(key, now);
+            self.record(key);
         }
         self.drop_pages(ino, size.div_ceil(PAGE as u64));
         let f = self.files.get_mut(&ino).expect("attached");
-        self.store
-            .truncate(&f.tables, &f.file, size, &fixups)
-            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        if size < old {
+            f.cut = Some(f.cut.map_or(size, |c| c.min(size)));
+        }
         f.size = size;
+        f.resized.get_or_insert(now);
+        let record = SizeRecord { ino, cut: f.cut, size };
+        if !self.shared.set_size(record) {
+            self.apply_size(ino)?;
+        }
+        Ok(())
+    }
+
+    /// Carry a pending truncation to the store: cut to the lowest size, then extend to the
+    /// size now. The block at the cut, if partly kept, is a dirty page written right after.
+    fn apply_size(&mut self, ino: u64) -> R<()> {
+        let Some(f) = self.files.get_mut(&ino) else {
+            return Ok(());
+        };
+        if f.resized.is_none() {
+            return Ok(());
+        }
+        let io = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+        if let Some(c) = f.cut {
+            self.store.truncate(&f.tables, &f.file, c, &[]).map_err(io)?;
+            f.disk_size = c;
+        }
+        if f.size != f.disk_size {
+            self.store.truncate(&f.tables, &f.file, f.size, &[]).map_err(io)?;
+            f.disk_size = f.size;
+        }
+        f.cut = None;
+        f.resized = None;
+        self.shared.clear_size(ino);
         Ok(())
     }
 
@@ -757,6 +833,7 @@ impl Cache {
     /// close it; an orphan's tables go too.
     pub fn remove(&mut self, ino: u64, orphan: bool) {
         self.drop_pages(ino, 0);
+        self.shared.clear_size(ino);
         self.detach(ino);
         if orphan {
             self.store.orphan_gone(ino);

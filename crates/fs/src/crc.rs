@@ -42,6 +42,11 @@ pub fn patch(crc: u32, len: usize, off: usize, old: &[u8], new: &[u8]) -> u32 {
     crc ^ d ^ z[len]
 }
 
+/// The CRC32C of `len` zero bytes (`len` ≤ PAGE), from a table.
+pub fn zeros(len: usize) -> u32 {
+    zero_crcs()[len]
+}
+
 /// The CRC after appending `more` to a page whose used part had CRC `crc`.
 pub fn extend(crc: u32, more: &[u8]) -> u32 {
     crc32c_append(crc, more)

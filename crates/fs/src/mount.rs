@@ -668,11 +668,15 @@ fn daemon(
     if recover {
         let t = std::time::Instant::now();
         match crate::recovery::recover(&store, &mut shared) {
-            Ok(n) => emit(
+            Ok(r) => emit(
                 Event::new("fs", "recover", "continue")
                     .duration_us(t.elapsed().as_micros() as u64)
                     .message(format!(
-                        "restarted after a crash: {n} dirty page(s) verified and written back; {} request(s) replayed",
+                        "restarted after a crash: {} dirty page(s) and {} truncation(s) verified and written back \
+                         ({} file(s) gone); {} request(s) replayed",
+                        r.pages,
+                        r.truncations,
+                        r.gone,
                         replayed.len()
                     )),
             ),

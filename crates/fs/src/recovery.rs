@@ -1,21 +1,35 @@
 //! Recovery of a crashed cache daemon (Loris §V-D), run by its successor before it serves
 //! anything: every Dirty State Store record and every dirty page it names must pass its
 //! CRC, or nothing is written and the daemon refuses (the caller exits with 86). When all
-//! pass, the dirty pages are written back with the CRCs the DSS holds, and made durable.
+//! pass, pending truncations are applied and the dirty pages written back with the CRCs
+//! the DSS holds, and made durable.
 //! The new daemon then starts with an empty cache.
 
 use crate::naming::{open_by_handle, Handle};
 use crate::shared::Shared;
-use crate::store::{Place, Store};
+use crate::store::{Place, Store, Tables};
 use lockstep_core::checksum::crc32c;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
 
-/// Returns the number of dirty pages written back, or why recovery is refused.
-pub fn recover(store: &Store, shared: &mut Shared) -> Result<usize, String> {
+/// What recovery carried to the store.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    pub pages: usize,
+    pub truncations: usize,
+    /// Files that had pending changes but are gone (unlinked and closed before the crash).
+    pub gone: usize,
+}
+
+/// Carries the DSS to the store, or says why recovery is refused.
+pub fn recover(store: &Store, shared: &mut Shared) -> Result<Recovered, String> {
     let records = shared
         .dirty_records()
         .map_err(|slot| format!("the Dirty State Store record in slot {slot} fails its checksum"))?;
+    let sizes = shared
+        .size_records()
+        .map_err(|i| format!("the Dirty State Store size record {i} fails its checksum"))?;
     // Verify everything before writing anything.
     for r in &records {
         if crc32c(&shared.page(r.slot)[..r.len]) != r.crc {
@@ -26,29 +40,49 @@ pub fn recover(store: &Store, shared: &mut Shared) -> Result<usize, String> {
         }
     }
     let root = File::open(store.root()).map_err(|e| format!("cannot open the store: {e}"))?;
-    let mut files = std::collections::HashMap::new();
-    for r in &records {
-        if let std::collections::hash_map::Entry::Vacant(v) = files.entry(r.ino) {
-            let (_, htype, bytes) = shared
-                .handle(r.ino)
-                .ok_or_else(|| format!("no file handle for inode {} with dirty pages", r.ino))?;
-            let handle = Handle::new(htype, &bytes).ok_or_else(|| format!("bad handle for inode {}", r.ino))?;
-            let fd = open_by_handle(root.as_raw_fd(), &handle, libc::O_RDWR | libc::O_CLOEXEC)
-                .map_err(|e| format!("cannot reopen inode {}: errno {e}", r.ino))?;
-            // SAFETY: the fd is ours; File takes ownership.
-            let data = unsafe { File::from_raw_fd(fd.into_raw_fd()) };
-            let tables = match path_of(store.root(), data.as_raw_fd()) {
-                Some(rel) => store.tables(Place::Path(&rel)),
-                None => store.tables(Place::Orphan(r.ino)),
-            }
-            .map_err(|e| format!("cannot open the tables of inode {}: {e}", r.ino))?;
-            v.insert((data, tables));
+    let mut files = HashMap::new();
+    let mut gone = HashSet::new();
+    for ino in sizes.iter().map(|s| s.ino).chain(records.iter().map(|r| r.ino)) {
+        if files.contains_key(&ino) || gone.contains(&ino) {
+            continue;
         }
+        match reopen(store, &root, shared, ino)? {
+            Some(f) => {
+                files.insert(ino, f);
+            }
+            None => {
+                gone.insert(ino);
+            }
+        }
+    }
+    let mut done = Recovered {
+        gone: gone.len(),
+        ..Recovered::default()
+    };
+    // Truncations first: the dirty pages were written after them.
+    for s in &sizes {
+        let Some((data, tables)) = files.get(&s.ino) else {
+            continue;
+        };
+        if let Some(c) = s.cut {
+            store
+                .truncate(tables, data, c, &[])
+                .map_err(|e| format!("cannot truncate inode {}: {e}", s.ino))?;
+        }
+        store
+            .truncate(tables, data, s.size, &[])
+            .map_err(|e| format!("cannot resize inode {}: {e}", s.ino))?;
+        done.truncations += 1;
+    }
+    for r in &records {
+        let Some((data, tables)) = files.get(&r.ino) else {
+            continue;
+        };
         let page = shared.page(r.slot)[..r.len].to_vec();
-        let (data, tables) = &files[&r.ino];
         store
             .write_block(tables, data, r.block, &page, r.crc)
             .map_err(|e| format!("cannot write back inode {} block {}: {e}", r.ino, r.block))?;
+        done.pages += 1;
     }
     for (ino, (data, tables)) in &files {
         data.sync_data().map_err(|e| format!("fsync of inode {ino}: {e}"))?;
@@ -59,7 +93,32 @@ pub fn recover(store: &Store, shared: &mut Shared) -> Result<usize, String> {
     for r in &records {
         shared.clear(r.slot);
     }
-    Ok(records.len())
+    for s in &sizes {
+        shared.clear_size(s.ino);
+    }
+    Ok(done)
+}
+
+/// The data file and tables of `ino`, reopened by its handle; None if the file no longer
+/// exists (its last name was removed and nothing holds it).
+fn reopen(store: &Store, root: &File, shared: &mut Shared, ino: u64) -> Result<Option<(File, Tables)>, String> {
+    let (_, htype, bytes) = shared
+        .handle(ino)
+        .ok_or_else(|| format!("no file handle for inode {ino} with pending changes"))?;
+    let handle = Handle::new(htype, &bytes).ok_or_else(|| format!("bad handle for inode {ino}"))?;
+    let fd = match open_by_handle(root.as_raw_fd(), &handle, libc::O_RDWR | libc::O_CLOEXEC) {
+        Ok(fd) => fd,
+        Err(libc::ESTALE) | Err(libc::ENOENT) => return Ok(None),
+        Err(e) => return Err(format!("cannot reopen inode {ino}: errno {e}")),
+    };
+    // SAFETY: the fd is ours; File takes ownership.
+    let data = unsafe { File::from_raw_fd(fd.into_raw_fd()) };
+    let tables = match path_of(store.root(), data.as_raw_fd()) {
+        Some(rel) => store.tables(Place::Path(&rel)),
+        None => store.tables(Place::Orphan(ino)),
+    }
+    .map_err(|e| format!("cannot open the tables of inode {ino}: {e}"))?;
+    Ok(Some((data, tables)))
 }
 
 /// The path of an open file relative to the store root: what the kernel says, checked

@@ -8,8 +8,13 @@
 //! It also keeps the file handle (`name_to_handle_at`) of every inode the kernel holds,
 //! so that a restarted daemon can reopen inodes by the numbers the kernel still uses.
 //!
+//! Truncations are delayed like dirty data (so that a refused recovery leaves a file as
+//! its last good version, O_TRUNC included): a size record per file with a pending size
+//! change holds the lowest size it was cut to and its size now.
+//!
 //! Layout: a 4 KiB header, then `slots` records of 32 bytes (rounded up to whole pages),
-//! then the handle table (`HANDLES` entries of 64 bytes), then `slots` pages of 4 KiB.
+//! then `SIZES` size records of 32 bytes, then the handle table (`HANDLES` entries of 64
+//! bytes), then `slots` pages of 4 KiB.
 
 use crate::crc::PAGE;
 use lockstep_core::checksum::crc32c;
@@ -24,8 +29,20 @@ const HANDLES: usize = 1 << 18;
 const HANDLE: usize = 64;
 /// The longest file handle kept (ext4 and tmpfs handles are 8 to 12 bytes).
 pub const HANDLE_MAX: usize = 40;
+/// Size records: files with a pending truncation at once (more are applied at once).
+const SIZES: usize = 4096;
+const SIZE_STATE: u32 = 3;
 const EMPTY: u64 = 0;
 const TOMBSTONE: u64 = u64::MAX;
+
+/// A pending size change as the DSS knows it: the file was cut to `cut` (if it was) and
+/// is `size` bytes now; neither has reached the store yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizeRecord {
+    pub ino: u64,
+    pub cut: Option<u64>,
+    pub size: u64,
+}
 
 /// A dirty page as the DSS knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,8 +68,16 @@ fn records_bytes(slots: usize) -> usize {
     (slots * RECORD).div_ceil(PAGE) * PAGE
 }
 
+fn sizes_at(slots: usize) -> usize {
+    PAGE + records_bytes(slots)
+}
+
+fn handles_at(slots: usize) -> usize {
+    sizes_at(slots) + SIZES * RECORD
+}
+
 fn pages_at(slots: usize) -> usize {
-    PAGE + records_bytes(slots) + HANDLES * HANDLE
+    handles_at(slots) + HANDLES * HANDLE
 }
 
 impl Shared {
@@ -206,9 +231,73 @@ impl Shared {
         Ok(out)
     }
 
+    fn size_entry(&self, i: usize) -> &[u8] {
+        assert!(i < SIZES);
+        // SAFETY: inside the size records.
+        unsafe { std::slice::from_raw_parts(self.base.add(sizes_at(self.slots) + i * RECORD), RECORD) }
+    }
+
+    fn size_entry_mut(&mut self, i: usize) -> &mut [u8] {
+        assert!(i < SIZES);
+        // SAFETY: inside the size records; &mut self makes it exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(sizes_at(self.slots) + i * RECORD), RECORD) }
+    }
+
+    fn find_size(&self, ino: u64) -> Option<usize> {
+        (0..SIZES).find(|&i| u64::from_le_bytes(self.size_entry(i)[..8].try_into().expect("8 bytes")) == ino)
+    }
+
+    /// Record a pending size change of `r.ino`. False if the table is full (the caller then
+    /// applies the change to the store at once).
+    pub fn set_size(&mut self, r: SizeRecord) -> bool {
+        assert!(r.ino != EMPTY);
+        let Some(i) = self.find_size(r.ino).or_else(|| self.find_size(EMPTY)) else {
+            return false;
+        };
+        let e = self.size_entry_mut(i);
+        e[..8].copy_from_slice(&r.ino.to_le_bytes());
+        e[8..16].copy_from_slice(&r.cut.unwrap_or(u64::MAX).to_le_bytes());
+        e[16..24].copy_from_slice(&r.size.to_le_bytes());
+        e[24..28].copy_from_slice(&SIZE_STATE.to_le_bytes());
+        let sum = crc32c(&e[..28]);
+        e[28..32].copy_from_slice(&sum.to_le_bytes());
+        true
+    }
+
+    /// The size change of `ino` reached the store.
+    pub fn clear_size(&mut self, ino: u64) {
+        if let Some(i) = self.find_size(ino) {
+            self.size_entry_mut(i).fill(0);
+        }
+    }
+
+    /// Every pending size change, verified; `Err(i)` names the first damaged record.
+    pub fn size_records(&self) -> Result<Vec<SizeRecord>, usize> {
+        let mut out = Vec::new();
+        for i in 0..SIZES {
+            let e = self.size_entry(i);
+            if e.iter().all(|&b| b == 0) {
+                continue;
+            }
+            let word = |a: usize| u64::from_le_bytes(e[a..a + 8].try_into().expect("8 bytes"));
+            let state = u32::from_le_bytes(e[24..28].try_into().expect("4 bytes"));
+            let sum = u32::from_le_bytes(e[28..32].try_into().expect("4 bytes"));
+            if crc32c(&e[..28]) != sum || state != SIZE_STATE || word(0) == EMPTY {
+                return Err(i);
+            }
+            let cut = word(8);
+            out.push(SizeRecord {
+                ino: word(0),
+                cut: (cut != u64::MAX).then_some(cut),
+                size: word(16),
+            });
+        }
+        Ok(out)
+    }
+
     fn handle_entry(&mut self, i: usize) -> &mut [u8] {
         // SAFETY: inside the handle table; &mut self makes it exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.base.add(PAGE + records_bytes(self.slots) + i * HANDLE), HANDLE) }
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(handles_at(self.slots) + i * HANDLE), HANDLE) }
     }
 
     /// Find the entry of `nodeid`, or (with `insert`) a free one for it.
@@ -341,5 +430,14 @@ mod tests {
         assert_eq!(s.handle(77).unwrap().0, 5);
         s.drop_handle(77);
         assert_eq!(t.handle(77), None);
+        let r = SizeRecord {
+            ino: 9,
+            cut: Some(0),
+            size: 5,
+        };
+        assert!(s.set_size(r));
+        assert_eq!(t.size_records(), Ok(vec![r]));
+        s.clear_size(9);
+        assert_eq!(t.size_records(), Ok(vec![]));
     }
 }
