@@ -2,6 +2,7 @@
 
 pub mod cache;
 pub mod crc;
+pub mod fuse;
 pub mod mount;
 pub mod naming;
 pub mod recovery;

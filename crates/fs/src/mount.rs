@@ -8,11 +8,11 @@ use crate::store::Store;
 use lockstep_core::{Event, EventSink};
 use std::ffi::CString;
 use std::io::{BufRead, BufReader, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -240,14 +240,15 @@ fn report_path(store: &Path) -> PathBuf {
 /// Mount and serve until unmounted. `ready` is called once the mount is in place (or with
 /// the reason it failed).
 ///
-/// This process is the supervisor: it holds /dev/fuse and the shared memory, and relays
-/// each request to a cache daemon (a forked child) over a SOCK_SEQPACKET socket, keeping
-/// every request that has no reply yet. When the daemon dies, the supervisor starts a new
-/// one, which recovers the dirty pages from the shared memory, writes them back, and is then
-/// sent the same INIT and every unanswered request again. The application sees a slow
-/// call, not an error. If recovery finds the Dirty State Store damaged, the new daemon
-/// refuses (86); the supervisor then drops the connection, so the mount returns errors
-/// instead of serving or storing corrupt data.
+/// This process is the supervisor: it mounts /dev/fuse, holds it and the shared memory,
+/// and forks the cache daemon, which reads requests from /dev/fuse and answers them
+/// itself. The supervisor's descriptor keeps the FUSE connection alive when the daemon
+/// dies. It then starts a new one, which recovers the dirty pages and truncations from the
+/// shared memory, writes them back, and asks the kernel to send again every request the
+/// dead daemon had not answered (FUSE_NOTIFY_RESEND). The application sees a slow call,
+/// not an error. If recovery finds the Dirty State Store damaged, the new daemon refuses
+/// (86); the supervisor then drops the connection, so the mount returns errors instead of
+/// serving or storing corrupt data.
 pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
     raise_nofile_limit();
     let lock = match StoreLock::take(&o.store, &o.mountpoint) {
@@ -303,42 +304,84 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
         let _ = std::fs::File::create(p);
     }
     let mut events = EventSink::append(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only());
-    let status = supervise(&o, fuse, shared, &mut events, ready);
+    let status = supervise(&o, &fuse, &shared, &mut events, ready);
     drop((lock, mirror_lock));
     status
 }
 
-/// Requests that get no reply (FORGET, BATCH_FORGET, INTERRUPT).
-fn expects_reply(opcode: u32) -> bool {
-    !matches!(opcode, 2 | 42 | 36)
-}
-const FUSE_INIT: u32 = 26;
-/// A request that has been replayed this often and still kills the daemon is not replayed
+/// A request that has been sent again this often and still kills the daemon is not sent
 /// again (Loris §V-D: a replay that crashes the cache again and again means recovery is
 /// not possible).
 const REPLAYS_MAX: u32 = 3;
 
+/// A page shared by the supervisor and every daemon it forks (anonymous, MAP_SHARED): the
+/// daemon says which request it is handling, and whether it ended with an unmount.
+struct Beacon {
+    base: *mut u8,
+}
+
+impl Beacon {
+    fn new() -> std::io::Result<Beacon> {
+        // SAFETY: a fresh anonymous shared mapping of one page.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Beacon { base: p.cast() })
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!(i < 4096 / 8);
+        // SAFETY: inside the page, 8-byte aligned; only accessed atomically.
+        unsafe { &*(self.base.add(i * 8) as *const AtomicU64) }
+    }
+
+    /// The id of the request the daemon is handling (0: none).
+    fn current(&self) -> &AtomicU64 {
+        self.word(0)
+    }
+
+    /// Set by a daemon whose session ended because the filesystem was unmounted.
+    fn unmounted(&self) -> &AtomicU64 {
+        self.word(1)
+    }
+}
+
+impl Drop for Beacon {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        unsafe { libc::munmap(self.base.cast(), 4096) };
+    }
+}
+
 fn supervise(
     o: &Options,
-    fuse: OwnedFd,
-    shared: Shared,
+    fuse: &OwnedFd,
+    shared: &Shared,
     events: &mut EventSink,
     ready: impl FnOnce(Result<(), String>),
 ) -> i32 {
-    use std::collections::BTreeMap;
-    use std::os::fd::AsRawFd;
+    let beacon = match Beacon::new() {
+        Ok(b) => b,
+        Err(e) => {
+            ready(Err(format!("cannot map the supervisor's page: {e}")));
+            return 1;
+        }
+    };
     let mut ready = Some(ready);
-    let mut inflight: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
-    let mut init: Option<Vec<u8>> = None;
     let mut replays: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
-    let mut buf = vec![0u8; (16 << 20) + 4096];
-    let mut unmounted = false;
     let mut generation = 0u64;
     loop {
-        // A new daemon: recovery if this is not the first, then INIT and the requests the
-        // last one left unanswered.
-        let replayed: Vec<u64> = inflight.keys().copied().collect();
-        let (sock, child) = match spawn_daemon(o, &shared, generation > 0, &replayed) {
+        let (child, started) = match spawn_daemon(o, fuse, shared, generation > 0, &beacon) {
             Ok(x) => x,
             Err(e) => {
                 if let Some(r) = ready.take() {
@@ -347,121 +390,19 @@ fn supervise(
                 return 1;
             }
         };
-        let mut swallow = None;
-        if generation > 0 {
-            if let Some(req) = &init {
-                swallow = Some(u64::from_le_bytes(req[8..16].try_into().unwrap()));
-                let _ = send_packet(&sock, req);
-            }
-            for (unique, req) in &inflight {
-                *replays.entry(*unique).or_default() += 1;
-                let _ = send_packet(&sock, req);
+        // The first daemon says when it has answered INIT (or its pipe closes: it died).
+        if ready.is_some() {
+            let mut b = [0u8; 1];
+            // SAFETY: reading one byte from our pipe.
+            if unsafe { libc::read(started.as_raw_fd(), b.as_mut_ptr().cast(), 1) } == 1 {
+                if let Some(r) = ready.take() {
+                    r(Ok(()));
+                }
             }
         }
-        // Relay until the daemon goes away.
-        let mut fds = [
-            libc::pollfd {
-                fd: fuse.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: sock.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        let status = loop {
-            if !unmounted {
-                fds[0].events = libc::POLLIN;
-            } else {
-                fds[0].events = 0;
-            }
-            // SAFETY: two valid pollfds.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
-            if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-                break None;
-            }
-            if fds[1].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
-                // SAFETY: reading into our buffer.
-                let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-                if n <= 0 {
-                    break None;
-                }
-                let reply = &mut buf[..n as usize];
-                if init
-                    .as_ref()
-                    .is_some_and(|i| reply.len() >= 16 && i[8..16] == reply[8..16])
-                {
-                    allow_shared_mmap(reply);
-                }
-                if reply.len() >= 16 {
-                    let unique = u64::from_le_bytes(reply[8..16].try_into().unwrap());
-                    if swallow == Some(unique) {
-                        swallow = None;
-                    } else {
-                        // SAFETY: writing one reply to /dev/fuse.
-                        unsafe { libc::write(fuse.as_raw_fd(), reply.as_ptr().cast(), reply.len()) };
-                        inflight.remove(&unique);
-                        if init.as_ref().is_some_and(|i| i[8..16] == reply[8..16]) {
-                            if let Some(r) = ready.take() {
-                                r(Ok(()));
-                            }
-                        }
-                    }
-                }
-            }
-            // After an unmount /dev/fuse polls as an error; the read then says ENODEV.
-            if !unmounted && fds[0].revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 {
-                // SAFETY: reading one request from /dev/fuse into our buffer.
-                let n = unsafe { libc::read(fuse.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-                if n < 0 {
-                    match std::io::Error::last_os_error().raw_os_error() {
-                        Some(libc::ENODEV) => {
-                            // Unmounted: the daemon sees the end of its stream, writes back
-                            // and exits.
-                            unmounted = true;
-                            // SAFETY: shutting down our end's writes.
-                            unsafe { libc::shutdown(sock.as_raw_fd(), libc::SHUT_WR) };
-                        }
-                        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::ENOENT) => {}
-                        _ => break None,
-                    }
-                } else if n >= 16 {
-                    let req = buf[..n as usize].to_vec();
-                    let opcode = u32::from_le_bytes(req[4..8].try_into().unwrap());
-                    let unique = u64::from_le_bytes(req[8..16].try_into().unwrap());
-                    if opcode == FUSE_INIT {
-                        init = Some(req.clone());
-                    }
-                    if expects_reply(opcode) {
-                        inflight.insert(unique, req.clone());
-                    }
-                    if let Err(e) = send_packet(&sock, &req) {
-                        // A dead daemon is restarted and gets it again; any other failure
-                        // must not leave the caller waiting forever.
-                        if !matches!(e.raw_os_error(), Some(libc::EPIPE) | Some(libc::ECONNRESET))
-                            && expects_reply(opcode)
-                        {
-                            inflight.remove(&unique);
-                            fail_request(&fuse, unique, libc::EIO);
-                            events.emit(Event::new("fs", "relay-error", "eio").message(format!(
-                                "request {unique} (opcode {opcode}) could not be passed to the daemon: {e}"
-                            )));
-                        }
-                    }
-                }
-            }
-            if let Ok(Some(st)) = child_status(child) {
-                break Some(st);
-            }
-        };
-        drop(sock);
-        let status = match status {
-            Some(s) => s,
-            None => wait_child(child),
-        };
-        if unmounted {
+        drop(started);
+        let status = wait_child(child);
+        if beacon.unmounted().load(Ordering::SeqCst) != 0 {
             let _ = std::fs::remove_file(control_path(&o.store));
             return status;
         }
@@ -474,7 +415,10 @@ fn supervise(
             }
             return lockstep_core::exit::DETECTED;
         }
-        replays.retain(|u, _| inflight.contains_key(u));
+        let crashed_in = beacon.current().swap(0, Ordering::SeqCst) & !crate::fuse::FUSE_UNIQUE_RESEND;
+        if crashed_in != 0 {
+            *replays.entry(crashed_in).or_default() += 1;
+        }
         let poison = replays.iter().find(|(_, n)| **n >= REPLAYS_MAX).map(|(u, _)| *u);
         if poison.is_some() || ready.is_some() {
             events.emit(Event::new("fs", "halt", "abort").message(match poison {
@@ -487,72 +431,29 @@ fn supervise(
             return lockstep_core::exit::DETECTED;
         }
         events.emit(Event::new("fs", "crash", "restart").message(format!(
-            "the cache daemon died (status {status}) with {} request(s) unanswered; starting a new one",
-            inflight.len()
+            "the cache daemon died (status {status}){}; starting a new one",
+            if crashed_in != 0 {
+                format!(" while handling request {crashed_in}")
+            } else {
+                String::new()
+            }
         )));
         generation += 1;
     }
 }
 
-/// Ask the kernel to allow `MAP_SHARED` mappings of direct-I/O files
-/// (FUSE_DIRECT_IO_ALLOW_MMAP, in the extended INIT flags): fuser 0.15 speaks protocol 7.31
-/// and cannot say it. The mapped pages then live in the kernel's page cache, which reads
-/// them from and writes them back through this cache (verified on the way in, checksummed
-/// on the way out); while mapped they are not covered by our checksums.
-fn allow_shared_mmap(reply: &mut [u8]) {
-    const FLAGS: usize = 16 + 12;
-    const FLAGS2: usize = 16 + 32;
-    const FUSE_INIT_EXT: u32 = 1 << 30;
-    const FUSE_DIRECT_IO_ALLOW_MMAP_HI: u32 = 1 << (36 - 32);
-    if reply.len() < FLAGS2 + 4 || i32::from_le_bytes(reply[4..8].try_into().expect("4 bytes")) != 0 {
-        return;
-    }
-    let flags = u32::from_le_bytes(reply[FLAGS..FLAGS + 4].try_into().expect("4 bytes")) | FUSE_INIT_EXT;
-    reply[FLAGS..FLAGS + 4].copy_from_slice(&flags.to_le_bytes());
-    let flags2 =
-        u32::from_le_bytes(reply[FLAGS2..FLAGS2 + 4].try_into().expect("4 bytes")) | FUSE_DIRECT_IO_ALLOW_MMAP_HI;
-    reply[FLAGS2..FLAGS2 + 4].copy_from_slice(&flags2.to_le_bytes());
-}
-
-/// Answer request `unique` with an error, as the daemon would.
-fn fail_request(fuse: &OwnedFd, unique: u64, errno: i32) {
-    use std::os::fd::AsRawFd;
-    let mut reply = [0u8; 16];
-    reply[..4].copy_from_slice(&16u32.to_le_bytes());
-    reply[4..8].copy_from_slice(&(-errno).to_le_bytes());
-    reply[8..16].copy_from_slice(&unique.to_le_bytes());
-    // SAFETY: writing one reply to /dev/fuse.
-    unsafe { libc::write(fuse.as_raw_fd(), reply.as_ptr().cast(), reply.len()) };
-}
-
-fn send_packet(sock: &OwnedFd, data: &[u8]) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: sending our buffer.
-    let n = unsafe { libc::send(sock.as_raw_fd(), data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn child_status(pid: libc::pid_t) -> std::io::Result<Option<i32>> {
-    let mut st = 0;
-    // SAFETY: waiting for our own child without blocking.
-    let r = unsafe { libc::waitpid(pid, &mut st, libc::WNOHANG) };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok((r == pid).then(|| decode_status(st)))
-}
-
 fn wait_child(pid: libc::pid_t) -> i32 {
     let mut st = 0;
-    // SAFETY: waiting for our own child.
-    unsafe { libc::waitpid(pid, &mut st, 0) };
-    decode_status(st)
-}
-
-fn decode_status(st: i32) -> i32 {
+    loop {
+        // SAFETY: waiting for our own child.
+        let r = unsafe { libc::waitpid(pid, &mut st, 0) };
+        if r == pid {
+            break;
+        }
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return 1;
+        }
+    }
     if libc::WIFEXITED(st) {
         libc::WEXITSTATUS(st)
     } else {
@@ -560,63 +461,45 @@ fn decode_status(st: i32) -> i32 {
     }
 }
 
-/// Fork a cache daemon on one end of a new socket pair; returns our end and its pid.
+/// Fork a cache daemon that serves `fuse`; returns its pid and a pipe on which it says
+/// when it is serving.
 fn spawn_daemon(
     o: &Options,
+    fuse: &OwnedFd,
     shared: &Shared,
     recover: bool,
-    replayed: &[u64],
-) -> Result<(OwnedFd, libc::pid_t), String> {
-    use std::os::fd::AsRawFd;
-    let mut sv = [0; 2];
+    beacon: &Beacon,
+) -> Result<(libc::pid_t, OwnedFd), String> {
+    let mut p = [0; 2];
     // SAFETY: plain syscall into a local array.
-    if unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            sv.as_mut_ptr(),
-        )
-    } < 0
-    {
-        return Err(format!("socketpair: {}", std::io::Error::last_os_error()));
+    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
     }
-    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
-    // A datagram must fit the socket buffer whole: writes and read replies reach 1 MiB.
-    for fd in [ours.as_raw_fd(), theirs.as_raw_fd()] {
-        for opt in [libc::SO_SNDBUFFORCE, libc::SO_RCVBUFFORCE] {
-            let size: libc::c_int = 8 << 20;
-            // SAFETY: setting an int socket option.
-            unsafe {
-                libc::setsockopt(
-                    fd,
-                    libc::SOL_SOCKET,
-                    opt,
-                    (&size as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as u32,
-                )
-            };
-        }
-    }
+    // SAFETY: two new descriptors that nothing else owns.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
     let shared_fd = shared.fd().try_clone().map_err(|e| format!("dup: {e}"))?;
+    let supervisor = std::process::id() as libc::pid_t;
     // SAFETY: the supervisor is single-threaded, so the child may run Rust code freely.
     match unsafe { libc::fork() } {
         -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
         0 => {
-            drop(ours);
-            // The daemon keeps only its socket, the shared memory and stdio: an inherited
-            // pipe (the mount command waiting for "mounted") must not stay open in it.
-            close_fds_except(&[theirs.as_raw_fd(), shared_fd.as_raw_fd()]);
-            let code = daemon(
-                o.clone(),
-                theirs,
-                shared_fd,
-                recover,
-                replayed.iter().copied().collect(),
-            );
+            drop(rd);
+            // A daemon must not outlive its supervisor: the store's lock goes with the
+            // supervisor, and a mount without one is reported dead.
+            // SAFETY: plain prctl and getppid.
+            unsafe {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() != supervisor {
+                    libc::_exit(1);
+                }
+            }
+            // The daemon keeps only /dev/fuse, the shared memory, its pipe and stdio: an
+            // inherited pipe (the mount command waiting for "mounted") must not stay open.
+            close_fds_except(&[fuse.as_raw_fd(), shared_fd.as_raw_fd(), wr.as_raw_fd()]);
+            let code = daemon(o.clone(), fuse.as_fd(), shared_fd, recover, beacon, wr);
             std::process::exit(code);
         }
-        pid => Ok((ours, pid)),
+        pid => Ok((pid, rd)),
     }
 }
 
@@ -636,13 +519,14 @@ fn close_fds_except(keep: &[i32]) {
     }
 }
 
-/// The cache daemon: recover (after a crash), then serve FUSE requests from the socket.
+/// The cache daemon: recover (after a crash), then serve FUSE requests from /dev/fuse.
 fn daemon(
     o: Options,
-    sock: OwnedFd,
+    fuse: std::os::fd::BorrowedFd<'_>,
     shared_fd: OwnedFd,
     recover: bool,
-    replayed: std::collections::HashSet<u64>,
+    beacon: &Beacon,
+    started: OwnedFd,
 ) -> i32 {
     let events = Arc::new(Mutex::new(
         EventSink::append(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only()),
@@ -673,11 +557,8 @@ fn daemon(
                     .duration_us(t.elapsed().as_micros() as u64)
                     .message(format!(
                         "restarted after a crash: {} dirty page(s) and {} truncation(s) verified and written back \
-                         ({} file(s) gone); {} request(s) replayed",
-                        r.pages,
-                        r.truncations,
-                        r.gone,
-                        replayed.len()
+                         ({} file(s) gone); unanswered requests are sent again",
+                        r.pages, r.truncations, r.gone
                     )),
             ),
             Err(why) => {
@@ -690,7 +571,7 @@ fn daemon(
     let cache = Arc::new(Mutex::new(Cache::new(store, shared, o.verify)));
     let naming_events = Arc::new(Mutex::new(Vec::new()));
     let lost = Arc::new(Mutex::new(Vec::new()));
-    let naming = match Naming::new(&root, cache.clone(), replayed, naming_events.clone(), lost.clone()) {
+    let naming = match Naming::new(&root, cache.clone(), naming_events.clone(), lost.clone()) {
         Ok(n) => n,
         Err(e) => {
             eprintln!("lockstep fs: cannot open {}: {e}", root.display());
@@ -723,8 +604,24 @@ fn daemon(
             if o.mirror.is_some() { ", mirrored" } else { "" }
         )));
     }
-    let mut session = fuser::Session::from_fd(naming, sock, fuser::SessionACL::All);
-    let result = session.run();
+    let mut session = crate::fuse::Session::new(naming, fuse, recover);
+    if recover {
+        if let Err(e) = session.request_resend() {
+            emit(Event::new("fs", "relay-error", "continue").message(format!(
+                "cannot ask the kernel to resend unanswered requests (FUSE_NOTIFY_RESEND needs Linux 6.9): {e}"
+            )));
+        }
+    }
+    let result = session.run(
+        |unique| beacon.current().store(unique, Ordering::Relaxed),
+        // SAFETY: one byte to our pipe; the supervisor may have stopped listening.
+        || unsafe {
+            libc::write(started.as_raw_fd(), b"1".as_ptr().cast(), 1);
+        },
+    );
+    if result.is_ok() {
+        beacon.unmounted().store(1, Ordering::SeqCst);
+    }
     stop.store(true, Ordering::SeqCst);
     // Unmounted: everything dirty went to the store in `destroy` (and again here, in case
     // the session ended without one). Poisoned pages are never written: say which files
@@ -745,8 +642,8 @@ fn daemon(
     let lost = lost.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (status, message) = match (result, lost.is_empty()) {
         (Err(e), _) => (1, format!("the FUSE session ended with an error: {e}")),
-        (Ok(()), true) => (0, "unmounted; all data written back".to_string()),
-        (Ok(()), false) => (
+        (Ok(_), true) => (0, "unmounted; all data written back".to_string()),
+        (Ok(_), false) => (
             lockstep_core::exit::DETECTED,
             format!(
                 "acknowledged data was discarded because it failed its checksum in memory (never \

@@ -13,15 +13,14 @@
 //! with every rename, link and unlink.
 
 use crate::cache::Cache;
+use crate::fuse::consts::FOPEN_DIRECT_IO;
+use crate::fuse::{
+    FileAttr, FileType, Filesystem, Reply, Request, SetAttr, TimeOrNow, FUSE_ROOT_ID, FUSE_WRITE_KILL_SUIDGID,
+};
 use crate::shared::HANDLE_MAX;
 use crate::store::{Place, Store, Tables, META};
-use fuser::consts::FOPEN_DIRECT_IO;
-use fuser::{
-    FileAttr, FileType, Filesystem, KernelConfig, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, FUSE_ROOT_ID,
-};
 use lockstep_core::Event;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -35,13 +34,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 const TTL: Duration = Duration::from_secs(1);
 /// `O_PATH` descriptors kept open for inodes that are not open files.
 const PATH_FDS_MAX: usize = 128;
-/// The kernel asks the server to clear setuid/setgid on this write (the writer lacks
-/// CAP_FSETID).
-const FUSE_WRITE_KILL_SUIDGID: u32 = 1 << 2;
 const MAX_DEPTH: usize = 4096;
+/// Nodeids from here on are handed out to a file whose backing inode number is still the
+/// nodeid of another file the kernel remembers (the number was freed by a delete and
+/// reused): nodeids must be unique among the inodes the kernel holds.
+const SYNTHETIC: u64 = 1 << 62;
 
 /// A file handle of the backing filesystem, inline.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Handle {
     pub htype: i32,
     len: u8,
@@ -134,11 +134,11 @@ pub struct Naming {
     root_dir: File,
     root_path: Arc<OwnedFd>,
     root: PathBuf,
-    /// Requests a crashed daemon may have carried out already: they are replayed, so a
-    /// name that already exists (or is already gone) is their own earlier effect.
-    replayed: HashSet<u64>,
     root_st_ino: u64,
     inodes: HashMap<u64, Inode>,
+    /// Files whose nodeid is not their inode number (see `SYNTHETIC`).
+    aliases: HashMap<Handle, u64>,
+    next_synthetic: u64,
     fds: PathFds,
     pub cache: Arc<Mutex<Cache>>,
     /// Namespace events (table upkeep that failed) for the daemon to write out.
@@ -335,7 +335,6 @@ impl Naming {
     pub fn new(
         root: &Path,
         cache: Arc<Mutex<Cache>>,
-        replayed: HashSet<u64>,
         events: Arc<Mutex<Vec<Event>>>,
         lost: Arc<Mutex<Vec<String>>>,
     ) -> std::io::Result<Naming> {
@@ -348,9 +347,10 @@ impl Naming {
             root_dir,
             root_path: Arc::new(root_path),
             root: root.to_path_buf(),
-            replayed,
             root_st_ino: st.st_ino,
             inodes: HashMap::new(),
+            aliases: HashMap::new(),
+            next_synthetic: SYNTHETIC,
             fds: PathFds::default(),
             cache,
             events,
@@ -363,6 +363,29 @@ impl Naming {
             FUSE_ROOT_ID
         } else {
             st_ino
+        }
+    }
+
+    /// The nodeid of the file with inode number `st_ino` and handle `h`: its number, unless
+    /// that number is the nodeid of another (deleted) file the kernel still holds. With
+    /// `allocate`, such a file gets a new synthetic nodeid.
+    fn nodeid_of(&mut self, st_ino: u64, h: Option<&Handle>, allocate: bool) -> u64 {
+        let ino = self.ino_of(st_ino);
+        if ino == FUSE_ROOT_ID {
+            return ino;
+        }
+        let Some(h) = h else { return ino };
+        if let Some(&id) = self.aliases.get(h) {
+            return id;
+        }
+        match self.handle(ino) {
+            Ok(existing) if existing != *h && allocate => {
+                let id = self.next_synthetic;
+                self.next_synthetic += 1;
+                self.aliases.insert(*h, id);
+                id
+            }
+            _ => ino,
         }
     }
 
@@ -467,12 +490,12 @@ impl Naming {
         }
         FileAttr {
             ino,
+            st_ino: st.st_ino,
             size,
             blocks,
             atime: time(st.st_atime, st.st_atime_nsec),
             mtime: time(st.st_mtime, st.st_mtime_nsec),
             ctime: time(st.st_ctime, st.st_ctime_nsec),
-            crtime: UNIX_EPOCH,
             kind: kind(st.st_mode),
             perm: (st.st_mode & 0o7777) as u16,
             nlink: st.st_nlink as u32,
@@ -480,7 +503,6 @@ impl Naming {
             gid: st.st_gid,
             rdev: st.st_rdev as u32,
             blksize: 4096,
-            flags: 0,
         }
     }
 
@@ -497,11 +519,12 @@ impl Naming {
         let pfd = self.fd(parent)?;
         let c = cstr(name)?;
         let st = stat_at(pfd.raw(), &c)?;
-        let ino = self.ino_of(st.st_ino);
+        let mut ino = self.ino_of(st.st_ino);
         if ino != FUSE_ROOT_ID {
+            let handle = handle_of(pfd.raw(), &c)?;
+            ino = self.nodeid_of(st.st_ino, Some(&handle), true);
             // An inode we lost in a restart but the kernel still holds is found again here.
             if !self.inodes.contains_key(&ino) && self.handle(ino).is_err() {
-                let handle = handle_of(pfd.raw(), &c)?;
                 self.inodes.insert(
                     ino,
                     Inode {
@@ -545,7 +568,7 @@ impl Naming {
 
     /// Owner of a new node: the caller, and the directory's group if it is setgid (as the
     /// kernel does for local filesystems).
-    fn chown_to(&self, dir: RawFd, name: &CString, req: &Request<'_>) {
+    fn chown_to(&self, dir: RawFd, name: &CString, req: &Request) {
         let gid = match stat_fd(dir) {
             Ok(st) if st.st_mode & libc::S_ISGID != 0 => st.st_gid,
             _ => req.gid(),
@@ -555,10 +578,10 @@ impl Naming {
         unsafe { libc::fchownat(dir, name.as_ptr(), req.uid(), gid, libc::AT_SYMLINK_NOFOLLOW) };
     }
 
-    /// The name `name` in `parent` (inode `st`) is gone: keep the tables in step, and
-    /// forget it as the inode's known name.
-    fn name_removed(&mut self, parent: u64, name: &OsStr, st: &libc::stat) {
-        let ino = self.ino_of(st.st_ino);
+    /// The name `name` in `parent` (inode `st`, handle `h`) is gone: keep the tables in
+    /// step, and forget it as the inode's known name.
+    fn name_removed(&mut self, parent: u64, name: &OsStr, st: &libc::stat, h: Option<&Handle>) {
+        let ino = self.nodeid_of(st.st_ino, h, false);
         if let Some(i) = self.inodes.get_mut(&ino) {
             if i.name.as_ref().is_some_and(|(p, n)| *p == parent && n == name) {
                 i.name = None;
@@ -622,10 +645,11 @@ impl Naming {
     }
 
     /// The errno of the call that just failed, unless it is `tolerated` and this request is
-    /// a replay (then its earlier run did the work: mkdir gives EEXIST, unlink ENOENT).
-    fn failure(&self, req: &Request<'_>, tolerated: i32) -> Option<i32> {
+    /// one the kernel sent again after a restart (then its earlier run did the work: mkdir
+    /// gives EEXIST, unlink ENOENT).
+    fn failure(&self, req: &Request, tolerated: i32) -> Option<i32> {
         let e = errno();
-        (e != tolerated || !self.replayed.contains(&req.unique())).then_some(e)
+        (e != tolerated || !req.resent()).then_some(e)
     }
 
     fn touch_mtime(&self, fd: RawFd) {
@@ -748,10 +772,6 @@ impl PlaceBuf {
 }
 
 impl Filesystem for Naming {
-    fn init(&mut self, _req: &Request<'_>, _config: &mut KernelConfig) -> Result<(), libc::c_int> {
-        Ok(())
-    }
-
     fn destroy(&mut self) {
         let _ = self.cache().flush(None, Duration::ZERO);
         let poisoned = self.cache().poisoned();
@@ -767,12 +787,12 @@ impl Filesystem for Naming {
         *self.lost.lock().unwrap_or_else(|p| p.into_inner()) = lost;
     }
 
-    fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&mut self, _req: &Request, parent: u64, name: &OsStr, reply: Reply) {
         let attr = tryr!(reply, self.do_lookup(parent, name));
         reply.entry(&TTL, &attr, 0);
     }
 
-    fn forget(&mut self, _req: &Request<'_>, ino: u64, nlookup: u64) {
+    fn forget(&mut self, ino: u64, nlookup: u64) {
         if ino == FUSE_ROOT_ID || self.handle(ino).is_err() {
             return;
         }
@@ -784,6 +804,10 @@ impl Filesystem for Naming {
             return;
         }
         let orphan = i.orphan;
+        if ino >= SYNTHETIC {
+            let h = i.handle;
+            self.aliases.remove(&h);
+        }
         self.inodes.remove(&ino);
         self.fds.forget(ino);
         let mut c = self.cache();
@@ -795,30 +819,21 @@ impl Filesystem for Naming {
         }
     }
 
-    fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
+    fn getattr(&mut self, _req: &Request, ino: u64, reply: Reply) {
         let fd = tryr!(reply, self.fd(ino));
         let st = tryr!(reply, stat_fd(fd.raw()));
         reply.attr(&TTL, &self.attr(ino, &st));
     }
 
-    fn setattr(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-        size: Option<u64>,
-        atime: Option<TimeOrNow>,
-        mtime: Option<TimeOrNow>,
-        _ctime: Option<SystemTime>,
-        _fh: Option<u64>,
-        _crtime: Option<SystemTime>,
-        _chgtime: Option<SystemTime>,
-        _bkuptime: Option<SystemTime>,
-        _flags: Option<u32>,
-        reply: ReplyAttr,
-    ) {
+    fn setattr(&mut self, _req: &Request, ino: u64, set: SetAttr, reply: Reply) {
+        let SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime,
+            mtime,
+        } = set;
         let fd = tryr!(reply, self.fd(ino));
         let p = proc_path(fd.raw());
         if let Some(s) = size {
@@ -862,7 +877,7 @@ impl Filesystem for Naming {
         reply.attr(&TTL, &self.attr(ino, &st));
     }
 
-    fn readlink(&mut self, _req: &Request<'_>, ino: u64, reply: ReplyData) {
+    fn readlink(&mut self, _req: &Request, ino: u64, reply: Reply) {
         let fd = tryr!(reply, self.fd(ino));
         let mut buf = vec![0u8; libc::PATH_MAX as usize];
         // SAFETY: valid fd and buffer.
@@ -873,16 +888,7 @@ impl Filesystem for Naming {
         reply.data(&buf[..n as usize]);
     }
 
-    fn mknod(
-        &mut self,
-        req: &Request<'_>,
-        parent: u64,
-        name: &OsStr,
-        mode: u32,
-        umask: u32,
-        rdev: u32,
-        reply: ReplyEntry,
-    ) {
+    fn mknod(&mut self, req: &Request, parent: u64, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: Reply) {
         if self.hidden(parent, name) {
             return reply.error(libc::EPERM);
         }
@@ -901,7 +907,7 @@ impl Filesystem for Naming {
         reply.entry(&TTL, &attr, 0);
     }
 
-    fn mkdir(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+    fn mkdir(&mut self, req: &Request, parent: u64, name: &OsStr, mode: u32, umask: u32, reply: Reply) {
         if self.hidden(parent, name) {
             return reply.error(libc::EPERM);
         }
@@ -918,7 +924,7 @@ impl Filesystem for Naming {
         reply.entry(&TTL, &attr, 0);
     }
 
-    fn unlink(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+    fn unlink(&mut self, req: &Request, parent: u64, name: &OsStr, reply: Reply) {
         if self.hidden(parent, name) {
             return reply.error(libc::ENOENT);
         }
@@ -926,24 +932,26 @@ impl Filesystem for Naming {
         let c = tryr!(reply, cstr(name));
         let st = match stat_at(pfd.raw(), &c) {
             Ok(st) => st,
-            Err(libc::ENOENT) if self.replayed.contains(&req.unique()) => return reply.ok(),
+            Err(libc::ENOENT) if req.resent() => return reply.ok(),
             Err(e) => return reply.error(e),
         };
+        let h = handle_of(pfd.raw(), &c).ok();
         // SAFETY: valid dir fd and name.
         if unsafe { libc::unlinkat(pfd.raw(), c.as_ptr(), 0) } < 0 {
             return reply.error(errno());
         }
-        self.name_removed(parent, name, &st);
+        self.name_removed(parent, name, &st, h.as_ref());
         reply.ok();
     }
 
-    fn rmdir(&mut self, req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&mut self, req: &Request, parent: u64, name: &OsStr, reply: Reply) {
         if self.hidden(parent, name) {
             return reply.error(libc::ENOENT);
         }
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
         let st = stat_at(pfd.raw(), &c);
+        let h = handle_of(pfd.raw(), &c).ok();
         // SAFETY: valid dir fd and name.
         if unsafe { libc::unlinkat(pfd.raw(), c.as_ptr(), libc::AT_REMOVEDIR) } < 0 {
             if let Some(e) = self.failure(req, libc::ENOENT) {
@@ -951,12 +959,12 @@ impl Filesystem for Naming {
             }
         }
         if let Ok(st) = st {
-            self.name_removed(parent, name, &st);
+            self.name_removed(parent, name, &st, h.as_ref());
         }
         reply.ok();
     }
 
-    fn symlink(&mut self, req: &Request<'_>, parent: u64, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+    fn symlink(&mut self, req: &Request, parent: u64, link_name: &OsStr, target: &Path, reply: Reply) {
         if self.hidden(parent, link_name) {
             return reply.error(libc::EPERM);
         }
@@ -976,13 +984,13 @@ impl Filesystem for Naming {
 
     fn rename(
         &mut self,
-        req: &Request<'_>,
+        req: &Request,
         parent: u64,
         name: &OsStr,
         newparent: u64,
         newname: &OsStr,
         flags: u32,
-        reply: ReplyEmpty,
+        reply: Reply,
     ) {
         if self.hidden(parent, name) || self.hidden(newparent, newname) {
             return reply.error(libc::EPERM);
@@ -992,7 +1000,9 @@ impl Filesystem for Naming {
         let c = tryr!(reply, cstr(name));
         let n = tryr!(reply, cstr(newname));
         let moved = stat_at(pfd.raw(), &c).ok();
+        let moved_h = handle_of(pfd.raw(), &c).ok();
         let replaced = stat_at(nfd.raw(), &n).ok();
+        let replaced_h = handle_of(nfd.raw(), &n).ok();
         // SAFETY: valid fds and names.
         let r = unsafe { libc::syscall(libc::SYS_renameat2, pfd.raw(), c.as_ptr(), nfd.raw(), n.as_ptr(), flags) };
         let replay = r < 0;
@@ -1005,7 +1015,7 @@ impl Filesystem for Naming {
         // The replaced file's tables go first, then the moved file's take their place.
         if let (Some(st), false, false) = (replaced, exchange, replay) {
             if moved.is_none_or(|m| m.st_ino != st.st_ino) {
-                self.name_removed(newparent, newname, &st);
+                self.name_removed(newparent, newname, &st, replaced_h.as_ref());
             }
         }
         let from = self.rel_path(parent).map(|p| p.join(name));
@@ -1016,13 +1026,13 @@ impl Filesystem for Naming {
             }
         }
         if let Some(st) = moved {
-            let ino = self.ino_of(st.st_ino);
+            let ino = self.nodeid_of(st.st_ino, moved_h.as_ref(), false);
             if let Some(i) = self.inodes.get_mut(&ino) {
                 i.name = Some((newparent, newname.to_os_string()));
             }
         }
         if let (Some(st), true) = (replaced, exchange) {
-            let ino = self.ino_of(st.st_ino);
+            let ino = self.nodeid_of(st.st_ino, replaced_h.as_ref(), false);
             if let Some(i) = self.inodes.get_mut(&ino) {
                 i.name = Some((parent, name.to_os_string()));
             }
@@ -1030,7 +1040,7 @@ impl Filesystem for Naming {
         reply.ok();
     }
 
-    fn link(&mut self, req: &Request<'_>, ino: u64, newparent: u64, newname: &OsStr, reply: ReplyEntry) {
+    fn link(&mut self, req: &Request, ino: u64, newparent: u64, newname: &OsStr, reply: Reply) {
         if self.hidden(newparent, newname) {
             return reply.error(libc::EPERM);
         }
@@ -1056,7 +1066,7 @@ impl Filesystem for Naming {
         reply.entry(&TTL, &attr, 0);
     }
 
-    fn open(&mut self, _req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
+    fn open(&mut self, _req: &Request, ino: u64, flags: i32, reply: Reply) {
         let fd = tryr!(reply, self.fd(ino));
         let st = tryr!(reply, stat_fd(fd.raw()));
         if kind(st.st_mode) == FileType::RegularFile {
@@ -1069,51 +1079,21 @@ impl Filesystem for Naming {
         reply.opened(0, FOPEN_DIRECT_IO);
     }
 
-    fn release(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        _flags: i32,
-        _lock_owner: Option<u64>,
-        _flush: bool,
-        reply: ReplyEmpty,
-    ) {
+    fn release(&mut self, _req: &Request, ino: u64, reply: Reply) {
         self.cache().released(ino);
         reply.ok();
     }
 
-    fn read(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        offset: i64,
-        size: u32,
-        _flags: i32,
-        _lock_owner: Option<u64>,
-        reply: ReplyData,
-    ) {
+    fn read(&mut self, _req: &Request, ino: u64, offset: u64, size: u32, reply: Reply) {
         tryr!(reply, self.attach(ino));
-        let data = tryr!(reply, self.cache().read(ino, offset.max(0) as u64, size as usize));
+        let data = tryr!(reply, self.cache().read(ino, offset, size as usize));
         reply.data(&data);
     }
 
-    fn write(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        offset: i64,
-        data: &[u8],
-        write_flags: u32,
-        _flags: i32,
-        _lock_owner: Option<u64>,
-        reply: ReplyWrite,
-    ) {
+    fn write(&mut self, _req: &Request, ino: u64, offset: u64, data: &[u8], write_flags: u32, reply: Reply) {
         tryr!(reply, self.attach(ino));
         tryr!(reply, self.room_for(data.len()));
-        let n = tryr!(reply, self.cache().write(ino, offset.max(0) as u64, data));
+        let n = tryr!(reply, self.cache().write(ino, offset, data));
         if let Ok(fd) = self.fd(ino) {
             if write_flags & FUSE_WRITE_KILL_SUIDGID != 0 {
                 self.kill_suidgid(fd.raw());
@@ -1123,25 +1103,17 @@ impl Filesystem for Naming {
         reply.written(n as u32);
     }
 
-    fn flush(&mut self, _req: &Request<'_>, _ino: u64, _fh: u64, _lock_owner: u64, reply: ReplyEmpty) {
-        reply.ok();
-    }
-
-    fn fsync(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, _datasync: bool, reply: ReplyEmpty) {
+    fn fsync(&mut self, _req: &Request, ino: u64, reply: Reply) {
         if self.cache().is_attached(ino) {
             tryr!(reply, self.cache().fsync(ino));
         }
         reply.ok();
     }
 
-    fn opendir(&mut self, _req: &Request<'_>, _ino: u64, _flags: i32, reply: ReplyOpen) {
-        reply.opened(0, 0);
-    }
-
     /// Entries come straight from the backing directory, with its own `d_off` cookies as
     /// offsets: they stay valid while entries are removed, and each call reads only what
     /// it returns.
-    fn readdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, offset: i64, mut reply: ReplyDirectory) {
+    fn readdir(&mut self, _req: &Request, ino: u64, offset: i64, mut reply: Reply) {
         let fd = tryr!(reply, self.fd(ino));
         let dir = tryr!(reply, reopen(fd.raw(), libc::O_RDONLY | libc::O_DIRECTORY));
         // SAFETY: seeking our own directory descriptor to a cookie it gave out.
@@ -1179,21 +1151,21 @@ impl Filesystem for Naming {
                     self.ino_of(d_ino)
                 };
                 if reply.add(eino, d_off, dirent_kind(d_type), name) {
-                    return reply.ok();
+                    return reply.done();
                 }
             }
         }
-        reply.ok();
+        reply.done();
     }
 
-    fn fsyncdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, _datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(&mut self, _req: &Request, ino: u64, reply: Reply) {
         let fd = tryr!(reply, self.fd(ino));
         let dir = tryr!(reply, reopen(fd.raw(), libc::O_RDONLY | libc::O_DIRECTORY));
         tryr!(reply, dir.sync_all().map_err(io_errno));
         reply.ok();
     }
 
-    fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: ReplyStatfs) {
+    fn statfs(&mut self, _req: &Request, reply: Reply) {
         // SAFETY: statvfs is plain data; the kernel fills it in.
         let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: valid fd and output struct.
@@ -1212,21 +1184,7 @@ impl Filesystem for Naming {
         );
     }
 
-    fn access(&mut self, _req: &Request<'_>, _ino: u64, _mask: i32, reply: ReplyEmpty) {
-        // The kernel checks permissions itself (default_permissions).
-        reply.ok();
-    }
-
-    fn create(
-        &mut self,
-        req: &Request<'_>,
-        parent: u64,
-        name: &OsStr,
-        mode: u32,
-        umask: u32,
-        flags: i32,
-        reply: ReplyCreate,
-    ) {
+    fn create(&mut self, req: &Request, parent: u64, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: Reply) {
         if self.hidden(parent, name) {
             return reply.error(libc::EPERM);
         }
@@ -1240,7 +1198,7 @@ impl Filesystem for Naming {
             unsafe { libc::close(r) };
             self.fresh_tables(parent, name);
             self.chown_to(pfd.raw(), &c, req);
-        } else if errno() != libc::EEXIST || (flags & libc::O_EXCL != 0 && !self.replayed.contains(&req.unique())) {
+        } else if errno() != libc::EEXIST || (flags & libc::O_EXCL != 0 && !req.resent()) {
             return reply.error(errno());
         }
         let attr = tryr!(reply, self.do_lookup(parent, name));
@@ -1259,16 +1217,7 @@ impl Filesystem for Naming {
         reply.created(&TTL, &attr, 0, 0, FOPEN_DIRECT_IO);
     }
 
-    fn fallocate(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        offset: i64,
-        length: i64,
-        mode: i32,
-        reply: ReplyEmpty,
-    ) {
+    fn fallocate(&mut self, _req: &Request, ino: u64, offset: i64, length: i64, mode: i32, reply: Reply) {
         if offset < 0 || length <= 0 {
             return reply.error(libc::EINVAL);
         }
@@ -1309,7 +1258,7 @@ impl Filesystem for Naming {
         reply.ok();
     }
 
-    fn lseek(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, offset: i64, whence: i32, reply: ReplyLseek) {
+    fn lseek(&mut self, _req: &Request, ino: u64, offset: i64, whence: i32, reply: Reply) {
         if whence != libc::SEEK_DATA && whence != libc::SEEK_HOLE {
             return reply.error(libc::EINVAL);
         }
