@@ -3,6 +3,7 @@
 pub mod cache;
 pub mod crc;
 pub mod fuse;
+pub mod longpath;
 pub mod mount;
 pub mod naming;
 pub mod recovery;

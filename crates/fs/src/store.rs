@@ -31,6 +31,7 @@
 //! for "never written": the block must then be all zeros (a hole).
 
 use crate::crc::PAGE;
+use crate::longpath::Spot;
 use lockstep_core::checksum::crc32c;
 use std::fs::{self, File, OpenOptions};
 use std::io;
@@ -252,48 +253,6 @@ fn cut_table(t: &File, data: &File, blocks: u64) -> io::Result<()> {
     Ok(())
 }
 
-fn open_rw(path: &Path) -> io::Result<File> {
-    let open = || {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-    };
-    match open() {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            if let Some(p) = path.parent() {
-                fs::create_dir_all(p)?;
-            }
-            open()
-        }
-        // A stale directory of tables where a file's table now belongs (its directory was
-        // removed while the daemon was down).
-        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
-            fs::remove_dir_all(path)?;
-            open()
-        }
-        r => r,
-    }
-}
-
-fn ignore_missing(r: io::Result<()>) -> io::Result<()> {
-    match r {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        r => r,
-    }
-}
-
-/// Remove a file or a directory tree, if it exists.
-fn remove_any(p: &Path) -> io::Result<()> {
-    match fs::symlink_metadata(p) {
-        Ok(m) if m.is_dir() => ignore_missing(fs::remove_dir_all(p)),
-        Ok(_) => ignore_missing(fs::remove_file(p)),
-        Err(_) => Ok(()),
-    }
-}
-
 /// One copy of the store (the primary or the mirror): its root and what lives under it.
 #[derive(Clone, Debug)]
 struct Copy {
@@ -305,23 +264,23 @@ impl Copy {
         self.root.join(META)
     }
 
-    fn table(&self, place: Place) -> PathBuf {
+    fn table(&self, place: Place) -> Spot {
         match place {
-            Place::Path(rel) => self.meta().join("crc").join(rel),
-            Place::Orphan(ino) => self.meta().join("orphans").join(ino.to_string()),
+            Place::Path(rel) => Spot::new(self.meta().join("crc"), rel),
+            Place::Orphan(ino) => Spot::new(self.meta().join("orphans"), ino.to_string()),
         }
     }
 
     /// The mirror's copy of a file's data.
-    fn data(&self, place: Place) -> PathBuf {
+    fn data(&self, place: Place) -> Spot {
         match place {
-            Place::Path(rel) => self.root.join(rel),
-            Place::Orphan(ino) => self.meta().join("orphans").join(format!("{ino}.data")),
+            Place::Path(rel) => Spot::new(&self.root, rel),
+            Place::Orphan(ino) => Spot::new(self.meta().join("orphans"), format!("{ino}.data")),
         }
     }
 
-    /// The paths that move with a file in this copy: its table, and (mirror) its data.
-    fn paths(&self, place: Place, with_data: bool) -> Vec<PathBuf> {
+    /// What moves with a file in this copy: its table, and (mirror) its data.
+    fn spots(&self, place: Place, with_data: bool) -> Vec<Spot> {
         let mut v = vec![self.table(place)];
         if with_data {
             v.push(self.data(place));
@@ -435,9 +394,9 @@ impl Store {
 
     /// Open (creating if needed) the tables of the file at `place`.
     pub fn tables(&self, place: Place) -> io::Result<Tables> {
-        let table = open_rw(&self.primary.table(place))?;
+        let table = self.primary.table(place).open_rw()?;
         let mirror = match &self.mirror {
-            Some(m) => Some((open_rw(&m.data(place))?, open_rw(&m.table(place))?)),
+            Some(m) => Some((m.data(place).open_rw()?, m.table(place).open_rw()?)),
             None => None,
         };
         Ok(Tables { table, mirror })
@@ -529,26 +488,23 @@ impl Store {
     /// the two swap.
     pub fn renamed(&self, from: &Path, to: &Path, exchange: bool) -> io::Result<()> {
         for (copy, with_data) in self.copies() {
-            let froms = copy.paths(Place::Path(from), with_data);
-            let tos = copy.paths(Place::Path(to), with_data);
+            let froms = copy.spots(Place::Path(from), with_data);
+            let tos = copy.spots(Place::Path(to), with_data);
             for (f, t) in froms.iter().zip(&tos) {
-                let (fe, te) = (fs::symlink_metadata(f).is_ok(), fs::symlink_metadata(t).is_ok());
-                if let Some(p) = t.parent() {
-                    fs::create_dir_all(p)?;
-                }
-                if exchange && fe && te {
-                    rename2(f, t, libc::RENAME_EXCHANGE)?;
-                } else if exchange && te {
-                    fs::rename(t, f)?;
-                } else if fe {
+                let (fk, tk) = (f.is_dir(), t.is_dir());
+                if exchange && fk.is_some() && tk.is_some() {
+                    f.rename_to(t, libc::RENAME_EXCHANGE)?;
+                } else if exchange && tk.is_some() {
+                    t.rename_to(f, 0)?;
+                } else if let Some(f_is_dir) = fk {
                     // A plain rename replaces what was at `to`, as it did in the namespace;
-                    // a directory of tables that is in the way goes first.
-                    if fs::symlink_metadata(t).is_ok_and(|m| m.is_dir()) && !fs::symlink_metadata(f)?.is_dir() {
-                        remove_any(t)?;
+                    // a directory of tables in the way of a file's table goes first.
+                    if tk == Some(true) && !f_is_dir {
+                        t.remove()?;
                     }
-                    if fs::rename(f, t).is_err() {
-                        remove_any(t)?;
-                        fs::rename(f, t)?;
+                    if f.rename_to(t, 0).is_err() {
+                        t.remove()?;
+                        f.rename_to(t, 0)?;
                     }
                 }
             }
@@ -560,18 +516,15 @@ impl Store {
     pub fn linked(&self, existing: &Path, new: &Path) -> io::Result<()> {
         for (copy, with_data) in self.copies() {
             for (e, n) in copy
-                .paths(Place::Path(existing), with_data)
+                .spots(Place::Path(existing), with_data)
                 .iter()
-                .zip(copy.paths(Place::Path(new), with_data))
+                .zip(copy.spots(Place::Path(new), with_data))
             {
-                if fs::symlink_metadata(e).is_err() {
+                if !e.exists() {
                     continue;
                 }
-                if let Some(p) = n.parent() {
-                    fs::create_dir_all(p)?;
-                }
-                remove_any(&n)?;
-                fs::hard_link(e, &n)?;
+                n.remove()?;
+                e.link_to(&n)?;
             }
         }
         Ok(())
@@ -581,21 +534,18 @@ impl Store {
     /// file is still open, so its tables move to the orphans (by inode) until it is closed.
     pub fn unlinked(&self, rel: &Path, orphan: Option<u64>) -> io::Result<()> {
         for (copy, with_data) in self.copies() {
-            let names = copy.paths(Place::Path(rel), with_data);
+            let names = copy.spots(Place::Path(rel), with_data);
             match orphan {
                 Some(ino) => {
-                    for (n, o) in names.iter().zip(copy.paths(Place::Orphan(ino), with_data)) {
-                        if fs::symlink_metadata(n).is_ok() {
-                            if let Some(p) = o.parent() {
-                                fs::create_dir_all(p)?;
-                            }
-                            fs::rename(n, o)?;
+                    for (n, o) in names.iter().zip(copy.spots(Place::Orphan(ino), with_data)) {
+                        if n.exists() {
+                            n.rename_to(&o, 0)?;
                         }
                     }
                 }
                 None => {
                     for n in names {
-                        ignore_missing(fs::remove_file(n))?;
+                        n.remove()?;
                     }
                 }
             }
@@ -606,8 +556,8 @@ impl Store {
     /// A directory was removed: whatever tables are left under it go too.
     pub fn dir_removed(&self, rel: &Path) -> io::Result<()> {
         for (copy, with_data) in self.copies() {
-            for p in copy.paths(Place::Path(rel), with_data) {
-                remove_any(&p)?;
+            for p in copy.spots(Place::Path(rel), with_data) {
+                p.remove()?;
             }
         }
         Ok(())
@@ -616,8 +566,8 @@ impl Store {
     /// An orphan file was closed for the last time: its tables go.
     pub fn orphan_gone(&self, ino: u64) {
         for (copy, with_data) in self.copies() {
-            for p in copy.paths(Place::Orphan(ino), with_data) {
-                let _ = fs::remove_file(p);
+            for p in copy.spots(Place::Orphan(ino), with_data) {
+                let _ = p.remove();
             }
         }
     }
@@ -625,33 +575,11 @@ impl Store {
     /// At mount: orphans of an earlier mount belong to files that no longer exist.
     pub fn clear_orphans(&self) -> io::Result<()> {
         for (copy, _) in self.copies() {
-            let dir = copy.meta().join("orphans");
-            remove_any(&dir)?;
-            fs::create_dir_all(&dir)?;
+            Spot::new(copy.meta(), "orphans").remove()?;
+            fs::create_dir_all(copy.meta().join("orphans"))?;
         }
         Ok(())
     }
-}
-
-fn rename2(from: &Path, to: &Path, flags: u32) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let f = std::ffi::CString::new(from.as_os_str().as_bytes())?;
-    let t = std::ffi::CString::new(to.as_os_str().as_bytes())?;
-    // SAFETY: two NUL-terminated paths relative to the current directory.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_renameat2,
-            libc::AT_FDCWD,
-            f.as_ptr(),
-            libc::AT_FDCWD,
-            t.as_ptr(),
-            flags,
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Offline verification and table building for whole trees (`lockstep fs check` and
@@ -798,7 +726,7 @@ pub mod offline {
         let mut buf = vec![0u8; PAGE];
         regular_files(dir, |rel| {
             let data = File::open(dir.join(rel))?;
-            let table = open_rw(&meta.join("crc").join(rel))?;
+            let table = Spot::new(meta.join("crc"), rel).open_rw()?;
             table.set_len(0)?;
             let size = data.metadata()?.len();
             let blocks = size.div_ceil(PAGE as u64);
