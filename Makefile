@@ -45,6 +45,7 @@ bench: build
 	bench/sei_eval.sh 1000
 	python3 bench/kv_bench.py 5 3
 	python3 bench/fs_bench.py 5 3
+	python3 bench/fs_vs_bindfs.py 5 3
 
 lint:
 	$(CARGO) fmt --all

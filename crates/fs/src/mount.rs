@@ -910,7 +910,22 @@ fn stats_json(c: &Cache) -> serde_json::Value {
 
 /// Send one control command to the mount whose store is `store`.
 pub fn control(store: &Path, command: &str) -> std::io::Result<serde_json::Value> {
-    let mut s = UnixStream::connect(control_path(store))?;
+    // A daemon that is starting (the first, or one restarted after a crash) has not bound
+    // its socket yet: wait a little for it, as long as the store's server is there.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut s = loop {
+        match UnixStream::connect(control_path(store)) {
+            Ok(s) => break s,
+            Err(e)
+                if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ECONNREFUSED))
+                    && std::time::Instant::now() < deadline
+                    && matches!(StoreLock::holder(store), Ok(Some(_))) =>
+            {
+                thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
+    };
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     writeln!(s, "{command}")?;
     let mut line = String::new();

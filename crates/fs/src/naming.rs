@@ -145,6 +145,11 @@ pub struct Naming {
     events: Arc<Mutex<Vec<Event>>>,
     /// Filled at unmount: files whose acknowledged data was discarded (poisoned pages).
     lost: Arc<Mutex<Vec<String>>>,
+    /// The store's free space when last asked, and when.
+    space: Option<(std::time::Instant, u64)>,
+    /// Files written since their mtime was last set: it is set when someone can see it
+    /// (getattr, release, fsync), not on every write.
+    mtime_due: std::collections::HashSet<u64>,
 }
 
 fn errno() -> i32 {
@@ -355,6 +360,8 @@ impl Naming {
             cache,
             events,
             lost,
+            space: None,
+            mtime_due: std::collections::HashSet::new(),
         })
     }
 
@@ -632,8 +639,18 @@ impl Naming {
         };
         // Block tables and directory growth need a little room of their own.
         const MARGIN: u64 = 256 << 10;
+        // A recent look at the free space is good enough while it is far from running out.
+        const SLACK: u64 = 64 << 20;
         let need = |c: &Cache| c.dirty_bytes() + len as u64 + MARGIN;
-        if avail()? >= need(&self.cache()) {
+        let now = std::time::Instant::now();
+        if let Some((when, free)) = self.space {
+            if now.duration_since(when) < Duration::from_millis(100) && free >= need(&self.cache()) + SLACK {
+                return Ok(());
+            }
+        }
+        let free = avail()?;
+        self.space = Some((now, free));
+        if free >= need(&self.cache()) {
             return Ok(());
         }
         // Writing back what is dirty turns reserved room into used room; then look again.
@@ -650,6 +667,15 @@ impl Naming {
     fn failure(&self, req: &Request, tolerated: i32) -> Option<i32> {
         let e = errno();
         (e != tolerated || !req.resent()).then_some(e)
+    }
+
+    /// Set the mtime of `ino` if it was written since it was last set.
+    fn settle_mtime(&mut self, ino: u64) {
+        if self.mtime_due.remove(&ino) {
+            if let Ok(fd) = self.fd(ino) {
+                self.touch_mtime(fd.raw());
+            }
+        }
     }
 
     fn touch_mtime(&self, fd: RawFd) {
@@ -793,6 +819,7 @@ impl Filesystem for Naming {
     }
 
     fn forget(&mut self, ino: u64, nlookup: u64) {
+        self.settle_mtime(ino);
         if ino == FUSE_ROOT_ID || self.handle(ino).is_err() {
             return;
         }
@@ -820,6 +847,7 @@ impl Filesystem for Naming {
     }
 
     fn getattr(&mut self, _req: &Request, ino: u64, reply: Reply) {
+        self.settle_mtime(ino);
         let fd = tryr!(reply, self.fd(ino));
         let st = tryr!(reply, stat_fd(fd.raw()));
         reply.attr(&TTL, &self.attr(ino, &st));
@@ -834,6 +862,7 @@ impl Filesystem for Naming {
             atime,
             mtime,
         } = set;
+        self.settle_mtime(ino);
         let fd = tryr!(reply, self.fd(ino));
         let p = proc_path(fd.raw());
         if let Some(s) = size {
@@ -1080,6 +1109,7 @@ impl Filesystem for Naming {
     }
 
     fn release(&mut self, _req: &Request, ino: u64, reply: Reply) {
+        self.settle_mtime(ino);
         self.cache().released(ino);
         reply.ok();
     }
@@ -1094,16 +1124,17 @@ impl Filesystem for Naming {
         tryr!(reply, self.attach(ino));
         tryr!(reply, self.room_for(data.len()));
         let n = tryr!(reply, self.cache().write(ino, offset, data));
-        if let Ok(fd) = self.fd(ino) {
-            if write_flags & FUSE_WRITE_KILL_SUIDGID != 0 {
+        if write_flags & FUSE_WRITE_KILL_SUIDGID != 0 {
+            if let Ok(fd) = self.fd(ino) {
                 self.kill_suidgid(fd.raw());
             }
-            self.touch_mtime(fd.raw());
         }
+        self.mtime_due.insert(ino);
         reply.written(n as u32);
     }
 
     fn fsync(&mut self, _req: &Request, ino: u64, reply: Reply) {
+        self.settle_mtime(ino);
         if self.cache().is_attached(ino) {
             tryr!(reply, self.cache().fsync(ino));
         }
