@@ -274,6 +274,32 @@ impl Cache {
         self.files.get(&ino).map(|f| f.file.clone())
     }
 
+    /// Create the tables of `ino` now if it has none (it is getting a second name, and
+    /// all its names must share one table).
+    pub fn ensure_tables(&mut self, ino: u64) -> R<()> {
+        if let Some(f) = self.files.get_mut(&ino) {
+            self.store
+                .ensure(&mut f.tables)
+                .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        }
+        Ok(())
+    }
+
+    /// `ino` moved (or lost its last name): tables not created yet go to its new place.
+    pub fn retarget(&mut self, ino: u64, place: crate::store::PlaceBuf) {
+        if let Some(f) = self.files.get_mut(&ino) {
+            f.tables.retarget(place);
+        }
+    }
+
+    /// The directory `from` was renamed to `to`: files under it whose tables are not
+    /// created yet follow.
+    pub fn retarget_under(&mut self, from: &std::path::Path, to: &std::path::Path) {
+        for f in self.files.values_mut() {
+            f.tables.retarget_under(from, to);
+        }
+    }
+
     /// Blocks of `ino` that hold dirty data not yet in the store.
     pub fn dirty_blocks(&self, ino: u64) -> Vec<u64> {
         self.files
@@ -674,7 +700,7 @@ impl Cache {
         let p = self.pages.get(&key).expect("checked page exists");
         let f = self.files.get_mut(&key.0).ok_or(libc::EBADF)?;
         self.store
-            .write_block(&f.tables, &f.file, key.1, &self.shared.page(p.slot)[..p.len], p.crc)
+            .write_block(&mut f.tables, &f.file, key.1, &self.shared.page(p.slot)[..p.len], p.crc)
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         f.disk_size = f.disk_size.max(key.1 * PAGE as u64 + p.len as u64);
         self.shared.clear(p.slot);

@@ -105,6 +105,27 @@ impl Spot {
         Ok(File::from(fd))
     }
 
+    /// Open an existing file read-write; None if there is none.
+    pub fn open_existing(&self) -> io::Result<Option<File>> {
+        let (dir, name) = match self.parent(false) {
+            Ok(x) => x,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        match open_at(dir.as_raw_fd(), &name, libc::O_RDWR | libc::O_NOFOLLOW, 0) {
+            Ok(fd) => Ok(Some(File::from(fd))),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::EISDIR)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Create (or empty) the file, and its directories.
+    pub fn create_empty(&self) -> io::Result<File> {
+        let f = self.open_rw()?;
+        f.set_len(0)?;
+        Ok(f)
+    }
+
     /// None if nothing is there; Some(true) for a directory.
     pub fn is_dir(&self) -> Option<bool> {
         let (dir, name) = self.parent(false).ok()?;

@@ -18,7 +18,7 @@ use crate::fuse::{
     FileAttr, FileType, Filesystem, Reply, Request, SetAttr, TimeOrNow, FUSE_ROOT_ID, FUSE_WRITE_KILL_SUIDGID,
 };
 use crate::shared::HANDLE_MAX;
-use crate::store::{Place, Store, Tables, META};
+use crate::store::{PlaceBuf, Store, Tables, META};
 use lockstep_core::Event;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CString, OsStr, OsString};
@@ -614,6 +614,9 @@ impl Naming {
         if let Some(i) = self.inodes.get_mut(&ino).filter(|_| held) {
             i.orphan = true;
         }
+        if held {
+            self.cache().retarget(ino, PlaceBuf::Orphan(ino));
+        }
         let r = self.cache().store().unlinked(&rel, held.then_some(ino));
         if let Err(e) = r {
             self.note(&format!("cannot drop the tables of {}", rel.display()), e);
@@ -778,21 +781,6 @@ impl Naming {
                 Some(h) if !is_dirty(h) => return Ok(h),
                 Some(h) => pos = h,
             }
-        }
-    }
-}
-
-/// An owned `Place`.
-enum PlaceBuf {
-    Path(PathBuf),
-    Orphan(u64),
-}
-
-impl PlaceBuf {
-    fn as_place(&self) -> Place<'_> {
-        match self {
-            PlaceBuf::Path(p) => Place::Path(p),
-            PlaceBuf::Orphan(i) => Place::Orphan(*i),
         }
     }
 }
@@ -1059,6 +1047,13 @@ impl Filesystem for Naming {
             if let Some(i) = self.inodes.get_mut(&ino) {
                 i.name = Some((newparent, newname.to_os_string()));
             }
+            if let (Ok(from), Ok(to)) = (&from, &to) {
+                match kind(st.st_mode) {
+                    FileType::RegularFile => self.cache().retarget(ino, PlaceBuf::Path(to.clone())),
+                    FileType::Directory => self.cache().retarget_under(from, to),
+                    _ => {}
+                }
+            }
         }
         if let (Some(st), true) = (replaced, exchange) {
             let ino = self.nodeid_of(st.st_ino, replaced_h.as_ref(), false);
@@ -1076,6 +1071,7 @@ impl Filesystem for Naming {
         let fd = tryr!(reply, self.fd(ino));
         let nfd = tryr!(reply, self.fd(newparent));
         let n = tryr!(reply, cstr(newname));
+        tryr!(reply, self.cache().ensure_tables(ino));
         // SAFETY: valid fds and name; AT_EMPTY_PATH links the inode the fd holds.
         if unsafe { libc::linkat(fd.raw(), c"".as_ptr(), nfd.raw(), n.as_ptr(), libc::AT_EMPTY_PATH) } < 0 {
             if let Some(e) = self.failure(req, libc::EEXIST) {

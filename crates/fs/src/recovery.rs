@@ -75,7 +75,7 @@ pub fn recover(store: &Store, shared: &mut Shared) -> Result<Recovered, String> 
         done.truncations += 1;
     }
     for r in &records {
-        let Some((data, tables)) = files.get(&r.ino) else {
+        let Some((data, tables)) = files.get_mut(&r.ino) else {
             continue;
         };
         let page = shared.page(r.slot)[..r.len].to_vec();

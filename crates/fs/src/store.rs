@@ -84,11 +84,51 @@ pub enum Place<'a> {
     Orphan(u64),
 }
 
-/// The open tables of one file: its table in the store and, with a mirror, the mirror's
-/// copy of its data and table.
+/// An owned `Place`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlaceBuf {
+    Path(PathBuf),
+    Orphan(u64),
+}
+
+impl PlaceBuf {
+    pub fn as_place(&self) -> Place<'_> {
+        match self {
+            PlaceBuf::Path(p) => Place::Path(p),
+            PlaceBuf::Orphan(i) => Place::Orphan(*i),
+        }
+    }
+}
+
+/// The tables of one file: its table in the store and, with a mirror, the mirror's copy
+/// of its data and table. A file that has never had a block written has none yet (an
+/// empty file costs one inode, not two): they are created on its first write-back, where
+/// the file is then (`retarget` follows renames until that happens).
 pub struct Tables {
+    opened: Option<Opened>,
+    place: PlaceBuf,
+}
+
+pub(crate) struct Opened {
     table: File,
     mirror: Option<(File, File)>,
+}
+
+impl Tables {
+    /// The file moved (or lost its last name) before its tables were created.
+    pub fn retarget(&mut self, place: PlaceBuf) {
+        self.place = place;
+    }
+
+    /// The file's place, if its tables do not exist yet, under `from` (a renamed
+    /// directory): it moves to `to`.
+    pub fn retarget_under(&mut self, from: &Path, to: &Path) {
+        if let PlaceBuf::Path(p) = &self.place {
+            if let Ok(rest) = p.strip_prefix(from) {
+                self.place = PlaceBuf::Path(to.join(rest));
+            }
+        }
+    }
 }
 
 /// One table chunk as read from its two copies.
@@ -392,14 +432,39 @@ impl Store {
         std::iter::once((&self.primary, false)).chain(self.mirror.iter().map(|m| (m, true)))
     }
 
-    /// Open (creating if needed) the tables of the file at `place`.
+    /// The tables of the file at `place`: opened if they exist, else to be created at
+    /// its first write.
     pub fn tables(&self, place: Place) -> io::Result<Tables> {
-        let table = self.primary.table(place).open_rw()?;
-        let mirror = match &self.mirror {
-            Some(m) => Some((m.data(place).open_rw()?, m.table(place).open_rw()?)),
+        let opened = match self.primary.table(place).open_existing()? {
+            Some(table) => Some(Opened {
+                table,
+                mirror: match &self.mirror {
+                    Some(m) => Some((m.data(place).open_rw()?, m.table(place).open_rw()?)),
+                    None => None,
+                },
+            }),
             None => None,
         };
-        Ok(Tables { table, mirror })
+        let place = match place {
+            Place::Path(p) => PlaceBuf::Path(p.to_path_buf()),
+            Place::Orphan(i) => PlaceBuf::Orphan(i),
+        };
+        Ok(Tables { opened, place })
+    }
+
+    /// The tables of `t`, created now if they do not exist. Whatever is at their place is
+    /// stale (the file had no tables), so they start empty.
+    pub(crate) fn ensure<'t>(&self, t: &'t mut Tables) -> io::Result<&'t Opened> {
+        if t.opened.is_none() {
+            let place = t.place.as_place();
+            let table = self.primary.table(place).create_empty()?;
+            let mirror = match &self.mirror {
+                Some(m) => Some((m.data(place).create_empty()?, m.table(place).create_empty()?)),
+                None => None,
+            };
+            t.opened = Some(Opened { table, mirror });
+        }
+        Ok(t.opened.as_ref().expect("just opened"))
     }
 
     /// Read block `block` of `data` (its first `len` bytes are in use) and verify it.
@@ -412,6 +477,16 @@ impl Store {
         len: usize,
     ) -> Result<(Vec<u8>, u32, ReadInfo), StoreError> {
         assert!(len <= PAGE);
+        let Some(t) = &t.opened else {
+            // No table: nothing was ever written, so the block must be a hole of zeros.
+            let mut buf = vec![0u8; len];
+            let n = read_full(data, &mut buf, block * PAGE as u64)?;
+            buf[n..].fill(0);
+            if buf.iter().any(|&b| b != 0) {
+                return Err(StoreError::Corrupt { block });
+            }
+            return Ok((buf, crate::crc::zeros(len), ReadInfo::default()));
+        };
         if let Some((buf, crc, table_repaired)) = read_verified(&t.table, data, block, len)? {
             return Ok((
                 buf,
@@ -444,8 +519,9 @@ impl Store {
     }
 
     /// Write a block with the CRC the cache computed for it (the store does not recompute).
-    pub fn write_block(&self, t: &Tables, data: &File, block: u64, bytes: &[u8], crc: u32) -> io::Result<()> {
+    pub fn write_block(&self, t: &mut Tables, data: &File, block: u64, bytes: &[u8], crc: u32) -> io::Result<()> {
         assert!(bytes.len() <= PAGE);
+        let t = self.ensure(t)?;
         data.write_all_at(bytes, block * PAGE as u64)?;
         set_crc(&t.table, data, block, crc)?;
         if let Some((mdata, mtable)) = &t.mirror {
@@ -459,6 +535,8 @@ impl Store {
     /// changed (the new last block when cut inside it, the old last block when extended).
     pub fn truncate(&self, t: &Tables, data: &File, size: u64, fixups: &[(u64, u32)]) -> io::Result<()> {
         data.set_len(size)?;
+        // Without tables every slot is a hole already, and stays one.
+        let Some(t) = &t.opened else { return Ok(()) };
         let blocks = size.div_ceil(PAGE as u64);
         cut_table(&t.table, data, blocks)?;
         for &(block, crc) in fixups {
@@ -476,6 +554,7 @@ impl Store {
 
     /// Make the tables (and mirror) durable; the caller syncs the data file.
     pub fn sync(&self, t: &Tables) -> io::Result<()> {
+        let Some(t) = &t.opened else { return Ok(()) };
         t.table.sync_data()?;
         if let Some((mdata, mtable)) = &t.mirror {
             mtable.sync_data()?;
@@ -512,7 +591,8 @@ impl Store {
         Ok(())
     }
 
-    /// A new hard link `new` of the file at `existing`: its tables get the same link.
+    /// A new hard link `new` of the file at `existing`: its tables get the same link
+    /// (made now if the file has none yet).
     pub fn linked(&self, existing: &Path, new: &Path) -> io::Result<()> {
         for (copy, with_data) in self.copies() {
             for (e, n) in copy
@@ -520,8 +600,10 @@ impl Store {
                 .iter()
                 .zip(copy.spots(Place::Path(new), with_data))
             {
+                // A file not written back yet has no tables: links must share them all the
+                // same, so they are made (empty) now.
                 if !e.exists() {
-                    continue;
+                    e.create_empty()?;
                 }
                 n.remove()?;
                 e.link_to(&n)?;
@@ -786,10 +868,11 @@ mod tests {
         let dir = tmp("rt");
         let s = store(&dir.join("s"), Some(&dir.join("m")));
         let f = fresh(s.root().join("f"));
-        let t = s.tables(Place::Path(Path::new("f"))).unwrap();
+        let mut t = s.tables(Place::Path(Path::new("f"))).unwrap();
         let block: Vec<u8> = (0..PAGE).map(|i| (i % 251) as u8).collect();
-        s.write_block(&t, &f, 0, &block, crc32c(&block)).unwrap();
-        s.write_block(&t, &f, 1, &block[..100], crc32c(&block[..100])).unwrap();
+        s.write_block(&mut t, &f, 0, &block, crc32c(&block)).unwrap();
+        s.write_block(&mut t, &f, 1, &block[..100], crc32c(&block[..100]))
+            .unwrap();
         let (got, crc, info) = s.read_block(&t, &f, 1, 100).unwrap();
         assert_eq!(
             (&got[..], crc, info.repaired),
@@ -811,8 +894,8 @@ mod tests {
         // Without a mirror the same flip is an error, never wrong data.
         let plain = store(&dir.join("p"), None);
         let g = fresh(plain.root().join("g"));
-        let tg = plain.tables(Place::Path(Path::new("g"))).unwrap();
-        plain.write_block(&tg, &g, 0, &block, crc32c(&block)).unwrap();
+        let mut tg = plain.tables(Place::Path(Path::new("g"))).unwrap();
+        plain.write_block(&mut tg, &g, 0, &block, crc32c(&block)).unwrap();
         g.write_all_at(&[0xff], 4000).unwrap();
         assert!(matches!(
             plain.read_block(&tg, &g, 0, PAGE),
@@ -825,10 +908,10 @@ mod tests {
         let dir = tmp("chunk");
         let s = store(&dir, None);
         let f = fresh(s.root().join("f"));
-        let t = s.tables(Place::Path(Path::new("f"))).unwrap();
+        let mut t = s.tables(Place::Path(Path::new("f"))).unwrap();
         for b in 0..4u64 {
             let data = vec![b as u8 + 1; PAGE];
-            s.write_block(&t, &f, b, &data, crc32c(&data)).unwrap();
+            s.write_block(&mut t, &f, b, &data, crc32c(&data)).unwrap();
         }
         let table = dir.join(META).join("crc").join("f");
         let tf = OpenOptions::new().write(true).open(&table).unwrap();
@@ -852,7 +935,7 @@ mod tests {
         }
         // A write into the damaged chunk rebuilds it from the blocks that verify.
         let data = vec![9u8; PAGE];
-        s.write_block(&t, &f, 3, &data, crc32c(&data)).unwrap();
+        s.write_block(&mut t, &f, 3, &data, crc32c(&data)).unwrap();
         for b in 0..4 {
             assert_eq!(s.read_block(&t, &f, b, PAGE).is_ok(), b != 1, "block {b}");
         }
@@ -863,10 +946,10 @@ mod tests {
         let dir = tmp("sparse");
         let s = store(&dir, None);
         let f = fresh(s.root().join("s"));
-        let t = s.tables(Place::Path(Path::new("s"))).unwrap();
+        let mut t = s.tables(Place::Path(Path::new("s"))).unwrap();
         // Block 5000 lives in the table's fifth chunk: the first four are holes.
         let block = vec![3u8; PAGE];
-        s.write_block(&t, &f, 5000, &block, crc32c(&block)).unwrap();
+        s.write_block(&mut t, &f, 5000, &block, crc32c(&block)).unwrap();
         assert!(s.read_block(&t, &f, 10, PAGE).is_ok());
         assert_eq!(s.read_block(&t, &f, 5000, PAGE).unwrap().0, block);
     }
@@ -876,9 +959,9 @@ mod tests {
         let dir = tmp("holes");
         let s = store(&dir, None);
         let f = fresh(s.root().join("h"));
-        let t = s.tables(Place::Path(Path::new("h"))).unwrap();
+        let mut t = s.tables(Place::Path(Path::new("h"))).unwrap();
         let block = vec![5u8; PAGE];
-        s.write_block(&t, &f, 3, &block, crc32c(&block)).unwrap();
+        s.write_block(&mut t, &f, 3, &block, crc32c(&block)).unwrap();
         // Blocks 0..3 were never written: holes read as zeros and pass.
         let (got, _, _) = s.read_block(&t, &f, 1, PAGE).unwrap();
         assert!(got.iter().all(|&b| b == 0));
@@ -899,9 +982,9 @@ mod tests {
         let s = store(&dir.join("s"), Some(&dir.join("m")));
         fs::create_dir_all(s.root().join("a")).unwrap();
         let f = fresh(s.root().join("a/f"));
-        let t = s.tables(Place::Path(Path::new("a/f"))).unwrap();
+        let mut t = s.tables(Place::Path(Path::new("a/f"))).unwrap();
         let block = vec![7u8; 100];
-        s.write_block(&t, &f, 0, &block, crc32c(&block)).unwrap();
+        s.write_block(&mut t, &f, 0, &block, crc32c(&block)).unwrap();
         drop(t);
         fs::rename(s.root().join("a"), s.root().join("b")).unwrap();
         s.renamed(Path::new("a"), Path::new("b"), false).unwrap();
@@ -918,6 +1001,28 @@ mod tests {
         s.orphan_gone(77);
         assert!(!dir.join("s/.lockstep/orphans/77").exists());
         assert!(!dir.join("m/.lockstep/orphans/77.data").exists());
+    }
+
+    #[test]
+    fn tables_are_made_at_the_first_write_where_the_file_is_then() {
+        let dir = tmp("lazy");
+        let s = store(&dir, None);
+        fs::create_dir_all(s.root().join("a")).unwrap();
+        let f = fresh(s.root().join("a/x"));
+        let mut t = s.tables(Place::Path(Path::new("a/x"))).unwrap();
+        // An empty file has no table, and reads as holes.
+        assert!(!dir.join(".lockstep/crc/a/x").exists());
+        assert!(s.read_block(&t, &f, 0, 10).is_ok());
+        // Renamed before its first write-back (with a stale table at the new place).
+        fs::rename(s.root().join("a"), s.root().join("b")).unwrap();
+        fs::create_dir_all(dir.join(".lockstep/crc/b")).unwrap();
+        fs::write(dir.join(".lockstep/crc/b/x"), vec![0xAAu8; 8192]).unwrap();
+        t.retarget_under(Path::new("a"), Path::new("b"));
+        let block = vec![4u8; 300];
+        s.write_block(&mut t, &f, 0, &block, crc32c(&block)).unwrap();
+        assert!(!dir.join(".lockstep/crc/a/x").exists());
+        let again = s.tables(Place::Path(Path::new("b/x"))).unwrap();
+        assert_eq!(s.read_block(&again, &f, 0, 300).unwrap().0, block);
     }
 
     #[test]
