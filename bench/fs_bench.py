@@ -163,7 +163,7 @@ def crashes(count):
     t.join()
     wrong = sum(1 for p, data in written.items() if open(p, "rb").read() != data)
     subprocess.run([BIN, "fs", "umount", m.mnt], capture_output=True)
-    store = os.path.join(m.dir, "store", "data")
+    store = os.path.join(m.dir, "store")
     wrong_on_disk = sum(1 for p, data in written.items()
                         if open(os.path.join(store, os.path.relpath(p, m.mnt)), "rb").read() != data)
     kinds = [json.loads(line)["kind"] for line in open(events)]

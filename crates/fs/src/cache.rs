@@ -292,11 +292,11 @@ impl Cache {
         }
     }
 
-    /// The directory `from` was renamed to `to`: files under it whose tables are not
-    /// created yet follow.
-    pub fn retarget_under(&mut self, from: &std::path::Path, to: &std::path::Path) {
+    /// `from` was renamed to `to` (swapped with it, with `exchange`): attached files at
+    /// or under them whose tables are not created yet follow.
+    pub fn retarget_moved(&mut self, from: &std::path::Path, to: &std::path::Path, exchange: bool) {
         for f in self.files.values_mut() {
-            f.tables.retarget_under(from, to);
+            f.tables.retarget_moved(from, to, exchange);
         }
     }
 

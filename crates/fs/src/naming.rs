@@ -1029,6 +1029,12 @@ impl Filesystem for Naming {
             }
         }
         let exchange = flags & libc::RENAME_EXCHANGE != 0;
+        // Two names of one file: the kernel did nothing, and neither do the tables.
+        if let (Some(m), Some(t)) = (moved, replaced) {
+            if !replay && m.st_ino == t.st_ino && m.st_dev == t.st_dev {
+                return reply.ok();
+            }
+        }
         // The replaced file's tables go first, then the moved file's take their place.
         if let (Some(st), false, false) = (replaced, exchange, replay) {
             if moved.is_none_or(|m| m.st_ino != st.st_ino) {
@@ -1047,13 +1053,11 @@ impl Filesystem for Naming {
             if let Some(i) = self.inodes.get_mut(&ino) {
                 i.name = Some((newparent, newname.to_os_string()));
             }
-            if let (Ok(from), Ok(to)) = (&from, &to) {
-                match kind(st.st_mode) {
-                    FileType::RegularFile => self.cache().retarget(ino, PlaceBuf::Path(to.clone())),
-                    FileType::Directory => self.cache().retarget_under(from, to),
-                    _ => {}
-                }
-            }
+        }
+        // Attached files whose tables do not exist yet follow the move (the file itself, or
+        // everything under a directory); with an exchange, both ways.
+        if let (Ok(from), Ok(to)) = (&from, &to) {
+            self.cache().retarget_moved(from, to, exchange);
         }
         if let (Some(st), true) = (replaced, exchange) {
             let ino = self.nodeid_of(st.st_ino, replaced_h.as_ref(), false);

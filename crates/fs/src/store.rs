@@ -120,12 +120,18 @@ impl Tables {
         self.place = place;
     }
 
-    /// The file's place, if its tables do not exist yet, under `from` (a renamed
-    /// directory): it moves to `to`.
-    pub fn retarget_under(&mut self, from: &Path, to: &Path) {
+    /// `from` was renamed to `to` (or swapped with it): a place at or under one of them
+    /// moves with it.
+    pub fn retarget_moved(&mut self, from: &Path, to: &Path, exchange: bool) {
+        let join = |base: &Path, rest: &Path| match rest.as_os_str().is_empty() {
+            true => base.to_path_buf(),
+            false => base.join(rest),
+        };
         if let PlaceBuf::Path(p) = &self.place {
             if let Ok(rest) = p.strip_prefix(from) {
-                self.place = PlaceBuf::Path(to.join(rest));
+                self.place = PlaceBuf::Path(join(to, rest));
+            } else if let (true, Ok(rest)) = (exchange, p.strip_prefix(to)) {
+                self.place = PlaceBuf::Path(join(from, rest));
             }
         }
     }
@@ -1017,7 +1023,7 @@ mod tests {
         fs::rename(s.root().join("a"), s.root().join("b")).unwrap();
         fs::create_dir_all(dir.join(".lockstep/crc/b")).unwrap();
         fs::write(dir.join(".lockstep/crc/b/x"), vec![0xAAu8; 8192]).unwrap();
-        t.retarget_under(Path::new("a"), Path::new("b"));
+        t.retarget_moved(Path::new("a"), Path::new("b"), false);
         let block = vec![4u8; 300];
         s.write_block(&mut t, &f, 0, &block, crc32c(&block)).unwrap();
         assert!(!dir.join(".lockstep/crc/a/x").exists());
