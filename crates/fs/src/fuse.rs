@@ -266,6 +266,18 @@ fn put_ttl(b: &mut Vec<u8>, ttl: &Duration) {
     put_u64(b, ttl.as_secs());
 }
 
+/// `fuse_entry_out`: the nodeid, its generation, how long the name and the attributes may
+/// be cached, and the attributes.
+fn put_entry(b: &mut Vec<u8>, ttl: &Duration, attr: &FileAttr, generation: u64) {
+    put_u64(b, attr.ino);
+    put_u64(b, generation);
+    put_ttl(b, ttl);
+    put_ttl(b, ttl);
+    put_u32(b, ttl.subsec_nanos());
+    put_u32(b, ttl.subsec_nanos());
+    put_attr(b, attr);
+}
+
 impl Reply<'_> {
     fn begin(&mut self) {
         self.buf.clear();
@@ -306,14 +318,7 @@ impl Reply<'_> {
 
     pub fn entry(mut self, ttl: &Duration, attr: &FileAttr, generation: u64) {
         self.begin();
-        let b = &mut *self.buf;
-        put_u64(b, attr.ino);
-        put_u64(b, generation);
-        put_ttl(b, ttl);
-        put_ttl(b, ttl);
-        put_u32(b, ttl.subsec_nanos());
-        put_u32(b, ttl.subsec_nanos());
-        put_attr(b, attr);
+        put_entry(self.buf, ttl, attr, generation);
         self.finish(0, &[]);
     }
 
@@ -338,13 +343,7 @@ impl Reply<'_> {
     pub fn created(mut self, ttl: &Duration, attr: &FileAttr, generation: u64, fh: u64, flags: u32) {
         self.begin();
         let b = &mut *self.buf;
-        put_u64(b, attr.ino);
-        put_u64(b, generation);
-        put_ttl(b, ttl);
-        put_ttl(b, ttl);
-        put_u32(b, ttl.subsec_nanos());
-        put_u32(b, ttl.subsec_nanos());
-        put_attr(b, attr);
+        put_entry(b, ttl, attr, generation);
         put_u64(b, fh);
         put_u32(b, flags);
         put_u32(b, 0);
