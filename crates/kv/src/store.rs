@@ -185,10 +185,12 @@ impl Store {
                 None => out.extend_from_slice(b"NOT_FOUND\r\n"),
             },
             Command::FlushAll { delay } => {
-                // memcached: items stored up to one second before the flush time are dead
-                // once it arrives.
+                // Every item stored up to the flush time is dead once it arrives, including
+                // those stored earlier in the same millisecond (often the same log entry);
+                // an item stored after the flush in that millisecond is stamped one later
+                // (`stamp`), so it lives.
                 let at = if *delay > 0 { absolute_exptime(*delay, now) } else { now };
-                self.globals.write(d)?.oldest_live_ms = at.saturating_sub(1).max(1);
+                self.globals.write(d)?.oldest_live_ms = at.max(1);
                 out.extend_from_slice(b"OK\r\n");
             }
         }
@@ -227,6 +229,7 @@ impl Store {
             }
         }
         let cas = self.next_cas(d)?;
+        let stored_ms = self.stamp(now, d)?;
         match existing {
             Some(slot) => {
                 let old_size = {
@@ -246,7 +249,7 @@ impl Store {
                         }
                     }
                     it.cas = cas;
-                    it.stored_ms = now;
+                    it.stored_ms = stored_ms;
                     old
                 };
                 self.account(old_size, slot, d)?;
@@ -259,12 +262,19 @@ impl Store {
                     flags,
                     exptime_ms: exp,
                     cas,
-                    stored_ms: now,
+                    stored_ms,
                 };
                 self.link(item, now, d)?;
             }
         }
         Ok(b"STORED\r\n")
+    }
+
+    /// The store time of an item stored now: after a flush that took effect in this very
+    /// millisecond, one later, so that the flush does not cover it.
+    fn stamp(&mut self, now: u64, d: &mut Delta) -> R<u64> {
+        let oldest_live = self.globals.read(d)?.oldest_live_ms;
+        Ok(if oldest_live == now { now + 1 } else { now })
     }
 
     fn next_cas(&mut self, d: &mut Delta) -> R<u64> {
@@ -749,5 +759,46 @@ pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
         now_ms + exptime as u64 * 1000
     } else {
         (exptime as u64 * 1000).max(1)
+    }
+}
+
+#[cfg(test)]
+mod flush_tests {
+    use super::*;
+
+    fn run(s: &mut Store, cmd: Command, now: u64) -> String {
+        String::from_utf8(s.apply(&cmd, now, &mut Delta::default())).unwrap()
+    }
+
+    fn set(key: &str) -> Command {
+        Command::Store {
+            op: StoreOp::Set,
+            key: key.into(),
+            flags: 0,
+            exptime: 0,
+            data: b"v".to_vec(),
+            cas: 0,
+        }
+    }
+
+    fn get(key: &str) -> Command {
+        Command::Get {
+            keys: vec![key.into()],
+            with_cas: false,
+            touch: None,
+        }
+    }
+
+    /// As memcached: flush_all removes what was stored before it, even in the same
+    /// millisecond (the same log entry), and nothing stored after it.
+    #[test]
+    fn flush_all_in_the_same_millisecond_as_the_sets_around_it() {
+        let mut s = Store::new(Limits::default());
+        run(&mut s, set("before"), 1000);
+        assert_eq!(run(&mut s, Command::FlushAll { delay: 0 }, 1000), "OK\r\n");
+        run(&mut s, set("after"), 1000);
+        assert_eq!(run(&mut s, get("before"), 1000), "END\r\n");
+        assert_eq!(run(&mut s, get("after"), 1000), "VALUE after 0 1\r\nv\r\nEND\r\n");
+        assert_eq!(run(&mut s, get("after"), 5000), "VALUE after 0 1\r\nv\r\nEND\r\n");
     }
 }
