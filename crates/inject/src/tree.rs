@@ -26,6 +26,9 @@ pub struct Tree {
     /// Processes of the tree (root and forked children) and the CPU time last seen for
     /// each; the last value is kept after a process ends so the total never shrinks.
     procs: Vec<(Tid, Duration)>,
+    /// The tree's CPU time when the root exec'd the target: time-based points count from
+    /// there, so that inject's own child (before its exec) is never the one faulted.
+    exec_cpu: Option<Duration>,
 }
 
 /// The outcome of stopping a victim.
@@ -69,6 +72,7 @@ impl Tree {
             tasks: vec![root],
             unborn: Vec::new(),
             procs: vec![(root, Duration::ZERO)],
+            exec_cpu: None,
         }
     }
 
@@ -111,6 +115,10 @@ impl Tree {
             Stop::Signal(sig) => {
                 let _ = ptrace::cont(tid, sig);
             }
+            Stop::Event(libc::PTRACE_EVENT_EXEC) if tid == self.root && self.exec_cpu.is_none() => {
+                self.exec_cpu = Some(self.cpu());
+                let _ = ptrace::cont(tid, 0);
+            }
             _ => {
                 let _ = ptrace::cont(tid, 0);
             }
@@ -144,7 +152,8 @@ impl Tree {
                         return Ok(Some(ending));
                     }
                 }
-                None if Instant::now() >= deadline || self.cpu() >= cpu => return Ok(None),
+                None if Instant::now() >= deadline => return Ok(None),
+                None if self.exec_cpu.is_some_and(|base| self.cpu() >= base + cpu) => return Ok(None),
                 None => {
                     on_idle()?;
                     idle();
