@@ -485,6 +485,20 @@ impl Cache {
         Ok(key)
     }
 
+    /// Count and report what the store repaired while reading a block.
+    fn note_repairs(&mut self, info: crate::store::ReadInfo, key: (u64, u64)) {
+        if info.table_repaired {
+            self.stats.table_repaired += 1;
+            let why = "one copy of a checksum table chunk was damaged; rewritten from the other";
+            self.event("repair", "table-copy", key, why.into());
+        }
+        if info.repaired {
+            self.stats.disk_repaired += 1;
+            let why = "a block on disk failed its checksum; repaired from the mirror";
+            self.event("repair", "mirror", key, why.into());
+        }
+    }
+
     /// Bring block `block` of `ino` into the cache from the store (verified there). What a
     /// pending truncation cut off reads as zeros.
     fn load(&mut self, ino: u64, block: u64, now: Instant) -> R<()> {
@@ -512,24 +526,7 @@ impl Cache {
                 }
                 Err(e) => return Err(e.errno()),
             };
-            if info.table_repaired {
-                self.stats.table_repaired += 1;
-                self.event(
-                    "repair",
-                    "table-copy",
-                    (ino, block),
-                    "one copy of a checksum table chunk was damaged; rewritten from the other".into(),
-                );
-            }
-            if info.repaired {
-                self.stats.disk_repaired += 1;
-                self.event(
-                    "repair",
-                    "mirror",
-                    (ino, block),
-                    "a block on disk failed its checksum; repaired from the mirror".into(),
-                );
-            }
+            self.note_repairs(info, (ino, block));
             fetched = Some((bytes, crc));
         }
         self.stats.misses += 1;
@@ -829,11 +826,11 @@ impl Cache {
         }
         let io = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
         if let Some(c) = f.cut {
-            self.store.truncate(&f.tables, &f.file, c, &[]).map_err(io)?;
+            self.store.truncate(&f.tables, &f.file, c).map_err(io)?;
             f.disk_size = c;
         }
         if f.size != f.disk_size {
-            self.store.truncate(&f.tables, &f.file, f.size, &[]).map_err(io)?;
+            self.store.truncate(&f.tables, &f.file, f.size).map_err(io)?;
             f.disk_size = f.size;
         }
         f.cut = None;

@@ -561,8 +561,12 @@ impl Naming {
 
     /// Open the data of a regular file read-write for the cache, with its tables.
     fn attach(&mut self, ino: u64) -> Result<(), i32> {
-        if self.cache().is_attached(ino) {
-            return self.cache().attach(ino, |_| unreachable!("attached"));
+        {
+            // The common case, on every read and write: one lock, no opening.
+            let mut c = self.cache();
+            if c.is_attached(ino) {
+                return c.attach(ino, |_| unreachable!("attached"));
+            }
         }
         let fd = self.fd(ino)?;
         let place = self.place_of(ino)?;

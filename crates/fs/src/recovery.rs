@@ -66,11 +66,11 @@ pub fn recover(store: &Store, shared: &mut Shared) -> Result<Recovered, String> 
         };
         if let Some(c) = s.cut {
             store
-                .truncate(tables, data, c, &[])
+                .truncate(tables, data, c)
                 .map_err(|e| format!("cannot truncate inode {}: {e}", s.ino))?;
         }
         store
-            .truncate(tables, data, s.size, &[])
+            .truncate(tables, data, s.size)
             .map_err(|e| format!("cannot resize inode {}: {e}", s.ino))?;
         done.truncations += 1;
     }

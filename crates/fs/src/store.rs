@@ -537,23 +537,18 @@ impl Store {
         Ok(())
     }
 
-    /// Cut or extend a file to `size`. `fixups` are the new CRCs of blocks whose used part
-    /// changed (the new last block when cut inside it, the old last block when extended).
-    pub fn truncate(&self, t: &Tables, data: &File, size: u64, fixups: &[(u64, u32)]) -> io::Result<()> {
+    /// Cut or extend a file to `size`. The block whose used part changes (the new last one
+    /// when cut inside it, the old last one when extended) is the caller's to write next:
+    /// the cache keeps it as a dirty page.
+    pub fn truncate(&self, t: &Tables, data: &File, size: u64) -> io::Result<()> {
         data.set_len(size)?;
         // Without tables every slot is a hole already, and stays one.
         let Some(t) = &t.opened else { return Ok(()) };
         let blocks = size.div_ceil(PAGE as u64);
         cut_table(&t.table, data, blocks)?;
-        for &(block, crc) in fixups {
-            set_crc(&t.table, data, block, crc)?;
-        }
         if let Some((mdata, mtable)) = &t.mirror {
             mdata.set_len(size)?;
             cut_table(mtable, mdata, blocks)?;
-            for &(block, crc) in fixups {
-                set_crc(mtable, mdata, block, crc)?;
-            }
         }
         Ok(())
     }
@@ -971,13 +966,15 @@ mod tests {
         // Blocks 0..3 were never written: holes read as zeros and pass.
         let (got, _, _) = s.read_block(&t, &f, 1, PAGE).unwrap();
         assert!(got.iter().all(|&b| b == 0));
-        s.truncate(&t, &f, PAGE as u64 * 3 + 10, &[(3, crc32c(&block[..10]))])
+        s.truncate(&t, &f, PAGE as u64 * 3 + 10).unwrap();
+        s.write_block(&mut t, &f, 3, &block[..10], crc32c(&block[..10]))
             .unwrap();
         assert_eq!(s.read_block(&t, &f, 3, 10).unwrap().0, block[..10]);
         // Extension: the old block 3 grows with zeros (its CRC extended), block 4 is a hole.
         let mut grown = block[..10].to_vec();
         grown.resize(PAGE, 0);
-        s.truncate(&t, &f, PAGE as u64 * 5, &[(3, crc32c(&grown))]).unwrap();
+        s.truncate(&t, &f, PAGE as u64 * 5).unwrap();
+        s.write_block(&mut t, &f, 3, &grown, crc32c(&grown)).unwrap();
         assert_eq!(s.read_block(&t, &f, 3, PAGE).unwrap().0, grown);
         assert!(s.read_block(&t, &f, 4, PAGE).is_ok());
     }
