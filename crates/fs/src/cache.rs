@@ -10,7 +10,7 @@
 
 use crate::crc::{self, PAGE};
 use crate::shared::{DirtyRecord, Shared, SizeRecord};
-use crate::store::{Store, StoreError, Tables};
+use crate::store::{Store, StoreError, Tables, WriteBlock, SLOTS};
 use lockstep_core::checksum::crc32c;
 use lockstep_core::Event;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -20,8 +20,24 @@ use std::time::{Duration, Instant};
 
 /// Files kept attached (data and table descriptors open) while no FUSE handle has them
 /// open: the rest are written back and closed, and opened again on demand, so that the
-/// number of descriptors does not grow with the number of files.
-pub const IDLE_FILES_MAX: usize = 64;
+/// number of descriptors does not grow with the number of files. The bound follows the
+/// open-file limit: idle files hold at most a quarter of it (less a reserve), within these
+/// limits. Keeping many is what lets short-lived files (created, written and removed within
+/// the dirty age) never reach the store, as in a kernel page cache.
+pub const IDLE_FILES_MIN: usize = 64;
+pub const IDLE_FILES_MAX: usize = 4096;
+
+fn idle_files_bound(fds_per_file: u64) -> usize {
+    // SAFETY: rlimit is plain data; the kernel fills it in.
+    let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: valid output struct.
+    let limit = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0 {
+        r.rlim_cur
+    } else {
+        1024
+    };
+    (limit.saturating_sub(256) / (4 * fds_per_file)).clamp(IDLE_FILES_MIN as u64, IDLE_FILES_MAX as u64) as usize
+}
 
 /// When a cached page is verified on read (§IV-C of the Loris paper). Only `EveryRead`
 /// (the default) never returns a page that fails its CRC; the others leave a window, which
@@ -125,7 +141,8 @@ pub struct Stats {
 
 pub struct Cache {
     store: Store,
-    pages: HashMap<(u64, u64), Page>,
+    /// By (inode, block): a file's pages are one range.
+    pages: BTreeMap<(u64, u64), Page>,
     lru: BTreeMap<u64, (u64, u64)>,
     seq: u64,
     /// Page data and the Dirty State Store, in memory that outlives this process.
@@ -136,6 +153,8 @@ pub struct Cache {
     files: HashMap<u64, FileData>,
     /// Attached files by last use (`FileData::seq`).
     file_lru: BTreeMap<u64, u64>,
+    /// Idle files kept attached (`idle_files_bound`, from the open-file limit at start).
+    idle_files_max: usize,
     scrub_cursor: (u64, u64),
     /// Pages that are dirty (poisoned ones included), for space accounting.
     dirty_count: usize,
@@ -160,9 +179,10 @@ impl Cache {
             shared.clear(slot);
         }
         let free = (0..shared.slots()).rev().collect();
+        let idle_files_max = idle_files_bound(if store.has_mirror() { 4 } else { 2 });
         Cache {
             store,
-            pages: HashMap::new(),
+            pages: BTreeMap::new(),
             lru: BTreeMap::new(),
             seq: 0,
             shared,
@@ -170,6 +190,7 @@ impl Cache {
             verify,
             files: HashMap::new(),
             file_lru: BTreeMap::new(),
+            idle_files_max,
             scrub_cursor: (0, 0),
             dirty_count: 0,
             events: Vec::new(),
@@ -186,9 +207,9 @@ impl Cache {
         &self.store
     }
 
-    /// Give the cache the backing file of `ino` (opened read-write) and its tables, unless
-    /// it has them. `open` gets the store to open the tables with.
-    pub fn attach(&mut self, ino: u64, open: impl FnOnce(&Store) -> std::io::Result<(File, Tables)>) -> R<()> {
+    /// Give the cache the backing file of `ino` (opened read-write), its tables and its size
+    /// on disk, unless it has them. `open` gets the store to open the tables with.
+    pub fn attach(&mut self, ino: u64, open: impl FnOnce(&Store) -> std::io::Result<(File, Tables, u64)>) -> R<()> {
         self.seq += 1;
         let seq = self.seq;
         if let Some(f) = self.files.get_mut(&ino) {
@@ -197,11 +218,7 @@ impl Cache {
             self.file_lru.insert(seq, ino);
             return Ok(());
         }
-        let (file, tables) = open(&self.store).map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-        let size = file
-            .metadata()
-            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?
-            .len();
+        let (file, tables, size) = open(&self.store).map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         self.files.insert(
             ino,
             FileData {
@@ -221,12 +238,15 @@ impl Cache {
         Ok(())
     }
 
-    /// Close the least recently used files that are not open, beyond `IDLE_FILES_MAX`.
+    /// Close the least recently used files that are not open, beyond `idle_files_max`.
     /// Their dirty pages are written back first (write-back under descriptor pressure); a
     /// file with poisoned pages stays.
     fn close_idle_files(&mut self) {
+        if self.files.len() <= self.idle_files_max {
+            return;
+        }
         let closable = self.files.values().filter(|f| f.opens == 0).count();
-        let excess = closable.saturating_sub(IDLE_FILES_MAX);
+        let excess = closable.saturating_sub(self.idle_files_max);
         if excess == 0 {
             return;
         }
@@ -272,6 +292,12 @@ impl Cache {
     /// through it).
     pub fn file_of(&self, ino: u64) -> Option<Arc<File>> {
         self.files.get(&ino).map(|f| f.file.clone())
+    }
+
+    /// Whether `ino` has tables on disk: known for an attached file (they are probed at
+    /// attach and made at write-back), None otherwise.
+    pub fn has_tables(&self, ino: u64) -> Option<bool> {
+        self.files.get(&ino).map(|f| f.tables.exist())
     }
 
     /// Create the tables of `ino` now if it has none (it is getting a second name, and
@@ -560,7 +586,17 @@ impl Cache {
             .copied();
         let Some(key) = victim else { return Err(libc::ENOMEM) };
         if self.pages.get(&key).is_some_and(|p| p.dirty.is_some()) {
-            self.write_back(key)?;
+            // The file's other dirty pages under the same table chunk go along: one table
+            // update instead of one per evicted page.
+            let chunk = key.1 / SLOTS * SLOTS;
+            let f = self.files.get(&key.0).ok_or(libc::EBADF)?;
+            let blocks: Vec<u64> = f
+                .dirty
+                .range(chunk..chunk + SLOTS)
+                .copied()
+                .filter(|&b| self.pages.get(&(key.0, b)).is_some_and(|p| !p.poisoned))
+                .collect();
+            self.write_back(key.0, &blocks)?;
         }
         self.drop_page(key);
         self.stats.evicted += 1;
@@ -686,24 +722,53 @@ impl Cache {
         Ok(())
     }
 
-    /// Write one dirty page back, after checking it: a page that fails is poisoned and
-    /// never written.
-    fn write_back(&mut self, key: (u64, u64)) -> R<()> {
+    /// Write dirty pages of `ino` back (`blocks`, sorted), after checking each: a page that
+    /// fails is poisoned and never written (EIO). The rest go to the store together, so
+    /// that each table chunk is updated once.
+    fn write_back(&mut self, ino: u64, blocks: &[u64]) -> R<()> {
         let now = Instant::now();
-        if !self.check(key, now) {
-            return Err(libc::EIO);
+        let mut result = Ok(());
+        let mut good = Vec::with_capacity(blocks.len());
+        for &b in blocks {
+            if self.check((ino, b), now) {
+                good.push(b);
+            } else {
+                result = Err(libc::EIO);
+            }
         }
-        self.apply_size(key.0)?;
-        let p = self.pages.get(&key).expect("checked page exists");
-        let f = self.files.get_mut(&key.0).ok_or(libc::EBADF)?;
+        if good.is_empty() {
+            return result;
+        }
+        self.apply_size(ino)?;
+        let f = self.files.get_mut(&ino).ok_or(libc::EBADF)?;
+        let (pages, shared) = (&self.pages, &self.shared);
+        let writes: Vec<WriteBlock> = good
+            .iter()
+            .map(|&block| {
+                let p = &pages[&(ino, block)];
+                WriteBlock {
+                    block,
+                    bytes: &shared.page(p.slot)[..p.len],
+                    crc: p.crc,
+                }
+            })
+            .collect();
         self.store
-            .write_block(&mut f.tables, &f.file, key.1, &self.shared.page(p.slot)[..p.len], p.crc)
+            .write_blocks(&mut f.tables, &f.file, &writes)
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-        f.disk_size = f.disk_size.max(key.1 * PAGE as u64 + p.len as u64);
-        self.shared.clear(p.slot);
-        self.mark_clean(key);
-        self.stats.written_back += 1;
-        Ok(())
+        let end = writes
+            .iter()
+            .map(|w| w.block * PAGE as u64 + w.bytes.len() as u64)
+            .max();
+        f.disk_size = f.disk_size.max(end.unwrap_or(0));
+        drop(writes);
+        for block in good {
+            let slot = self.pages[&(ino, block)].slot;
+            self.shared.clear(slot);
+            self.mark_clean((ino, block));
+            self.stats.written_back += 1;
+        }
+        result
     }
 
     /// Write back dirty pages of `ino` (all inodes if None) that are at least `age` old.
@@ -719,7 +784,7 @@ impl Cache {
                 .map(|(i, _)| *i)
                 .collect(),
         };
-        let mut keys = Vec::new();
+        let mut blocks = Vec::new();
         let mut result = Ok(());
         for &i in &inos {
             let due = self
@@ -735,16 +800,16 @@ impl Cache {
         }
         for i in inos {
             let Some(f) = self.files.get(&i) else { continue };
-            keys.extend(f.dirty.iter().map(|&b| (i, b)).filter(|k| {
+            blocks.clear();
+            blocks.extend(f.dirty.iter().copied().filter(|&b| {
                 self.pages
-                    .get(k)
+                    .get(&(i, b))
                     .is_some_and(|p| !p.poisoned && p.dirty.is_some_and(|d| now.duration_since(d) >= age))
             }));
-        }
-        keys.sort_unstable();
-        for key in keys {
-            if let Err(e) = self.write_back(key) {
-                result = Err(e);
+            if !blocks.is_empty() {
+                if let Err(e) = self.write_back(i, &blocks) {
+                    result = Err(e);
+                }
             }
         }
         if let Some(i) = ino {
@@ -843,9 +908,8 @@ impl Cache {
     fn drop_pages(&mut self, ino: u64, from: u64) {
         let gone: Vec<_> = self
             .pages
-            .keys()
-            .filter(|k| k.0 == ino && k.1 >= from)
-            .copied()
+            .range((ino, from)..=(ino, u64::MAX))
+            .map(|(k, _)| *k)
             .collect();
         for k in gone {
             self.drop_page(k);
@@ -855,10 +919,11 @@ impl Cache {
     /// The file is gone (its last link was removed and it is closed): drop its pages and
     /// close it; an orphan's tables go too.
     pub fn remove(&mut self, ino: u64, orphan: bool) {
+        let no_tables = self.has_tables(ino) == Some(false);
         self.drop_pages(ino, 0);
         self.shared.clear_size(ino);
         self.detach(ino);
-        if orphan {
+        if orphan && !no_tables {
             self.store.orphan_gone(ino);
         }
     }
@@ -875,12 +940,17 @@ impl Cache {
     /// Check the next `n` pages in key order (the background scrubber).
     pub fn scrub(&mut self, n: usize) {
         let now = Instant::now();
-        let mut keys: Vec<(u64, u64)> = self.pages.keys().copied().filter(|&k| k > self.scrub_cursor).collect();
+        let mut keys: Vec<(u64, u64)> = self
+            .pages
+            .range((std::ops::Bound::Excluded(self.scrub_cursor), std::ops::Bound::Unbounded))
+            .map(|(k, _)| *k)
+            .take(n)
+            .collect();
         if keys.len() < n {
-            keys = self.pages.keys().copied().collect();
+            // Wrapped around: on from the start.
+            keys.extend(self.pages.keys().take(n - keys.len()).copied());
         }
-        keys.sort_unstable();
-        for key in keys.into_iter().take(n) {
+        for key in keys {
             self.stats.scrubbed += 1;
             self.check(key, now);
             self.scrub_cursor = key;
@@ -947,7 +1017,8 @@ mod tests {
                 .create(true)
                 .truncate(false)
                 .open(&p2)?;
-            Ok((f, s.tables(crate::store::Place::Path(std::path::Path::new("f")))?))
+            let size = f.metadata()?.len();
+            Ok((f, s.tables(crate::store::Place::Path(std::path::Path::new("f")))?, size))
         })
         .unwrap();
         (c, path)

@@ -526,28 +526,36 @@ impl Naming {
         let pfd = self.fd(parent)?;
         let c = cstr(name)?;
         let st = stat_at(pfd.raw(), &c)?;
-        let mut ino = self.ino_of(st.st_ino);
-        if ino != FUSE_ROOT_ID {
-            let handle = handle_of(pfd.raw(), &c)?;
-            ino = self.nodeid_of(st.st_ino, Some(&handle), true);
-            // An inode we lost in a restart but the kernel still holds is found again here.
-            if !self.inodes.contains_key(&ino) && self.handle(ino).is_err() {
-                self.inodes.insert(
-                    ino,
-                    Inode {
-                        handle,
-                        lookups: 0,
-                        name: None,
-                        orphan: false,
-                    },
-                );
-            }
-            let i = self.inodes.get_mut(&ino).expect("registered");
-            i.lookups += 1;
-            if i.name.is_none() {
-                i.name = Some((parent, name.to_os_string()));
-            }
-            let (n, h) = (i.lookups, i.handle);
+        if self.ino_of(st.st_ino) == FUSE_ROOT_ID {
+            return Ok(self.attr(FUSE_ROOT_ID, &st));
+        }
+        let handle = handle_of(pfd.raw(), &c)?;
+        Ok(self.register(parent, name, &st, handle))
+    }
+
+    /// One more kernel reference to the node `st` (handle `handle`) found at
+    /// `parent`/`name`; its attributes as the kernel is to see them.
+    fn register(&mut self, parent: u64, name: &OsStr, st: &libc::stat, handle: Handle) -> FileAttr {
+        let ino = self.nodeid_of(st.st_ino, Some(&handle), true);
+        // An inode we lost in a restart but the kernel still holds is found again here.
+        if !self.inodes.contains_key(&ino) && self.handle(ino).is_err() {
+            self.inodes.insert(
+                ino,
+                Inode {
+                    handle,
+                    lookups: 0,
+                    name: None,
+                    orphan: false,
+                },
+            );
+        }
+        let i = self.inodes.get_mut(&ino).expect("registered");
+        i.lookups += 1;
+        if i.name.is_none() {
+            i.name = Some((parent, name.to_os_string()));
+        }
+        let (n, h) = (i.lookups, i.handle);
+        {
             let mut c = self.cache();
             let shared = c.shared();
             if n == 1 || shared.handle(ino).is_none() {
@@ -556,11 +564,16 @@ impl Naming {
                 shared.set_lookups(ino, n);
             }
         }
-        Ok(self.attr(ino, &st))
+        self.attr(ino, st)
     }
 
     /// Open the data of a regular file read-write for the cache, with its tables.
     fn attach(&mut self, ino: u64) -> Result<(), i32> {
+        self.attach_sized(ino, None)
+    }
+
+    /// `attach`, when the caller has just seen the backing file's size.
+    fn attach_sized(&mut self, ino: u64, size: Option<u64>) -> Result<(), i32> {
         {
             // The common case, on every read and write: one lock, no opening.
             let mut c = self.cache();
@@ -568,25 +581,72 @@ impl Naming {
                 return c.attach(ino, |_| unreachable!("attached"));
             }
         }
-        let fd = self.fd(ino)?;
         let place = self.place_of(ino)?;
+        // From a descriptor we hold, else straight from the handle (one open, not two).
+        let data = match self.fds.get(ino) {
+            Some(fd) => reopen(fd.as_raw_fd(), libc::O_RDWR)?,
+            None => {
+                let h = self.handle(ino)?;
+                File::from(open_by_handle(
+                    self.root_dir.as_raw_fd(),
+                    &h,
+                    libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                )?)
+            }
+        };
         self.cache().attach(ino, |store: &Store| {
-            let data = reopen(fd.raw(), libc::O_RDWR).map_err(std::io::Error::from_raw_os_error)?;
-            let tables: Tables = store.tables(place.as_place())?;
-            Ok((data, tables))
+            let size = match size {
+                Some(s) => s,
+                None => data.metadata()?.len(),
+            };
+            Ok((data, store.tables(place.as_place())?, size))
         })
     }
 
-    /// Owner of a new node: the caller, and the directory's group if it is setgid (as the
-    /// kernel does for local filesystems).
-    fn chown_to(&self, dir: RawFd, name: &CString, req: &Request) {
+    /// Owner of a new node `st` at `dir`/`name`: the caller, and the directory's group if
+    /// it is setgid (as the kernel does for local filesystems). The daemon made the node
+    /// with its own ids and the kernel applied the setgid rule, so nothing is changed when
+    /// they are already the caller's. A chown clears setuid/setgid; the bits the caller
+    /// asked for are put back. `st` is updated.
+    fn own(&self, dir: RawFd, name: &CString, req: &Request, st: &mut libc::stat) {
+        if st.st_uid == req.uid() && st.st_gid == req.gid() {
+            return;
+        }
         let gid = match stat_fd(dir) {
-            Ok(st) if st.st_mode & libc::S_ISGID != 0 => st.st_gid,
+            Ok(d) if d.st_mode & libc::S_ISGID != 0 => d.st_gid,
             _ => req.gid(),
         };
-        // SAFETY: valid fd and path. Failure leaves root as owner, which only matters
+        if st.st_uid == req.uid() && st.st_gid == gid {
+            return;
+        }
+        // Setgid is kept only for the caller's own group (the kernel clears it otherwise).
+        let special = st.st_mode & libc::S_ISUID
+            | if gid == req.gid() {
+                st.st_mode & libc::S_ISGID
+            } else {
+                0
+            };
+        // SAFETY: valid fd and path. Failure leaves the daemon's ids, which only matters
         // when non-root users write here.
-        unsafe { libc::fchownat(dir, name.as_ptr(), req.uid(), gid, libc::AT_SYMLINK_NOFOLLOW) };
+        if unsafe { libc::fchownat(dir, name.as_ptr(), req.uid(), gid, libc::AT_SYMLINK_NOFOLLOW) } < 0 {
+            return;
+        }
+        if special != 0 && kind(st.st_mode) == FileType::RegularFile {
+            // SAFETY: valid fd and path.
+            unsafe { libc::fchmodat(dir, name.as_ptr(), st.st_mode & 0o777 | special, 0) };
+        }
+        if let Ok(now) = stat_at(dir, name) {
+            *st = now;
+        }
+    }
+
+    /// The node just made at `parent`/`name`: owned by the caller and registered.
+    fn made(&mut self, parent: u64, dir: RawFd, name: &OsStr, req: &Request) -> Result<FileAttr, i32> {
+        let c = cstr(name)?;
+        let mut st = stat_at(dir, &c)?;
+        self.own(dir, &c, req, &mut st);
+        let handle = handle_of(dir, &c)?;
+        Ok(self.register(parent, name, &st, handle))
     }
 
     /// The name `name` in `parent` (inode `st`, handle `h`) is gone: keep the tables in
@@ -621,9 +681,13 @@ impl Naming {
         if held {
             self.cache().retarget(ino, PlaceBuf::Orphan(ino));
         }
-        let r = self.cache().store().unlinked(&rel, held.then_some(ino));
-        if let Err(e) = r {
-            self.note(&format!("cannot drop the tables of {}", rel.display()), e);
+        // A file attached without tables has none to move or drop (the common case for
+        // short-lived files: they never reached the store).
+        if self.cache().has_tables(ino) != Some(false) {
+            let r = self.cache().store().unlinked(&rel, held.then_some(ino));
+            if let Err(e) = r {
+                self.note(&format!("cannot drop the tables of {}", rel.display()), e);
+            }
         }
         if last && !held {
             self.cache().remove(ino, false);
@@ -696,6 +760,10 @@ impl Naming {
                 tv_nsec: libc::UTIME_NOW,
             },
         ];
+        // SAFETY: a two-element times array; an O_PATH descriptor gives EBADF.
+        if unsafe { libc::futimens(fd, times.as_ptr()) } == 0 {
+            return;
+        }
         let p = proc_path(fd);
         // SAFETY: valid path and a two-element times array.
         unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) };
@@ -923,8 +991,7 @@ impl Filesystem for Naming {
         } else if mode & libc::S_IFMT == libc::S_IFREG || mode & libc::S_IFMT == 0 {
             self.fresh_tables(parent, name);
         }
-        self.chown_to(pfd.raw(), &c, req);
-        let attr = tryr!(reply, self.do_lookup(parent, name));
+        let attr = tryr!(reply, self.made(parent, pfd.raw(), name, req));
         reply.entry(&TTL, &attr, 0);
     }
 
@@ -940,8 +1007,7 @@ impl Filesystem for Naming {
                 return reply.error(e);
             }
         }
-        self.chown_to(pfd.raw(), &c, req);
-        let attr = tryr!(reply, self.do_lookup(parent, name));
+        let attr = tryr!(reply, self.made(parent, pfd.raw(), name, req));
         reply.entry(&TTL, &attr, 0);
     }
 
@@ -998,8 +1064,7 @@ impl Filesystem for Naming {
                 return reply.error(e);
             }
         }
-        self.chown_to(pfd.raw(), &c, req);
-        let attr = tryr!(reply, self.do_lookup(parent, link_name));
+        let attr = tryr!(reply, self.made(parent, pfd.raw(), link_name, req));
         reply.entry(&TTL, &attr, 0);
     }
 
@@ -1103,7 +1168,7 @@ impl Filesystem for Naming {
         let fd = tryr!(reply, self.fd(ino));
         let st = tryr!(reply, stat_fd(fd.raw()));
         if kind(st.st_mode) == FileType::RegularFile {
-            tryr!(reply, self.attach(ino));
+            tryr!(reply, self.attach_sized(ino, Some(st.st_size as u64)));
             if flags & libc::O_TRUNC != 0 {
                 tryr!(reply, self.cache().truncate(ino, 0));
             }
@@ -1226,29 +1291,44 @@ impl Filesystem for Naming {
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
         let excl = libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC;
-        // SAFETY: valid dir fd and name; the fd is closed right away.
+        // SAFETY: valid dir fd and name.
         let r = unsafe { libc::openat(pfd.raw(), c.as_ptr(), excl, mode & !umask) };
-        if r >= 0 {
-            // SAFETY: our own new descriptor.
-            unsafe { libc::close(r) };
-            self.fresh_tables(parent, name);
-            self.chown_to(pfd.raw(), &c, req);
-        } else if errno() != libc::EEXIST || (flags & libc::O_EXCL != 0 && !req.resent()) {
-            return reply.error(errno());
+        if r < 0 {
+            if errno() != libc::EEXIST || (flags & libc::O_EXCL != 0 && !req.resent()) {
+                return reply.error(errno());
+            }
+            // It exists (or this is a replay of our own create): opened like any file.
+            let attr = tryr!(reply, self.do_lookup(parent, name));
+            if attr.kind != FileType::RegularFile {
+                return reply.error(libc::EISDIR);
+            }
+            tryr!(reply, self.attach(attr.ino));
+            if flags & libc::O_TRUNC != 0 {
+                tryr!(reply, self.cache().truncate(attr.ino, 0));
+            }
+            self.cache().opened(attr.ino);
+            let attr = match self.fd(attr.ino).and_then(|fd| stat_fd(fd.raw())) {
+                Ok(st) => self.attr(attr.ino, &st),
+                Err(_) => attr,
+            };
+            return reply.created(&TTL, &attr, 0, 0, FOPEN_DIRECT_IO);
         }
-        let attr = tryr!(reply, self.do_lookup(parent, name));
-        if attr.kind != FileType::RegularFile {
-            return reply.error(libc::EISDIR);
-        }
-        tryr!(reply, self.attach(attr.ino));
-        if flags & libc::O_TRUNC != 0 && r < 0 {
-            tryr!(reply, self.cache().truncate(attr.ino, 0));
-        }
+        // A new file: the descriptor just made is the cache's, and it has no tables yet
+        // (stale ones at its path are removed).
+        // SAFETY: our own new descriptor.
+        let data = unsafe { File::from_raw_fd(r) };
+        let mut st = tryr!(reply, stat_fd(r));
+        self.own(pfd.raw(), &c, req, &mut st);
+        let handle = tryr!(reply, handle_of(r, &CString::default()));
+        let attr = self.register(parent, name, &st, handle);
+        self.fresh_tables(parent, name);
+        let place = tryr!(reply, self.place_of(attr.ino));
+        tryr!(
+            reply,
+            self.cache()
+                .attach(attr.ino, |_| Ok((data, Tables::unwritten(place), st.st_size as u64)))
+        );
         self.cache().opened(attr.ino);
-        let attr = match self.fd(attr.ino).and_then(|fd| stat_fd(fd.raw())) {
-            Ok(st) => self.attr(attr.ino, &st),
-            Err(_) => attr,
-        };
         reply.created(&TTL, &attr, 0, 0, FOPEN_DIRECT_IO);
     }
 

@@ -31,12 +31,14 @@
 //! for "never written": the block must then be all zeros (a hole).
 
 use crate::crc::PAGE;
-use crate::longpath::Spot;
+use crate::longpath::{Base, Spot};
 use lockstep_core::checksum::crc32c;
 use std::fs::{self, File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Block CRCs per table chunk.
 pub const SLOTS: u64 = 1023;
@@ -115,6 +117,16 @@ pub(crate) struct Opened {
 }
 
 impl Tables {
+    /// Whether the tables exist on disk (they are made at the first write-back).
+    pub fn exist(&self) -> bool {
+        self.opened.is_some()
+    }
+
+    /// The tables of a new file: none yet, made at its first write-back at `place`.
+    pub fn unwritten(place: PlaceBuf) -> Tables {
+        Tables { opened: None, place }
+    }
+
     /// The file moved (or lost its last name) before its tables were created.
     pub fn retarget(&mut self, place: PlaceBuf) {
         self.place = place;
@@ -162,10 +174,12 @@ fn copy_ok(c: &[u8; PAGE]) -> bool {
 }
 
 fn read_chunk(t: &File, k: u64) -> io::Result<Chunk> {
-    let mut a = Box::new([0u8; PAGE]);
-    let mut b = Box::new([0u8; PAGE]);
-    let na = read_full(t, &mut a[..], 2 * k * PAGE as u64)?;
-    let nb = read_full(t, &mut b[..], (2 * k + 1) * PAGE as u64)?;
+    // The two copies are adjacent: one read.
+    let mut both = vec![0u8; 2 * PAGE];
+    let n = read_full(t, &mut both, 2 * k * PAGE as u64)?;
+    let (na, nb) = (n.min(PAGE), n.saturating_sub(PAGE));
+    let page = |b: &[u8]| -> Box<[u8; PAGE]> { Box::new(b.try_into().expect("one page")) };
+    let (a, b) = (page(&both[..PAGE]), page(&both[PAGE..]));
     // A short copy is a torn or cut table: not trusted unless it is absent altogether.
     let a_ok = (na == PAGE || na == 0) && copy_ok(&a);
     let b_ok = (nb == PAGE || nb == 0) && copy_ok(&b);
@@ -198,9 +212,14 @@ fn write_copy(t: &File, k: u64, copy: u64, c: &[u8; PAGE]) -> io::Result<()> {
     t.write_all_at(c, (2 * k + copy) * PAGE as u64)
 }
 
+/// Both copies of chunk `k`, in one write. A crash of the daemon cannot tear it (the
+/// kernel finishes the call); a power cut can leave either copy old, and `read_chunk`
+/// then takes the first valid one.
 fn write_chunk(t: &File, k: u64, c: &[u8; PAGE]) -> io::Result<()> {
-    write_copy(t, k, 0, c)?;
-    write_copy(t, k, 1, c)
+    let mut both = vec![0u8; 2 * PAGE];
+    both[..PAGE].copy_from_slice(c);
+    both[PAGE..].copy_from_slice(c);
+    t.write_all_at(&both, 2 * k * PAGE as u64)
 }
 
 pub(crate) fn read_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
@@ -239,19 +258,100 @@ fn read_verified(t: &File, data: &File, block: u64, len: usize) -> io::Result<Op
     Ok(ok.map(|repaired| (buf, crc, repaired)))
 }
 
-/// Set one slot of table `t`. If both copies of its chunk are damaged, the chunk is
-/// rebuilt from whichever candidate of each slot matches the data in `data` (a slot that
-/// matches neither keeps the first copy's value and keeps failing: its checksum is lost).
-fn set_crc(t: &File, data: &File, block: u64, crc: u32) -> io::Result<()> {
-    let k = block / SLOTS;
+/// Set slots of one chunk `k` of table `t` (`(slot index, crc)` pairs). If both copies of
+/// the chunk are damaged, it is rebuilt from whichever candidate of each slot matches the
+/// data in `data` (a slot that matches neither keeps the first copy's value and keeps
+/// failing: its checksum is lost).
+fn set_crcs(t: &File, data: &File, k: u64, slots: impl Iterator<Item = (u64, u32)>) -> io::Result<()> {
     let mut c = match read_chunk(t, k)? {
         Chunk::Good { slots, .. } => slots,
         Chunk::Damaged { a, b } => rebuild_chunk(data, k, &a, &b)?,
     };
-    let s = (block % SLOTS) as usize * 4;
-    c[s..s + 4].copy_from_slice(&crc.to_le_bytes());
+    for (i, crc) in slots {
+        assert!(i < SLOTS);
+        let s = i as usize * 4;
+        c[s..s + 4].copy_from_slice(&crc.to_le_bytes());
+    }
     seal(&mut c);
     write_chunk(t, k, &c)
+}
+
+fn set_crc(t: &File, data: &File, block: u64, crc: u32) -> io::Result<()> {
+    set_crcs(t, data, block / SLOTS, std::iter::once((block % SLOTS, crc)))
+}
+
+/// Write `blocks` (sorted, distinct) to `data`: runs of adjacent full blocks go out in one
+/// `pwritev` each.
+fn write_data(data: &File, blocks: &[WriteBlock]) -> io::Result<()> {
+    let mut at = 0;
+    while at < blocks.len() {
+        let mut end = at + 1;
+        while end < blocks.len()
+            && end - at < IOV_MAX
+            && blocks[end].block == blocks[end - 1].block + 1
+            && blocks[end - 1].bytes.len() == PAGE
+        {
+            end += 1;
+        }
+        let run = &blocks[at..end];
+        let iov: Vec<libc::iovec> = run
+            .iter()
+            .map(|b| libc::iovec {
+                iov_base: b.bytes.as_ptr() as *mut libc::c_void,
+                iov_len: b.bytes.len(),
+            })
+            .collect();
+        let total: usize = run.iter().map(|b| b.bytes.len()).sum();
+        let off = run[0].block * PAGE as u64;
+        // SAFETY: the iovecs point into `blocks`, which outlives the call; the kernel only
+        // reads them.
+        let n = unsafe { libc::pwritev(data.as_raw_fd(), iov.as_ptr(), iov.len() as i32, off as libc::off_t) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+        if (n.max(0) as usize) < total {
+            // Short or interrupted: the rest one block at a time.
+            let mut done = n.max(0) as usize;
+            for b in run {
+                let len = b.bytes.len();
+                if done >= len {
+                    done -= len;
+                    continue;
+                }
+                data.write_all_at(&b.bytes[done..], b.block * PAGE as u64 + done as u64)?;
+                done = 0;
+            }
+        }
+        at = end;
+    }
+    Ok(())
+}
+
+/// At most this many blocks go in one `pwritev`.
+const IOV_MAX: usize = 1024;
+
+/// Data and tables for `blocks`, then one update per table chunk touched.
+fn write_with_table(t: &File, data: &File, blocks: &[WriteBlock]) -> io::Result<()> {
+    write_data(data, blocks)?;
+    let mut at = 0;
+    while at < blocks.len() {
+        let k = blocks[at].block / SLOTS;
+        let end = at + blocks[at..].iter().take_while(|b| b.block / SLOTS == k).count();
+        set_crcs(t, data, k, blocks[at..end].iter().map(|b| (b.block % SLOTS, b.crc)))?;
+        at = end;
+    }
+    Ok(())
+}
+
+/// One block to write back: its number, its used bytes and their CRC (computed by the
+/// cache; the store does not recompute it).
+pub struct WriteBlock<'a> {
+    pub block: u64,
+    pub bytes: &'a [u8],
+    pub crc: u32,
 }
 
 fn rebuild_chunk(data: &File, k: u64, a: &[u8; PAGE], b: &[u8; PAGE]) -> io::Result<Box<[u8; PAGE]>> {
@@ -303,25 +403,40 @@ fn cut_table(t: &File, data: &File, blocks: u64) -> io::Result<()> {
 #[derive(Clone, Debug)]
 struct Copy {
     root: PathBuf,
+    /// The namespace (the mirror's copies of data live there too), `.lockstep/crc` and
+    /// `.lockstep/orphans`, each opened once.
+    tree: Arc<Base>,
+    crc: Arc<Base>,
+    orphans: Arc<Base>,
 }
 
 impl Copy {
+    fn new(root: &Path) -> Copy {
+        let meta = root.join(META);
+        Copy {
+            root: root.to_path_buf(),
+            tree: Base::new(root),
+            crc: Base::new(meta.join("crc")),
+            orphans: Base::new(meta.join("orphans")),
+        }
+    }
+
     fn meta(&self) -> PathBuf {
         self.root.join(META)
     }
 
     fn table(&self, place: Place) -> Spot {
         match place {
-            Place::Path(rel) => Spot::new(self.meta().join("crc"), rel),
-            Place::Orphan(ino) => Spot::new(self.meta().join("orphans"), ino.to_string()),
+            Place::Path(rel) => Spot::new(&self.crc, rel),
+            Place::Orphan(ino) => Spot::new(&self.orphans, ino.to_string()),
         }
     }
 
     /// The mirror's copy of a file's data.
     fn data(&self, place: Place) -> Spot {
         match place {
-            Place::Path(rel) => Spot::new(&self.root, rel),
-            Place::Orphan(ino) => Spot::new(self.meta().join("orphans"), format!("{ino}.data")),
+            Place::Path(rel) => Spot::new(&self.tree, rel),
+            Place::Orphan(ino) => Spot::new(&self.orphans, format!("{ino}.data")),
         }
     }
 
@@ -422,11 +537,13 @@ impl Store {
             }
         }
         Ok(Store {
-            primary: Copy {
-                root: dir.to_path_buf(),
-            },
-            mirror: mirror.map(|m| Copy { root: m.to_path_buf() }),
+            primary: Copy::new(dir),
+            mirror: mirror.map(Copy::new),
         })
+    }
+
+    pub fn has_mirror(&self) -> bool {
+        self.mirror.is_some()
     }
 
     /// The directory that holds the namespace.
@@ -524,17 +641,25 @@ impl Store {
         }
     }
 
-    /// Write a block with the CRC the cache computed for it (the store does not recompute).
-    pub fn write_block(&self, t: &mut Tables, data: &File, block: u64, bytes: &[u8], crc: u32) -> io::Result<()> {
-        assert!(bytes.len() <= PAGE);
+    /// Write blocks (sorted by block number, distinct) with the CRCs the cache computed for
+    /// them: the data first, then each table chunk they touch, once.
+    pub fn write_blocks(&self, t: &mut Tables, data: &File, blocks: &[WriteBlock]) -> io::Result<()> {
+        assert!(blocks.iter().all(|b| b.bytes.len() <= PAGE));
+        assert!(
+            blocks.windows(2).all(|w| w[0].block < w[1].block),
+            "blocks sorted and distinct"
+        );
         let t = self.ensure(t)?;
-        data.write_all_at(bytes, block * PAGE as u64)?;
-        set_crc(&t.table, data, block, crc)?;
+        write_with_table(&t.table, data, blocks)?;
         if let Some((mdata, mtable)) = &t.mirror {
-            mdata.write_all_at(bytes, block * PAGE as u64)?;
-            set_crc(mtable, mdata, block, crc)?;
+            write_with_table(mtable, mdata, blocks)?;
         }
         Ok(())
+    }
+
+    /// Write one block (see `write_blocks`).
+    pub fn write_block(&self, t: &mut Tables, data: &File, block: u64, bytes: &[u8], crc: u32) -> io::Result<()> {
+        self.write_blocks(t, data, &[WriteBlock { block, bytes, crc }])
     }
 
     /// Cut or extend a file to `size`. The block whose used part changes (the new last one
@@ -621,8 +746,9 @@ impl Store {
             match orphan {
                 Some(ino) => {
                     for (n, o) in names.iter().zip(copy.spots(Place::Orphan(ino), with_data)) {
-                        if n.exists() {
-                            n.rename_to(&o, 0)?;
+                        match n.rename_to(&o, 0) {
+                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) && !n.exists() => {}
+                            r => r?,
                         }
                     }
                 }
@@ -658,8 +784,8 @@ impl Store {
     /// At mount: orphans of an earlier mount belong to files that no longer exist.
     pub fn clear_orphans(&self) -> io::Result<()> {
         for (copy, _) in self.copies() {
-            Spot::new(copy.meta(), "orphans").remove()?;
             fs::create_dir_all(copy.meta().join("orphans"))?;
+            Spot::clear(&copy.orphans)?;
         }
         Ok(())
     }
@@ -805,12 +931,12 @@ pub mod offline {
         // The marker is written last, so that an interrupted adopt can simply be run again.
         let meta = dir.join(META);
         fs::create_dir_all(meta.join("crc"))?;
+        let crc = Base::new(meta.join("crc"));
         let mut n = 0;
         let mut buf = vec![0u8; PAGE];
         regular_files(dir, |rel| {
             let data = File::open(dir.join(rel))?;
-            let table = Spot::new(meta.join("crc"), rel).open_rw()?;
-            table.set_len(0)?;
+            let table = Spot::new(&crc, rel).create_empty()?;
             let size = data.metadata()?.len();
             let blocks = size.div_ceil(PAGE as u64);
             for k in 0..blocks.div_ceil(SLOTS) {
