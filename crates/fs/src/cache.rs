@@ -25,6 +25,8 @@ use std::time::{Duration, Instant};
 /// limits. Keeping many is what lets short-lived files (created, written and removed within
 /// the dirty age) never reach the store, as in a kernel page cache.
 pub const IDLE_FILES_MIN: usize = 64;
+
+static ZEROS: [u8; PAGE] = [0; PAGE];
 pub const IDLE_FILES_MAX: usize = 4096;
 
 fn idle_files_bound(fds_per_file: u64) -> usize {
@@ -604,11 +606,18 @@ impl Cache {
     }
 
     pub fn read(&mut self, ino: u64, off: u64, size: usize) -> R<Vec<u8>> {
+        self.read_into(ino, off, size, |parts| parts.concat())
+    }
+
+    /// Read `size` bytes at `off` and hand them to `send` as slices of the cached pages
+    /// (no copy; the FUSE reply is written from them while the cache is held).
+    pub fn read_into<T>(&mut self, ino: u64, off: u64, size: usize, send: impl FnOnce(&[&[u8]]) -> T) -> R<T> {
         self.stats.reads += 1;
         let now = Instant::now();
         let fsize = self.files.get(&ino).ok_or(libc::EBADF)?.size;
         let end = (off + size as u64).min(fsize);
-        let mut out = Vec::with_capacity(end.saturating_sub(off) as usize);
+        // (page, used bytes to send, zeros after them)
+        let mut spans: Vec<((u64, u64), std::ops::Range<usize>, usize)> = Vec::new();
         let mut at = off;
         while at < end {
             let block = at / PAGE as u64;
@@ -618,16 +627,33 @@ impl Cache {
                 }
             })?;
             let p = &self.pages[&key];
-            let data = self.shared.page(p.slot);
             let start = (at % PAGE as u64) as usize;
             let stop = ((end - block * PAGE as u64).min(PAGE as u64)) as usize;
             // Bytes past the page's used part (a hole before a later write) read as zeros.
             let stop_used = stop.min(p.len).max(start);
-            out.extend_from_slice(&data[start..stop_used]);
-            out.resize(out.len() + (stop - stop_used), 0);
+            spans.push((key, start..stop_used, stop - stop_used));
             at = block * PAGE as u64 + stop as u64;
         }
-        Ok(out)
+        // Loading a later page may have evicted an earlier one (a cache smaller than one
+        // request): then the bytes are gathered again, one page at a time.
+        if spans.iter().any(|(k, _, _)| !self.pages.contains_key(k)) {
+            let mut out = Vec::with_capacity(end.saturating_sub(off) as usize);
+            for (key, used, zeros) in spans {
+                let block = key.1;
+                let key = self.page_for_read(ino, block, now)?;
+                out.extend_from_slice(&self.shared.page(self.pages[&key].slot)[used]);
+                out.resize(out.len() + zeros, 0);
+            }
+            return Ok(send(&[&out]));
+        }
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(spans.len() * 2);
+        for (key, used, zeros) in spans {
+            parts.push(&self.shared.page(self.pages[&key].slot)[used]);
+            if zeros > 0 {
+                parts.push(&ZEROS[..zeros]);
+            }
+        }
+        Ok(send(&parts))
     }
 
     // `load` inserts the page itself (after reading it from the store), so the entry API
@@ -824,6 +850,49 @@ impl Cache {
             }
         }
         result
+    }
+
+    /// Write back up to `max` dirty pages that are at least `age` old (after any truncations
+    /// that are due); returns whether more are due. The flusher calls it in rounds and lets
+    /// go of the cache in between, so that requests do not wait behind a large write-back.
+    pub fn flush_some(&mut self, age: Duration, max: usize) -> bool {
+        let now = Instant::now();
+        let aged = |t: Option<Instant>| t.is_some_and(|t| now.duration_since(t) >= age);
+        let resized: Vec<u64> = self
+            .files
+            .iter()
+            .filter(|(_, f)| aged(f.resized))
+            .map(|(i, _)| *i)
+            .collect();
+        for i in resized {
+            let _ = self.apply_size(i);
+        }
+        let dirty: Vec<u64> = self
+            .files
+            .iter()
+            .filter(|(_, f)| !f.dirty.is_empty())
+            .map(|(i, _)| *i)
+            .collect();
+        let mut budget = max;
+        for i in dirty {
+            let blocks: Vec<u64> = self.files[&i]
+                .dirty
+                .iter()
+                .copied()
+                .filter(|&b| self.pages.get(&(i, b)).is_some_and(|p| !p.poisoned && aged(p.dirty)))
+                .take(budget)
+                .collect();
+            if blocks.is_empty() {
+                continue;
+            }
+            budget -= blocks.len();
+            // A failure stays dirty (or poisoned) and is retried or reported by fsync.
+            let _ = self.write_back(i, &blocks);
+            if budget == 0 {
+                return true;
+            }
+        }
+        false
     }
 
     /// fsync: write back and make durable.

@@ -355,6 +355,17 @@ impl Reply<'_> {
         self.finish(0, data);
     }
 
+    /// Reply with the concatenation of `parts`, gathered in the session's reused buffer.
+    /// (One `writev` iovec per cached page was measured at half the throughput on 1 MiB
+    /// reads: the kernel's per-segment cost outweighs the copy saved.)
+    pub fn data_parts(mut self, parts: &[&[u8]]) {
+        self.begin();
+        for p in parts {
+            self.buf.extend_from_slice(p);
+        }
+        self.finish(0, &[]);
+    }
+
     pub fn written(mut self, size: u32) {
         self.begin();
         put_u32(self.buf, size);
@@ -725,7 +736,10 @@ impl<'f, FS: Filesystem> Session<'f, FS> {
                 fs.write(r, ino, offset, data, write_flags, reply)
             }
             op::RELEASE => fs.release(r, ino, reply),
-            op::RELEASEDIR | op::FLUSH | op::ACCESS => reply.ok(),
+            op::RELEASEDIR | op::ACCESS => reply.ok(),
+            // Nothing to do at close (data stays in the cache, locks are the kernel's):
+            // ENOSYS makes the kernel stop sending it, one round trip less per close.
+            op::FLUSH => reply.error(libc::ENOSYS),
             op::FSYNC => fs.fsync(r, ino, reply),
             op::FSYNCDIR => fs.fsyncdir(r, ino, reply),
             op::STATFS => fs.statfs(r, reply),

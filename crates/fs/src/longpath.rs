@@ -258,8 +258,10 @@ impl Spot {
         };
         if let (Some((fb, f)), Some((tb, t))) = (self.whole()?, to.whole()?) {
             match rename(fb, &f, tb, &t) {
-                // Nothing to move: said as the slow path would, without walking it.
-                Err(e) if missing(&e) && !self.exists() => return Err(e),
+                // Nothing to move: said as the slow path would, without walking it. (When
+                // `to` is right in its base, whose directory exists, ENOENT can only mean
+                // that.)
+                Err(e) if missing(&e) && (to.rel.components().count() == 1 || !self.exists()) => return Err(e),
                 Err(e) if missing(&e) => {}
                 r => return r,
             }

@@ -712,11 +712,16 @@ fn start_writeback(
             let tick = (age / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
             while !stop.load(Ordering::SeqCst) {
                 thread::sleep(tick);
-                let pending = {
-                    let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
-                    let _ = c.flush(None, age);
-                    c.take_events()
-                };
+                // In rounds of a table chunk's worth of pages, each under the lock once;
+                // bounded, so that pages that keep failing cannot keep it spinning.
+                const ROUND: usize = crate::store::SLOTS as usize;
+                let rounds = cache.lock().unwrap_or_else(|p| p.into_inner()).dirty_pages() / ROUND + 2;
+                for _ in 0..rounds {
+                    if !cache.lock().unwrap_or_else(|p| p.into_inner()).flush_some(age, ROUND) {
+                        break;
+                    }
+                }
+                let pending = cache.lock().unwrap_or_else(|p| p.into_inner()).take_events();
                 let more: Vec<Event> = naming_events
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())

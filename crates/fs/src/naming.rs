@@ -396,6 +396,16 @@ impl Naming {
         }
     }
 
+    /// The handle of `dir`/`name`, needed to tell its nodeid only while some file has a
+    /// synthetic one (`nodeid_of`); otherwise the inode number says it, and the call is
+    /// saved.
+    fn alias_handle(&self, dir: RawFd, name: &CString) -> Option<Handle> {
+        if self.aliases.is_empty() {
+            return None;
+        }
+        handle_of(dir, name).ok()
+    }
+
     fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -1022,7 +1032,7 @@ impl Filesystem for Naming {
             Err(libc::ENOENT) if req.resent() => return reply.ok(),
             Err(e) => return reply.error(e),
         };
-        let h = handle_of(pfd.raw(), &c).ok();
+        let h = self.alias_handle(pfd.raw(), &c);
         // SAFETY: valid dir fd and name.
         if unsafe { libc::unlinkat(pfd.raw(), c.as_ptr(), 0) } < 0 {
             return reply.error(errno());
@@ -1038,7 +1048,7 @@ impl Filesystem for Naming {
         let pfd = tryr!(reply, self.fd(parent));
         let c = tryr!(reply, cstr(name));
         let st = stat_at(pfd.raw(), &c);
-        let h = handle_of(pfd.raw(), &c).ok();
+        let h = self.alias_handle(pfd.raw(), &c);
         // SAFETY: valid dir fd and name.
         if unsafe { libc::unlinkat(pfd.raw(), c.as_ptr(), libc::AT_REMOVEDIR) } < 0 {
             if let Some(e) = self.failure(req, libc::ENOENT) {
@@ -1086,9 +1096,9 @@ impl Filesystem for Naming {
         let c = tryr!(reply, cstr(name));
         let n = tryr!(reply, cstr(newname));
         let moved = stat_at(pfd.raw(), &c).ok();
-        let moved_h = handle_of(pfd.raw(), &c).ok();
+        let moved_h = self.alias_handle(pfd.raw(), &c);
         let replaced = stat_at(nfd.raw(), &n).ok();
-        let replaced_h = handle_of(nfd.raw(), &n).ok();
+        let replaced_h = self.alias_handle(nfd.raw(), &n);
         // SAFETY: valid fds and names.
         let r = unsafe { libc::syscall(libc::SYS_renameat2, pfd.raw(), c.as_ptr(), nfd.raw(), n.as_ptr(), flags) };
         let replay = r < 0;
@@ -1185,8 +1195,15 @@ impl Filesystem for Naming {
 
     fn read(&mut self, _req: &Request, ino: u64, offset: u64, size: u32, reply: Reply) {
         tryr!(reply, self.attach(ino));
-        let data = tryr!(reply, self.cache().read(ino, offset, size as usize));
-        reply.data(&data);
+        let mut reply = Some(reply);
+        let r = self.cache().read_into(ino, offset, size as usize, |parts| {
+            if let Some(rep) = reply.take() {
+                rep.data_parts(parts);
+            }
+        });
+        if let (Err(e), Some(rep)) = (r, reply) {
+            rep.error(e);
+        }
     }
 
     fn write(&mut self, _req: &Request, ino: u64, offset: u64, data: &[u8], write_flags: u32, reply: Reply) {

@@ -747,7 +747,9 @@ impl Store {
                 Some(ino) => {
                     for (n, o) in names.iter().zip(copy.spots(Place::Orphan(ino), with_data)) {
                         match n.rename_to(&o, 0) {
-                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) && !n.exists() => {}
+                            // Nothing to move (orphans are right under their base: see
+                            // `Spot::rename_to`).
+                            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => {}
                             r => r?,
                         }
                     }
