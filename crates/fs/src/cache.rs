@@ -66,7 +66,8 @@ struct Page {
     poisoned: bool,
     last_check: Instant,
     last_use: Instant,
-    lru: u64,
+    /// Used since the clock hand last passed (second chance).
+    referenced: bool,
 }
 
 impl Page {
@@ -79,7 +80,7 @@ impl Page {
             poisoned: false,
             last_check: now,
             last_use: now,
-            lru: 0,
+            referenced: true,
         }
     }
 
@@ -145,7 +146,10 @@ pub struct Cache {
     store: Store,
     /// By (inode, block): a file's pages are one range.
     pages: BTreeMap<(u64, u64), Page>,
-    lru: BTreeMap<u64, (u64, u64)>,
+    /// Eviction is CLOCK over the slots (an approximation of LRU that costs nothing per
+    /// read): the page in each slot, and the hand.
+    slot_keys: Vec<Option<(u64, u64)>>,
+    hand: usize,
     seq: u64,
     /// Page data and the Dirty State Store, in memory that outlives this process.
     shared: Shared,
@@ -185,7 +189,8 @@ impl Cache {
         Cache {
             store,
             pages: BTreeMap::new(),
-            lru: BTreeMap::new(),
+            slot_keys: vec![None; shared.slots()],
+            hand: 0,
             seq: 0,
             shared,
             free,
@@ -375,18 +380,14 @@ impl Cache {
     }
 
     fn touch(&mut self, key: (u64, u64), now: Instant) {
-        self.seq += 1;
-        let seq = self.seq;
         if let Some(p) = self.pages.get_mut(&key) {
-            self.lru.remove(&p.lru);
-            p.lru = seq;
             p.last_use = now;
-            self.lru.insert(seq, key);
+            p.referenced = true;
         }
     }
 
-    fn should_verify(&self, p: &Page, now: Instant) -> bool {
-        match self.verify {
+    fn should_verify(verify: Verify, p: &Page, now: Instant) -> bool {
+        match verify {
             Verify::EveryRead => true,
             Verify::LastCheck(d) => now.duration_since(p.last_check) >= d,
             // A page that is read continuously is never idle: without the second bound it
@@ -401,7 +402,7 @@ impl Cache {
             self.mark_clean(key);
         }
         if let Some(p) = self.pages.remove(&key) {
-            self.lru.remove(&p.lru);
+            self.slot_keys[p.slot] = None;
             self.shared.clear(p.slot);
             self.free.push(p.slot);
         }
@@ -433,7 +434,7 @@ impl Cache {
         let slot = self.free.pop().ok_or(libc::ENOMEM)?;
         self.shared.page_mut(slot).fill(0);
         self.pages.insert(key, Page::empty(slot, now));
-        self.touch(key, now);
+        self.slot_keys[slot] = Some(key);
         Ok(())
     }
 
@@ -492,25 +493,34 @@ impl Cache {
     }
 
     /// The page for a read: from the cache (verified per strategy) or from the store.
-    fn page_for_read(&mut self, ino: u64, block: u64, now: Instant) -> R<(u64, u64)> {
+    /// The page for a read, as (slot, used length): from the cache (verified per strategy)
+    /// or from the store. The hit path looks the page up once.
+    fn page_for_read(&mut self, ino: u64, block: u64, now: Instant) -> R<(usize, usize)> {
         let key = (ino, block);
-        if let Some(p) = self.pages.get(&key) {
+        if let Some(p) = self.pages.get_mut(&key) {
             if p.poisoned {
                 return Err(libc::EIO);
             }
-            let verify = self.should_verify(p, now);
-            if !verify || self.check(key, now) {
+            let intact = !Self::should_verify(self.verify, p, now) || {
+                self.stats.checks += 1;
+                p.last_check = now;
+                p.intact(&self.shared)
+            };
+            if intact {
                 self.stats.hits += 1;
-                self.touch(key, now);
-                return Ok(key);
+                p.last_use = now;
+                p.referenced = true;
+                return Ok((p.slot, p.len));
             }
+            // Failed: `check` acts on it (a dirty page is poisoned, a clean one dropped).
+            self.check(key, now);
             if self.pages.get(&key).is_some_and(|p| p.poisoned) {
                 return Err(libc::EIO);
             }
-            // A clean page failed and was dropped: read it again below.
         }
         self.load(ino, block, now)?;
-        Ok(key)
+        let p = &self.pages[&key];
+        Ok((p.slot, p.len))
     }
 
     /// Count and report what the store repaired while reading a block.
@@ -578,14 +588,26 @@ impl Cache {
         Ok(())
     }
 
-    /// Make room: write back (if dirty) and drop the least recently used page that is not
-    /// poisoned.
+    /// Make room: write back (if dirty) and drop a page not used lately (the first the
+    /// clock hand finds unreferenced), never a poisoned one.
     fn evict_one(&mut self) -> R<()> {
-        let victim = self
-            .lru
-            .values()
-            .find(|k| self.pages.get(k).is_some_and(|p| !p.poisoned))
-            .copied();
+        let slots = self.slot_keys.len();
+        let mut victim = None;
+        // Two sweeps: the first may only clear reference bits.
+        for _ in 0..2 * slots {
+            self.hand = (self.hand + 1) % slots;
+            let Some(key) = self.slot_keys[self.hand] else { continue };
+            let Some(p) = self.pages.get_mut(&key) else { continue };
+            if p.poisoned {
+                continue;
+            }
+            if p.referenced {
+                p.referenced = false;
+                continue;
+            }
+            victim = Some(key);
+            break;
+        }
         let Some(key) = victim else { return Err(libc::ENOMEM) };
         if self.pages.get(&key).is_some_and(|p| p.dirty.is_some()) {
             // The file's other dirty pages under the same table chunk go along: one table
@@ -616,39 +638,40 @@ impl Cache {
         let now = Instant::now();
         let fsize = self.files.get(&ino).ok_or(libc::EBADF)?.size;
         let end = (off + size as u64).min(fsize);
-        // (page, used bytes to send, zeros after them)
-        let mut spans: Vec<((u64, u64), std::ops::Range<usize>, usize)> = Vec::new();
+        // (slot, used bytes to send, zeros after them)
+        let mut spans: Vec<(usize, std::ops::Range<usize>, usize)> = Vec::new();
+        let evicted = self.stats.evicted;
         let mut at = off;
         while at < end {
             let block = at / PAGE as u64;
-            let key = self.page_for_read(ino, block, now).inspect_err(|&e| {
+            let (slot, len) = self.page_for_read(ino, block, now).inspect_err(|&e| {
                 if e == libc::EIO {
                     self.stats.eio += 1;
                 }
             })?;
-            let p = &self.pages[&key];
             let start = (at % PAGE as u64) as usize;
             let stop = ((end - block * PAGE as u64).min(PAGE as u64)) as usize;
             // Bytes past the page's used part (a hole before a later write) read as zeros.
-            let stop_used = stop.min(p.len).max(start);
-            spans.push((key, start..stop_used, stop - stop_used));
+            let stop_used = stop.min(len).max(start);
+            spans.push((slot, start..stop_used, stop - stop_used));
             at = block * PAGE as u64 + stop as u64;
         }
         // Loading a later page may have evicted an earlier one (a cache smaller than one
         // request): then the bytes are gathered again, one page at a time.
-        if spans.iter().any(|(k, _, _)| !self.pages.contains_key(k)) {
+        if self.stats.evicted != evicted {
             let mut out = Vec::with_capacity(end.saturating_sub(off) as usize);
-            for (key, used, zeros) in spans {
-                let block = key.1;
-                let key = self.page_for_read(ino, block, now)?;
-                out.extend_from_slice(&self.shared.page(self.pages[&key].slot)[used]);
+            let mut at = off;
+            for (_, used, zeros) in spans {
+                let (slot, _) = self.page_for_read(ino, at / PAGE as u64, now)?;
+                out.extend_from_slice(&self.shared.page(slot)[used.clone()]);
                 out.resize(out.len() + zeros, 0);
+                at = (at / PAGE as u64 + 1) * PAGE as u64;
             }
             return Ok(send(&[&out]));
         }
         let mut parts: Vec<&[u8]> = Vec::with_capacity(spans.len() * 2);
-        for (key, used, zeros) in spans {
-            parts.push(&self.shared.page(self.pages[&key].slot)[used]);
+        for (slot, used, zeros) in spans {
+            parts.push(&self.shared.page(slot)[used]);
             if zeros > 0 {
                 parts.push(&ZEROS[..zeros]);
             }
