@@ -750,6 +750,55 @@ print("ok")
     assert_eq!(std::fs::read_dir(dir.join("store/.lockstep/crc")).unwrap().count(), 0);
 }
 
+/// Tables exist only for files whose data reached the store, and go with them: a file
+/// created and removed without a write leaves nothing, a written one takes its table along
+/// when removed, one removed while open keeps an orphan table until closed, and a kept
+/// one has exactly its own.
+#[test]
+fn tables_live_and_die_with_their_files() {
+    let dir = scratch_dir("fs-table-life");
+    let m = Mount::new(&dir, &[]);
+    let crc = m.store.join(".lockstep/crc");
+    let orphans = m.store.join(".lockstep/orphans");
+    std::fs::create_dir(m.path("d")).unwrap();
+    let written = |name: &str, data: &[u8]| {
+        let mut f = std::fs::File::create(m.path(name)).unwrap();
+        f.write_all(data).unwrap();
+        f.sync_all().unwrap();
+        f
+    };
+    // Never written: no table, before or after.
+    std::fs::File::create(m.path("d/empty")).unwrap();
+    assert!(!crc.join("d/empty").exists());
+    std::fs::remove_file(m.path("d/empty")).unwrap();
+    // Written back (fsync): a table; removed: gone.
+    drop(written("d/w", &[7u8; 10_000]));
+    assert!(crc.join("d/w").exists());
+    std::fs::remove_file(m.path("d/w")).unwrap();
+    assert!(!crc.join("d/w").exists());
+    // Removed while open, and written again: its table is an orphan until it is closed.
+    let mut open = written("d/open", &[1u8; 5000]);
+    std::fs::remove_file(m.path("d/open")).unwrap();
+    open.write_all(&[2u8; 5000]).unwrap();
+    open.sync_all().unwrap();
+    assert_eq!(std::fs::read_dir(&orphans).unwrap().count(), 1);
+    drop(open);
+    drop(written("d/keep", &[3u8; 9000]));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_dir(&orphans).unwrap().count() > 0 {
+        assert!(Instant::now() < deadline, "the orphan table outlived its closed file");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(m.umount(), 0);
+    let names: Vec<_> = std::fs::read_dir(crc.join("d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["keep"]);
+    let (code, out, err) = fs_cmd(&["check"], &dir.join("store"));
+    assert_eq!(code, 0, "{out}{err}");
+}
+
 fn fs_cmd(args: &[&str], dir: &Path) -> (i32, String, String) {
     let out = lockstep().arg("fs").args(args).arg(dir).output().unwrap();
     (

@@ -162,6 +162,39 @@ fn writing_as_another_user_clears_setuid_and_setgid() {
     assert_eq!(run(&m.mnt), native, "(name, mode, content) on the mount, then native");
 }
 
+/// New files and directories keep the setuid, setgid and sticky bits they are made with,
+/// whether root or another user makes them, as on the native filesystem (the daemon makes
+/// every node itself and then gives it to the caller: a chown clears those bits).
+#[test]
+fn new_nodes_keep_their_special_bits() {
+    let (_dir, reference, m) = setup("px-special", &[]);
+    let make = "python3 -c \"import os; os.umask(0); \
+                [os.close(os.open(n, os.O_CREAT | os.O_WRONLY, b)) for n, b in (('u', 0o4755), ('g', 0o2755), ('ug', 0o6711))]; \
+                os.mkdir('d', 0o3777); os.mkdir('t', 0o1755)\"";
+    let run = |root: &Path| -> Vec<(String, u32, u32)> {
+        let mut got = Vec::new();
+        for (sub, other) in [("root", false), ("user", true)] {
+            let d = root.join(sub);
+            std::fs::create_dir(&d).unwrap();
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
+            sh_as(&d, make, other);
+            for n in ["u", "g", "ug", "d", "t"] {
+                let md = lmeta(&d.join(n));
+                got.push((format!("{sub}/{n}"), md.mode() & 0o7777, md.uid()));
+            }
+        }
+        got
+    };
+    let native = run(&reference);
+    assert!(
+        native
+            .iter()
+            .any(|(n, bits, _)| n == "root/u" && bits & libc::S_ISUID != 0),
+        "native: {native:?}"
+    );
+    assert_eq!(run(&m.mnt), native, "(name, mode, uid) on the mount, then native");
+}
+
 fn mknod(dir: &Path, args: &[&str]) {
     let out = Command::new(args[0])
         .args(&args[1..])

@@ -1009,13 +1009,13 @@ impl Cache {
     }
 
     /// The file is gone (its last link was removed and it is closed): drop its pages and
-    /// close it; an orphan's tables go too.
-    pub fn remove(&mut self, ino: u64, orphan: bool) {
+    /// close it. `orphan_tables`: its tables may be among the orphans, and go too.
+    pub fn remove(&mut self, ino: u64, orphan_tables: bool) {
         let no_tables = self.has_tables(ino) == Some(false);
         self.drop_pages(ino, 0);
         self.shared.clear_size(ino);
         self.detach(ino);
-        if orphan && !no_tables {
+        if orphan_tables && !no_tables {
             self.store.orphan_gone(ino);
         }
     }

@@ -74,6 +74,9 @@ struct Inode {
     name: Option<(u64, OsString)>,
     /// Its last link is gone while the kernel still holds it: its tables are orphans.
     orphan: bool,
+    /// Known to have no tables in the store: made here, and not written, extended or
+    /// linked since (then unlinking it has nothing to do in the store).
+    tableless: bool,
 }
 
 /// A descriptor for an inode: an `O_PATH` one, or the open data file of an attached file.
@@ -431,6 +434,7 @@ impl Naming {
                 lookups,
                 name: None,
                 orphan: false,
+                tableless: false,
             },
         );
         Ok(handle)
@@ -556,6 +560,7 @@ impl Naming {
                     lookups: 0,
                     name: None,
                     orphan: false,
+                    tableless: false,
                 },
             );
         }
@@ -693,7 +698,8 @@ impl Naming {
         }
         // A file attached without tables has none to move or drop (the common case for
         // short-lived files: they never reached the store).
-        if self.cache().has_tables(ino) != Some(false) {
+        let tableless = self.inodes.get(&ino).is_some_and(|i| i.tableless);
+        if !tableless && self.cache().has_tables(ino) != Some(false) {
             let r = self.cache().store().unlinked(&rel, held.then_some(ino));
             if let Err(e) = r {
                 self.note(&format!("cannot drop the tables of {}", rel.display()), e);
@@ -748,6 +754,13 @@ impl Naming {
     fn failure(&self, req: &Request, tolerated: i32) -> Option<i32> {
         let e = errno();
         (e != tolerated || !req.resent()).then_some(e)
+    }
+
+    /// `ino` may get tables now (written, extended or linked).
+    fn may_have_tables(&mut self, ino: u64) {
+        if let Some(i) = self.inodes.get_mut(&ino) {
+            i.tableless = false;
+        }
     }
 
     /// Set the mtime of `ino` if it was written since it was last set.
@@ -900,7 +913,7 @@ impl Filesystem for Naming {
             self.cache().shared().set_lookups(ino, left);
             return;
         }
-        let orphan = i.orphan;
+        let (orphan, tableless) = (i.orphan, i.tableless);
         if ino >= SYNTHETIC {
             let h = i.handle;
             self.aliases.remove(&h);
@@ -910,7 +923,7 @@ impl Filesystem for Naming {
         let mut c = self.cache();
         c.shared().drop_handle(ino);
         if orphan {
-            c.remove(ino, true);
+            c.remove(ino, !tableless);
         } else {
             c.release_inode(ino);
         }
@@ -936,6 +949,7 @@ impl Filesystem for Naming {
         let fd = tryr!(reply, self.fd(ino));
         let p = proc_path(fd.raw());
         if let Some(s) = size {
+            self.may_have_tables(ino);
             tryr!(reply, self.attach(ino));
             tryr!(reply, self.cache().truncate(ino, s));
         }
@@ -1154,6 +1168,7 @@ impl Filesystem for Naming {
         let fd = tryr!(reply, self.fd(ino));
         let nfd = tryr!(reply, self.fd(newparent));
         let n = tryr!(reply, cstr(newname));
+        self.may_have_tables(ino);
         tryr!(reply, self.cache().ensure_tables(ino));
         // SAFETY: valid fds and name; AT_EMPTY_PATH links the inode the fd holds.
         if unsafe { libc::linkat(fd.raw(), c"".as_ptr(), nfd.raw(), n.as_ptr(), libc::AT_EMPTY_PATH) } < 0 {
@@ -1209,6 +1224,7 @@ impl Filesystem for Naming {
     fn write(&mut self, _req: &Request, ino: u64, offset: u64, data: &[u8], write_flags: u32, reply: Reply) {
         tryr!(reply, self.attach(ino));
         tryr!(reply, self.room_for(data.len()));
+        self.may_have_tables(ino);
         let n = tryr!(reply, self.cache().write(ino, offset, data));
         if write_flags & FUSE_WRITE_KILL_SUIDGID != 0 {
             if let Ok(fd) = self.fd(ino) {
@@ -1339,6 +1355,9 @@ impl Filesystem for Naming {
         let handle = tryr!(reply, handle_of(r, &CString::default()));
         let attr = self.register(parent, name, &st, handle);
         self.fresh_tables(parent, name);
+        if let Some(i) = self.inodes.get_mut(&attr.ino) {
+            i.tableless = i.lookups == 1;
+        }
         let place = tryr!(reply, self.place_of(attr.ino));
         tryr!(
             reply,
@@ -1356,6 +1375,7 @@ impl Filesystem for Naming {
         let (off, len) = (offset as u64, length as u64);
         let end = tryr!(reply, off.checked_add(len).ok_or(libc::EFBIG));
         tryr!(reply, self.attach(ino));
+        self.may_have_tables(ino);
         let size = self.cache().size(ino).unwrap_or(0);
         const ZEROING: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
         match mode & !libc::FALLOC_FL_KEEP_SIZE {

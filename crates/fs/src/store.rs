@@ -1033,6 +1033,43 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_across_table_chunks_with_gaps_and_a_short_last_block_reads_back() {
+        let dir = tmp("batch");
+        let s = store(&dir, Some(&tmp("batch-mirror")));
+        let f = fresh(s.root().join("f"));
+        let mut t = s.tables(Place::Path(Path::new("f"))).unwrap();
+        // Three chunks' worth, with gaps (separate pwritev runs), ending in a short block.
+        let blocks: Vec<u64> = (0..3 * SLOTS).filter(|b| b % 7 != 3).collect();
+        let last = *blocks.last().unwrap();
+        let bytes: Vec<Vec<u8>> = blocks
+            .iter()
+            .map(|&b| vec![(b % 251) as u8 + 1; if b == last { 100 } else { PAGE }])
+            .collect();
+        let batch: Vec<WriteBlock> = blocks
+            .iter()
+            .zip(&bytes)
+            .map(|(&block, b)| WriteBlock {
+                block,
+                bytes: b,
+                crc: crc32c(b),
+            })
+            .collect();
+        s.write_blocks(&mut t, &f, &batch).unwrap();
+        for (&b, want) in blocks.iter().zip(&bytes) {
+            let (got, crc, _) = s.read_block(&t, &f, b, want.len()).unwrap();
+            assert_eq!((&got, crc), (want, crc32c(want)), "block {b}");
+        }
+        // The gaps are holes: zeros, and their slots say so.
+        let (hole, _, _) = s.read_block(&t, &f, 3, PAGE).unwrap();
+        assert!(hole.iter().all(|&x| x == 0));
+        // A flipped data byte in the middle chunk is repaired from the mirror.
+        f.write_all_at(&[0xee], (SLOTS + 1) * PAGE as u64 + 5).unwrap();
+        let (got, _, info) = s.read_block(&t, &f, SLOTS + 1, PAGE).unwrap();
+        assert!(info.repaired);
+        assert_eq!(got, bytes[blocks.iter().position(|&b| b == SLOTS + 1).unwrap()]);
+    }
+
+    #[test]
     fn a_damaged_table_copy_is_repaired_and_a_doubly_damaged_chunk_loses_only_its_bad_slots() {
         let dir = tmp("chunk");
         let s = store(&dir, None);
