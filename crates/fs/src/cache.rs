@@ -220,9 +220,11 @@ impl Cache {
         self.seq += 1;
         let seq = self.seq;
         if let Some(f) = self.files.get_mut(&ino) {
-            self.file_lru.remove(&f.seq);
+            if f.opens == 0 {
+                self.file_lru.remove(&f.seq);
+                self.file_lru.insert(seq, ino);
+            }
             f.seq = seq;
-            self.file_lru.insert(seq, ino);
             return Ok(());
         }
         let (file, tables, size) = open(&self.store).map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
@@ -245,28 +247,24 @@ impl Cache {
         Ok(())
     }
 
-    /// Close the least recently used files that are not open, beyond `idle_files_max`.
-    /// Their dirty pages are written back first (write-back under descriptor pressure); a
-    /// file with poisoned pages stays.
+    /// Close the least recently used files that are not open (`file_lru` holds exactly
+    /// those), beyond `idle_files_max`. Their dirty pages are written back first
+    /// (write-back under descriptor pressure); a file with poisoned pages stays.
     fn close_idle_files(&mut self) {
-        if self.files.len() <= self.idle_files_max {
-            return;
-        }
-        let closable = self.files.values().filter(|f| f.opens == 0).count();
-        let excess = closable.saturating_sub(self.idle_files_max);
+        let excess = self.file_lru.len().saturating_sub(self.idle_files_max);
         if excess == 0 {
             return;
         }
-        let victims: Vec<u64> = self
-            .file_lru
-            .values()
-            .filter(|ino| self.files[*ino].opens == 0)
-            .take(excess)
-            .copied()
-            .collect();
-        for ino in victims {
+        let (mut closed, mut kept) = (0, 0);
+        while closed < excess {
+            let Some(&ino) = self.file_lru.values().nth(kept) else {
+                break;
+            };
             if self.files[&ino].idle() || self.flush(Some(ino), Duration::ZERO).is_ok() {
                 self.detach(ino);
+                closed += 1;
+            } else {
+                kept += 1;
             }
         }
     }
@@ -284,13 +282,21 @@ impl Cache {
     /// A FUSE open of `ino` (attached first): it stays attached until released.
     pub fn opened(&mut self, ino: u64) {
         if let Some(f) = self.files.get_mut(&ino) {
+            if f.opens == 0 {
+                self.file_lru.remove(&f.seq);
+            }
             f.opens += 1;
         }
     }
 
     pub fn released(&mut self, ino: u64) {
-        if let Some(f) = self.files.get_mut(&ino) {
-            f.opens = f.opens.saturating_sub(1);
+        if let Some(f) = self.files.get_mut(&ino).filter(|f| f.opens > 0) {
+            f.opens -= 1;
+            if f.opens == 0 {
+                self.seq += 1;
+                f.seq = self.seq;
+                self.file_lru.insert(f.seq, ino);
+            }
         }
         self.close_idle_files();
     }
