@@ -23,9 +23,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 const MAGIC: u64 = 0x4C53_4653_5353_0001; // "LSFSSS" v1
 const RECORD: usize = 32;
 const DIRTY: u32 = 2;
-/// Entries in the handle table (open addressing; 16 MiB of address space, touched only
-/// where used). Inodes beyond it still work, but cannot be reopened after a daemon crash.
-const HANDLES: usize = 1 << 18;
+/// Entries in the handle table (open addressing with linear probing; 64 MiB of address
+/// space, touched only where used). An inode whose entry finds no free place within
+/// `PROBE_MAX` of its home still works, but cannot be reopened after a daemon crash.
+const HANDLES: usize = 1 << 20;
+/// The longest probe sequence: lookups, inserts and deletes cost at most this many entries
+/// however full the table is.
+const PROBE_MAX: usize = 64;
 const HANDLE: usize = 64;
 /// The longest file handle kept (ext4 and tmpfs handles are 8 to 12 bytes).
 pub const HANDLE_MAX: usize = 40;
@@ -33,7 +37,6 @@ pub const HANDLE_MAX: usize = 40;
 const SIZES: usize = 4096;
 const SIZE_STATE: u32 = 3;
 const EMPTY: u64 = 0;
-const TOMBSTONE: u64 = u64::MAX;
 
 /// A pending size change as the DSS knows it: the file was cut to `cut` (if it was) and
 /// is `size` bytes now; neither has reached the store yet.
@@ -300,34 +303,63 @@ impl Shared {
         unsafe { std::slice::from_raw_parts_mut(self.base.add(handles_at(self.slots) + i * HANDLE), HANDLE) }
     }
 
-    /// Find the entry of `nodeid`, or (with `insert`) a free one for it.
+    /// Where `nodeid`'s probe sequence starts (the top bits of a multiplicative hash).
+    fn home(nodeid: u64) -> usize {
+        (nodeid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - HANDLES.trailing_zeros())) as usize
+    }
+
+    fn entry_id(&mut self, i: usize) -> u64 {
+        u64::from_le_bytes(self.handle_entry(i)[..8].try_into().unwrap())
+    }
+
+    /// Find the entry of `nodeid`, or (with `insert`) a free one for it, within
+    /// `PROBE_MAX` of its home. Deletion shifts entries back (no tombstones), so an empty
+    /// entry ends every search.
     fn find_handle(&mut self, nodeid: u64, insert: bool) -> Option<usize> {
-        let mut i = (nodeid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 48) as usize % HANDLES;
-        let mut free = None;
-        for _ in 0..HANDLES {
-            let id = u64::from_le_bytes(self.handle_entry(i)[..8].try_into().unwrap());
+        let mut i = Self::home(nodeid);
+        for _ in 0..PROBE_MAX {
+            let id = self.entry_id(i);
             if id == nodeid {
                 return Some(i);
             }
-            if id == TOMBSTONE && free.is_none() {
-                free = Some(i);
-            }
             if id == EMPTY {
-                return if insert { free.or(Some(i)) } else { None };
+                return insert.then_some(i);
             }
             i = (i + 1) % HANDLES;
         }
-        if insert {
-            free
-        } else {
-            None
+        None
+    }
+
+    /// Empty entry `hole`, moving later entries of its cluster back into it where their
+    /// probe sequences allow, so that no search stops early. Each move copies before it
+    /// clears: a crash in between leaves a duplicate (found first, harmless), never a loss.
+    fn delete_handle_at(&mut self, mut hole: usize) {
+        let dist = |from: usize, to: usize| (to + HANDLES - from) % HANDLES;
+        let mut j = hole;
+        for _ in 0..HANDLES {
+            j = (j + 1) % HANDLES;
+            // Every entry lies within PROBE_MAX of its home: one this far past the hole
+            // has its home after it, and so have all beyond.
+            if dist(hole, j) >= PROBE_MAX {
+                break;
+            }
+            let id = self.entry_id(j);
+            if id == EMPTY {
+                break;
+            }
+            if dist(Self::home(id), j) >= dist(hole, j) {
+                let moved: [u8; HANDLE] = self.handle_entry(j).try_into().unwrap();
+                self.handle_entry(hole).copy_from_slice(&moved);
+                hole = j;
+            }
         }
+        self.handle_entry(hole).fill(0);
     }
 
     /// Remember how to reopen `nodeid` (a file handle of `htype`), with the kernel's lookup
     /// count. False if the handle is too long or the table is full.
     pub fn put_handle(&mut self, nodeid: u64, lookups: u64, htype: i32, handle: &[u8]) -> bool {
-        assert!(nodeid != EMPTY && nodeid != TOMBSTONE);
+        assert!(nodeid != EMPTY);
         if handle.len() > HANDLE_MAX {
             return false;
         }
@@ -356,9 +388,7 @@ impl Shared {
 
     pub fn drop_handle(&mut self, nodeid: u64) {
         if let Some(i) = self.find_handle(nodeid, false) {
-            let e = self.handle_entry(i);
-            e.fill(0);
-            e[..8].copy_from_slice(&TOMBSTONE.to_le_bytes());
+            self.delete_handle_at(i);
         }
     }
 
@@ -394,6 +424,49 @@ impl Drop for Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The handle table against a map, with keys crowded into one small region (long
+    /// clusters, probe limits, backward-shift deletion) and spread ones.
+    #[test]
+    fn handle_table_matches_a_map_under_churn() {
+        let mut s = Shared::create(8).unwrap();
+        let crowded: Vec<u64> = (1u64..).filter(|&n| Shared::home(n) < 40).take(150).collect();
+        let spread: Vec<u64> = (1..5000u64).map(|n| n * 7919).collect();
+        let keys: Vec<u64> = crowded.iter().chain(&spread).copied().collect();
+        let mut model: std::collections::HashMap<u64, u64> = Default::default();
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for step in 0..60_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let k = keys[(x % keys.len() as u64) as usize];
+            if x % 3 == 0 {
+                s.drop_handle(k);
+                model.remove(&k);
+            } else if s.put_handle(k, step, 1, &k.to_le_bytes()) {
+                model.insert(k, step);
+            } else {
+                // Only a crowded key may find no room within the probe limit.
+                assert!(crowded.contains(&k) && s.handle(k).is_none());
+                model.remove(&k);
+            }
+            if step % 997 == 0 {
+                for &k in &keys {
+                    assert_eq!(
+                        s.handle(k).map(|h| h.0),
+                        model.get(&k).copied(),
+                        "key {k} at step {step}"
+                    );
+                }
+            }
+        }
+        for &k in &keys {
+            assert_eq!(
+                s.handle(k).map(|(l, t, b)| (l, t, b)),
+                model.get(&k).map(|&l| (l, 1, k.to_le_bytes().to_vec()))
+            );
+        }
+    }
 
     #[test]
     fn records_survive_a_remap_and_damage_is_caught() {
