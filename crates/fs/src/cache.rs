@@ -839,28 +839,16 @@ impl Cache {
                 .map(|(i, _)| *i)
                 .collect(),
         };
-        let mut blocks = Vec::new();
         let mut result = Ok(());
         for &i in &inos {
-            let due = self
-                .files
-                .get(&i)
-                .and_then(|f| f.resized)
-                .is_some_and(|t| now.duration_since(t) >= age);
-            if due {
+            if self.size_due(i, now, age) {
                 if let Err(e) = self.apply_size(i) {
                     result = Err(e);
                 }
             }
         }
         for i in inos {
-            let Some(f) = self.files.get(&i) else { continue };
-            blocks.clear();
-            blocks.extend(f.dirty.iter().copied().filter(|&b| {
-                self.pages
-                    .get(&(i, b))
-                    .is_some_and(|p| !p.poisoned && p.dirty.is_some_and(|d| now.duration_since(d) >= age))
-            }));
+            let blocks = self.due_blocks(i, now, age, usize::MAX);
             if !blocks.is_empty() {
                 if let Err(e) = self.write_back(i, &blocks) {
                     result = Err(e);
@@ -886,12 +874,11 @@ impl Cache {
     /// go of the cache in between, so that requests do not wait behind a large write-back.
     pub fn flush_some(&mut self, age: Duration, max: usize) -> bool {
         let now = Instant::now();
-        let aged = |t: Option<Instant>| t.is_some_and(|t| now.duration_since(t) >= age);
         let resized: Vec<u64> = self
             .files
-            .iter()
-            .filter(|(_, f)| aged(f.resized))
-            .map(|(i, _)| *i)
+            .keys()
+            .copied()
+            .filter(|&i| self.size_due(i, now, age))
             .collect();
         for i in resized {
             let _ = self.apply_size(i);
@@ -904,13 +891,7 @@ impl Cache {
             .collect();
         let mut budget = max;
         for i in dirty {
-            let blocks: Vec<u64> = self.files[&i]
-                .dirty
-                .iter()
-                .copied()
-                .filter(|&b| self.pages.get(&(i, b)).is_some_and(|p| !p.poisoned && aged(p.dirty)))
-                .take(budget)
-                .collect();
+            let blocks = self.due_blocks(i, now, age, budget);
             if blocks.is_empty() {
                 continue;
             }
@@ -922,6 +903,32 @@ impl Cache {
             }
         }
         false
+    }
+
+    /// Whether `ino` has a pending size change at least `age` old at `now`.
+    fn size_due(&self, ino: u64, now: Instant, age: Duration) -> bool {
+        self.files
+            .get(&ino)
+            .and_then(|f| f.resized)
+            .is_some_and(|t| now.duration_since(t) >= age)
+    }
+
+    /// Up to `limit` dirty blocks of `ino` (in order), not poisoned, dirty for at least
+    /// `age` at `now`.
+    fn due_blocks(&self, ino: u64, now: Instant, age: Duration, limit: usize) -> Vec<u64> {
+        let Some(f) = self.files.get(&ino) else {
+            return Vec::new();
+        };
+        f.dirty
+            .iter()
+            .copied()
+            .filter(|&b| {
+                self.pages
+                    .get(&(ino, b))
+                    .is_some_and(|p| !p.poisoned && p.dirty.is_some_and(|d| now.duration_since(d) >= age))
+            })
+            .take(limit)
+            .collect()
     }
 
     /// fsync: write back and make durable.

@@ -247,20 +247,36 @@ impl Spot {
 
     /// `renameat2` to `to` (whose directories are made).
     pub fn rename_to(&self, to: &Spot, flags: u32) -> io::Result<()> {
-        let rename = |fd: RawFd, f: &CString, td: RawFd, t: &CString| {
+        self.to_other(to, |fd, f, td, t| {
             // SAFETY: valid descriptors and names.
-            let r = unsafe { libc::syscall(libc::SYS_renameat2, fd, f.as_ptr(), td, t.as_ptr(), flags) };
-            if r < 0 {
+            unsafe { libc::syscall(libc::SYS_renameat2, fd, f.as_ptr(), td, t.as_ptr(), flags) as i32 }
+        })
+    }
+
+    /// A hard link of this file at `to` (whose directories are made).
+    pub fn link_to(&self, to: &Spot) -> io::Result<()> {
+        self.to_other(to, |fd, f, td, t| {
+            // SAFETY: valid descriptors and names.
+            unsafe { libc::linkat(fd, f.as_ptr(), td, t.as_ptr(), 0) }
+        })
+    }
+
+    /// A two-path call (`op` returns the syscall's result) from this spot to `to`: in one
+    /// call when both paths fit, else (or when directories of `to` are missing) through
+    /// their parents, making `to`'s.
+    fn to_other(&self, to: &Spot, op: impl Fn(RawFd, &CString, RawFd, &CString) -> i32) -> io::Result<()> {
+        let call = |fd: RawFd, f: &CString, td: RawFd, t: &CString| {
+            if op(fd, f, td, t) < 0 {
                 Err(last_error())
             } else {
                 Ok(())
             }
         };
         if let (Some((fb, f)), Some((tb, t))) = (self.whole()?, to.whole()?) {
-            match rename(fb, &f, tb, &t) {
-                // Nothing to move: said as the slow path would, without walking it. (When
-                // `to` is right in its base, whose directory exists, ENOENT can only mean
-                // that.)
+            match call(fb, &f, tb, &t) {
+                // Nothing at this spot: said as the slow path would, without walking it.
+                // (When `to` is right in its base, whose directory exists, ENOENT can only
+                // mean that.)
                 Err(e) if missing(&e) && (to.rel.components().count() == 1 || !self.exists()) => return Err(e),
                 Err(e) if missing(&e) => {}
                 r => return r,
@@ -268,28 +284,7 @@ impl Spot {
         }
         let (fd, fname) = self.parent(false)?;
         let (td, tname) = to.parent(true)?;
-        rename(fd.as_raw_fd(), &fname, td.as_raw_fd(), &tname)
-    }
-
-    /// A hard link of this file at `to` (whose directories are made).
-    pub fn link_to(&self, to: &Spot) -> io::Result<()> {
-        let link = |fd: RawFd, f: &CString, td: RawFd, t: &CString| {
-            // SAFETY: valid descriptors and names.
-            if unsafe { libc::linkat(fd, f.as_ptr(), td, t.as_ptr(), 0) } < 0 {
-                Err(last_error())
-            } else {
-                Ok(())
-            }
-        };
-        if let (Some((fb, f)), Some((tb, t))) = (self.whole()?, to.whole()?) {
-            match link(fb, &f, tb, &t) {
-                Err(e) if missing(&e) => {}
-                r => return r,
-            }
-        }
-        let (fd, fname) = self.parent(false)?;
-        let (td, tname) = to.parent(true)?;
-        link(fd.as_raw_fd(), &fname, td.as_raw_fd(), &tname)
+        call(fd.as_raw_fd(), &fname, td.as_raw_fd(), &tname)
     }
 }
 
