@@ -11,10 +11,11 @@
 use crate::crc::{self, PAGE};
 use crate::shared::{DirtyRecord, Shared, SizeRecord};
 use crate::store::{Store, StoreError, Tables, WriteBlock, SLOTS};
-use lockstep_core::checksum::crc32c;
+use lockstep_core::checksum::{crc32c, crc32c_append, crc32c_append_copy};
 use lockstep_core::Event;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,7 +27,6 @@ use std::time::{Duration, Instant};
 /// the dirty age) never reach the store, as in a kernel page cache.
 pub const IDLE_FILES_MIN: usize = 64;
 
-static ZEROS: [u8; PAGE] = [0; PAGE];
 pub const IDLE_FILES_MAX: usize = 4096;
 
 fn idle_files_bound(fds_per_file: u64) -> usize {
@@ -166,6 +166,8 @@ pub struct Cache {
     dirty_count: usize,
     /// Detections and repairs not yet written to the event sink.
     events: Vec<Event>,
+    /// The pages of the read being answered (kept to reuse its allocation).
+    spans: Vec<(usize, usize, bool)>,
     pub stats: Stats,
 }
 
@@ -201,6 +203,7 @@ impl Cache {
             scrub_cursor: (0, 0),
             dirty_count: 0,
             events: Vec::new(),
+            spans: Vec::new(),
             stats: Stats::default(),
         }
     }
@@ -498,35 +501,81 @@ impl Cache {
         false
     }
 
-    /// The page for a read: from the cache (verified per strategy) or from the store.
-    /// The page for a read, as (slot, used length): from the cache (verified per strategy)
-    /// or from the store. The hit path looks the page up once.
-    fn page_for_read(&mut self, ino: u64, block: u64, now: Instant) -> R<(usize, usize)> {
+    /// The page for a read, as (slot, used length, whether the strategy wants it checked
+    /// now): from the cache or, on a miss, from the store (verified there). The caller
+    /// checks the page while copying it (`copy_checked`); the hit path looks it up once.
+    fn page_for_read(&mut self, ino: u64, block: u64, now: Instant) -> R<(usize, usize, bool)> {
         let key = (ino, block);
         if let Some(p) = self.pages.get_mut(&key) {
             if p.poisoned {
                 return Err(libc::EIO);
             }
-            let intact = !Self::should_verify(self.verify, p, now) || {
+            let due = Self::should_verify(self.verify, p, now);
+            if due {
                 self.stats.checks += 1;
                 p.last_check = now;
-                p.intact(&self.shared)
-            };
-            if intact {
-                self.stats.hits += 1;
-                p.last_use = now;
-                p.referenced = true;
-                return Ok((p.slot, p.len));
             }
-            // Failed: `check` acts on it (a dirty page is poisoned, a clean one dropped).
-            self.check(key, now);
-            if self.pages.get(&key).is_some_and(|p| p.poisoned) {
-                return Err(libc::EIO);
-            }
+            self.stats.hits += 1;
+            p.last_use = now;
+            p.referenced = true;
+            return Ok((p.slot, p.len, due));
         }
         self.load(ino, block, now)?;
         let p = &self.pages[&key];
-        Ok((p.slot, p.len))
+        // Loaded pages are compared with their CRC while they are copied too: the check
+        // then covers the copy, not only the store read.
+        Ok((p.slot, p.len, true))
+    }
+
+    /// Append `used` of the page in `slot` (CRC `crc` over its first `len` bytes) to `out`;
+    /// when `due`, the whole page is checked in the same pass and the bytes appended are
+    /// exactly the bytes checked. Returns whether the page was intact (if not, `out` is as
+    /// it was).
+    fn copy_checked(
+        &self,
+        slot: usize,
+        len: usize,
+        crc: u32,
+        used: Range<usize>,
+        due: bool,
+        out: &mut Vec<u8>,
+    ) -> bool {
+        let page = &self.shared.page(slot)[..len];
+        let page_crc = |out: &mut Vec<u8>| {
+            let before = crc32c(&page[..used.start]);
+            let copied = crc32c_append_copy(before, out, &page[used.clone()]);
+            crc32c_append(copied, &page[used.end..])
+        };
+        let mark = out.len();
+        if !due {
+            out.extend_from_slice(&page[used]);
+            return true;
+        }
+        if page_crc(out) == crc {
+            return true;
+        }
+        out.truncate(mark);
+        false
+    }
+
+    /// Append the part `used` of block `block` (zeros after its used bytes up to
+    /// `used.end`) to `out`, checked per strategy. A page that fails is acted on (`check`:
+    /// a clean page is dropped and read again from the store, a dirty one poisoned).
+    fn append_block(&mut self, ino: u64, block: u64, used: Range<usize>, now: Instant, out: &mut Vec<u8>) -> R<()> {
+        for attempt in 0..2 {
+            let (slot, len, due) = self.page_for_read(ino, block, now)?;
+            let crc = self.pages[&(ino, block)].crc;
+            let stop_used = used.end.min(len).max(used.start);
+            if self.copy_checked(slot, len, crc, used.start..stop_used, due, out) {
+                out.resize(out.len() + used.end - stop_used, 0);
+                return Ok(());
+            }
+            self.check((ino, block), now);
+            if attempt == 1 || self.pages.get(&(ino, block)).is_some_and(|p| p.poisoned) {
+                break;
+            }
+        }
+        Err(libc::EIO)
     }
 
     /// Count and report what the store repaired while reading a block.
@@ -634,55 +683,66 @@ impl Cache {
     }
 
     pub fn read(&mut self, ino: u64, off: u64, size: usize) -> R<Vec<u8>> {
-        self.read_into(ino, off, size, |parts| parts.concat())
+        let mut out = Vec::with_capacity(size);
+        self.read_append(ino, off, size, &mut out)?;
+        Ok(out)
     }
 
-    /// Read `size` bytes at `off` and hand them to `send` as slices of the cached pages
-    /// (no copy; the FUSE reply is written from them while the cache is held).
-    pub fn read_into<T>(&mut self, ino: u64, off: u64, size: usize, send: impl FnOnce(&[&[u8]]) -> T) -> R<T> {
+    /// Append `size` bytes at `off` (fewer at the end of the file) to `out`. Each page is
+    /// checked per strategy in the same pass that copies it, so what is appended is what
+    /// was checked. All pages are found first, so that the copy can prefetch the next one.
+    pub fn read_append(&mut self, ino: u64, off: u64, size: usize, out: &mut Vec<u8>) -> R<()> {
         self.stats.reads += 1;
         let now = Instant::now();
         let fsize = self.files.get(&ino).ok_or(libc::EBADF)?.size;
         let end = (off + size as u64).min(fsize);
-        // (slot, used bytes to send, zeros after them)
-        let mut spans: Vec<(usize, std::ops::Range<usize>, usize)> = Vec::new();
+        if off >= end {
+            return Ok(());
+        }
+        let blocks = || {
+            let page = PAGE as u64;
+            (off / page..end.div_ceil(page)).map(move |block| {
+                let start = off.max(block * page) - block * page;
+                let stop = end.min((block + 1) * page) - block * page;
+                (block, start as usize..stop as usize)
+            })
+        };
+        let mut spans = std::mem::take(&mut self.spans);
+        spans.clear();
         let evicted = self.stats.evicted;
-        let mut at = off;
-        while at < end {
-            let block = at / PAGE as u64;
-            let (slot, len) = self.page_for_read(ino, block, now).inspect_err(|&e| {
-                if e == libc::EIO {
-                    self.stats.eio += 1;
+        let found = blocks().try_for_each(|(block, _)| {
+            spans.push(self.page_for_read(ino, block, now)?);
+            Ok(())
+        });
+        let result = found.and_then(|()| {
+            out.reserve(end.saturating_sub(off) as usize);
+            for (i, (block, used)) in blocks().enumerate() {
+                if self.stats.evicted != evicted {
+                    // Finding a page evicted one found earlier (a cache smaller than one
+                    // request): from here on each page is found again just before its copy.
+                    self.append_block(ino, block, used, now, out)?;
+                    continue;
                 }
-            })?;
-            let start = (at % PAGE as u64) as usize;
-            let stop = ((end - block * PAGE as u64).min(PAGE as u64)) as usize;
-            // Bytes past the page's used part (a hole before a later write) read as zeros.
-            let stop_used = stop.min(len).max(start);
-            spans.push((slot, start..stop_used, stop - stop_used));
-            at = block * PAGE as u64 + stop as u64;
-        }
-        // Loading a later page may have evicted an earlier one (a cache smaller than one
-        // request): then the bytes are gathered again, one page at a time.
-        if self.stats.evicted != evicted {
-            let mut out = Vec::with_capacity(end.saturating_sub(off) as usize);
-            let mut at = off;
-            for (_, used, zeros) in spans {
-                let (slot, _) = self.page_for_read(ino, at / PAGE as u64, now)?;
-                out.extend_from_slice(&self.shared.page(slot)[used.clone()]);
-                out.resize(out.len() + zeros, 0);
-                at = (at / PAGE as u64 + 1) * PAGE as u64;
+                if let Some(&(next, _, _)) = spans.get(i + 1) {
+                    self.shared.prefetch(next);
+                }
+                let (slot, len, due) = spans[i];
+                let crc = self.pages[&(ino, block)].crc;
+                let stop_used = used.end.min(len).max(used.start);
+                if self.copy_checked(slot, len, crc, used.start..stop_used, due, out) {
+                    out.resize(out.len() + used.end - stop_used, 0);
+                } else {
+                    self.check((ino, block), now);
+                    self.append_block(ino, block, used, now, out)?;
+                }
             }
-            return Ok(send(&[&out]));
+            Ok(())
+        });
+        self.spans = spans;
+        if result == Err(libc::EIO) {
+            self.stats.eio += 1;
         }
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(spans.len() * 2);
-        for (slot, used, zeros) in spans {
-            parts.push(&self.shared.page(slot)[used]);
-            if zeros > 0 {
-                parts.push(&ZEROS[..zeros]);
-            }
-        }
-        Ok(send(&parts))
+        result
     }
 
     // `load` inserts the page itself (after reading it from the store), so the entry API
@@ -1143,6 +1203,21 @@ mod tests {
 
     fn pattern(n: usize, seed: u8) -> Vec<u8> {
         (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    }
+
+    #[test]
+    fn reads_at_or_past_the_end_return_nothing_and_partial_pages_are_checked_whole() {
+        let (mut c, _) = cache("eof", Verify::EveryRead);
+        c.write(1, 0, &pattern(58_200, 4)).unwrap();
+        for off in [58_200, 59_149, 1 << 40] {
+            assert_eq!(c.read(1, off, 2435).unwrap(), Vec::<u8>::new(), "read at {off}");
+        }
+        assert_eq!(c.read(1, 57_000, 4096).unwrap(), pattern(58_200, 4)[57_000..]);
+        // A flip outside the bytes asked for still fails the page's check.
+        let slot = c.pages[&(1, 0)].slot;
+        c.shared.page_mut(slot)[4000] ^= 1;
+        assert_eq!(c.read(1, 10, 20), Err(libc::EIO));
+        assert_eq!(c.stats.dirty_detected, 1);
     }
 
     #[test]

@@ -1210,15 +1210,7 @@ impl Filesystem for Naming {
 
     fn read(&mut self, _req: &Request, ino: u64, offset: u64, size: u32, reply: Reply) {
         tryr!(reply, self.attach(ino));
-        let mut reply = Some(reply);
-        let r = self.cache().read_into(ino, offset, size as usize, |parts| {
-            if let Some(rep) = reply.take() {
-                rep.data_parts(parts);
-            }
-        });
-        if let (Err(e), Some(rep)) = (r, reply) {
-            rep.error(e);
-        }
+        reply.data_with(|out| self.cache().read_append(ino, offset, size as usize, out));
     }
 
     fn write(&mut self, _req: &Request, ino: u64, offset: u64, data: &[u8], write_flags: u32, reply: Reply) {
