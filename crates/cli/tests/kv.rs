@@ -270,16 +270,7 @@ fn memccapable_ascii_passes_against_a_three_replica_cluster() {
 
 #[test]
 fn memccapable_ascii_passes_against_a_single_server() {
-    let port = free_ports(1);
-    let mut child = lockstep()
-        .args(["kv", "serve", "--listen", &format!("127.0.0.1:{port}")])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Mc::connect(port).is_err() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (mut child, port) = single_server();
     let out = memccapable(port);
     let _ = child.kill();
     let _ = child.wait();
@@ -705,4 +696,96 @@ fn cluster_restarts_a_killed_replica_from_its_data_directory() {
     cluster.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(status.success(), "{status}: {err}");
     assert!(err.contains("restarted replica 2 from its data directory"), "{err}");
+}
+
+/// Starts `kv serve` without peers (single mode) and waits for it to answer.
+fn single_server() -> (Child, u16) {
+    let port = free_ports(1);
+    let child = lockstep()
+        .args(["kv", "serve", "--listen", &format!("127.0.0.1:{port}")])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Mc::connect(port).is_err() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (child, port)
+}
+
+/// 10,000 pipelined requests in one write burst (sets with noreply, then gets), and
+/// 1,000 connections open at once with one request each: every reply arrives, in order,
+/// with the right value, and the server is still there afterwards.
+fn survives_bursts(port: u16) {
+    const N: usize = 10_000;
+    let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    // Written from another thread: replies fill the socket buffers while we still send.
+    let sender = std::thread::spawn(move || {
+        let mut burst = Vec::new();
+        for i in 0..N {
+            burst.extend_from_slice(format!("set burst{i} 0 0 {}\r\nv{i}\r\n", format!("v{i}").len()).as_bytes());
+        }
+        for i in 0..N {
+            burst.extend_from_slice(format!("get burst{i}\r\n").as_bytes());
+        }
+        writer.write_all(&burst).unwrap();
+    });
+    let mut r = BufReader::new(stream);
+    let mut line = String::new();
+    for i in 0..N {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        assert_eq!(line, "STORED\r\n", "set {i}");
+    }
+    for i in 0..N {
+        let mut want = format!("VALUE burst{i} 0 {}\r\nv{i}\r\nEND\r\n", format!("v{i}").len()).into_bytes();
+        let mut got = vec![0u8; want.len()];
+        r.read_exact(&mut got).unwrap_or_else(|e| panic!("get {i}: {e}"));
+        if got != want {
+            want.truncate(80);
+            panic!(
+                "get {i}: {:?}, want {:?}",
+                String::from_utf8_lossy(&got),
+                String::from_utf8_lossy(&want)
+            );
+        }
+    }
+    sender.join().unwrap();
+
+    let mut conns: Vec<Mc> = (0..1000).map(|_| Mc::connect(port).expect("connect")).collect();
+    for (i, c) in conns.iter_mut().enumerate() {
+        c.send(format!("get burst{i}\r\n").as_bytes());
+    }
+    for (i, c) in conns.iter_mut().enumerate() {
+        assert_eq!(
+            c.read_line(),
+            format!("VALUE burst{i} 0 {}", format!("v{i}").len()),
+            "conn {i}"
+        );
+        assert_eq!(c.read_line(), format!("v{i}"));
+        assert_eq!(c.read_line(), "END");
+    }
+    drop(conns);
+    assert_eq!(
+        Mc::connect(port).unwrap().line("version").split(' ').next(),
+        Some("VERSION")
+    );
+}
+
+#[test]
+fn pipelined_bursts_and_many_connections_in_single_mode() {
+    let (mut child, port) = single_server();
+    survives_bursts(port);
+    assert!(child.try_wait().unwrap().is_none(), "the server exited");
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn pipelined_bursts_and_many_connections_in_a_cluster() {
+    let c = Cluster::start(3, &[]);
+    survives_bursts(c.port(c.leader()));
+    c.assert_agree();
 }

@@ -420,12 +420,7 @@ impl Replica {
     /// One round after a burst of input: propose, tick, process Raft's Ready, settle.
     fn step(&mut self) -> Result<(), i32> {
         if self.raft.is_none() {
-            let batch = std::mem::take(&mut self.batch);
-            if !batch.is_empty() {
-                let data = self.encode_batch(&batch);
-                self.apply(self.applied + 1, &data)?;
-            }
-            return Ok(());
+            return self.order_batch();
         }
         self.propose_batch();
         self.propose_recovers();
@@ -453,6 +448,21 @@ impl Replica {
         Ok(())
     }
 
+    /// Put the batched requests in order: a single replica applies them at once (it has
+    /// no Raft), a replicated one proposes them.
+    fn order_batch(&mut self) -> Result<(), i32> {
+        if self.raft.is_some() {
+            self.propose_batch();
+            return Ok(());
+        }
+        let batch = std::mem::take(&mut self.batch);
+        if !batch.is_empty() {
+            let data = self.encode_batch(&batch);
+            self.apply(self.applied + 1, &data)?;
+        }
+        Ok(())
+    }
+
     fn handle(&mut self, m: Inbound) -> Result<(), i32> {
         match m {
             Inbound::Open { conn, tx } => {
@@ -475,7 +485,7 @@ impl Replica {
                 );
                 self.batch.push((conn, seq, cmd));
                 if self.batch.len() >= BATCH_MAX {
-                    self.propose_batch();
+                    self.order_batch()?;
                 }
             }
             Inbound::Stats { conn, seq, args } => {
