@@ -84,9 +84,15 @@ struct StoreOpts {
     /// Accept lockstep_corrupt on the client port (tests and measurements only).
     #[arg(long)]
     test_corruption: bool,
-    /// Applied log entries between snapshots.
+    /// Applied log entries between state audits; each audit also takes a snapshot, which
+    /// becomes the one sent to lagging replicas once a majority confirmed it.
     #[arg(long, default_value_t = 10_000, value_name = "N")]
     snapshot_every: u64,
+    /// Seconds between state audits, whatever the load: the replicas compare digests of
+    /// their whole state, so that a corrupt object no request touches is found and
+    /// repaired by majority.
+    #[arg(long, default_value_t = 10, value_name = "SECS")]
+    audit_every: u64,
     /// A replica that needs more than N recoveries within --recovery-window is removed
     /// from the cluster and re-added empty, to be rebuilt from a snapshot.
     #[arg(long, default_value_t = 5, value_name = "N")]
@@ -218,6 +224,7 @@ fn serve(a: ServeArgs) -> i32 {
         test_corruption: a.opts.test_corruption,
         events: a.events,
         snapshot_every: a.opts.snapshot_every.max(1),
+        audit_every: Duration::from_secs(a.opts.audit_every.max(1)),
         tick: Duration::from_millis(100),
         max_recoveries: a.opts.max_recoveries,
         recovery_window: Duration::from_secs(a.opts.recovery_window.max(1)),
@@ -265,6 +272,7 @@ fn cluster(a: ClusterArgs) -> i32 {
         cmd.args(["--memory-limit", &a.opts.memory_limit.to_string()]);
         cmd.args(["--item-max", &a.opts.item_max.to_string()]);
         cmd.args(["--snapshot-every", &a.opts.snapshot_every.to_string()]);
+        cmd.args(["--audit-every", &a.opts.audit_every.to_string()]);
         cmd.args(["--max-recoveries", &a.opts.max_recoveries.to_string()]);
         cmd.args(["--recovery-window", &a.opts.recovery_window.to_string()]);
         if a.opts.no_fsync {

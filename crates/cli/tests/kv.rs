@@ -789,3 +789,86 @@ fn pipelined_bursts_and_many_connections_in_a_cluster() {
     survives_bursts(c.port(c.leader()));
     c.assert_agree();
 }
+
+fn stat_u64(c: &Cluster, id: u64, name: &str) -> u64 {
+    Mc::connect(c.port(id)).unwrap().stats()[name].parse().unwrap()
+}
+
+/// A flip whose CRC was recomputed, in an object no request touches, on a follower and
+/// then on the leader: the state audit finds each and the majority repairs it, without
+/// any client reading the key first.
+#[test]
+fn the_audit_finds_and_repairs_corruption_no_request_touches() {
+    let c = Cluster::start(3, &["--test-corruption", "--audit-every", "1"]);
+    let leader = c.leader();
+    let follower = (1..=3).find(|&id| id != leader).unwrap();
+    let mut writer = Mc::connect(c.port(leader)).unwrap();
+    for (round, victim) in [follower, leader].into_iter().enumerate() {
+        let key = format!("latent-{round}");
+        assert_eq!(writer.set(&key, b"the healthy value"), "STORED");
+        let healthy = c.assert_agree();
+        let before = stat_u64(&c, victim, "kv_audit_divergent_groups");
+        let r = Mc::connect(c.port(victim))
+            .unwrap()
+            .line(&format!("lockstep_corrupt {key} item recompute 9"));
+        assert!(r.starts_with("CORRUPTED "), "{r}");
+        // No request: only the audit can see it.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while stat_u64(&c, victim, "kv_audit_divergent_groups") == before {
+            assert!(
+                Instant::now() < deadline,
+                "the audit did not find the flip on replica {victim}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let repaired = c.assert_agree();
+        assert_eq!(
+            repaired.split(' ').nth(1),
+            healthy.split(' ').nth(1),
+            "the repaired state is the healthy one"
+        );
+        for id in 1..=3 {
+            let got = Mc::connect(c.port(id)).unwrap().get(&key);
+            assert_eq!(got.as_deref(), Some(&b"the healthy value"[..]), "replica {id}");
+        }
+    }
+    assert!(stat_u64(&c, leader, "kv_audits") >= 2);
+}
+
+/// The snapshot hole: the leader holds a silent flip; a follower is killed, the log moves
+/// on past several snapshot points, and the follower restarts behind the leader's latest
+/// snapshot. The leader's snapshot is never confirmed (the healthy replica disagrees), so
+/// the log is not compacted past the last confirmed one and the follower replays it:
+/// the healthy value wins, on every replica.
+#[test]
+fn a_corrupt_leader_snapshot_never_rebuilds_a_follower() {
+    let mut c = Cluster::start(3, &["--test-corruption", "--snapshot-every", "50"]);
+    let leader = c.leader();
+    let mut others = (1..=3).filter(|&id| id != leader);
+    let (follower, healthy_peer) = (others.next().unwrap(), others.next().unwrap());
+    let mut writer = Mc::connect(c.port(leader)).unwrap();
+    assert_eq!(writer.set("key0", b"the healthy value"), "STORED");
+    let healthy = c.assert_agree();
+    let r = Mc::connect(c.port(leader))
+        .unwrap()
+        .line("lockstep_corrupt key0 item recompute 5");
+    assert!(r.starts_with("CORRUPTED "), "{r}");
+    c.kill(follower);
+    for i in 0..300 {
+        assert_eq!(writer.set(&format!("other-{i}"), b"x"), "STORED");
+    }
+    c.spawn(follower);
+    c.wait_ready(follower);
+    let agreed = c.assert_agree();
+    // The healthy replica was never "repaired" with the leader's value.
+    assert_eq!(stat_u64(&c, healthy_peer, "kv_recoveries"), 0);
+    assert!(
+        stat_u64(&c, leader, "kv_recoveries") >= 1,
+        "the leader was not repaired"
+    );
+    for id in 1..=3 {
+        let got = Mc::connect(c.port(id)).unwrap().get("key0");
+        assert_eq!(got.as_deref(), Some(&b"the healthy value"[..]), "replica {id}");
+    }
+    assert_ne!(agreed, healthy, "the state moved on");
+}

@@ -30,6 +30,9 @@ struct Core {
     disk: Option<Disk>,
     /// A peer needs a snapshot newer than `snap`: the replica should make one.
     snapshot_wanted: bool,
+    /// Per re-added replica, the index of the entry that added it back: a snapshot sent
+    /// to it must be at least that new, or it would replay its own removal.
+    rejoin_floor: std::collections::HashMap<u64, u64>,
 }
 
 struct Disk {
@@ -256,12 +259,24 @@ impl LogStore {
         Self::persist_state(&c)
     }
 
+    /// The configuration now.
+    pub fn conf_state(&self) -> ConfState {
+        self.lock().conf.clone()
+    }
+
     /// Make a snapshot of the store at `index` (already applied) and drop the log before it.
     pub fn compact(&self, index: u64, data: Vec<u8>) -> io::Result<()> {
+        let conf = self.conf_state();
+        self.compact_with_conf(index, data, conf)
+    }
+
+    /// `compact`, with the configuration as it was at `index` (a snapshot confirmed by an
+    /// audit is installed some time after it was taken).
+    pub fn compact_with_conf(&self, index: u64, data: Vec<u8>, conf: ConfState) -> io::Result<()> {
         let mut c = self.lock();
         let snap_index = c.snap.get_metadata().index;
         // The same index again only to refresh the configuration in the snapshot.
-        if index < snap_index || (index == snap_index && c.snap.get_metadata().get_conf_state() == &c.conf) {
+        if index < snap_index || (index == snap_index && c.snap.get_metadata().get_conf_state() == &conf) {
             return Ok(());
         }
         let term = if index == snap_index {
@@ -274,7 +289,7 @@ impl LogStore {
             ..Default::default()
         };
         snap.set_metadata(SnapshotMetadata {
-            conf_state: Some(c.conf.clone()),
+            conf_state: Some(conf),
             index,
             term,
         });
@@ -303,6 +318,11 @@ impl LogStore {
             fsync,
         });
         Ok(())
+    }
+
+    /// Snapshots for `node` must be at least as new as `index` (the entry that re-added it).
+    pub fn require_snapshot_after(&self, node: u64, index: u64) {
+        self.lock().rejoin_floor.insert(node, index);
     }
 
     pub fn take_snapshot_wanted(&self) -> bool {
@@ -377,7 +397,8 @@ impl raft::Storage for LogStore {
         // raft-rs refuses a snapshot whose configuration does not contain the receiver (a
         // replica re-added after a replacement): make a newer one first.
         let stale_conf = !meta.get_conf_state().voters.contains(&to) && !meta.get_conf_state().learners.contains(&to);
-        if meta.index < request_index || meta.index == 0 || stale_conf {
+        let before_rejoin = c.rejoin_floor.get(&to).is_some_and(|&floor| meta.index < floor);
+        if meta.index < request_index || meta.index == 0 || stale_conf || before_rejoin {
             c.snapshot_wanted = true;
             return Err(store_err(StorageError::SnapshotTemporarilyUnavailable));
         }

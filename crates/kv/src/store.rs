@@ -6,6 +6,7 @@
 use crate::command::{Command, StoreOp};
 use crate::objects::*;
 use lockstep_guard::{Corrupt, Delta, Guarded, ObjectId, Packer, Protected, UnpackError, Unpacker};
+use std::collections::BTreeSet;
 
 /// Recorded for an object that a request deleted.
 pub const GONE: u32 = 0;
@@ -526,6 +527,39 @@ impl Store {
         ((h.finish() as u64) << 32 | self.stats().items, bad)
     }
 
+    /// The state audit's view of the store: for each of `groups` groups of object ids, a
+    /// digest of every object's id and CRC, where an object that fails its own check
+    /// counts differently from a healthy one. Replicas whose group digests are equal hold
+    /// the same objects in that group; a replica that differs from the majority in a group
+    /// repairs that group's objects (`ids_in_groups`).
+    pub fn audit_groups(&self, groups: usize) -> Vec<u64> {
+        let mut digests = vec![0u64; groups];
+        self.for_each_object(|id, crc, ok| {
+            // Order-independent within a group: a sum of well-mixed terms.
+            let term = mix(id.0 ^ ((u64::from(crc) << 1) | u64::from(ok)).rotate_left(23));
+            let g = audit_group(id, groups);
+            digests[g] = digests[g].wrapping_add(term);
+        });
+        digests
+    }
+
+    /// Item and link slots in use (the range of ids a group's repair must name).
+    pub fn slot_count(&self) -> u64 {
+        self.items.len() as u64
+    }
+
+    /// Every id that exists, or could exist with `slots` slots, and falls in one of
+    /// `wanted` of `groups` groups: what a repair of those groups names (an id absent on
+    /// the healthy replicas is removed here).
+    pub fn ids_in_groups(&self, wanted: &BTreeSet<usize>, groups: usize, slots: u64) -> Vec<ObjectId> {
+        let slots = slots.min(self.limits.memory_bytes / 48 + 1) as u32;
+        let mut all = vec![SLAB_ID, GLOBALS_ID];
+        all.extend((0..self.limits.buckets).map(bucket_id));
+        all.extend((0..slots).flat_map(|s| [item_id(s), links_id(s)]));
+        all.retain(|&id| wanted.contains(&audit_group(id, groups)));
+        all
+    }
+
     fn for_each_object(&self, mut f: impl FnMut(ObjectId, u32, bool)) {
         let mut one = |g: &dyn GuardInfo| f(g.gid(), g.gcrc(), g.gok());
         one(&self.slab);
@@ -760,6 +794,18 @@ pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
     } else {
         (exptime as u64 * 1000).max(1)
     }
+}
+
+/// The audit group of an object id, out of `groups`.
+pub fn audit_group(id: ObjectId, groups: usize) -> usize {
+    (mix(id.0) % groups as u64) as usize
+}
+
+/// SplitMix64's finaliser: spreads every input bit over the output.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 mod admin;
+mod audit;
 mod raft_io;
 mod recovery;
 
@@ -68,8 +69,10 @@ pub struct Config {
     pub limits: Limits,
     pub test_corruption: bool,
     pub events: Option<PathBuf>,
-    /// Applied entries between snapshots (and log compactions).
+    /// Applied entries between audits (each with a snapshot and a log compaction).
     pub snapshot_every: u64,
+    /// Time between state audits (proposed by the leader).
+    pub audit_every: Duration,
     /// Raft tick.
     pub tick: Duration,
     /// A replica recovered more than this many times within `recovery_window` is removed
@@ -93,9 +96,11 @@ pub enum Inbound {
 
 const ENTRY_BATCH: u8 = 1;
 const ENTRY_RECOVER: u8 = 2;
+const ENTRY_AUDIT: u8 = 3;
 const MSG_RAFT: u8 = 1;
 const MSG_CHECK: u8 = 2;
 const MSG_REPAIR: u8 = 3;
+const MSG_AUDIT: u8 = 4;
 
 /// A request of ours not applied this long after its proposal is proposed again (its
 /// leader may have died with it); the applied-tag table makes the repeat a no-op.
@@ -192,6 +197,8 @@ pub struct Replica {
     replace: BTreeSet<u64>,
     /// Beats of the replica thread, for the watchdog.
     heartbeat: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// State audits and the snapshots they confirm.
+    audits: audit::Audits,
     incarnation: u64,
     started: Instant,
     counters: Counters,
@@ -259,6 +266,7 @@ impl Replica {
         let mut applied_tags = Applied::default();
         let mut raft = None;
         let mut applied = 0;
+        let mut restarted = false;
         if cfg.mode != Mode::Single {
             assert!(cfg.id >= 1 && cfg.id as usize <= n, "replica id out of range");
             let voters: Vec<u64> = (1..=n as u64).collect();
@@ -284,6 +292,7 @@ impl Replica {
                 applied = snap_index;
             }
             if storage.is_restored() {
+                restarted = true;
                 events.emit(
                     Event::new("kv", "restart", "continue")
                         .replica(cfg.id as u32)
@@ -344,6 +353,11 @@ impl Replica {
             early_repairs: Default::default(),
             unrepaired_failures: 0,
             heartbeat: Default::default(),
+            audits: audit::Audits {
+                // A restarted replica's state is compared with the others' at once.
+                wanted: restarted,
+                ..Default::default()
+            },
             incarnation: now_ms() ^ (std::process::id() as u64) << 40,
             started: Instant::now(),
             counters: Counters::default(),
@@ -541,6 +555,7 @@ impl Replica {
         let result = match u.u8() {
             Ok(ENTRY_BATCH) => self.apply_batch(index, &mut u),
             Ok(ENTRY_RECOVER) => self.apply_recover(index, &mut u),
+            Ok(ENTRY_AUDIT) => self.apply_audit(index, &mut u),
             _ => Err(UnpackError("unknown entry kind")),
         };
         match result {
@@ -710,6 +725,7 @@ impl Replica {
             },
             Ok(MSG_CHECK) => self.on_check(from, &mut u),
             Ok(MSG_REPAIR) => self.on_repair(from, &mut u),
+            Ok(MSG_AUDIT) => self.on_audit(from, &mut u),
             _ => Err(UnpackError("unknown message type")),
         };
         if let Err(e) = result {
@@ -790,6 +806,11 @@ impl Replica {
             }
         }
         self.manage_membership();
+        if self.audited() {
+            // Snapshots come from audits, once a majority confirmed them.
+            self.propose_audit_if_due();
+            return Ok(());
+        }
         // Snapshot and compact the log now and then, or when a peer needs one.
         let r = self.raft.as_mut().unwrap();
         let wanted = r.storage.take_snapshot_wanted();

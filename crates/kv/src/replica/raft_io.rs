@@ -122,6 +122,8 @@ impl Replica {
                     let r = self.raft.as_mut().unwrap();
                     r.snap_index = index;
                     r.rejoining = false;
+                    // Our own summary of the installed state is compared at once.
+                    self.audits.wanted = true;
                     self.events.emit(
                         Event::new("kv", "snapshot", "continue")
                             .replica(self.cfg.id as u32)
@@ -166,13 +168,22 @@ impl Replica {
                     );
                     if removed {
                         self.replace.remove(&cc.node_id);
+                        self.audits.removed_at.insert(cc.node_id, e.index);
                         if cc.node_id == self.cfg.id {
                             return self.wipe_and_rejoin();
                         }
                     } else if cc.node_id != self.cfg.id && self.recovery.is_none() {
                         // The re-added replica must be rebuilt from a snapshot that names it
-                        // in its configuration, not by replaying the log that removed it.
-                        self.take_snapshot()?;
+                        // in its configuration, not by replaying the log that removed it
+                        // (with audits: the next confirmed one).
+                        if self.audited() {
+                            self.audits.wanted = true;
+                            self.audits.snapshot_wanted = true;
+                            let storage = &self.raft.as_ref().unwrap().storage;
+                            storage.require_snapshot_after(cc.node_id, e.index);
+                        } else {
+                            self.take_snapshot()?;
+                        }
                     }
                 }
                 EntryType::EntryConfChangeV2 => {

@@ -140,6 +140,15 @@ impl Replica {
         }
         let configured = self.cfg.peers.len() as u64;
         if let Some(x) = (1..=configured).find(|x| !voters.contains(x) && !self.replace.contains(x)) {
+            // With audits, the log is compacted only to confirmed snapshots: first make
+            // one after the removal, or the re-added replica would be sent the log from
+            // before it, replay its own removal and wipe itself again.
+            let removed_at = self.audits.removed_at.get(&x).copied().unwrap_or(0);
+            if self.validator.is_some() && r.snap_index < removed_at {
+                self.audits.wanted = true;
+                self.audits.snapshot_wanted = true;
+                return;
+            }
             let mut cc = ConfChange::default();
             cc.set_change_type(ConfChangeType::AddNode);
             cc.node_id = x;
@@ -214,6 +223,7 @@ impl Replica {
         self.recover_times.clear();
         self.replace.clear();
         self.early_repairs.clear();
+        self.audits = audit::Audits::default();
         self.unrepaired_failures = 0;
         self.applied = 0;
         Ok(())
