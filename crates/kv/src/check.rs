@@ -4,7 +4,7 @@
 //! the local replica is VALID; the other replicas' statuses are settled as their CHECKs
 //! arrive (deferred validation), which is what recovery needs.
 
-use lockstep_guard::{Delta, ObjectId, Pair};
+use lockstep_guard::{ObjectId, Pair};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -42,8 +42,9 @@ pub enum Outcome {
         objects: Vec<ObjectId>,
         values: Vec<String>,
     },
-    /// Every replica's delta is known and no majority agrees: nobody can be trusted.
-    NoMajority { req: ReqId },
+    /// Every replica's delta is known and no majority agrees on some object: the request's
+    /// result cannot be trusted (its client, if it is ours, is `to`: it gets an error).
+    NoMajority { req: ReqId, to: Option<ReplyTo> },
 }
 
 struct Pending {
@@ -57,6 +58,7 @@ struct Pending {
     to: Option<ReplyTo>,
     released: bool,
     owed_done: bool,
+    no_majority: bool,
     created: Instant,
 }
 
@@ -72,6 +74,9 @@ pub struct Validator {
 
 /// Requests are forgotten this long after they were applied, settled or not.
 pub const WINDOW: Duration = Duration::from_secs(10);
+/// A client of ours waits at most this long after its request was applied for a reply
+/// that a majority confirmed; then it gets an error.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(3);
 
 impl Validator {
     /// `n` replicas; `me` is this replica's 1-based id.
@@ -96,6 +101,7 @@ impl Validator {
             to: None,
             released: false,
             owed_done: false,
+            no_majority: false,
             created: Instant::now(),
         })
     }
@@ -136,48 +142,47 @@ impl Validator {
         let majority = n / 2 + 1;
         let p = self.pending.get_mut(&id).expect("evaluated request exists");
         let mut out = Vec::new();
-        // The largest group of replicas with identical deltas.
-        let mut best: Option<(usize, usize)> = None; // (representative, size)
-        for a in 0..n {
-            let Some(sa) = &p.sets[a] else { continue };
-            let size = (0..n).filter(|&b| p.sets[b].as_ref() == Some(sa)).count();
-            if best.is_none_or(|(_, s)| size > s) {
-                best = Some((a, size));
+        // Object by object: a replica is FAILED as soon as a majority agrees on a value of
+        // an object that it does not have, and VALID once a majority agrees on every
+        // object and it has each of those values. Two faulty replicas that differ on
+        // different objects are both found, and the third stays VALID.
+        let votes = vote(&p.sets, majority);
+        let known = p.sets.iter().filter(|s| s.is_some()).count();
+        for r in 0..n {
+            let Some(set) = &p.sets[r] else { continue };
+            let wrong: Vec<ObjectId> = votes
+                .iter()
+                .filter(|v| v.winner.is_some_and(|w| value_of(set, v.id) != w))
+                .map(|v| v.id)
+                .collect();
+            let now = if !wrong.is_empty() {
+                Status::Failed
+            } else if votes.iter().all(|v| v.winner.is_some()) {
+                Status::Valid
+            } else {
+                Status::Suspect
+            };
+            if p.status[r] == now || p.status[r] == Status::Failed {
+                continue;
+            }
+            p.status[r] = now;
+            if now == Status::Failed {
+                let values = wrong.iter().take(4).map(|&o| compared(o, set, &votes)).collect();
+                out.push(Outcome::Failed {
+                    replica: r as u64 + 1,
+                    req: id,
+                    objects: wrong,
+                    values,
+                });
             }
         }
-        let known = p.sets.iter().filter(|s| s.is_some()).count();
-        match best {
-            Some((rep, size)) if size >= majority => {
-                let good = p.sets[rep].as_ref().expect("representative is known");
-                for r in 0..n {
-                    let Some(set) = &p.sets[r] else { continue };
-                    let now = if set == good { Status::Valid } else { Status::Failed };
-                    if p.status[r] != now {
-                        p.status[r] = now;
-                        if now == Status::Failed {
-                            let objects = Delta::differing(set, good);
-                            let values = objects.iter().take(4).map(|&o| compared(o, set, good)).collect();
-                            out.push(Outcome::Failed {
-                                replica: r as u64 + 1,
-                                req: id,
-                                objects,
-                                values,
-                            });
-                        }
-                    }
-                }
-            }
-            _ => {
-                for r in 0..n {
-                    let Some(set) = &p.sets[r] else { continue };
-                    if p.status[r] == Status::Unknown && p.sets.iter().flatten().any(|o| o != set) {
-                        p.status[r] = Status::Suspect;
-                    }
-                }
-                if known == n {
-                    out.push(Outcome::NoMajority { req: id });
-                }
-            }
+        if known == n && !p.no_majority && votes.iter().any(|v| v.winner.is_none()) {
+            p.no_majority = true;
+            // Our client gets the error, whether its reply was still unsent or held for a
+            // repair that cannot bring a right one.
+            let to = p.to.filter(|_| !p.released || self.held.remove(&id).is_some());
+            p.released |= to.is_some();
+            out.push(Outcome::NoMajority { req: id, to });
         }
         // A FAILED origin's client needs the right reply, which a VALID replica hands over
         // in its REPAIR.
@@ -207,7 +212,8 @@ impl Validator {
             }
         }
         // The owed reply also covers the case where the origin failed before we applied.
-        if p.status.iter().all(|s| matches!(s, Status::Valid | Status::Failed)) && (p.released || p.to.is_none()) {
+        let settled = p.no_majority || p.status.iter().all(|s| matches!(s, Status::Valid | Status::Failed));
+        if settled && (p.released || p.to.is_none()) {
             self.pending.remove(&id);
         }
         out
@@ -229,17 +235,26 @@ impl Validator {
         self.held.remove(&id).map(|h| h.0)
     }
 
-    /// Forget requests older than the window. Returns held replies that never got their
-    /// correct version (their connections must be closed) and the number of requests that
-    /// were dropped unsettled.
+    /// Give up on our clients' requests that got no trustworthy reply within
+    /// `REPLY_TIMEOUT` (they get an error: bounded waiting), and forget requests older
+    /// than the window. Returns the clients to answer with an error, and the number of
+    /// requests forgotten unsettled.
     pub fn expire(&mut self, now: Instant) -> (Vec<ReplyTo>, usize) {
+        let mut dropped = Vec::new();
+        for p in self.pending.values_mut() {
+            if let (false, Some(to)) = (p.released, p.to) {
+                if now.duration_since(p.created) > REPLY_TIMEOUT {
+                    p.released = true;
+                    dropped.push(to);
+                }
+            }
+        }
         let old: Vec<ReqId> = self
             .pending
             .iter()
             .filter(|(_, p)| now.duration_since(p.created) > WINDOW)
             .map(|(k, _)| *k)
             .collect();
-        let mut dropped = Vec::new();
         for id in &old {
             let p = self.pending.remove(id).unwrap();
             if let (false, Some(to)) = (p.released, p.to) {
@@ -249,7 +264,7 @@ impl Validator {
         let late: Vec<ReqId> = self
             .held
             .iter()
-            .filter(|(_, h)| now.duration_since(h.1) > WINDOW)
+            .filter(|(_, h)| now.duration_since(h.1) > REPLY_TIMEOUT)
             .map(|(k, _)| *k)
             .collect();
         for id in late {
@@ -263,18 +278,46 @@ impl Validator {
     }
 }
 
-/// "id: a / b" for one object of two deltas ("-" where a delta did not touch it).
-fn compared(id: ObjectId, a: &[Pair], b: &[Pair]) -> String {
-    let crc = |set: &[Pair]| match set.binary_search_by_key(&id, |p| p.0) {
-        Ok(i) => format!("{:08x}", set[i].1),
-        Err(_) => "-".to_string(),
-    };
-    format!("{id}: {} / {}", crc(a), crc(b))
+/// One object's vote: the value a majority of replicas agrees on, if any (`Some(None)`:
+/// a majority did not touch it).
+struct Vote {
+    id: ObjectId,
+    winner: Option<Option<u32>>,
+}
+
+/// What `set` says of object `id`: its CRC, or None if the request did not touch it.
+fn value_of(set: &[Pair], id: ObjectId) -> Option<u32> {
+    set.binary_search_by_key(&id, |p| p.0).ok().map(|i| set[i].1)
+}
+
+/// The vote on every object any known delta touched.
+fn vote(sets: &[Option<Vec<Pair>>], majority: usize) -> Vec<Vote> {
+    let mut ids: Vec<ObjectId> = sets.iter().flatten().flat_map(|s| s.iter().map(|p| p.0)).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids.into_iter()
+        .map(|id| {
+            let values: Vec<Option<u32>> = sets.iter().flatten().map(|s| value_of(s, id)).collect();
+            let winner = values
+                .iter()
+                .find(|v| values.iter().filter(|w| w == v).count() >= majority)
+                .copied();
+            Vote { id, winner }
+        })
+        .collect()
+}
+
+/// "id: its CRC / the majority's CRC" ("-" where the request did not touch it).
+fn compared(id: ObjectId, set: &[Pair], votes: &[Vote]) -> String {
+    let show = |v: Option<u32>| v.map_or("-".to_string(), |c| format!("{c:08x}"));
+    let majority = votes.iter().find(|v| v.id == id).and_then(|v| v.winner).flatten();
+    format!("{id}: {} / {}", show(value_of(set, id)), show(majority))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lockstep_guard::Delta;
 
     fn set(crc: u32) -> Vec<Pair> {
         vec![(ObjectId(1), crc), (Delta::REPLY, 7)]
@@ -343,6 +386,31 @@ mod tests {
         let mut v = Validator::new(3, 1);
         v.local(R, set(1), vec![], 1, Some(TO));
         v.remote(2, R, set(2));
-        assert_eq!(v.remote(3, R, set(3)), vec![Outcome::NoMajority { req: R }]);
+        assert_eq!(
+            v.remote(3, R, set(3)),
+            vec![Outcome::NoMajority { req: R, to: Some(TO) }]
+        );
+        assert_eq!(v.pending(), 0);
+    }
+
+    #[test]
+    fn two_replicas_wrong_on_different_objects_are_both_failed_and_the_third_valid() {
+        let pairs = |x: u32, y: u32, reply: u32| vec![(ObjectId(1), x), (ObjectId(2), y), (Delta::REPLY, reply)];
+        let mut v = Validator::new(3, 3);
+        assert!(v.local(R, pairs(1, 1, 7), b"right".to_vec(), 3, Some(TO)).is_empty());
+        assert!(v.remote(1, R, pairs(9, 1, 8)).is_empty(), "1:1 on object 1: wait");
+        let out = v.remote(2, R, pairs(1, 9, 6));
+        // Object 1: replicas 2 and 3 agree; object 2: replicas 1 and 3; the reply: nobody.
+        assert!(out.contains(&Outcome::Failed {
+            replica: 1,
+            req: R,
+            objects: vec![ObjectId(1)],
+            values: vec!["0:1: 00000009 / 00000001".into()],
+        }));
+        assert!(out
+            .iter()
+            .any(|o| matches!(o, Outcome::Failed { replica: 2, objects, .. } if objects == &vec![ObjectId(2)])));
+        // No majority on the reply itself: our client gets an error, not a reply.
+        assert!(out.contains(&Outcome::NoMajority { req: R, to: Some(TO) }));
     }
 }

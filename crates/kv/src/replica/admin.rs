@@ -91,6 +91,7 @@ impl Replica {
             stat("kv_held_dropped", c.held_dropped.to_string());
             stat("kv_order_timeouts", c.order_timeouts.to_string());
             stat("kv_replacements", c.replacements.to_string());
+            stat("kv_no_majority", c.no_majority.to_string());
             stat("kv_audits", self.audits.audits.to_string());
             stat("kv_audit_divergent_groups", self.audits.divergent_groups.to_string());
             stat("kv_confirmed_snapshots", self.audits.confirmed_snapshots.to_string());

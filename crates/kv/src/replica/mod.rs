@@ -102,6 +102,9 @@ const MSG_CHECK: u8 = 2;
 const MSG_REPAIR: u8 = 3;
 const MSG_AUDIT: u8 = 4;
 
+const NOT_VALIDATED: &[u8] = b"SERVER_ERROR the replicas did not confirm the result in time\r\n";
+const NO_MAJORITY: &[u8] = b"SERVER_ERROR no majority of replicas agrees on the result; try again later\r\n";
+
 /// A request of ours not applied this long after its proposal is proposed again (its
 /// leader may have died with it); the applied-tag table makes the repeat a no-op.
 const REPROPOSE_AFTER: Duration = Duration::from_secs(1);
@@ -136,6 +139,8 @@ struct Counters {
     held_dropped: u64,
     order_timeouts: u64,
     replacements: u64,
+    /// Requests whose result no majority agreed on (answered SERVER_ERROR).
+    no_majority: u64,
 }
 
 struct Inflight {
@@ -693,12 +698,22 @@ impl Replica {
                         set.insert(ObjectId(0));
                     }
                 }
-                Outcome::NoMajority { req } => {
-                    self.halt(format!(
-                        "entry {}.{}: no majority of replicas agrees on the state delta; no reply can be trusted",
-                        req.index, req.pos
-                    ));
-                    std::process::exit(lockstep_core::exit::DETECTED);
+                Outcome::NoMajority { req, to } => {
+                    // Unavailable rather than wrong: the objects nobody agrees on answer
+                    // errors until a majority agrees again (an audit or a repair); the
+                    // rest of the store keeps serving.
+                    self.counters.no_majority += 1;
+                    self.events.emit(
+                        Event::new("kv", "no-majority", "server-error")
+                            .replica(self.cfg.id as u32)
+                            .message(format!(
+                                "entry {}.{}: no majority of replicas agrees on the request's result; its client gets SERVER_ERROR",
+                                req.index, req.pos
+                            )),
+                    );
+                    if let Some(to) = to {
+                        self.send_reply(to.conn, to.seq, NO_MAJORITY.to_vec());
+                    }
                 }
             }
         }
@@ -792,8 +807,8 @@ impl Replica {
             let (dropped, _) = v.expire(now);
             for to in dropped {
                 self.counters.held_dropped += 1;
-                // An empty reply closes the client's connection: no unvalidated reply leaves.
-                self.send_reply(to.conn, to.seq, Vec::new());
+                // No unvalidated reply leaves; the client is not left waiting either.
+                self.send_reply(to.conn, to.seq, NOT_VALIDATED.to_vec());
             }
         }
         if let Some(rec) = &self.recovery {
