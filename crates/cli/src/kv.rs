@@ -97,6 +97,10 @@ struct StoreOpts {
     /// from the cluster and re-added empty, to be rebuilt from a snapshot.
     #[arg(long, default_value_t = 5, value_name = "N")]
     max_recoveries: usize,
+    /// Client connections served at once; past it a new connection gets "ERROR Too many
+    /// open connections" and is closed, as with memcached's -c.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    max_conns: usize,
     /// The window for --max-recoveries, in seconds.
     #[arg(long, default_value_t = 60, value_name = "SECS")]
     recovery_window: u64,
@@ -229,6 +233,7 @@ fn serve(a: ServeArgs) -> i32 {
         max_recoveries: a.opts.max_recoveries,
         recovery_window: Duration::from_secs(a.opts.recovery_window.max(1)),
         watchdog: Duration::from_secs(10),
+        max_conns: a.opts.max_conns.max(1),
     };
     replica::run(cfg)
 }
@@ -275,6 +280,7 @@ fn cluster(a: ClusterArgs) -> i32 {
         cmd.args(["--audit-every", &a.opts.audit_every.to_string()]);
         cmd.args(["--max-recoveries", &a.opts.max_recoveries.to_string()]);
         cmd.args(["--recovery-window", &a.opts.recovery_window.to_string()]);
+        cmd.args(["--max-conns", &a.opts.max_conns.to_string()]);
         if a.opts.no_fsync {
             cmd.arg("--no-fsync");
         }

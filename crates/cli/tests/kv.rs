@@ -270,7 +270,7 @@ fn memccapable_ascii_passes_against_a_three_replica_cluster() {
 
 #[test]
 fn memccapable_ascii_passes_against_a_single_server() {
-    let (mut child, port) = single_server();
+    let (mut child, port) = single_server(&[]);
     let out = memccapable(port);
     let _ = child.kill();
     let _ = child.wait();
@@ -699,10 +699,11 @@ fn cluster_restarts_a_killed_replica_from_its_data_directory() {
 }
 
 /// Starts `kv serve` without peers (single mode) and waits for it to answer.
-fn single_server() -> (Child, u16) {
+fn single_server(extra: &[&str]) -> (Child, u16) {
     let port = free_ports(1);
     let child = lockstep()
         .args(["kv", "serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(extra)
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
@@ -713,10 +714,33 @@ fn single_server() -> (Child, u16) {
     (child, port)
 }
 
-/// 10,000 pipelined requests in one write burst (sets with noreply, then gets), and
-/// 1,000 connections open at once with one request each: every reply arrives, in order,
-/// with the right value, and the server is still there afterwards.
+/// Raise this test process's soft limit on open files to its hard limit; the number of
+/// descriptors it may hold.
+fn raise_own_nofile() -> u64 {
+    // SAFETY: reading and setting our own limit.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        r.rlim_cur = r.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        r.rlim_cur
+    }
+}
+
+/// Connections the burst tests hold at once, with the server started with
+/// `--max-conns` above it.
+const BURST_CONNS: usize = 2000;
+
+/// 10,000 pipelined requests in one write burst (sets, then gets), and 2,000 connections
+/// open at once with one request each: every reply arrives, in order, with the right
+/// value, and the server is still there afterwards.
 fn survives_bursts(port: u16) {
+    let limit = raise_own_nofile();
+    assert!(
+        limit as usize > BURST_CONNS + 100,
+        "this test needs {} open files; the hard limit is {limit}",
+        BURST_CONNS + 100
+    );
     const N: usize = 10_000;
     let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
@@ -754,7 +778,7 @@ fn survives_bursts(port: u16) {
     }
     sender.join().unwrap();
 
-    let mut conns: Vec<Mc> = (0..1000).map(|_| Mc::connect(port).expect("connect")).collect();
+    let mut conns: Vec<Mc> = (0..BURST_CONNS).map(|_| Mc::connect(port).expect("connect")).collect();
     for (i, c) in conns.iter_mut().enumerate() {
         c.send(format!("get burst{i}\r\n").as_bytes());
     }
@@ -776,7 +800,7 @@ fn survives_bursts(port: u16) {
 
 #[test]
 fn pipelined_bursts_and_many_connections_in_single_mode() {
-    let (mut child, port) = single_server();
+    let (mut child, port) = single_server(&["--max-conns", "2100"]);
     survives_bursts(port);
     assert!(child.try_wait().unwrap().is_none(), "the server exited");
     let _ = child.kill();
@@ -785,7 +809,7 @@ fn pipelined_bursts_and_many_connections_in_single_mode() {
 
 #[test]
 fn pipelined_bursts_and_many_connections_in_a_cluster() {
-    let c = Cluster::start(3, &[]);
+    let c = Cluster::start(3, &["--max-conns", "2100"]);
     survives_bursts(c.port(c.leader()));
     c.assert_agree();
 }
@@ -929,4 +953,103 @@ fn two_faulty_replicas_make_objects_unavailable_never_wrong() {
     }
     let kinds: Vec<String> = (1..=3).flat_map(|id| c.event_kinds(id)).collect();
     assert!(!kinds.iter().any(|k| k == "halt"), "{kinds:?}");
+}
+
+/// The replica port spends nothing on what a stranger claims: a frame header announcing
+/// 256 MiB, or a hello longer than a hello, closes the connection at once; a connection
+/// that never says hello is closed after a few seconds; many of them are refused.
+#[test]
+fn the_replica_port_is_bounded() {
+    let c = Cluster::start(3, &[]);
+    let peer_port = c.peer_base + 1;
+    let rss = |pid: u32| -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        s.lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let pid = c.children[1].as_ref().unwrap().id();
+    let before = rss(pid);
+    let closes_at_once = |head: &[u8]| {
+        let mut p = TcpStream::connect(("127.0.0.1", peer_port)).unwrap();
+        p.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        p.write_all(head).unwrap();
+        let mut buf = [0u8; 1];
+        match p.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("connection not closed: {other:?}"),
+        }
+    };
+    // [len][crc]: 256 MiB announced, then a few bytes and silence.
+    let mut huge = (256u32 << 20).to_le_bytes().to_vec();
+    huge.extend_from_slice(&[0, 0, 0, 0, 1, 2, 3]);
+    closes_at_once(&huge);
+    let mut long_hello = 4096u32.to_le_bytes().to_vec();
+    long_hello.extend_from_slice(&[0; 4]);
+    closes_at_once(&long_hello);
+    assert!(
+        rss(pid) < before + 32 * 1024,
+        "RSS grew from {before} KiB to {} KiB",
+        rss(pid)
+    );
+    // Silent connections hold at most a bounded number of threads, and go away.
+    let silent: Vec<TcpStream> = (0..100)
+        .filter_map(|_| TcpStream::connect(("127.0.0.1", peer_port)).ok())
+        .collect();
+    let mut mc = Mc::connect(c.port(2)).unwrap();
+    assert_eq!(mc.set("still", b"serving"), "STORED");
+    let threads = || std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().count();
+    assert!(threads() < 100, "{} threads for 100 silent connections", threads());
+    drop(silent);
+    c.assert_agree();
+}
+
+/// Past --max-conns a new connection is told "ERROR Too many open connections" and
+/// closed, as memcached does; once a connection closes, a new one is served.
+#[test]
+fn connections_past_the_cap_are_refused_like_memcached() {
+    let port = free_ports(1);
+    let mut child = lockstep()
+        .args([
+            "kv",
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--max-conns",
+            "50",
+        ])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Mc::connect(port).is_err() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The probes above may still be counted for a moment.
+    std::thread::sleep(Duration::from_millis(200));
+    let mut held: Vec<Mc> = (0..50).map(|_| Mc::connect(port).unwrap()).collect();
+    for mc in held.iter_mut() {
+        assert!(mc.line("version").starts_with("VERSION "));
+    }
+    let mut extra = Mc::connect(port).unwrap();
+    assert_eq!(extra.read_line(), "ERROR Too many open connections");
+    assert_eq!(extra.read_line(), "", "the refused connection is closed");
+    assert_eq!(held[0].line("stats").split(' ').next(), Some("STAT"));
+    drop(held.pop());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut again = Mc::connect(port).unwrap();
+        let reply = again.line("version");
+        if reply.starts_with("VERSION ") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no room after a close: {reply}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }

@@ -3,11 +3,11 @@
 //! different times), so they are stashed until their turn.
 
 use crate::protocol::{parse, Parsed, Request, LINE_MAX};
-use crate::replica::Inbound;
+use crate::replica::{Inbound, Inbox};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, RecvTimeoutError};
 use std::time::Duration;
 
 /// A reply that does not arrive in this time closes the connection (the replica itself
@@ -22,7 +22,7 @@ enum Slot {
 
 pub const VERSION: &str = concat!("VERSION ", env!("CARGO_PKG_VERSION"), "-lockstep\r\n");
 
-pub fn serve(mut stream: TcpStream, conn: u64, to_node: Sender<Inbound>, item_max: usize) {
+pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) {
     let _ = stream.set_nodelay(true);
     let (tx, rx) = channel::<(u64, Vec<u8>)>();
     if to_node.send(Inbound::Open { conn, tx }).is_err() {

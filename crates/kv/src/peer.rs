@@ -2,11 +2,18 @@
 //! frames `[u32 len][u32 crc32c(payload)][payload]`. The first frame on a connection is a
 //! hello naming the sender. A frame that is too long, fails its CRC or does not parse
 //! closes the connection; the replica keeps running and Raft retransmits.
+//!
+//! Nothing a peer sends makes us spend before it is checked: a frame's length is checked
+//! against the limit first and its payload is read as it arrives (a header claiming
+//! 256 MiB costs nothing until 256 MiB come); the hello is at most 16 bytes and must come
+//! within a few seconds; at most `PEER_CONNS_MAX` incoming connections are served.
 
-use crate::replica::Inbound;
+use crate::replica::{Inbound, Inbox};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc::{sync_channel, Receiver, Sender, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
@@ -15,6 +22,13 @@ pub const FRAME_MAX: usize = 256 << 20;
 /// Frames queued for one peer before new ones are dropped (the peer is slow or down).
 const QUEUE: usize = 8192;
 const HELLO: &[u8; 8] = b"LSKVPEER";
+/// The hello's payload: the magic and the sender's id.
+const HELLO_LEN: usize = 16;
+/// An unauthenticated connection must say hello within this time.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Incoming peer connections served at once (a peer reconnects after a failure, so a
+/// few per peer at most are legitimate); more are closed at once.
+const PEER_CONNS_MAX: usize = 32;
 
 pub fn encode_frame(payload: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(payload.len() + 8);
@@ -29,20 +43,24 @@ fn append_frame(out: &mut Vec<u8>, payload: &[u8]) {
     out.extend_from_slice(payload);
 }
 
-/// Read one frame; `Err` on EOF, a bad CRC or an oversize length.
-pub fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
+/// Read one frame of at most `max` bytes; `Err` on EOF, a bad CRC or an oversize length.
+/// The payload buffer grows as bytes arrive, never ahead of them.
+pub fn read_frame(r: &mut impl Read, max: usize) -> std::io::Result<Vec<u8>> {
     let mut head = [0u8; 8];
     r.read_exact(&mut head)?;
     let len = u32::from_le_bytes(head[..4].try_into().unwrap()) as usize;
     let crc = u32::from_le_bytes(head[4..].try_into().unwrap());
-    if len > FRAME_MAX {
+    if len > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes"),
+            format!("frame of {len} bytes (at most {max})"),
         ));
     }
-    let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload)?;
+    let mut payload = Vec::with_capacity(len.min(64 << 10));
+    r.take(len as u64).read_to_end(&mut payload)?;
+    if payload.len() != len {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     if lockstep_core::crc32c(&payload) != crc {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -152,26 +170,41 @@ fn sender(me: u64, addr: SocketAddr, rx: Receiver<Vec<u8>>) {
 }
 
 /// Accept peer connections and forward their frames to the replica.
-pub fn listen(listener: TcpListener, n_peers: u64, to_node: Sender<Inbound>) {
+pub fn listen(listener: TcpListener, n_peers: u64, to_node: Inbox) {
+    let live = Arc::new(AtomicUsize::new(0));
     thread::Builder::new()
         .name("peer-accept".into())
         .spawn(move || {
             for stream in listener.incoming().flatten() {
-                let to_node = to_node.clone();
-                let _ = thread::Builder::new()
-                    .name("peer-in".into())
-                    .spawn(move || receive(stream, n_peers, to_node));
+                if live.load(Ordering::Relaxed) >= PEER_CONNS_MAX {
+                    let _ = to_node.try_send(Inbound::PeerError(format!(
+                        "{:?}: more than {PEER_CONNS_MAX} peer connections; closed",
+                        stream.peer_addr().ok()
+                    )));
+                    continue;
+                }
+                live.fetch_add(1, Ordering::Relaxed);
+                let (to_node, mine) = (to_node.clone(), live.clone());
+                let spawned = thread::Builder::new().name("peer-in".into()).spawn(move || {
+                    receive(stream, n_peers, to_node);
+                    mine.fetch_sub(1, Ordering::Relaxed);
+                });
+                if spawned.is_err() {
+                    // The closure never ran: its count goes back here.
+                    live.fetch_sub(1, Ordering::Relaxed);
+                }
             }
         })
         .expect("spawn peer listener");
 }
 
-fn receive(stream: TcpStream, n_peers: u64, to_node: Sender<Inbound>) {
+fn receive(stream: TcpStream, n_peers: u64, to_node: Inbox) {
     let peer = stream.peer_addr().ok();
     let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
     let mut r = BufReader::with_capacity(64 << 10, stream);
-    let from = match read_frame(&mut r) {
-        Ok(h) if h.len() == 16 && &h[..8] == HELLO => u64::from_le_bytes(h[8..].try_into().unwrap()),
+    let from = match read_frame(&mut r, HELLO_LEN) {
+        Ok(h) if h.len() == HELLO_LEN && &h[..8] == HELLO => u64::from_le_bytes(h[8..].try_into().unwrap()),
         _ => {
             let _ = to_node.send(Inbound::PeerError(format!(
                 "{peer:?}: not a lockstep kv peer; connection closed"
@@ -185,8 +218,9 @@ fn receive(stream: TcpStream, n_peers: u64, to_node: Sender<Inbound>) {
         )));
         return;
     }
+    let _ = r.get_ref().set_read_timeout(None);
     loop {
-        match read_frame(&mut r) {
+        match read_frame(&mut r, FRAME_MAX) {
             Ok(frame) => {
                 if to_node.send(Inbound::Peer { from, frame }).is_err() {
                     return;

@@ -56,6 +56,10 @@ impl Replica {
                 stat("uptime", self.started.elapsed().as_secs().to_string());
                 stat("time", (now_ms() / 1000).to_string());
                 stat("version", env!("CARGO_PKG_VERSION").to_string());
+                stat("pointer_size", (8 * std::mem::size_of::<usize>()).to_string());
+                // One thread applies every request (memcached counts its workers here).
+                stat("threads", "1".into());
+                stat("max_connections", self.cfg.max_conns.to_string());
                 stat("curr_connections", c.curr_connections.to_string());
                 stat("total_connections", c.total_connections.to_string());
                 stat("cmd_get", c.cmd_get.to_string());
@@ -63,6 +67,7 @@ impl Replica {
                 stat("get_hits", c.get_hits.to_string());
                 stat("get_misses", c.get_misses.to_string());
                 stat("curr_items", g.items.to_string());
+                stat("total_items", c.total_items.to_string());
                 stat("bytes", g.bytes.to_string());
                 stat("limit_maxbytes", self.store.limits().memory_bytes.to_string());
                 stat("evictions", g.evictions.to_string());

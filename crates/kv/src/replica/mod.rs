@@ -21,9 +21,12 @@ use prost::Message as _;
 use raft::eraftpb::{ConfChange, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, MessageType};
 use raft::{RawNode, StateRole};
 use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -81,7 +84,18 @@ pub struct Config {
     pub recovery_window: Duration,
     /// The replica thread making no progress for this long stops the process (exit 86).
     pub watchdog: Duration,
+    /// Client connections served at once (memcached's `-c`).
+    pub max_conns: usize,
 }
+
+/// Messages waiting for the replica thread, at most (senders block past it: client
+/// connections and peer links then slow down instead of growing a queue).
+const INBOX_MAX: usize = 4096;
+/// Stack of a client connection thread (its buffers are on the heap).
+const CONN_STACK: usize = 256 << 10;
+
+/// Where connections and peer links send what the replica thread is told.
+pub type Inbox = SyncSender<Inbound>;
 
 /// What the replica thread is told.
 pub enum Inbound {
@@ -141,6 +155,8 @@ struct Counters {
     replacements: u64,
     /// Requests whose result no majority agreed on (answered SERVER_ERROR).
     no_majority: u64,
+    /// Items stored since start (memcached's `total_items`).
+    total_items: u64,
 }
 
 struct Inflight {
@@ -207,6 +223,8 @@ pub struct Replica {
     incarnation: u64,
     started: Instant,
     counters: Counters,
+    /// Client connections open now (the acceptor's count, for the cap).
+    live_conns: Arc<AtomicUsize>,
 }
 
 /// Start a replica and serve until a fatal error. Returns the exit status.
@@ -218,7 +236,8 @@ pub fn run(cfg: Config) -> i32 {
             return 1;
         }
     };
-    let (tx, rx) = channel();
+    raise_nofile_limit();
+    let (tx, rx) = sync_channel(INBOX_MAX);
     let replicated = cfg.mode != Mode::Single;
     if replicated {
         let me = cfg.peers[cfg.id as usize - 1];
@@ -239,20 +258,60 @@ pub fn run(cfg: Config) -> i32 {
         }
     };
     let item_max = replica.store.limits().item_max;
+    let max_conns = replica.cfg.max_conns;
+    let live = replica.live_conns.clone();
     let accept_tx = tx.clone();
     thread::Builder::new()
         .name("client-accept".into())
-        .spawn(move || {
-            for (conn, stream) in client.incoming().flatten().enumerate() {
-                let tx = accept_tx.clone();
-                let _ = thread::Builder::new()
-                    .name("client".into())
-                    .spawn(move || conn::serve(stream, conn as u64, tx, item_max));
-            }
-        })
+        .spawn(move || accept_clients(client, accept_tx, item_max, max_conns, live))
         .expect("spawn client acceptor");
     drop(tx);
     replica.serve(rx)
+}
+
+/// Serve client connections, one thread each, at most `max_conns` at once. Past the cap a
+/// new connection is told so and closed, as memcached does.
+fn accept_clients(client: TcpListener, inbox: Inbox, item_max: usize, max_conns: usize, live: Arc<AtomicUsize>) {
+    for (conn, stream) in client.incoming().enumerate() {
+        let mut stream = match stream {
+            Ok(s) => s,
+            Err(_) => {
+                // Out of descriptors (EMFILE) or a connection reset before accept: the
+                // backlog keeps it, so wait instead of spinning on it.
+                thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if live.load(AtomicOrdering::Relaxed) >= max_conns {
+            let _ = stream.write_all(b"ERROR Too many open connections\r\n");
+            continue;
+        }
+        live.fetch_add(1, AtomicOrdering::Relaxed);
+        let (tx, mine) = (inbox.clone(), live.clone());
+        let spawned = thread::Builder::new()
+            .name("client".into())
+            .stack_size(CONN_STACK)
+            .spawn(move || {
+                conn::serve(stream, conn as u64, tx, item_max);
+                mine.fetch_sub(1, AtomicOrdering::Relaxed);
+            });
+        if spawned.is_err() {
+            live.fetch_sub(1, AtomicOrdering::Relaxed);
+        }
+    }
+}
+
+/// Raise the soft limit on open files to the hard limit, as memcached does for its
+/// connection limit: the caller's usual 1024 would stop us short of `--max-conns`.
+fn raise_nofile_limit() {
+    // SAFETY: rlimit is plain data, and these calls only read and set our own limit.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
 }
 
 fn now_ms() -> u64 {
@@ -366,6 +425,7 @@ impl Replica {
             incarnation: now_ms() ^ (std::process::id() as u64) << 40,
             started: Instant::now(),
             counters: Counters::default(),
+            live_conns: Default::default(),
             cfg,
         })
     }
@@ -650,7 +710,12 @@ impl Replica {
                 self.counters.get_hits += hits;
                 self.counters.get_misses += keys.len() as u64 - hits.min(keys.len() as u64);
             }
-            Command::Store { .. } => self.counters.cmd_set += 1,
+            Command::Store { .. } => {
+                self.counters.cmd_set += 1;
+                if reply == b"STORED\r\n" {
+                    self.counters.total_items += 1;
+                }
+            }
             _ => {}
         }
     }
