@@ -75,7 +75,9 @@ struct StoreOpts {
     /// Memory for items before LRU eviction, in MiB.
     #[arg(long, default_value_t = 64, value_name = "MIB")]
     memory_limit: u64,
-    /// Largest value accepted, in bytes.
+    /// Largest item accepted, in bytes, counted as memcached's -I counts it: the value
+    /// plus its key and about 60 bytes of header (so 1 MiB holds a value of 1,048,516
+    /// bytes under a 1-byte key).
     #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
     item_max: usize,
     /// Do not fsync the Raft log (faster; a machine crash may then lose acknowledged writes).

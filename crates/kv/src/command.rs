@@ -45,6 +45,11 @@ pub enum Command {
     FlushAll {
         delay: i64,
     },
+    /// A `set` whose value does not fit: memcached answers "object too large" and removes
+    /// the key's old value, so that no stale value outlives a failed set.
+    TooLarge {
+        key: Vec<u8>,
+    },
 }
 
 impl Command {
@@ -100,6 +105,10 @@ impl Command {
                 p.u8(6);
                 p.u64(*delay as u64);
             }
+            Command::TooLarge { key } => {
+                p.u8(7);
+                p.bytes(key);
+            }
         }
     }
 
@@ -153,6 +162,9 @@ impl Command {
                 exptime: u.u64()? as i64,
             },
             6 => Command::FlushAll { delay: u.u64()? as i64 },
+            7 => Command::TooLarge {
+                key: u.bytes()?.to_vec(),
+            },
             _ => return Err(UnpackError("unknown command tag")),
         })
     }

@@ -20,7 +20,26 @@ enum Slot {
     Quit,
 }
 
-pub const VERSION: &str = concat!("VERSION ", env!("CARGO_PKG_VERSION"), "-lockstep\r\n");
+/// The first byte of a binary-protocol request.
+const BINARY_MAGIC: u8 = 0x80;
+
+/// A binary-protocol response to the request at the front of `buf`: status 0x0083 ("not
+/// supported"), the request's opcode and opaque echoed, and a message saying why.
+fn binary_not_supported(buf: &[u8]) -> Vec<u8> {
+    let msg = b"lockstep kv speaks the memcached text protocol only";
+    let opcode = buf.get(1).copied().unwrap_or(0);
+    let opaque = buf.get(12..16).unwrap_or(&[0; 4]);
+    let mut r = vec![0x81, opcode, 0, 0, 0, 0, 0x00, 0x83];
+    r.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    r.extend_from_slice(opaque);
+    r.extend_from_slice(&[0; 8]);
+    r.extend_from_slice(msg);
+    r
+}
+
+/// The memcached release whose behaviour kv reproduces comes first: clients (memccapable,
+/// libmemcached) read the version to decide what the server supports.
+pub const VERSION: &str = concat!("VERSION 1.6.18-lockstep-", env!("CARGO_PKG_VERSION"), "\r\n");
 
 pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) {
     let _ = stream.set_nodelay(true);
@@ -32,6 +51,8 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) 
     let mut chunk = vec![0u8; 64 << 10];
     let mut next_seq = 0u64;
     let mut stash: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    // Bytes of an oversized value still to be discarded as they arrive.
+    let mut swallowing = 0usize;
     // Bytes a well-formed request can need before it parses: its line plus its value.
     let buffer_max = LINE_MAX + item_max + 2;
     'conn: loop {
@@ -39,12 +60,19 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) 
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        buf.extend_from_slice(&chunk[..n]);
+        let skip = swallowing.min(n);
+        swallowing -= skip;
+        buf.extend_from_slice(&chunk[skip..n]);
+        if next_seq == 0 && buf.first() == Some(&BINARY_MAGIC) {
+            // The binary protocol: say so in its own framing, then close.
+            let _ = stream.write_all(&binary_not_supported(&buf));
+            break;
+        }
         let mut slots = VecDeque::new();
         let mut close = false;
         let mut at = 0;
         while at < buf.len() && !close {
-            match parse(&buf[at..], item_max) {
+            let (step, swallow) = match parse(&buf[at..], item_max) {
                 Parsed::Incomplete => {
                     if buf.len() - at > buffer_max {
                         slots.push_back(Slot::Ready(b"CLIENT_ERROR request too large\r\n".to_vec()));
@@ -55,14 +83,16 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) 
                 Parsed::Error {
                     reply,
                     consumed,
+                    swallow,
                     close: c,
                 } => {
-                    slots.push_back(Slot::Ready(reply.into_bytes()));
-                    at += consumed;
+                    if !reply.is_empty() {
+                        slots.push_back(Slot::Ready(reply.into_bytes()));
+                    }
                     close = c;
+                    (consumed, swallow)
                 }
-                Parsed::Request { req, consumed } => {
-                    at += consumed;
+                Parsed::Request { req, consumed, swallow } => {
                     // Requests the replica thread answers: (message, whether to discard the reply).
                     let to_replica = |seq| match req {
                         Request::Data { cmd, noreply } => Ok((Inbound::Request { conn, seq, cmd }, noreply)),
@@ -90,7 +120,16 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) 
                         }
                         Err(_) => unreachable!("every request kind is handled above"),
                     }
+                    (consumed, swallow)
                 }
+            };
+            at += step;
+            // What is already here of a swallowed block goes now, the rest as it comes.
+            let here = swallow.min(buf.len() - at);
+            at += here;
+            swallowing = swallow - here;
+            if swallowing > 0 {
+                break;
             }
         }
         buf.drain(..at.min(buf.len()));

@@ -8,6 +8,8 @@ use crate::command::{Command, StoreOp};
 pub const KEY_MAX: usize = 250;
 /// The longest command line accepted (a multi-get of many keys).
 pub const LINE_MAX: usize = 64 * 1024;
+/// The longest line of any other command, as in memcached.
+const SHORT_LINE_MAX: usize = 2048;
 
 /// What a connection does with one parsed request.
 #[derive(Debug, PartialEq, Eq)]
@@ -36,14 +38,19 @@ pub enum Request {
 pub enum Parsed {
     /// More bytes are needed.
     Incomplete,
+    /// A request, `consumed` bytes long; the `swallow` bytes after it are to be discarded
+    /// as they arrive (the data block of a value too large to keep).
     Request {
         req: Request,
         consumed: usize,
+        swallow: usize,
     },
-    /// Reply `reply` and drop `consumed` bytes; `close` ends the connection.
+    /// Reply `reply` (nothing if empty) and drop `consumed` bytes, then `swallow` more as
+    /// they arrive; `close` ends the connection.
     Error {
         reply: String,
         consumed: usize,
+        swallow: usize,
         close: bool,
     },
 }
@@ -52,19 +59,44 @@ fn err(reply: &str, consumed: usize) -> Parsed {
     Parsed::Error {
         reply: format!("{reply}\r\n"),
         consumed,
+        swallow: 0,
         close: false,
     }
 }
 
 const BAD_FORMAT: &str = "CLIENT_ERROR bad command line format";
+const TOO_LARGE: &str = "SERVER_ERROR object too large for cache";
 
-/// Parse one request from the front of `buf`. `item_max` is the largest value accepted.
+/// What memcached adds to a value to make an item (64-bit build, CAS on): the item header
+/// (48 bytes), the CAS (8), the key's terminating NUL, the value's "\r\n", and 4 bytes of
+/// flags when they are not zero. An item larger than `item_max` (memcached's `-I`) is
+/// refused, so with the default 1 MiB the largest value under a 1-byte key is 1,048,516.
+pub fn item_size(key_len: usize, flags: u32, value_len: usize) -> usize {
+    48 + 8 + key_len + 1 + if flags == 0 { 0 } else { 4 } + value_len + 2
+}
+
+/// Parse one request from the front of `buf`. `item_max` is the largest item accepted.
 pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
     let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
+        // memcached: 2 KiB without a newline can only be a long multi-get; anything else
+        // closes the connection, without a reply.
+        if buf.len() > SHORT_LINE_MAX {
+            let spaces = buf.iter().take_while(|&&b| b == b' ').count();
+            let rest = &buf[spaces..];
+            if spaces > 100 || !(rest.starts_with(b"get ") || rest.starts_with(b"gets ")) {
+                return Parsed::Error {
+                    reply: String::new(),
+                    consumed: buf.len(),
+                    swallow: 0,
+                    close: true,
+                };
+            }
+        }
         if buf.len() > LINE_MAX {
             return Parsed::Error {
                 reply: "CLIENT_ERROR line too long\r\n".into(),
                 consumed: buf.len(),
+                swallow: 0,
                 close: true,
             };
         }
@@ -73,19 +105,35 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
     let line_len = nl + 1;
     let line = &buf[..nl];
     let line = line.strip_suffix(b"\r").unwrap_or(line);
+    // memcached reads the line as a C string: a NUL byte ends it.
+    let line = &line[..line.iter().position(|&b| b == 0).unwrap_or(line.len())];
     let tokens: Vec<&[u8]> = line.split(|&b| b == b' ').filter(|t| !t.is_empty()).collect();
     let Some(&name) = tokens.first() else {
         return err("ERROR", line_len);
     };
     let args = &tokens[1..];
     let noreply = args.last() == Some(&&b"noreply"[..]);
+    // Commands that honour noreply also stay silent about their errors (memcached's
+    // set_noreply_maybe comes before its checks); unknown commands do not.
+    let fail = |reply: &str, consumed: usize| {
+        if noreply {
+            Parsed::Error {
+                reply: String::new(),
+                consumed,
+                swallow: 0,
+                close: false,
+            }
+        } else {
+            err(reply, consumed)
+        }
+    };
     match name {
         b"get" | b"gets" | b"gat" | b"gats" => {
             let touch = name.starts_with(b"gat");
             let (exptime, keys) = if touch {
                 match args.split_first() {
-                    Some((e, k)) => match num::<i64>(e) {
-                        Some(e) => (Some(e), k),
+                    Some((e, k)) => match c_long(e) {
+                        Some(e) => (Some(e as i32 as i64), k),
                         None => return err("CLIENT_ERROR invalid exptime argument", line_len),
                     },
                     None => return err("ERROR", line_len),
@@ -120,45 +168,56 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
                 return err("ERROR", line_len);
             }
             let key = args[0];
-            let (Some(flags), Some(exptime), Some(len)) =
-                (num::<u32>(args[1]), num::<i64>(args[2]), num::<i64>(args[3]))
-            else {
-                return err(BAD_FORMAT, line_len);
+            if key.len() > KEY_MAX {
+                return fail(BAD_FORMAT, line_len);
+            }
+            // memcached's safe_strtoul/strtol, then a cut to 32 bits: flags 2^32 are 0, a
+            // length of 2^32 is 0.
+            let (Some(flags), Some(exptime), Some(len)) = (c_ulong(args[1]), c_long(args[2]), c_long(args[3])) else {
+                return fail(BAD_FORMAT, line_len);
             };
+            let (flags, exptime, len) = (flags as u32, exptime as i32 as i64, len as i32);
             let cas = if op == StoreOp::Cas {
-                match num::<u64>(args[4]) {
+                match c_ulong(args[4]) {
                     Some(c) => c,
-                    None => return err(BAD_FORMAT, line_len),
+                    None => return fail(BAD_FORMAT, line_len),
                 }
             } else {
                 0
             };
-            if key.len() > KEY_MAX || len < 0 {
-                return err(BAD_FORMAT, line_len);
+            if !(0..=i32::MAX - 2).contains(&len) {
+                return fail(BAD_FORMAT, line_len);
             }
             let len = len as usize;
-            if len > item_max {
-                // memcached swallows the data block; when it is absurdly large, there is no
-                // point reading it: close instead.
-                if len > 64 * item_max {
-                    return Parsed::Error {
-                        reply: "SERVER_ERROR object too large for cache\r\n".into(),
-                        consumed: buf.len(),
-                        close: true,
+            let total = line_len + len + 2;
+            if item_size(key.len(), flags, len) > item_max {
+                // The data block is swallowed as it arrives, never buffered. A failed set
+                // also removes the key's old value (through the log, like any change).
+                if op == StoreOp::Set {
+                    return Parsed::Request {
+                        req: Request::Data {
+                            cmd: Command::TooLarge { key: key.to_vec() },
+                            noreply,
+                        },
+                        consumed: line_len,
+                        swallow: len + 2,
                     };
                 }
-                let total = line_len + len + 2;
-                if buf.len() < total {
-                    return Parsed::Incomplete;
-                }
-                return err("SERVER_ERROR object too large for cache", total);
+                return match fail(TOO_LARGE, line_len) {
+                    Parsed::Error { reply, consumed, .. } => Parsed::Error {
+                        reply,
+                        consumed,
+                        swallow: len + 2,
+                        close: false,
+                    },
+                    other => other,
+                };
             }
-            let total = line_len + len + 2;
             if buf.len() < total {
                 return Parsed::Incomplete;
             }
             if &buf[line_len + len..total] != b"\r\n" {
-                return err("CLIENT_ERROR bad data chunk", total);
+                return fail("CLIENT_ERROR bad data chunk", total);
             }
             let cmd = Command::Store {
                 op,
@@ -177,7 +236,7 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
                 [key] | [key, b"0"] if key.len() <= KEY_MAX => {
                     data(Command::Delete { key: key.to_vec() }, noreply, line_len)
                 }
-                [_, _] => err(
+                [_, _] => fail(
                     "CLIENT_ERROR bad command line format.  Usage: delete <key> [noreply]",
                     line_len,
                 ),
@@ -187,7 +246,7 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
         b"incr" | b"decr" => {
             let rest = if noreply { &args[..args.len() - 1] } else { args };
             match rest {
-                [key, delta] if key.len() <= KEY_MAX => match num::<u64>(delta) {
+                [key, delta] if key.len() <= KEY_MAX => match c_ulong(delta) {
                     Some(delta) => data(
                         Command::Arith {
                             key: key.to_vec(),
@@ -197,25 +256,27 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
                         noreply,
                         line_len,
                     ),
-                    None => err("CLIENT_ERROR invalid numeric delta argument", line_len),
+                    None => fail("CLIENT_ERROR invalid numeric delta argument", line_len),
                 },
+                [key, _] if key.len() > KEY_MAX => fail(BAD_FORMAT, line_len),
                 _ => err("ERROR", line_len),
             }
         }
         b"touch" => {
             let rest = if noreply { &args[..args.len() - 1] } else { args };
             match rest {
-                [key, exptime] if key.len() <= KEY_MAX => match num::<i64>(exptime) {
+                [key, exptime] if key.len() <= KEY_MAX => match c_long(exptime) {
                     Some(exptime) => data(
                         Command::Touch {
                             key: key.to_vec(),
-                            exptime,
+                            exptime: exptime as i32 as i64,
                         },
                         noreply,
                         line_len,
                     ),
-                    None => err("CLIENT_ERROR invalid exptime argument", line_len),
+                    None => fail("CLIENT_ERROR invalid exptime argument", line_len),
                 },
+                [key, _] if key.len() > KEY_MAX => fail(BAD_FORMAT, line_len),
                 _ => err("ERROR", line_len),
             }
         }
@@ -223,30 +284,33 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
             let rest = if noreply { &args[..args.len() - 1] } else { args };
             match rest {
                 [] => data(Command::FlushAll { delay: 0 }, noreply, line_len),
-                [d] => match num::<i64>(d) {
-                    Some(delay) => data(Command::FlushAll { delay }, noreply, line_len),
-                    None => err(BAD_FORMAT, line_len),
+                [d] => match c_long(d) {
+                    Some(delay) => data(
+                        Command::FlushAll {
+                            delay: delay as i32 as i64,
+                        },
+                        noreply,
+                        line_len,
+                    ),
+                    None => fail(BAD_FORMAT, line_len),
                 },
                 _ => err("ERROR", line_len),
             }
         }
-        b"version" if args.is_empty() => req(Request::Version, line_len),
+        b"version" => req(Request::Version, line_len),
         // memcached: "verbosity noreply" sets nothing and says nothing.
         b"verbosity" => match args {
-            _ if noreply && args.len() <= 2 => req(Request::Verbosity { noreply }, line_len),
-            [n] if num::<u32>(n).is_some() => req(Request::Verbosity { noreply }, line_len),
+            [_] | [_, _] => req(Request::Verbosity { noreply }, line_len),
             _ => err("ERROR", line_len),
         },
-        b"stats" => match args {
-            [] | [b"kv"] => req(
-                Request::Stats {
-                    args: args.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect(),
-                },
-                line_len,
-            ),
-            _ => err("ERROR", line_len),
-        },
-        b"quit" if args.is_empty() => req(Request::Quit, line_len),
+        b"stats" => req(
+            Request::Stats {
+                args: args.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect(),
+            },
+            line_len,
+        ),
+        b"shutdown" => err("ERROR: shutdown not enabled", line_len),
+        b"quit" => req(Request::Quit, line_len),
         b"lockstep_digest" | b"lockstep_corrupt" => req(
             Request::Local {
                 line: String::from_utf8_lossy(line).into_owned(),
@@ -262,11 +326,46 @@ fn data(cmd: Command, noreply: bool, consumed: usize) -> Parsed {
 }
 
 fn req(req: Request, consumed: usize) -> Parsed {
-    Parsed::Request { req, consumed }
+    Parsed::Request {
+        req,
+        consumed,
+        swallow: 0,
+    }
 }
 
-fn num<T: std::str::FromStr>(t: &[u8]) -> Option<T> {
-    std::str::from_utf8(t).ok()?.parse().ok()
+/// C's `strtol` as memcached's safe_strtol uses it: an optional sign and decimal digits
+/// filling the token, within 64 bits.
+fn c_long(t: &[u8]) -> Option<i64> {
+    let (negative, digits) = split_sign(t);
+    let n = decimal(digits)?;
+    if negative {
+        0i64.checked_sub_unsigned(n)
+    } else {
+        i64::try_from(n).ok()
+    }
+}
+
+/// C's `strtoul` as memcached's safe_strtoul uses it: like `c_long` but unsigned; a minus
+/// sign is refused unless the number is zero.
+fn c_ulong(t: &[u8]) -> Option<u64> {
+    let (negative, digits) = split_sign(t);
+    let n = decimal(digits)?;
+    (!negative || n == 0).then_some(n)
+}
+
+fn split_sign(t: &[u8]) -> (bool, &[u8]) {
+    match t.first() {
+        Some(b'-') => (true, &t[1..]),
+        Some(b'+') => (false, &t[1..]),
+        _ => (false, t),
+    }
+}
+
+fn decimal(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(digits).ok()?.parse().ok()
 }
 
 #[cfg(test)]
@@ -289,6 +388,7 @@ mod tests {
                         noreply,
                     },
                 consumed,
+                swallow: 0,
             } => {
                 assert_eq!((data.as_slice(), flags, noreply, consumed), (&b"abc"[..], 5, false, 18));
             }
@@ -318,27 +418,77 @@ mod tests {
     }
 
     #[test]
-    fn oversize_values_are_swallowed_or_closed() {
-        let mut big = b"set k 0 0 2000000\r\n".to_vec();
-        big.extend(vec![b'x'; 2_000_000]);
-        big.extend_from_slice(b"\r\n");
-        match parse(&big, MAX) {
-            Parsed::Error { reply, consumed, close } => {
-                assert_eq!(
-                    (reply.as_str(), consumed, close),
-                    ("SERVER_ERROR object too large for cache\r\n", big.len(), false)
-                )
+    fn oversize_values_are_swallowed_as_they_arrive() {
+        // A set that does not fit: its data block (declared 2,000,000 bytes) is to be
+        // discarded as it arrives, whether or not it is here yet, and the old value goes.
+        for tail in [&b""[..], b"xxxx"] {
+            let mut big = b"set k 0 0 2000000\r\n".to_vec();
+            big.extend_from_slice(tail);
+            match parse(&big, MAX) {
+                Parsed::Request {
+                    req:
+                        Request::Data {
+                            cmd: Command::TooLarge { key },
+                            noreply: false,
+                        },
+                    consumed: 19,
+                    swallow: 2_000_002,
+                } => assert_eq!(key, b"k"),
+                p => panic!("{p:?}"),
             }
+        }
+        match parse(b"add k 0 0 2000000 noreply\r\n", MAX) {
+            Parsed::Error {
+                reply,
+                swallow: 2_000_002,
+                close: false,
+                ..
+            } => assert_eq!(reply, "", "noreply silences the error"),
             p => panic!("{p:?}"),
         }
+        // memcached's limit counts the item header: 1,048,516 bytes fit under a 1-byte key.
         assert!(matches!(
-            parse(b"set k 0 0 99999999999\r\n", MAX),
-            Parsed::Error { close: true, .. }
+            parse(b"set k 0 0 1048517\r\n", MAX),
+            Parsed::Request { swallow: 1_048_519, .. }
         ));
+        let mut fits = b"set k 0 0 1048516\r\n".to_vec();
+        fits.extend(vec![b'x'; 1_048_516]);
+        fits.extend_from_slice(b"\r\n");
+        assert!(matches!(parse(&fits, MAX), Parsed::Request { swallow: 0, .. }));
         assert!(matches!(
             parse(&vec![b'a'; LINE_MAX + 1], MAX),
             Parsed::Error { close: true, .. }
         ));
+    }
+
+    #[test]
+    fn numbers_are_read_as_memcached_reads_them() {
+        // Flags and lengths are cut to 32 bits; a minus sign is refused where memcached
+        // refuses it; a NUL ends the line.
+        match parse(b"set k 4294967301 0 1\r\na\r\n", MAX) {
+            Parsed::Request {
+                req:
+                    Request::Data {
+                        cmd: Command::Store { flags, .. },
+                        ..
+                    },
+                ..
+            } => assert_eq!(flags, 5),
+            p => panic!("{p:?}"),
+        }
+        assert!(matches!(
+            parse(b"set k 0 0 4294967296\r\n\r\n", MAX),
+            Parsed::Request { consumed: 24, .. }
+        ));
+        assert_eq!(parse(b"set k -1 0 1\r\na\r\n", MAX), err(BAD_FORMAT, 14));
+        assert_eq!(parse(b"set k 0 0 2147483648\r\n", MAX), err(BAD_FORMAT, 22));
+        assert_eq!(parse(b"set a\0b 0 0 1\r\na\r\n", MAX), err("ERROR", 15));
+        assert_eq!(
+            parse(b"incr k -1\r\n", MAX),
+            err("CLIENT_ERROR invalid numeric delta argument", 11)
+        );
+        assert!(matches!(parse(b"set k 0 0 z noreply\r\n", MAX), Parsed::Error { ref reply, .. } if reply.is_empty()));
+        assert_eq!(parse(b"bogus noreply\r\n", MAX), err("ERROR", 15));
     }
 
     #[test]

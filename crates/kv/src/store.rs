@@ -152,10 +152,7 @@ impl Store {
                     out.extend_from_slice(b"NOT_FOUND\r\n");
                     return Ok(());
                 };
-                let current = std::str::from_utf8(&self.item(slot, d)?.value)
-                    .ok()
-                    .and_then(|s| s.trim_end_matches(' ').parse::<u64>().ok());
-                let Some(current) = current else {
+                let Some(current) = parse_counter(&self.item(slot, d)?.value) else {
                     out.extend_from_slice(b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n");
                     return Ok(());
                 };
@@ -164,18 +161,30 @@ impl Store {
                 } else {
                     current.saturating_sub(*delta)
                 };
-                let text = new.to_string().into_bytes();
+                let digits = new.to_string().into_bytes();
                 let cas = self.next_cas(d)?;
                 let old_size = {
                     let mut it = self.item_mut(slot, d)?;
                     let old = it.size();
-                    it.value = text.clone();
+                    // memcached rewrites a value that still fits in place and pads it with
+                    // spaces ("100" decremented by 1 reads "99 ").
+                    let mut value = digits.clone();
+                    if value.len() < it.value.len() {
+                        value.resize(it.value.len(), b' ');
+                    }
+                    it.value = value;
                     it.cas = cas;
                     old
                 };
                 self.account(old_size, slot, d)?;
-                out.extend_from_slice(&text);
+                out.extend_from_slice(&digits);
                 out.extend_from_slice(b"\r\n");
+            }
+            Command::TooLarge { key } => {
+                if let Some(slot) = self.lookup(key, now, d)? {
+                    self.unlink(slot, d)?;
+                }
+                out.extend_from_slice(b"SERVER_ERROR object too large for cache\r\n");
             }
             Command::Touch { key, exptime } => match self.lookup(key, now, d)? {
                 Some(slot) => {
@@ -794,6 +803,24 @@ pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
     } else {
         (exptime as u64 * 1000).max(1)
     }
+}
+
+/// A counter's value as memcached reads it (`strtoull`): leading white space, an optional
+/// sign, digits, then the end or white space; a negative number or an overflow is not a
+/// counter.
+fn parse_counter(value: &[u8]) -> Option<u64> {
+    let s = value.trim_ascii_start();
+    let (negative, digits) = match s.first() {
+        Some(b'-') => (true, &s[1..]),
+        Some(b'+') => (false, &s[1..]),
+        _ => (false, s),
+    };
+    let end = digits.iter().position(|b| !b.is_ascii_digit()).unwrap_or(digits.len());
+    if end == 0 || !digits[end..].first().is_none_or(|b| b.is_ascii_whitespace()) {
+        return None;
+    }
+    let n = std::str::from_utf8(&digits[..end]).ok()?.parse::<u64>().ok()?;
+    (!negative || n == 0).then_some(n)
 }
 
 /// The audit group of an object id, out of `groups`.

@@ -45,12 +45,53 @@ impl Replica {
         }
     }
 
-    pub(super) fn stats(&self, args: &[String]) -> Vec<u8> {
+    pub(super) fn stats(&mut self, args: &[String]) -> Vec<u8> {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        match args[..] {
+            [] | ["kv"] => {}
+            ["settings"] => return self.settings(),
+            ["items"] => {
+                let g = self.store.stats();
+                let mut out = String::new();
+                if g.items > 0 {
+                    out.push_str(&format!("STAT items:1:number {}\r\n", g.items));
+                    out.push_str(&format!("STAT items:1:evicted {}\r\n", g.evictions));
+                }
+                out.push_str("END\r\n");
+                return out.into_bytes();
+            }
+            ["slabs"] => {
+                let g = self.store.stats();
+                let active = u64::from(g.items > 0);
+                return format!(
+                    "STAT active_slabs {active}\r\nSTAT total_malloced {}\r\nEND\r\n",
+                    g.bytes
+                )
+                .into_bytes();
+            }
+            ["sizes"] => return b"STAT sizes_status disabled\r\nEND\r\n".to_vec(),
+            ["conns"] | ["detail", "dump"] => return b"END\r\n".to_vec(),
+            ["detail", "on"] | ["detail", "off"] => return b"OK\r\n".to_vec(),
+            ["reset"] => {
+                // Statistics only: protected state and the kv_ counters are kept.
+                let c = &mut self.counters;
+                (
+                    c.cmd_get,
+                    c.cmd_set,
+                    c.get_hits,
+                    c.get_misses,
+                    c.total_items,
+                    c.total_connections,
+                ) = (0, 0, 0, 0, 0, 0);
+                return b"RESET\r\n".to_vec();
+            }
+            _ => return b"ERROR\r\n".to_vec(),
+        }
         let mut out = String::new();
         let mut stat = |k: &str, v: String| out.push_str(&format!("STAT {k} {v}\r\n"));
         let g = self.store.stats();
         let c = &self.counters;
-        if args.is_empty() || args[0] == "kv" {
+        {
             if args.is_empty() {
                 stat("pid", std::process::id().to_string());
                 stat("uptime", self.started.elapsed().as_secs().to_string());
@@ -104,6 +145,32 @@ impl Replica {
                 "kv_pending_validation",
                 self.validator.as_ref().map_or(0, |v| v.pending()).to_string(),
             );
+        }
+        out.push_str("END\r\n");
+        out.into_bytes()
+    }
+
+    /// `stats settings`: memcached's names, for what applies here.
+    fn settings(&self) -> Vec<u8> {
+        let limits = self.store.limits();
+        let mut out = String::new();
+        for (k, v) in [
+            ("maxbytes", limits.memory_bytes.to_string()),
+            ("maxconns", self.cfg.max_conns.to_string()),
+            ("tcpport", self.cfg.client.port().to_string()),
+            ("udpport", "0".into()),
+            ("inter", self.cfg.client.ip().to_string()),
+            ("evictions", "on".into()),
+            ("num_threads", "1".into()),
+            ("cas_enabled", "yes".into()),
+            ("binding_protocol", "ascii".into()),
+            ("item_size_max", limits.item_max.to_string()),
+            ("maxconns_fast", "yes".into()),
+            ("flush_enabled", "yes".into()),
+            ("shutdown_command", "no".into()),
+            ("detail_enabled", "no".into()),
+        ] {
+            out.push_str(&format!("STAT {k} {v}\r\n"));
         }
         out.push_str("END\r\n");
         out.into_bytes()
