@@ -50,6 +50,14 @@ pub enum Command {
     TooLarge {
         key: Vec<u8>,
     },
+    /// A meta command: `kind` is b'g', b's', b'd', b'a' or b'e' (mg, ms, md, ma, me);
+    /// `flags` are its flag tokens as sent, already checked by the parser.
+    Meta {
+        kind: u8,
+        key: Vec<u8>,
+        flags: Vec<Vec<u8>>,
+        data: Vec<u8>,
+    },
 }
 
 impl Command {
@@ -109,6 +117,16 @@ impl Command {
                 p.u8(7);
                 p.bytes(key);
             }
+            Command::Meta { kind, key, flags, data } => {
+                p.u8(8);
+                p.u8(*kind);
+                p.bytes(key);
+                p.u32(flags.len() as u32);
+                for f in flags {
+                    p.bytes(f);
+                }
+                p.bytes(data);
+            }
         }
     }
 
@@ -165,6 +183,24 @@ impl Command {
             7 => Command::TooLarge {
                 key: u.bytes()?.to_vec(),
             },
+            8 => {
+                let kind = u.u8()?;
+                let key = u.bytes()?.to_vec();
+                let n = u.u32()? as usize;
+                if n > u.rest().len() / 4 {
+                    return Err(UnpackError("flag count exceeds entry"));
+                }
+                let mut flags = Vec::with_capacity(n);
+                for _ in 0..n {
+                    flags.push(u.bytes()?.to_vec());
+                }
+                Command::Meta {
+                    kind,
+                    key,
+                    flags,
+                    data: u.bytes()?.to_vec(),
+                }
+            }
             _ => return Err(UnpackError("unknown command tag")),
         })
     }

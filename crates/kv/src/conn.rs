@@ -109,6 +109,7 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) 
                             next_seq += 1;
                         }
                         Err(Request::Version) => slots.push_back(Slot::Ready(VERSION.as_bytes().to_vec())),
+                        Err(Request::MetaNoop) => slots.push_back(Slot::Ready(b"MN\r\n".to_vec())),
                         Err(Request::Verbosity { noreply }) => {
                             if !noreply {
                                 slots.push_back(Slot::Ready(b"OK\r\n".to_vec()))
@@ -151,13 +152,7 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) 
                             Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => break 'conn,
                         }
                     };
-                    // An empty reply means the replica withdrew it (it could not be
-                    // validated): the client must not see anything for it, so the
-                    // connection is closed.
-                    if reply.is_empty() {
-                        let _ = stream.write_all(&out);
-                        break 'conn;
-                    }
+                    // An empty reply is a quiet one (a meta command's q flag).
                     if !noreply {
                         out.extend_from_slice(&reply);
                     }

@@ -152,34 +152,15 @@ impl Store {
                     out.extend_from_slice(b"NOT_FOUND\r\n");
                     return Ok(());
                 };
-                let Some(current) = parse_counter(&self.item(slot, d)?.value) else {
-                    out.extend_from_slice(b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n");
-                    return Ok(());
-                };
-                let new = if *incr {
-                    current.wrapping_add(*delta)
-                } else {
-                    current.saturating_sub(*delta)
-                };
-                let digits = new.to_string().into_bytes();
-                let cas = self.next_cas(d)?;
-                let old_size = {
-                    let mut it = self.item_mut(slot, d)?;
-                    let old = it.size();
-                    // memcached rewrites a value that still fits in place and pads it with
-                    // spaces ("100" decremented by 1 reads "99 ").
-                    let mut value = digits.clone();
-                    if value.len() < it.value.len() {
-                        value.resize(it.value.len(), b' ');
+                match self.arith(slot, *incr, *delta, d)? {
+                    Some(digits) => {
+                        out.extend_from_slice(&digits);
+                        out.extend_from_slice(b"\r\n");
                     }
-                    it.value = value;
-                    it.cas = cas;
-                    old
-                };
-                self.account(old_size, slot, d)?;
-                out.extend_from_slice(&digits);
-                out.extend_from_slice(b"\r\n");
+                    None => out.extend_from_slice(NON_NUMERIC),
+                }
             }
+            Command::Meta { kind, key, flags, data } => self.meta(*kind, key, flags, data, now, d, out)?,
             Command::TooLarge { key } => {
                 if let Some(slot) = self.lookup(key, now, d)? {
                     self.unlink(slot, d)?;
@@ -278,6 +259,244 @@ impl Store {
             }
         }
         Ok(b"STORED\r\n")
+    }
+
+    /// incr/decr on the item in `slot`: its new value as digits, or None if it does not
+    /// hold a number. The value is rewritten in place and padded with spaces when it still
+    /// fits, as memcached does ("100" decremented by 1 reads "99 ").
+    fn arith(&mut self, slot: u32, incr: bool, delta: u64, d: &mut Delta) -> R<Option<Vec<u8>>> {
+        let Some(current) = parse_counter(&self.item(slot, d)?.value) else {
+            return Ok(None);
+        };
+        let new = if incr {
+            current.wrapping_add(delta)
+        } else {
+            current.saturating_sub(delta)
+        };
+        let digits = new.to_string().into_bytes();
+        let cas = self.next_cas(d)?;
+        let old_size = {
+            let mut it = self.item_mut(slot, d)?;
+            let old = it.size();
+            let mut value = digits.clone();
+            if value.len() < it.value.len() {
+                value.resize(it.value.len(), b' ');
+            }
+            it.value = value;
+            it.cas = cas;
+            old
+        };
+        self.account(old_size, slot, d)?;
+        Ok(Some(digits))
+    }
+
+    /// The meta commands: mg, ms, md, ma and me, with the flags `meta_flags` allows.
+    #[allow(clippy::too_many_arguments)]
+    fn meta(
+        &mut self,
+        kind: u8,
+        key: &[u8],
+        flags: &[Vec<u8>],
+        data: &[u8],
+        now: u64,
+        d: &mut Delta,
+        out: &mut Vec<u8>,
+    ) -> R<()> {
+        let flag = |c: u8| flags.iter().find(|f| f[0] == c).map(|f| &f[1..]);
+        let number = |c: u8| flag(c).and_then(|a| std::str::from_utf8(a).ok()?.parse::<i64>().ok());
+        let unsigned = |c: u8| flag(c).and_then(|a| std::str::from_utf8(a).ok()?.parse::<u64>().ok());
+        let quiet = flag(b'q').is_some();
+        // The return flags, in the order they were asked for.
+        // `no_item_cas`: what `c` shows without an item (ms shows c0 when nothing was stored).
+        let returned = |store: &Self, slot: Option<u32>, no_item_cas: Option<u64>, d: &mut Delta| -> R<Vec<u8>> {
+            let mut r = Vec::new();
+            let it = match slot {
+                Some(s) => Some(store.item(s, d)?),
+                None => None,
+            };
+            for f in flags {
+                let shown = match (f[0], it) {
+                    (b'k', _) => [&b"k"[..], key].concat(),
+                    (b'O', _) => f.clone(),
+                    (b'c', Some(it)) => format!("c{}", it.cas).into_bytes(),
+                    (b'c', None) if no_item_cas.is_some() => format!("c{}", no_item_cas.unwrap_or(0)).into_bytes(),
+                    (b'f', Some(it)) => format!("f{}", it.flags).into_bytes(),
+                    (b's', Some(it)) => format!("s{}", it.value.len()).into_bytes(),
+                    (b't', Some(it)) => format!("t{}", ttl_left(it.exptime_ms, now)).into_bytes(),
+                    _ => continue,
+                };
+                r.push(b' ');
+                r.extend_from_slice(&shown);
+            }
+            Ok(r)
+        };
+        let slot = self.lookup(key, now, d)?;
+        // A compare-and-swap token that does not match the item's CAS.
+        let cas_mismatch = match (slot, unsigned(b'C')) {
+            (Some(s), Some(c)) => self.item(s, d)?.cas != c,
+            _ => false,
+        };
+        match kind {
+            b'g' => {
+                let Some(slot) = slot else {
+                    if !quiet {
+                        out.extend_from_slice(b"EN");
+                        out.extend_from_slice(&returned(self, None, None, d)?);
+                        out.extend_from_slice(b"\r\n");
+                    }
+                    return Ok(());
+                };
+                if let Some(ttl) = number(b'T') {
+                    self.item_mut(slot, d)?.exptime_ms = absolute_exptime(ttl as i32 as i64, now);
+                }
+                self.bump(slot, now, d)?;
+                let rest = returned(self, Some(slot), None, d)?;
+                if flag(b'v').is_some() {
+                    let it = self.item(slot, d)?;
+                    out.extend_from_slice(format!("VA {}", it.value.len()).as_bytes());
+                    out.extend_from_slice(&rest);
+                    out.extend_from_slice(b"\r\n");
+                    out.extend_from_slice(&it.value);
+                    out.extend_from_slice(b"\r\n");
+                } else {
+                    out.extend_from_slice(b"HD");
+                    out.extend_from_slice(&rest);
+                    out.extend_from_slice(b"\r\n");
+                }
+            }
+            b's' => {
+                let op = match flag(b'M').and_then(|m| m.first()).map(u8::to_ascii_uppercase) {
+                    Some(b'E') => StoreOp::Add,
+                    Some(b'A') => StoreOp::Append,
+                    Some(b'P') => StoreOp::Prepend,
+                    Some(b'R') => StoreOp::Replace,
+                    _ if flag(b'C').is_some() => StoreOp::Cas,
+                    _ => StoreOp::Set,
+                };
+                // A CAS token fails when the item has another CAS, and a replace or set
+                // when it is missing (memcached: NF; add, append and prepend go on).
+                let cas_failure: &[u8] = match (flag(b'C'), slot) {
+                    (Some(_), None) if matches!(op, StoreOp::Replace | StoreOp::Set) => b"NF",
+                    _ if cas_mismatch => b"EX",
+                    _ => b"",
+                };
+                if !cas_failure.is_empty() && op != StoreOp::Cas {
+                    out.extend_from_slice(cas_failure);
+                    out.extend_from_slice(&returned(self, None, Some(0), d)?);
+                    out.extend_from_slice(b"\r\n");
+                    return Ok(());
+                }
+                let item_flags = unsigned(b'F').unwrap_or(0) as u32;
+                let ttl = number(b'T').unwrap_or(0) as i32 as i64;
+                let reply = self.store(op, key, item_flags, ttl, data, unsigned(b'C').unwrap_or(0), now, d)?;
+                let code: &[u8] = match reply {
+                    b"STORED\r\n" => b"HD",
+                    b"EXISTS\r\n" => b"EX",
+                    b"NOT_FOUND\r\n" => b"NF",
+                    b"NOT_STORED\r\n" => b"NS",
+                    other => {
+                        out.extend_from_slice(other);
+                        return Ok(());
+                    }
+                };
+                if code == b"HD" && quiet {
+                    return Ok(());
+                }
+                let slot = if code == b"HD" { self.lookup(key, now, d)? } else { None };
+                let rest = returned(self, slot, Some(0), d)?;
+                out.extend_from_slice(code);
+                out.extend_from_slice(&rest);
+                out.extend_from_slice(b"\r\n");
+            }
+            b'd' => {
+                let code: &[u8] = match slot {
+                    None => b"NF",
+                    Some(_) if cas_mismatch => b"EX",
+                    Some(s) => {
+                        self.unlink(s, d)?;
+                        if quiet {
+                            return Ok(());
+                        }
+                        b"HD"
+                    }
+                };
+                out.extend_from_slice(code);
+                out.extend_from_slice(&returned(self, None, None, d)?);
+                out.extend_from_slice(b"\r\n");
+            }
+            b'a' => {
+                let incr = !matches!(flag(b'M').and_then(|m| m.first()), Some(b'D' | b'd' | b'-'));
+                let vivified = slot.is_none();
+                let (slot, value) = match slot {
+                    Some(_) if cas_mismatch => {
+                        out.extend_from_slice(b"EX");
+                        out.extend_from_slice(&returned(self, None, None, d)?);
+                        out.extend_from_slice(b"\r\n");
+                        return Ok(());
+                    }
+                    Some(s) => match self.arith(s, incr, unsigned(b'D').unwrap_or(1), d)? {
+                        Some(v) => (s, v),
+                        None => {
+                            out.extend_from_slice(NON_NUMERIC);
+                            return Ok(());
+                        }
+                    },
+                    None => match number(b'N') {
+                        // Autovivify: create the counter with J (default 0).
+                        Some(ttl) => {
+                            let initial = unsigned(b'J').unwrap_or(0).to_string().into_bytes();
+                            self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, now, d)?;
+                            match self.lookup(key, now, d)? {
+                                Some(s) => (s, initial),
+                                None => {
+                                    out.extend_from_slice(b"NS");
+                                    out.extend_from_slice(&returned(self, None, None, d)?);
+                                    out.extend_from_slice(b"\r\n");
+                                    return Ok(());
+                                }
+                            }
+                        }
+                        None => {
+                            out.extend_from_slice(b"NF");
+                            out.extend_from_slice(&returned(self, None, None, d)?);
+                            out.extend_from_slice(b"\r\n");
+                            return Ok(());
+                        }
+                    },
+                };
+                let rest = returned(self, Some(slot), None, d)?;
+                // memcached's q hides a success, except the creation of a counter.
+                if quiet && !vivified {
+                    return Ok(());
+                }
+                if flag(b'v').is_some() {
+                    out.extend_from_slice(format!("VA {}", value.len()).as_bytes());
+                    out.extend_from_slice(&rest);
+                    out.extend_from_slice(b"\r\n");
+                    out.extend_from_slice(&value);
+                    out.extend_from_slice(b"\r\n");
+                } else {
+                    out.extend_from_slice(b"HD");
+                    out.extend_from_slice(&rest);
+                    out.extend_from_slice(b"\r\n");
+                }
+            }
+            _ => match slot {
+                None => out.extend_from_slice(b"EN\r\n"),
+                Some(s) => {
+                    let it = self.item(s, d)?;
+                    let line = format!(
+                        "ME {} exp={} la=0 cas={} fetch=no cls=1 size={}\r\n",
+                        String::from_utf8_lossy(key),
+                        ttl_left(it.exptime_ms, now),
+                        it.cas,
+                        it.size()
+                    );
+                    out.extend_from_slice(line.as_bytes());
+                }
+            },
+        }
+        Ok(())
     }
 
     /// The store time of an item stored now: after a flush that took effect in this very
@@ -802,6 +1021,17 @@ pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
         now_ms + exptime as u64 * 1000
     } else {
         (exptime as u64 * 1000).max(1)
+    }
+}
+
+const NON_NUMERIC: &[u8] = b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n";
+
+/// Seconds an item has left, as meta commands report it: -1 if it never expires.
+fn ttl_left(exptime_ms: u64, now: u64) -> i64 {
+    if exptime_ms == 0 {
+        -1
+    } else {
+        (exptime_ms.saturating_sub(now)).div_ceil(1000) as i64
     }
 }
 

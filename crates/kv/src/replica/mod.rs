@@ -117,6 +117,7 @@ const MSG_REPAIR: u8 = 3;
 const MSG_AUDIT: u8 = 4;
 
 const NOT_VALIDATED: &[u8] = b"SERVER_ERROR the replicas did not confirm the result in time\r\n";
+const WITHDRAWN: &[u8] = b"SERVER_ERROR this replica is being rebuilt; the request was not acknowledged\r\n";
 const NO_MAJORITY: &[u8] = b"SERVER_ERROR no majority of replicas agrees on the result; try again later\r\n";
 
 /// A request of ours not applied this long after its proposal is proposed again (its

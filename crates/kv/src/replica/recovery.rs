@@ -174,7 +174,7 @@ impl Replica {
         ));
         let pending: Vec<(u64, u64)> = self.inflight.keys().copied().collect();
         for (conn, seq) in pending {
-            self.send_reply(conn, seq, Vec::new());
+            self.send_reply(conn, seq, WITHDRAWN.to_vec());
         }
         self.batch.clear();
         let old = self.raft.take().expect("replicated");
