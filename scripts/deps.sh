@@ -16,6 +16,11 @@ if [ ${#missing[@]} -gt 0 ]; then
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    # Debian starts memcached on port 11211 when it installs it; the tests start their own,
+    # and `lockstep kv` wants that port by default.
+    if [[ " ${missing[*]} " == *" memcached "* ]]; then
+        $SUDO service memcached stop >/dev/null 2>&1 || true
+    fi
 fi
 if ! command -v cargo >/dev/null 2>&1; then
     if [ -x "$HOME/.cargo/bin/cargo" ]; then
