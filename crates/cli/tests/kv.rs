@@ -1425,7 +1425,208 @@ fn meta_ttl_and_debug_replies() {
     assert!(me.starts_with("ME tk exp=-1 la=0 cas="), "{me}");
     assert_eq!(mc.line("me nothere"), "EN");
     assert_eq!(mc.line("mn"), "MN");
-    assert_eq!(mc.line("mg tk h"), "CLIENT_ERROR invalid flag", "not done yet: refused, not ignored");
+    assert_eq!(
+        mc.line("mg tk h"),
+        "CLIENT_ERROR invalid flag",
+        "not done yet: refused, not ignored"
+    );
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// One operation of a recorded history on one key: a set of a unique value, or a get and
+/// what it saw. `ret` is None when the outcome is unknown (an error, a lost connection):
+/// such a set may take effect at any point after its call, or never.
+#[derive(Clone)]
+struct Op {
+    call: u64,
+    ret: Option<u64>,
+    set: Option<u64>,
+    saw: Option<Option<u64>>,
+}
+
+/// Wing and Gong's search with Lowe's memoisation, for a register: is there an order of
+/// the operations, consistent with real time, in which every get sees the last set?
+/// Operations of unknown outcome may be left out.
+fn linearizable(ops: &[Op]) -> bool {
+    fn search(
+        ops: &[Op],
+        done: &mut Vec<bool>,
+        state: Option<u64>,
+        seen: &mut std::collections::HashSet<(Vec<bool>, Option<u64>)>,
+    ) -> bool {
+        if ops.iter().zip(done.iter()).all(|(o, &d)| d || o.ret.is_none()) {
+            return true;
+        }
+        let first_return = ops
+            .iter()
+            .zip(done.iter())
+            .filter(|(_, &d)| !d)
+            .filter_map(|(o, _)| o.ret)
+            .min()
+            .unwrap_or(u64::MAX);
+        for i in 0..ops.len() {
+            if done[i] || ops[i].call > first_return {
+                continue;
+            }
+            let next = match (ops[i].set, ops[i].saw) {
+                (Some(v), _) => Some(v),
+                (None, Some(saw)) if saw == state => state,
+                _ => continue,
+            };
+            done[i] = true;
+            if seen.insert((done.clone(), next)) && search(ops, done, next, seen) {
+                return true;
+            }
+            done[i] = false;
+        }
+        false
+    }
+    let mut done = vec![false; ops.len()];
+    search(ops, &mut done, None, &mut Default::default())
+}
+
+#[test]
+fn the_checker_rejects_a_stale_read_and_accepts_overlap() {
+    let op = |call, ret, set, saw| Op { call, ret, set, saw };
+    // set 1 completes, then a get sees nothing: not linearizable.
+    assert!(!linearizable(&[
+        op(0, Some(1), Some(1), None),
+        op(2, Some(3), None, Some(None))
+    ]));
+    // The get overlaps the set: it may see either.
+    assert!(linearizable(&[
+        op(0, Some(5), Some(1), None),
+        op(2, Some(3), None, Some(None))
+    ]));
+    assert!(linearizable(&[
+        op(0, Some(5), Some(1), None),
+        op(2, Some(3), None, Some(Some(1)))
+    ]));
+    // A set of unknown outcome may or may not have happened.
+    assert!(linearizable(&[
+        op(0, None, Some(7), None),
+        op(9, Some(10), None, Some(Some(7)))
+    ]));
+    assert!(linearizable(&[
+        op(0, None, Some(7), None),
+        op(9, Some(10), None, Some(None))
+    ]));
+    // Two reads that disagree on the order of two sets.
+    assert!(!linearizable(&[
+        op(0, Some(1), Some(1), None),
+        op(2, Some(3), Some(2), None),
+        op(4, Some(5), None, Some(Some(2))),
+        op(6, Some(7), None, Some(Some(1))),
+    ]));
+}
+
+/// Clients read and write a few keys through every replica while the leader is killed
+/// and restarted and silent flips hit random replicas; each key's recorded history must be
+/// linearizable, and no get may return a value that was never written.
+#[test]
+fn histories_with_leader_kills_and_flips_are_linearizable() {
+    let mut c = Cluster::start(3, &["--test-corruption", "--no-fsync"]);
+    let ports: Vec<u16> = (1..=3).map(|id| c.port(id)).collect();
+    let start = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let history: Arc<Mutex<Vec<(usize, Op)>>> = Default::default();
+    let keys = 3usize;
+    let mut clients = Vec::new();
+    for client in 0..4u64 {
+        let (stop, history, ports) = (stop.clone(), history.clone(), ports.clone());
+        clients.push(std::thread::spawn(move || {
+            let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ client;
+            let mut n = 0u64;
+            let mut mc: Option<Mc> = None;
+            while !stop.load(Ordering::SeqCst) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let key = (x % keys as u64) as usize;
+                if mc.is_none() {
+                    mc = Mc::connect(ports[((x >> 8) % 3) as usize]).ok();
+                    if mc.is_none() {
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                }
+                let m = mc.as_mut().unwrap();
+                let call = start.elapsed().as_nanos() as u64;
+                let op = if (x >> 16) % 2 == 0 {
+                    n += 1;
+                    let v = client << 32 | n;
+                    let r = m.set(&format!("lin{key}"), v.to_string().as_bytes());
+                    let ret = (r == "STORED").then(|| start.elapsed().as_nanos() as u64);
+                    if ret.is_none() {
+                        mc = None;
+                    }
+                    Op {
+                        call,
+                        ret,
+                        set: Some(v),
+                        saw: None,
+                    }
+                } else {
+                    m.send(format!("get lin{key}\r\n").as_bytes());
+                    let head = m.read_line();
+                    let saw = if head == "END" {
+                        Some(None)
+                    } else if let Some(len) = head.strip_prefix(&format!("VALUE lin{key} 0 ")) {
+                        let value = m.read_line();
+                        assert_eq!(value.len().to_string(), len);
+                        assert_eq!(m.read_line(), "END");
+                        Some(Some(value.parse::<u64>().expect("a value that was written")))
+                    } else {
+                        // An error or a lost connection: a read that saw nothing.
+                        mc = None;
+                        continue;
+                    };
+                    Op {
+                        call,
+                        ret: Some(start.elapsed().as_nanos() as u64),
+                        set: None,
+                        saw,
+                    }
+                };
+                history.lock().unwrap().push((key, op));
+            }
+        }));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let leader = c.leader();
+    c.kill(leader);
+    std::thread::sleep(Duration::from_millis(1500));
+    c.spawn(leader);
+    c.wait_ready(leader);
+    for (i, victim) in [1u64, 2, 3, 2].into_iter().enumerate() {
+        std::thread::sleep(Duration::from_millis(300));
+        let r = Mc::connect(c.port(victim)).unwrap().line(&format!(
+            "lockstep_corrupt lin{} item recompute {}",
+            i % keys,
+            3 + i
+        ));
+        assert!(r.starts_with("CORRUPTED ") || r == "NOT_FOUND", "{r}");
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    stop.store(true, Ordering::SeqCst);
+    for t in clients {
+        t.join().unwrap();
+    }
+    let history = history.lock().unwrap();
+    for key in 0..keys {
+        let ops: Vec<Op> = history
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, o)| o.clone())
+            .collect();
+        let reads = ops.iter().filter(|o| o.saw.is_some()).count();
+        assert!(ops.len() > 50 && reads > 10, "key {key}: only {} operations", ops.len());
+        assert!(
+            linearizable(&ops),
+            "the history of key lin{key} ({} operations) is not linearizable",
+            ops.len()
+        );
+    }
+    c.assert_agree();
 }
