@@ -1553,7 +1553,7 @@ fn histories_with_leader_kills_and_flips_are_linearizable() {
                 }
                 let m = mc.as_mut().unwrap();
                 let call = start.elapsed().as_nanos() as u64;
-                let op = if (x >> 16) % 2 == 0 {
+                let op = if (x >> 16).is_multiple_of(2) {
                     n += 1;
                     let v = client << 32 | n;
                     let r = m.set(&format!("lin{key}"), v.to_string().as_bytes());
