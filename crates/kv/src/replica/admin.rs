@@ -140,6 +140,8 @@ impl Replica {
             stat("kv_no_majority", c.no_majority.to_string());
             stat("kv_audits", self.audits.audits.to_string());
             stat("kv_audit_divergent_groups", self.audits.divergent_groups.to_string());
+            stat("kv_audit_last_us", self.audits.last_us.to_string());
+            stat("kv_audit_max_us", self.audits.max_us.to_string());
             stat("kv_confirmed_snapshots", self.audits.confirmed_snapshots.to_string());
             stat(
                 "kv_pending_validation",

@@ -63,6 +63,9 @@ pub(super) struct Audits {
     /// Per removed replica, the entry that removed it (see `manage_membership`).
     pub(super) removed_at: BTreeMap<u64, u64>,
     pub(super) audits: u64,
+    /// Time the last summary (and snapshot copy, when one was due) took, in µs.
+    pub(super) last_us: u64,
+    pub(super) max_us: u64,
     pub(super) divergent_groups: u64,
     pub(super) confirmed_snapshots: u64,
 }
@@ -128,6 +131,7 @@ impl Replica {
             return Ok(());
         }
         a.audits += 1;
+        let began = Instant::now();
         let summary = Summary {
             slots: self.store.slot_count(),
             groups: self.store.audit_groups(AUDIT_GROUPS),
@@ -135,6 +139,9 @@ impl Replica {
         let r = self.raft.as_ref().unwrap();
         let snapshot_due = self.audits.snapshot_wanted || index.saturating_sub(r.snap_index) >= self.cfg.snapshot_every;
         let snapshot = snapshot_due.then(|| (self.snapshot_data(), r.storage.conf_state()));
+        let us = began.elapsed().as_micros() as u64;
+        self.audits.last_us = us;
+        self.audits.max_us = self.audits.max_us.max(us);
         let mut p = Packer::default();
         p.u8(MSG_AUDIT);
         p.u64(index);
