@@ -1630,3 +1630,106 @@ fn histories_with_leader_kills_and_flips_are_linearizable() {
     }
     c.assert_agree();
 }
+
+/// The same pipelined stream, sent whole and then cut into random pieces with pauses
+/// between them (partial lines, partial data blocks, oversized blocks swallowed across
+/// reads), gets the same replies, in single mode and from a cluster replica.
+#[test]
+fn requests_cut_at_any_byte_get_the_same_replies() {
+    let (mut single, single_port) = single_server(&[]);
+    let cluster = Cluster::start(3, &[]);
+    let mut gen = Streams {
+        x: 0x0123_4567_89AB_CDEF,
+    };
+    let mut stream = Vec::new();
+    for _ in 0..300 {
+        let c = gen.command();
+        let text = String::from_utf8_lossy(&c).to_string();
+        match text.find("{cas ") {
+            Some(at) => {
+                let end = at + text[at..].find('}').unwrap();
+                stream.extend_from_slice(&c[..at]);
+                stream.extend_from_slice(b"424242");
+                stream.extend_from_slice(&c[end + 1..]);
+            }
+            None => stream.extend_from_slice(&c),
+        }
+    }
+    stream.extend_from_slice(b"version\r\n");
+    if let Some(path) = std::env::var_os("LOCKSTEP_DIFF_TRACE") {
+        std::fs::write(path, &stream).unwrap();
+    }
+    let run = |port: u16, cut: bool| -> Vec<u8> {
+        assert_eq!(Mc::connect(port).unwrap().line("flush_all"), "OK");
+        let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let data = stream.clone();
+        let writer = std::thread::spawn(move || {
+            if !cut {
+                return w.write_all(&data).unwrap();
+            }
+            let mut x = 0xDEAD_BEEF_u64;
+            let mut at = 0;
+            while at < data.len() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Mostly small pieces; now and then a large one, through the big blocks.
+                let n = if x.is_multiple_of(8) {
+                    1 + x % 65536
+                } else {
+                    1 + x % 300
+                } as usize;
+                let end = (at + n).min(data.len());
+                w.write_all(&data[at..end]).unwrap();
+                at = end;
+                if x.is_multiple_of(7) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        });
+        let mut r = BufReader::new(s);
+        let mut out = Vec::new();
+        loop {
+            let mut line = Vec::new();
+            r.read_until(b'\n', &mut line).unwrap();
+            assert!(!line.is_empty(), "connection closed after {} bytes", out.len());
+            if line.starts_with(b"VERSION ") {
+                break;
+            }
+            // CAS values differ from run to run.
+            let text = String::from_utf8_lossy(&line).to_string();
+            let f: Vec<&str> = text.trim_end().split(' ').collect();
+            if f.len() == 5 && f[0] == "VALUE" {
+                out.extend_from_slice(format!("VALUE {} {} {} C\r\n", f[1], f[2], f[3]).as_bytes());
+            } else {
+                let masked: Vec<String> = f
+                    .iter()
+                    .map(|t| {
+                        if t.len() > 1 && t.starts_with('c') && t[1..].chars().all(|c| c.is_ascii_digit()) {
+                            "cC".into()
+                        } else {
+                            t.to_string()
+                        }
+                    })
+                    .collect();
+                out.extend_from_slice(masked.join(" ").as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+        }
+        writer.join().unwrap();
+        out
+    };
+    for port in [single_port, cluster.port(2)] {
+        let whole = run(port, false);
+        assert!(whole.len() > 1000, "{}", String::from_utf8_lossy(&whole));
+        assert_eq!(
+            String::from_utf8_lossy(&run(port, true)),
+            String::from_utf8_lossy(&whole),
+            "port {port}"
+        );
+    }
+    let _ = single.kill();
+    let _ = single.wait();
+}

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -945,6 +945,9 @@ pub struct Unmounted {
     pub message: String,
 }
 
+/// How long `umount` retries a mount that is busy.
+const UMOUNT_BUSY_GRACE: Duration = Duration::from_secs(3);
+
 /// Flush the mount at `mountpoint`, unmount it, and wait for its server to finish: its
 /// report says whether every acknowledged byte reached the store. A dead mount (its server
 /// is gone) is detached, with a message that says so.
@@ -983,9 +986,17 @@ pub fn umount(mountpoint: &Path) -> Result<Unmounted, String> {
             Err(e) => eprintln!("lockstep fs: cannot reach the daemon ({e}); unmounting"),
         }
     }
+    // A mount can be busy for a moment without anyone using it: a file closed by another
+    // thread's child between its fork and its exec, a release still in flight. Try again
+    // for a little while before saying it is busy.
+    let deadline = Instant::now() + UMOUNT_BUSY_GRACE;
     // SAFETY: valid path.
-    if unsafe { libc::umount2(target.as_ptr(), 0) } < 0 {
+    while unsafe { libc::umount2(target.as_ptr(), 0) } < 0 {
         let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        }
         return Err(match e.raw_os_error() {
             Some(libc::EBUSY) => format!(
                 "{} is busy (files are open or a process has its cwd there)",

@@ -156,8 +156,12 @@ pub struct Globals {
     pub lru_tail: u32,
     pub items: u64,
     pub bytes: u64,
-    /// Items stored at or before this log time are invalid once it has passed (flush_all).
+    /// Items stored at or before this log time are invalid once it has passed (a delayed
+    /// flush_all).
     pub oldest_live_ms: u64,
+    /// Items whose CAS is below this are invalid (an immediate flush_all: exact in log
+    /// order, however many requests share a millisecond).
+    pub oldest_cas: u64,
     /// The log's clock: never goes backwards.
     pub now_ms: u64,
     pub evictions: u64,
@@ -172,6 +176,7 @@ impl Default for Globals {
             items: 0,
             bytes: 0,
             oldest_live_ms: 0,
+            oldest_cas: 0,
             now_ms: 0,
             evictions: 0,
         }
@@ -185,6 +190,7 @@ impl Protected for Globals {
             self.items,
             self.bytes,
             self.oldest_live_ms,
+            self.oldest_cas,
             self.now_ms,
             self.evictions,
         ] {
@@ -199,6 +205,7 @@ impl Protected for Globals {
             items: u.u64()?,
             bytes: u.u64()?,
             oldest_live_ms: u.u64()?,
+            oldest_cas: u.u64()?,
             now_ms: u.u64()?,
             evictions: u.u64()?,
             lru_head: u.u32()?,

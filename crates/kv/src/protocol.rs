@@ -79,21 +79,24 @@ pub fn item_size(key_len: usize, flags: u32, value_len: usize) -> usize {
 
 /// Parse one request from the front of `buf`. `item_max` is the largest item accepted.
 pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
-    let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
-        // memcached: 2 KiB without a newline can only be a long multi-get; anything else
-        // closes the connection, without a reply.
-        if buf.len() > SHORT_LINE_MAX {
-            let spaces = buf.iter().take_while(|&&b| b == b' ').count();
-            let rest = &buf[spaces..];
-            if spaces > 100 || !(rest.starts_with(b"get ") || rest.starts_with(b"gets ")) {
-                return Parsed::Error {
-                    reply: String::new(),
-                    consumed: buf.len(),
-                    swallow: 0,
-                    close: true,
-                };
-            }
+    let nl = buf.iter().position(|&b| b == b'\n');
+    // memcached: more than 2 KiB of a line can only be a long multi-get; anything else
+    // closes the connection, without a reply. (Checked whether or not the newline has
+    // arrived yet, so that how the bytes were cut into reads changes nothing.)
+    let line_so_far = nl.unwrap_or(buf.len());
+    if line_so_far > SHORT_LINE_MAX {
+        let spaces = buf.iter().take_while(|&&b| b == b' ').count();
+        let rest = &buf[spaces..];
+        if spaces > 100 || !(rest.starts_with(b"get ") || rest.starts_with(b"gets ")) {
+            return Parsed::Error {
+                reply: String::new(),
+                consumed: buf.len(),
+                swallow: 0,
+                close: true,
+            };
         }
+    }
+    let Some(nl) = nl else {
         if buf.len() > LINE_MAX {
             return Parsed::Error {
                 reply: "CLIENT_ERROR line too long\r\n".into(),

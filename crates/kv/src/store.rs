@@ -176,12 +176,15 @@ impl Store {
                 None => out.extend_from_slice(b"NOT_FOUND\r\n"),
             },
             Command::FlushAll { delay } => {
-                // Every item stored up to the flush time is dead once it arrives, including
-                // those stored earlier in the same millisecond (often the same log entry);
-                // an item stored after the flush in that millisecond is stamped one later
-                // (`stamp`), so it lives.
-                let at = if *delay > 0 { absolute_exptime(*delay, now) } else { now };
-                self.globals.write(d)?.oldest_live_ms = at.max(1);
+                // Now: every item stored so far (a CAS below the next one) is dead, exactly
+                // in log order however many requests share a millisecond. Later: every item
+                // stored up to that log time.
+                let mut g = self.globals.write(d)?;
+                if *delay > 0 {
+                    g.oldest_live_ms = absolute_exptime(*delay, now);
+                } else {
+                    g.oldest_cas = g.cas + 1;
+                }
                 out.extend_from_slice(b"OK\r\n");
             }
         }
@@ -220,7 +223,7 @@ impl Store {
             }
         }
         let cas = self.next_cas(d)?;
-        let stored_ms = self.stamp(now, d)?;
+        let stored_ms = now;
         match existing {
             Some(slot) => {
                 let old_size = {
@@ -499,13 +502,6 @@ impl Store {
         Ok(())
     }
 
-    /// The store time of an item stored now: after a flush that took effect in this very
-    /// millisecond, one later, so that the flush does not cover it.
-    fn stamp(&mut self, now: u64, d: &mut Delta) -> R<u64> {
-        let oldest_live = self.globals.read(d)?.oldest_live_ms;
-        Ok(if oldest_live == now { now + 1 } else { now })
-    }
-
     fn next_cas(&mut self, d: &mut Delta) -> R<u64> {
         let mut g = self.globals.write(d)?;
         g.cas += 1;
@@ -571,9 +567,10 @@ impl Store {
         }
         let Some(slot) = found else { return Ok(None) };
         let it = self.item(slot, d)?;
-        let oldest_live = self.globals.read(d)?.oldest_live_ms;
+        let g = self.globals.read(d)?;
         let expired = it.exptime_ms != 0 && it.exptime_ms <= now;
-        let flushed = oldest_live != 0 && oldest_live <= now && it.stored_ms <= oldest_live;
+        let flushed = it.cas < g.oldest_cas
+            || (g.oldest_live_ms != 0 && g.oldest_live_ms <= now && it.stored_ms <= g.oldest_live_ms);
         if expired || flushed {
             self.unlink(slot, d)?;
             return Ok(None);

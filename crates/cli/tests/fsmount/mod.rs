@@ -108,7 +108,24 @@ impl Mount {
         let out = lockstep().args(["fs", "umount"]).arg(&self.mnt).output().unwrap();
         let code = out.status.code().unwrap_or(-1);
         let err = String::from_utf8_lossy(&out.stderr).to_string();
-        let daemon = self.child.take().unwrap().wait().unwrap().code().unwrap_or(-1);
+        // The server exits once the mount is gone; never wait forever on it.
+        let mut child = self.child.take().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(150);
+        let daemon = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status.code().unwrap_or(-1);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "the server did not exit after `fs umount` (exit {code}: {err}); mounted: {}; log: {}",
+                    mounted(&self.mnt),
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
         assert_eq!(code, daemon, "umount: {err}");
         assert!(!mounted(&self.mnt));
         (code, err)
