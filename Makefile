@@ -46,6 +46,7 @@ bench: build
 	python3 bench/kv_bench.py 5 3
 	python3 bench/fs_bench.py 5 3
 	python3 bench/fs_vs_bindfs.py 5 3
+	python3 bench/kv_audit_cost.py
 
 lint:
 	$(CARGO) fmt --all

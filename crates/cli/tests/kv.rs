@@ -1733,3 +1733,81 @@ fn requests_cut_at_any_byte_get_the_same_replies() {
     let _ = single.kill();
     let _ = single.wait();
 }
+
+/// The replacement variant of the snapshot hole: the leader holds a silent flip when a
+/// follower is replaced (too many recoveries). The follower may only be rebuilt from a
+/// snapshot a majority confirmed after its re-add; the leader's state is not one. No
+/// client ever reads the flipped value, and the healthy replica keeps the healthy one.
+#[test]
+fn a_corrupt_leader_never_rebuilds_a_replaced_follower() {
+    let c = Cluster::start(
+        3,
+        &[
+            "--test-corruption",
+            "--max-recoveries",
+            "2",
+            "--recovery-window",
+            "120",
+            "--audit-every",
+            "3600",
+        ],
+    );
+    let leader = c.leader();
+    let mut others = (1..=3).filter(|&id| id != leader);
+    let (victim, healthy) = (others.next().unwrap(), others.next().unwrap());
+    let mut writer = Mc::connect(c.port(leader)).unwrap();
+    for i in 0..20 {
+        assert_eq!(writer.set(&format!("base-{i}"), format!("v{i}").as_bytes()), "STORED");
+    }
+    assert_eq!(writer.set("key0", b"the healthy value"), "STORED");
+    c.assert_agree();
+    let r = Mc::connect(c.port(leader))
+        .unwrap()
+        .line("lockstep_corrupt key0 item recompute 5");
+    assert!(r.starts_with("CORRUPTED "), "{r}");
+    // Three recoveries of the victim: it is removed and re-added empty.
+    let mut bad = Mc::connect(c.port(victim)).unwrap();
+    for round in 0..3 {
+        let key = format!("base-{round}");
+        assert!(bad
+            .line(&format!("lockstep_corrupt {key} item"))
+            .starts_with("CORRUPTED"));
+        assert_eq!(bad.get(&key).as_deref(), Some(format!("v{round}").as_bytes()));
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !c.event_kinds(victim).iter().any(|k| k == "replace") {
+        assert!(Instant::now() < deadline, "no replacement: {:?}", c.event_kinds(victim));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    // Whatever happened since, nobody reads the flipped value, and the healthy replica
+    // still has the healthy one.
+    for id in 1..=3 {
+        let Ok(mut mc) = Mc::connect(c.port(id)) else { continue };
+        mc.send(b"get key0\r\n");
+        let head = mc.read_line();
+        if head.starts_with("VALUE") {
+            assert_eq!(mc.read_line(), "the healthy value", "replica {id}");
+        } else {
+            assert!(
+                head == "END" || head.starts_with("SERVER_ERROR"),
+                "replica {id}: {head}"
+            );
+        }
+    }
+    let digest_of = |id: u64| Mc::connect(c.port(id)).unwrap().line("lockstep_digest");
+    let victim_kinds = c.event_kinds(victim);
+    if victim_kinds.iter().rposition(|k| k == "snapshot") > victim_kinds.iter().position(|k| k == "replace") {
+        // If it was rebuilt, it was not from the leader's state alone.
+        assert_ne!(
+            digest_of(victim),
+            digest_of(leader),
+            "the rebuilt replica copied the corrupt leader"
+        );
+    }
+    assert_eq!(
+        stat_u64(&c, healthy, "kv_recoveries"),
+        0,
+        "the healthy replica was 'repaired'"
+    );
+}
