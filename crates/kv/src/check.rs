@@ -382,6 +382,32 @@ mod tests {
     }
 
     #[test]
+    fn a_client_waits_a_bounded_time_for_a_confirmed_reply() {
+        let mut v = Validator::new(3, 1);
+        // Our request, and one peer that disagrees: no majority yet, nothing released.
+        assert!(v.local(R, set(1), b"mine".to_vec(), 1, Some(TO)).is_empty());
+        assert!(v.remote(2, R, set(2)).is_empty());
+        let now = Instant::now();
+        assert_eq!(v.expire(now).0, Vec::<ReplyTo>::new());
+        // Past the bound the client is answered (with an error, by the replica), once.
+        assert_eq!(v.expire(now + REPLY_TIMEOUT + Duration::from_millis(10)).0, vec![TO]);
+        assert_eq!(
+            v.expire(now + REPLY_TIMEOUT + Duration::from_millis(20)).0,
+            Vec::<ReplyTo>::new()
+        );
+        // A held reply (we FAILED and wait for a repair) is bounded the same way.
+        let r2 = ReqId { index: 6, pos: 0 };
+        v.local(r2, set(9), b"bad".to_vec(), 1, Some(TO));
+        v.remote(2, r2, set(1));
+        v.remote(3, r2, set(1));
+        assert_eq!(
+            v.expire(Instant::now() + REPLY_TIMEOUT + Duration::from_millis(10)).0,
+            vec![TO]
+        );
+        assert_eq!(v.take_held(r2), None);
+    }
+
+    #[test]
     fn three_different_deltas_have_no_majority() {
         let mut v = Validator::new(3, 1);
         v.local(R, set(1), vec![], 1, Some(TO));
