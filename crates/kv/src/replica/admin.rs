@@ -168,6 +168,7 @@ impl Replica {
             ("binding_protocol", "ascii".into()),
             ("item_size_max", limits.item_max.to_string()),
             ("maxconns_fast", "yes".into()),
+            ("tcp_backlog", "1024".into()),
             ("flush_enabled", "yes".into()),
             ("shutdown_command", "no".into()),
             ("detail_enabled", "no".into()),

@@ -91,6 +91,8 @@ pub struct Config {
 /// Messages waiting for the replica thread, at most (senders block past it: client
 /// connections and peer links then slow down instead of growing a queue).
 const INBOX_MAX: usize = 4096;
+/// Pending client connections the kernel holds for us (memcached's default).
+const LISTEN_BACKLOG: i32 = 1024;
 /// Stack of a client connection thread (its buffers are on the heap).
 const CONN_STACK: usize = 256 << 10;
 
@@ -231,7 +233,15 @@ pub struct Replica {
 /// Start a replica and serve until a fatal error. Returns the exit status.
 pub fn run(cfg: Config) -> i32 {
     let client = match TcpListener::bind(cfg.client) {
-        Ok(l) => l,
+        Ok(l) => {
+            // memcached's backlog (its -b, default 1024) instead of std's 128: a burst of
+            // connections otherwise overflows it while the acceptor starts their threads,
+            // and every overflowing client waits a second for its SYN to be resent.
+            use std::os::fd::AsRawFd;
+            // SAFETY: listen on a socket we own; it only changes the backlog.
+            unsafe { libc::listen(l.as_raw_fd(), LISTEN_BACKLOG) };
+            l
+        }
         Err(e) => {
             eprintln!("lockstep kv: cannot listen for clients on {}: {e}", cfg.client);
             return 1;
