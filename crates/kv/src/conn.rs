@@ -3,7 +3,7 @@
 //! different times), so they are stashed until their turn.
 
 use crate::protocol::{parse, Parsed, Request, LINE_MAX};
-use crate::replica::{Inbound, Inbox};
+use crate::replica::{Inbound, Route};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -41,10 +41,10 @@ fn binary_not_supported(buf: &[u8]) -> Vec<u8> {
 /// libmemcached) read the version to decide what the server supports.
 pub const VERSION: &str = concat!("VERSION 1.6.18-lockstep-", env!("CARGO_PKG_VERSION"), "\r\n");
 
-pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) {
+pub fn serve(mut stream: TcpStream, conn: u64, to_node: Route, item_max: usize) {
     let _ = stream.set_nodelay(true);
     let (tx, rx) = channel::<(u64, Vec<u8>)>();
-    if to_node.send(Inbound::Open { conn, tx }).is_err() {
+    if !to_node.deliver(Inbound::Open { conn, tx }) {
         return;
     }
     let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
@@ -102,7 +102,7 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) 
                     };
                     match to_replica(next_seq) {
                         Ok((msg, noreply)) => {
-                            if to_node.send(msg).is_err() {
+                            if !to_node.deliver(msg) {
                                 break 'conn;
                             }
                             slots.push_back(Slot::Await { seq: next_seq, noreply });
@@ -163,5 +163,5 @@ pub fn serve(mut stream: TcpStream, conn: u64, to_node: Inbox, item_max: usize) 
             break;
         }
     }
-    let _ = to_node.send(Inbound::Closed { conn });
+    to_node.deliver(Inbound::Closed { conn });
 }

@@ -26,7 +26,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, Sender, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -271,18 +271,65 @@ pub fn run(cfg: Config) -> i32 {
     let item_max = replica.store.limits().item_max;
     let max_conns = replica.cfg.max_conns;
     let live = replica.live_conns.clone();
-    let accept_tx = tx.clone();
+    if !replicated {
+        // Single mode has nothing to order: each connection applies its requests itself,
+        // under the replica's lock, as memcached's worker threads do.
+        drop((tx, rx));
+        let shared = Arc::new(Mutex::new(replica));
+        let route = Route::Direct(shared.clone());
+        thread::Builder::new()
+            .name("client-accept".into())
+            .spawn(move || accept_clients(client, route, item_max, max_conns, live))
+            .expect("spawn client acceptor");
+        return Replica::serve_single(&shared);
+    }
+    let route = Route::Inbox(tx.clone());
     thread::Builder::new()
         .name("client-accept".into())
-        .spawn(move || accept_clients(client, accept_tx, item_max, max_conns, live))
+        .spawn(move || accept_clients(client, route, item_max, max_conns, live))
         .expect("spawn client acceptor");
     drop(tx);
     replica.serve(rx)
 }
 
+/// The single-mode replica. A connection thread that panicked while holding it may have
+/// left the store half-changed: stop (exit 86) rather than serve from it.
+fn lock_single(shared: &Mutex<Replica>) -> std::sync::MutexGuard<'_, Replica> {
+    shared.lock().unwrap_or_else(|_| {
+        eprintln!("lockstep kv: a request failed while changing the store; stopping rather than serving from it");
+        std::process::exit(lockstep_core::exit::DETECTED)
+    })
+}
+
+/// How a connection hands its requests over: to the replica thread through the inbox (a
+/// replicated replica orders them), or, in single mode, straight into the replica under
+/// its lock, so that a request costs no hop between threads.
+#[derive(Clone)]
+pub enum Route {
+    Inbox(Inbox),
+    Direct(Arc<Mutex<Replica>>),
+}
+
+impl Route {
+    /// Hand over one message; false once the replica is gone.
+    pub fn deliver(&self, m: Inbound) -> bool {
+        match self {
+            Route::Inbox(tx) => tx.send(m).is_ok(),
+            Route::Direct(shared) => {
+                let mut r = lock_single(shared);
+                if let Err(code) = r.handle(m).and_then(|()| r.step()) {
+                    std::process::exit(code);
+                }
+                r.heartbeat.fetch_add(1, AtomicOrdering::Relaxed);
+                true
+            }
+        }
+    }
+}
+
 /// Serve client connections, one thread each, at most `max_conns` at once. Past the cap a
 /// new connection is told so and closed, as memcached does.
-fn accept_clients(client: TcpListener, inbox: Inbox, item_max: usize, max_conns: usize, live: Arc<AtomicUsize>) {
+fn accept_clients(client: TcpListener, route: Route, item_max: usize, max_conns: usize, live: Arc<AtomicUsize>) {
     for (conn, stream) in client.incoming().enumerate() {
         let mut stream = match stream {
             Ok(s) => s,
@@ -298,7 +345,7 @@ fn accept_clients(client: TcpListener, inbox: Inbox, item_max: usize, max_conns:
             continue;
         }
         live.fetch_add(1, AtomicOrdering::Relaxed);
-        let (tx, mine) = (inbox.clone(), live.clone());
+        let (tx, mine) = (route.clone(), live.clone());
         let spawned = thread::Builder::new()
             .name("client".into())
             .stack_size(CONN_STACK)
@@ -441,8 +488,7 @@ impl Replica {
         })
     }
 
-    fn serve(&mut self, rx: Receiver<Inbound>) -> i32 {
-        self.start_watchdog();
+    fn announce(&mut self) {
         self.events.emit(
             Event::new("kv", "start", "continue")
                 .replica(self.cfg.id as u32)
@@ -454,6 +500,11 @@ impl Replica {
                     self.cfg.mode.name()
                 )),
         );
+    }
+
+    fn serve(&mut self, rx: Receiver<Inbound>) -> i32 {
+        self.start_watchdog();
+        self.announce();
         loop {
             match rx.recv_timeout(self.cfg.tick) {
                 Ok(m) => {
@@ -474,6 +525,26 @@ impl Replica {
                 return code;
             }
             self.heartbeat.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Single mode: connections apply their requests themselves (`Route::Direct`); this
+    /// thread only keeps the watchdog fed, taking the lock so that a replica stuck inside
+    /// it stops the process like a stuck replica thread does.
+    fn serve_single(shared: &Arc<Mutex<Replica>>) -> i32 {
+        let tick = {
+            let mut r = lock_single(shared);
+            r.start_watchdog();
+            r.announce();
+            r.cfg.tick
+        };
+        loop {
+            thread::sleep(tick);
+            let mut r = lock_single(shared);
+            if let Err(code) = r.step() {
+                return code;
+            }
+            r.heartbeat.fetch_add(1, AtomicOrdering::Relaxed);
         }
     }
 
