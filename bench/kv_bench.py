@@ -2,12 +2,14 @@
 """Benchmarks for `lockstep kv` (CrossCheck), against its own baselines measured in the
 same run. Usage: bench/kv_bench.py [SECONDS] [ROUNDS]   (default 5 s per point, 3 rounds)
 
-1. Throughput, saturated: memcaslap (libmemcached-tools), 16 connections on 2 threads
+1. Throughput, saturated: memcaslap (libmemcached-tools), KV_BENCH_CONNS (default 64) connections on 2 threads
    spread over all replicas, key 64 B, value 400 B (the paper's value size), for three
-   mixes: 100% set, 75% get / 25% set (the paper's mix) and 90% get. Configurations
-   (CrossCheck's Table IV): single (one process, no protection), smr (3 replicas on Raft),
-   gop (+ object checks), crosscheck (+ validation and repair). The modes are interleaved
-   round by round so that machine noise hits them alike; the ratio is crosscheck / smr.
+   mixes: 100% set, 75% get / 25% set (the paper's mix) and 90% get. Configurations:
+   memcached 1.6 itself (Debian's, -m 64 -c 1024), then CrossCheck's Table IV: single (one
+   process, no protection), smr (3 replicas on Raft), gop (+ object checks), crosscheck
+   (+ validation and repair). The modes are interleaved round by round so that machine
+   noise hits them alike; the ratios are single and smr against memcached, and
+   crosscheck / smr.
 2. Latency: one connection to replica 1 (the leader after start-up), one request at a
    time, 500 requests/s (90% get, 400 B): median and p99, and crosscheck - smr.
 3. Repair: 3-replica crosscheck cluster with --test-corruption; N corruptions (item, bucket
@@ -34,7 +36,7 @@ BIN = os.path.join(ROOT, "target", "release", "lockstep")
 OUT = os.path.join(ROOT, "bench", "out")
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-MODES = ["single", "smr", "gop", "crosscheck"]
+MODES = ["memcached", "single", "smr", "gop", "crosscheck"]
 MIXES = [("set", 0.0), ("75% get", 0.75), ("90% get", 0.9)]
 PACED_RATE = 500
 CONNS = int(os.environ.get("KV_BENCH_CONNS", "64"))
@@ -55,7 +57,27 @@ def cmd(port, line, timeout=10):
         return out.decode()
 
 
+def start_memcached():
+    """Debian's memcached with the memory and connection limits kv uses by default."""
+    args = ["memcached", "-p", str(PORT), "-U", "0", "-l", "127.0.0.1", "-m", "64", "-c", "1024"]
+    if os.geteuid() == 0:
+        args += ["-u", "root"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            if cmd(PORT, "version").startswith("VERSION"):
+                return proc, 1
+        except OSError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("memcached did not start (scripts/deps.sh installs it)")
+
+
 def start(mode, events=None, extra=()):
+    if mode == "memcached":
+        return start_memcached()
     n = 1 if mode == "single" else 3
     args = [BIN, "kv", "cluster", "-n", str(n), "--port", str(PORT), "--mode", mode, "--no-fsync", *extra]
     if events:
@@ -190,7 +212,7 @@ def svg(tps):
     W, H, L, B, T = 720, 360, 60, 60, 40
     mixes = [m for m, _ in MIXES]
     peak = max(statistics.median(v) for m in MODES for v in tps[m].values()) * 1.15
-    colours = {"single": "#888", "smr": "#4a7ab5", "gop": "#e2a33b", "crosscheck": "#3b9e5a"}
+    colours = {"memcached": "#222222", "single": "#aaaaaa", "smr": "#4a7ab5", "gop": "#e2a33b", "crosscheck": "#3b9e5a"}
     gw = (W - L - 20) / len(mixes)
     bw = gw / (len(MODES) + 1)
     out = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (W, H),
@@ -224,19 +246,22 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     json.dump(result, open(os.path.join(OUT, "kv.json"), "w"), indent=1)
     open(os.path.join(OUT, "kv.svg"), "w").write(svg(tps))
-    lines = ["### Throughput (median of %d rounds, %d s each, TPS)" % (ROUNDS, SECONDS), "",
-             "| mix | single | smr | gop | crosscheck | crosscheck / smr | gop / smr |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["### Throughput (median of %d rounds, %d s each, TPS, %d connections)" % (ROUNDS, SECONDS, CONNS), "",
+             "| mix | memcached | single | smr | gop | crosscheck | single / memcached | smr / memcached "
+             "| crosscheck / smr | gop / smr |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mix, _ in MIXES:
         m = {k: med(tps[k][mix]) for k in MODES}
-        lines.append("| %s | %d | %d | %d | %d | %.2f | %.2f |" % (
-            mix, m["single"], m["smr"], m["gop"], m["crosscheck"], m["crosscheck"] / m["smr"], m["gop"] / m["smr"]))
+        lines.append("| %s | %d | %d | %d | %d | %d | %.2f | %.2f | %.2f | %.2f |" % (
+            mix, m["memcached"], m["single"], m["smr"], m["gop"], m["crosscheck"], m["single"] / m["memcached"],
+            m["smr"] / m["memcached"], m["crosscheck"] / m["smr"], m["gop"] / m["smr"]))
     lat_med = {m: med([x[0] for x in lat[m]]) for m in MODES}
     lat_p99 = {m: med([x[1] for x in lat[m]]) for m in MODES}
     lines += ["", "### Latency of one request at a time, %d requests/s, via replica 1 (median of rounds)" % PACED_RATE, "",
-              "| measure | single | smr | gop | crosscheck | crosscheck - smr |", "|---|---:|---:|---:|---:|---:|"]
+              "| measure | memcached | single | smr | gop | crosscheck | crosscheck - smr |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, v in (("median", lat_med), ("p99", lat_p99)):
-        lines.append("| %s | %.0f us | %.0f us | %.0f us | %.0f us | %+.0f us |" % (
-            name, v["single"], v["smr"], v["gop"], v["crosscheck"], v["crosscheck"] - v["smr"]))
+        lines.append("| %s | %.0f us | %.0f us | %.0f us | %.0f us | %.0f us | %+.0f us |" % (
+            name, v["memcached"], v["single"], v["smr"], v["gop"], v["crosscheck"], v["crosscheck"] - v["smr"]))
     d, s = rep["detect_to_repair_us"], rep["repair_step_us"]
     lines += ["", "### Repair (%d corruptions, %d repairs, %d requests unanswered)" % (
         rep["corruptions"], rep["repairs"], rep["unanswered"]), "",
