@@ -204,6 +204,17 @@ impl Mc {
         self.read_line()
     }
 
+    /// `set` that reports a broken connection instead of panicking.
+    fn try_set(&mut self, key: &str, value: &[u8]) -> std::io::Result<String> {
+        let mut req = format!("set {key} 0 0 {}\r\n", value.len()).into_bytes();
+        req.extend_from_slice(value);
+        req.extend_from_slice(b"\r\n");
+        self.r.get_mut().write_all(&req)?;
+        let mut l = String::new();
+        self.r.read_line(&mut l)?;
+        Ok(l.trim_end().to_string())
+    }
+
     fn set(&mut self, key: &str, value: &[u8]) -> String {
         let mut req = format!("set {key} 0 0 {}\r\n", value.len()).into_bytes();
         req.extend_from_slice(value);
@@ -382,8 +393,12 @@ fn crash_and_restart_under_load_lose_no_acknowledged_write() {
                     std::thread::sleep(Duration::from_millis(20));
                     continue;
                 };
-                // A write only counts once the replica said STORED.
-                if mc.set(&key, format!("{seq}").as_bytes()) == "STORED" {
+                // A write only counts once the replica said STORED; a replica killed under
+                // it (a reset connection) is just a failed write.
+                if mc
+                    .try_set(&key, format!("{seq}").as_bytes())
+                    .is_ok_and(|r| r == "STORED")
+                {
                     acked.lock().unwrap().insert(key, seq);
                 } else {
                     errors += 1;
@@ -1556,8 +1571,10 @@ fn histories_with_leader_kills_and_flips_are_linearizable() {
                 let op = if (x >> 16).is_multiple_of(2) {
                     n += 1;
                     let v = client << 32 | n;
-                    let r = m.set(&format!("lin{key}"), v.to_string().as_bytes());
-                    let ret = (r == "STORED").then(|| start.elapsed().as_nanos() as u64);
+                    let r = m.try_set(&format!("lin{key}"), v.to_string().as_bytes());
+                    let ret = r
+                        .is_ok_and(|r| r == "STORED")
+                        .then(|| start.elapsed().as_nanos() as u64);
                     if ret.is_none() {
                         mc = None;
                     }
@@ -1568,7 +1585,10 @@ fn histories_with_leader_kills_and_flips_are_linearizable() {
                         saw: None,
                     }
                 } else {
-                    m.send(format!("get lin{key}\r\n").as_bytes());
+                    if m.r.get_mut().write_all(format!("get lin{key}\r\n").as_bytes()).is_err() {
+                        mc = None;
+                        continue;
+                    }
                     let head = m.read_line();
                     let saw = if head == "END" {
                         Some(None)
