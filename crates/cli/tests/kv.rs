@@ -581,15 +581,9 @@ fn a_replica_with_too_many_recoveries_is_replaced_from_a_snapshot() {
     for i in 0..20 {
         assert_eq!(writer.set(&format!("base-{i}"), format!("v{i}").as_bytes()), "STORED");
     }
-    let mut bad = Mc::connect(c.port(victim)).unwrap();
-    for round in 0..3 {
-        let key = format!("base-{round}");
-        assert!(bad
-            .line(&format!("lockstep_corrupt {key} item"))
-            .starts_with("CORRUPTED"));
-        assert_eq!(bad.get(&key).as_deref(), Some(format!("v{round}").as_bytes()));
+    recover_three_times(&c, victim, || {
         c.assert_agree();
-    }
+    });
     // The third recovery crossed the limit: removal, wipe, re-add, snapshot.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -626,6 +620,21 @@ fn a_replica_with_too_many_recoveries_is_replaced_from_a_snapshot() {
     }
     assert_eq!(rebuilt.set("after", b"replacement"), "STORED");
     c.assert_agree();
+}
+
+/// Three recoveries of `victim`: a flip at rest in base-0, base-1 and base-2 (written as
+/// "v0".."v2"), each read back through it; with `--max-recoveries 2` the log then decides
+/// to replace it. `after_each` runs after every round.
+fn recover_three_times(c: &Cluster, victim: u64, mut after_each: impl FnMut()) {
+    let mut bad = Mc::connect(c.port(victim)).unwrap();
+    for round in 0..3 {
+        let key = format!("base-{round}");
+        assert!(bad
+            .line(&format!("lockstep_corrupt {key} item"))
+            .starts_with("CORRUPTED"));
+        assert_eq!(bad.get(&key).as_deref(), Some(format!("v{round}").as_bytes()));
+        after_each();
+    }
 }
 
 /// A replica that was repaired and then restarts replays its log, RECOVER entries for
@@ -1032,23 +1041,7 @@ fn the_replica_port_is_bounded() {
 /// closed, as memcached does; once a connection closes, a new one is served.
 #[test]
 fn connections_past_the_cap_are_refused_like_memcached() {
-    let port = free_ports(1);
-    let mut child = lockstep()
-        .args([
-            "kv",
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--max-conns",
-            "50",
-        ])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Mc::connect(port).is_err() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (mut child, port) = single_server(&["--max-conns", "50"]);
     // The probes above may still be counted for a moment.
     std::thread::sleep(Duration::from_millis(200));
     let mut held: Vec<Mc> = (0..50).map(|_| Mc::connect(port).unwrap()).collect();
@@ -1786,14 +1779,7 @@ fn a_corrupt_leader_never_rebuilds_a_replaced_follower() {
         .line("lockstep_corrupt key0 item recompute 5");
     assert!(r.starts_with("CORRUPTED "), "{r}");
     // Three recoveries of the victim: it is removed and re-added empty.
-    let mut bad = Mc::connect(c.port(victim)).unwrap();
-    for round in 0..3 {
-        let key = format!("base-{round}");
-        assert!(bad
-            .line(&format!("lockstep_corrupt {key} item"))
-            .starts_with("CORRUPTED"));
-        assert_eq!(bad.get(&key).as_deref(), Some(format!("v{round}").as_bytes()));
-    }
+    recover_three_times(&c, victim, || {});
     let deadline = Instant::now() + Duration::from_secs(10);
     while !c.event_kinds(victim).iter().any(|k| k == "replace") {
         assert!(Instant::now() < deadline, "no replacement: {:?}", c.event_kinds(victim));

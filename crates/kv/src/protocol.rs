@@ -218,18 +218,17 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
                     other => other,
                 };
             }
-            if buf.len() < total {
-                return Parsed::Incomplete;
-            }
-            if &buf[line_len + len..total] != b"\r\n" {
-                return fail("CLIENT_ERROR bad data chunk", total);
-            }
+            let value = match data_block(buf, line_len, len) {
+                Block::Here(value) => value,
+                Block::Incomplete => return Parsed::Incomplete,
+                Block::Bad => return fail("CLIENT_ERROR bad data chunk", total),
+            };
             let cmd = Command::Store {
                 op,
                 key: key.to_vec(),
                 flags,
                 exptime,
-                data: buf[line_len..line_len + len].to_vec(),
+                data: value.to_vec(),
                 cas,
             };
             data(cmd, noreply, total)
@@ -447,19 +446,38 @@ fn meta(kind: u8, args: &[&[u8]], buf: &[u8], line_len: usize, item_max: usize) 
             close: false,
         };
     }
-    if buf.len() < total {
-        return Parsed::Incomplete;
-    }
-    if &buf[line_len + len..total] != b"\r\n" {
-        return err("CLIENT_ERROR bad data chunk", total);
-    }
+    let value = match data_block(buf, line_len, len) {
+        Block::Here(value) => value,
+        Block::Incomplete => return Parsed::Incomplete,
+        Block::Bad => return err("CLIENT_ERROR bad data chunk", total),
+    };
     let cmd = Command::Meta {
         kind,
         key: key.to_vec(),
         flags,
-        data: buf[line_len..line_len + len].to_vec(),
+        data: value.to_vec(),
     };
     data(cmd, noreply, total)
+}
+
+/// A value's data block after its command line.
+enum Block<'a> {
+    Here(&'a [u8]),
+    Incomplete,
+    /// Not followed by "\r\n".
+    Bad,
+}
+
+/// The `len` bytes after a command line of `line_len` bytes, and their "\r\n".
+fn data_block(buf: &[u8], line_len: usize, len: usize) -> Block<'_> {
+    let total = line_len + len + 2;
+    if buf.len() < total {
+        Block::Incomplete
+    } else if &buf[line_len + len..total] != b"\r\n" {
+        Block::Bad
+    } else {
+        Block::Here(&buf[line_len..line_len + len])
+    }
 }
 
 /// C's `strtol` as memcached's safe_strtol uses it: an optional sign and decimal digits
