@@ -989,7 +989,7 @@ fn two_faulty_replicas_make_objects_unavailable_never_wrong() {
 /// that never says hello is closed after a few seconds; many of them are refused.
 #[test]
 fn the_replica_port_is_bounded() {
-    let c = Cluster::start(3, &[]);
+    let mut c = Cluster::start(3, &[]);
     let peer_port = c.peer_base + 1;
     let rss = |pid: u32| -> u64 {
         let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -1034,6 +1034,38 @@ fn the_replica_port_is_bounded() {
     let threads = || std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().count();
     assert!(threads() < 100, "{} threads for 100 silent connections", threads());
     drop(silent);
+    // A real replica that reconnects during a sustained flood of silent strangers on the
+    // leader's replica port still gets in: a follower restarts and its requests must reach
+    // the leader while new strangers keep arriving.
+    let leader = c.leader();
+    let follower = (1..=3).find(|&id| id != leader).unwrap();
+    let peer_port = c.peer_base + leader as u16 - 1;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut held = std::collections::VecDeque::new();
+            while !stop.load(Ordering::SeqCst) {
+                if let Ok(s) = TcpStream::connect(("127.0.0.1", peer_port)) {
+                    held.push_back(s);
+                }
+                if held.len() > 100 {
+                    held.pop_front();
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    c.kill(follower);
+    c.spawn(follower);
+    c.wait_ready(follower);
+    assert_eq!(
+        Mc::connect(c.port(follower)).unwrap().set("after", b"reconnect"),
+        "STORED"
+    );
+    stop.store(true, Ordering::SeqCst);
+    flood.join().unwrap();
     c.assert_agree();
 }
 

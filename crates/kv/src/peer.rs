@@ -6,7 +6,10 @@
 //! Nothing a peer sends makes us spend before it is checked: a frame's length is checked
 //! against the limit first and its payload is read as it arrives (a header claiming
 //! 256 MiB costs nothing until 256 MiB come); the hello is at most 16 bytes and must come
-//! within a few seconds; at most `PEER_CONNS_MAX` incoming connections are served.
+//! within a few seconds. At most `STRANGERS_MAX` connections wait for their hello at once:
+//! a newcomer past that closes the one that has waited longest, so a flood of silent
+//! strangers never keeps a real replica that reconnects from getting in; and at most
+//! `PEERS_MAX` connections that said hello are served.
 
 use crate::replica::{Inbound, Inbox};
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -26,9 +29,11 @@ const HELLO: &[u8; 8] = b"LSKVPEER";
 const HELLO_LEN: usize = 16;
 /// An unauthenticated connection must say hello within this time.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-/// Incoming peer connections served at once (a peer reconnects after a failure, so a
-/// few per peer at most are legitimate); more are closed at once.
-const PEER_CONNS_MAX: usize = 32;
+/// Incoming connections waiting for their hello at once.
+const STRANGERS_MAX: usize = 16;
+/// Incoming connections that said hello, served at once (a replica keeps one, and a few
+/// more while it reconnects after a failure).
+const PEERS_MAX: usize = 32;
 
 pub fn encode_frame(payload: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(payload.len() + 8);
@@ -171,39 +176,47 @@ fn sender(me: u64, addr: SocketAddr, rx: Receiver<Vec<u8>>) {
 
 /// Accept peer connections and forward their frames to the replica.
 pub fn listen(listener: TcpListener, n_peers: u64, to_node: Inbox) {
-    let live = Arc::new(AtomicUsize::new(0));
+    let strangers: Strangers = Default::default();
+    let peers = Arc::new(AtomicUsize::new(0));
     thread::Builder::new()
         .name("peer-accept".into())
         .spawn(move || {
-            for stream in listener.incoming().flatten() {
-                if live.load(Ordering::Relaxed) >= PEER_CONNS_MAX {
-                    let _ = to_node.try_send(Inbound::PeerError(format!(
-                        "{:?}: more than {PEER_CONNS_MAX} peer connections; closed",
-                        stream.peer_addr().ok()
-                    )));
-                    continue;
+            for (token, stream) in listener.incoming().flatten().enumerate() {
+                let Ok(handle) = stream.try_clone() else { continue };
+                {
+                    let mut waiting = strangers.lock().unwrap_or_else(|p| p.into_inner());
+                    if waiting.len() >= STRANGERS_MAX {
+                        // The one that has waited longest makes room (its thread then
+                        // fails its read and ends).
+                        if let Some((_, oldest)) = waiting.pop_front() {
+                            let _ = oldest.shutdown(std::net::Shutdown::Both);
+                        }
+                    }
+                    waiting.push_back((token, handle));
                 }
-                live.fetch_add(1, Ordering::Relaxed);
-                let (to_node, mine) = (to_node.clone(), live.clone());
-                let spawned = thread::Builder::new().name("peer-in".into()).spawn(move || {
-                    receive(stream, n_peers, to_node);
-                    mine.fetch_sub(1, Ordering::Relaxed);
+                let (to_node, strangers, peers) = (to_node.clone(), strangers.clone(), peers.clone());
+                let _ = thread::Builder::new().name("peer-in".into()).spawn(move || {
+                    receive(stream, token, n_peers, to_node, &strangers, &peers);
                 });
-                if spawned.is_err() {
-                    // The closure never ran: its count goes back here.
-                    live.fetch_sub(1, Ordering::Relaxed);
-                }
             }
         })
         .expect("spawn peer listener");
 }
 
-fn receive(stream: TcpStream, n_peers: u64, to_node: Inbox) {
+/// Connections still waiting for their hello, oldest first, by accept order.
+type Strangers = Arc<std::sync::Mutex<std::collections::VecDeque<(usize, TcpStream)>>>;
+
+fn receive(stream: TcpStream, token: usize, n_peers: u64, to_node: Inbox, strangers: &Strangers, peers: &AtomicUsize) {
     let peer = stream.peer_addr().ok();
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
     let mut r = BufReader::with_capacity(64 << 10, stream);
-    let from = match read_frame(&mut r, HELLO_LEN) {
+    let hello = read_frame(&mut r, HELLO_LEN);
+    strangers
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|(t, _)| *t != token);
+    let from = match hello {
         Ok(h) if h.len() == HELLO_LEN && &h[..8] == HELLO => u64::from_le_bytes(h[8..].try_into().unwrap()),
         _ => {
             let _ = to_node.send(Inbound::PeerError(format!(
@@ -218,9 +231,22 @@ fn receive(stream: TcpStream, n_peers: u64, to_node: Inbox) {
         )));
         return;
     }
+    if peers.fetch_add(1, Ordering::Relaxed) >= PEERS_MAX {
+        peers.fetch_sub(1, Ordering::Relaxed);
+        let _ = to_node.send(Inbound::PeerError(format!(
+            "replica {from}: more than {PEERS_MAX} connections from replicas; closed"
+        )));
+        return;
+    }
     let _ = r.get_ref().set_read_timeout(None);
+    serve_peer(&mut r, from, &to_node);
+    peers.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Forward a replica's frames until its connection ends.
+fn serve_peer(r: &mut BufReader<TcpStream>, from: u64, to_node: &Inbox) {
     loop {
-        match read_frame(&mut r, FRAME_MAX) {
+        match read_frame(r, FRAME_MAX) {
             Ok(frame) => {
                 if to_node.send(Inbound::Peer { from, frame }).is_err() {
                     return;
