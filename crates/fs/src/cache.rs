@@ -527,35 +527,35 @@ impl Cache {
         Ok((p.slot, p.len, true))
     }
 
-    /// Append `used` of the page in `slot` (CRC `crc` over its first `len` bytes) to `out`;
-    /// when `due`, the whole page is checked in the same pass and the bytes appended are
-    /// exactly the bytes checked. Returns whether the page was intact (if not, `out` is as
-    /// it was).
+    /// Append the bytes `used` of page `key` (in `slot`, `len` used bytes) to `out`, with
+    /// zeros for what lies past its used bytes; when `due`, the whole page is checked
+    /// against its CRC in the same pass, so the bytes appended are exactly the bytes
+    /// checked. Returns whether the page was intact (if not, `out` is as it was).
     fn copy_checked(
         &self,
-        slot: usize,
-        len: usize,
-        crc: u32,
+        key: (u64, u64),
+        (slot, len, due): (usize, usize, bool),
         used: Range<usize>,
-        due: bool,
         out: &mut Vec<u8>,
     ) -> bool {
         let page = &self.shared.page(slot)[..len];
-        let page_crc = |out: &mut Vec<u8>| {
-            let before = crc32c(&page[..used.start]);
-            let copied = crc32c_append_copy(before, out, &page[used.clone()]);
-            crc32c_append(copied, &page[used.end..])
-        };
+        let stop = used.end.min(len).max(used.start);
+        let data = used.start..stop;
         let mark = out.len();
+        let intact = !due || {
+            let before = crc32c(&page[..data.start]);
+            let copied = crc32c_append_copy(before, out, &page[data.clone()]);
+            crc32c_append(copied, &page[data.end..]) == self.pages[&key].crc
+        };
         if !due {
-            out.extend_from_slice(&page[used]);
-            return true;
+            out.extend_from_slice(&page[data]);
         }
-        if page_crc(out) == crc {
-            return true;
+        if !intact {
+            out.truncate(mark);
+            return false;
         }
-        out.truncate(mark);
-        false
+        out.resize(out.len() + used.end - stop, 0);
+        true
     }
 
     /// Append the part `used` of block `block` (zeros after its used bytes up to
@@ -563,11 +563,8 @@ impl Cache {
     /// a clean page is dropped and read again from the store, a dirty one poisoned).
     fn append_block(&mut self, ino: u64, block: u64, used: Range<usize>, now: Instant, out: &mut Vec<u8>) -> R<()> {
         for attempt in 0..2 {
-            let (slot, len, due) = self.page_for_read(ino, block, now)?;
-            let crc = self.pages[&(ino, block)].crc;
-            let stop_used = used.end.min(len).max(used.start);
-            if self.copy_checked(slot, len, crc, used.start..stop_used, due, out) {
-                out.resize(out.len() + used.end - stop_used, 0);
+            let page = self.page_for_read(ino, block, now)?;
+            if self.copy_checked((ino, block), page, used.clone(), out) {
                 return Ok(());
             }
             self.check((ino, block), now);
@@ -726,12 +723,7 @@ impl Cache {
                 if let Some(&(next, _, _)) = spans.get(i + 1) {
                     self.shared.prefetch(next);
                 }
-                let (slot, len, due) = spans[i];
-                let crc = self.pages[&(ino, block)].crc;
-                let stop_used = used.end.min(len).max(used.start);
-                if self.copy_checked(slot, len, crc, used.start..stop_used, due, out) {
-                    out.resize(out.len() + used.end - stop_used, 0);
-                } else {
+                if !self.copy_checked((ino, block), spans[i], used.clone(), out) {
                     self.check((ino, block), now);
                     self.append_block(ino, block, used, now, out)?;
                 }
