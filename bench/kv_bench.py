@@ -2,9 +2,9 @@
 """Benchmarks for `lockstep kv` (CrossCheck), against its own baselines measured in the
 same run. Usage: bench/kv_bench.py [SECONDS] [ROUNDS]   (default 5 s per point, 3 rounds)
 
-1. Throughput, saturated: memcaslap (libmemcached-tools), KV_BENCH_CONNS (default 64) connections on 2 threads
-   spread over all replicas, key 64 B, value 400 B (the paper's value size), for three
-   mixes: 100% set, 75% get / 25% set (the paper's mix) and 90% get. Configurations:
+1. Throughput: memcaslap (libmemcached-tools) with 1, 16 and 64 connections (KV_BENCH_CONNS,
+   space-separated, overrides), on at most 2 threads, spread over all replicas, key 64 B,
+   value 400 B (the paper's value size), for two mixes: 100% set and 90% get. Configurations:
    memcached 1.6 itself (Debian's, -m 64 -c 1024), then CrossCheck's Table IV: single (one
    process, no protection), smr (3 replicas on Raft), gop (+ object checks), crosscheck
    (+ validation and repair). The modes are interleaved round by round so that machine
@@ -37,9 +37,9 @@ OUT = os.path.join(ROOT, "bench", "out")
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 MODES = ["memcached", "single", "smr", "gop", "crosscheck"]
-MIXES = [("set", 0.0), ("75% get", 0.75), ("90% get", 0.9)]
+MIXES = [("set", 0.0), ("90% get", 0.9)]
 PACED_RATE = 500
-CONNS = int(os.environ.get("KV_BENCH_CONNS", "64"))
+CONNS = [int(c) for c in os.environ.get("KV_BENCH_CONNS", "1 16 64").split()]
 PORT = 17311
 
 
@@ -107,12 +107,12 @@ def stop(proc):
     time.sleep(0.5)
 
 
-def memcaslap(n, get_ratio):
+def memcaslap(n, get_ratio, conns):
     with tempfile.NamedTemporaryFile("w", suffix=".cfg", delete=False) as f:
         f.write("key\n64 64 1\nvalue\n400 400 1\ncmd\n0 %.2f\n1 %.2f\n" % (1 - get_ratio, get_ratio))
         cfg = f.name
     servers = ",".join("127.0.0.1:%d" % (PORT + i) for i in range(n))
-    out = subprocess.run(["memcaslap", "-s", servers, "-T", "2", "-c", str(CONNS), "-t", "%ds" % SECONDS, "-F", cfg],
+    out = subprocess.run(["memcaslap", "-s", servers, "-T", str(min(2, conns)), "-c", str(conns), "-t", "%ds" % SECONDS, "-F", cfg],
                          capture_output=True, text=True, timeout=SECONDS + 60).stdout
     os.unlink(cfg)
     total = [line for line in out.splitlines() if line.startswith("Run time:")]
@@ -153,20 +153,35 @@ def paced(port, count=2000):
     return statistics.median(lat), lat[int(0.99 * len(lat))]
 
 
+def roles(n):
+    """The client port of the leader and of a follower (the one server for n == 1)."""
+    if n == 1:
+        return {"leader": PORT, "follower": PORT}
+    found = {}
+    for i in range(n):
+        r = cmd(PORT + i, "stats kv")
+        role = "leader" if "kv_role leader" in r else "follower"
+        found.setdefault(role, PORT + i)
+    return found
+
+
 def throughput_and_latency():
-    tps = {m: {mix: [] for mix, _ in MIXES} for m in MODES}
-    lat = {m: [] for m in MODES}
+    points = [(mix, ratio, c) for c in CONNS for mix, ratio in MIXES]
+    tps = {m: {"%s, %d conn" % (mix, c): [] for mix, _, c in points} for m in MODES}
+    lat = {m: {"leader": [], "follower": []} for m in MODES}
     for rnd in range(ROUNDS):
         for mode in MODES:
             proc, n = start(mode)
             try:
-                for mix, ratio in MIXES:
-                    t = memcaslap(n, ratio)
-                    tps[mode][mix].append(t)
-                    print("round %d %-10s %-8s %7d TPS" % (rnd + 1, mode, mix, t), file=sys.stderr)
-                med, p99 = paced(PORT)
-                lat[mode].append((med, p99))
-                print("round %d %-10s latency median %.0f us, p99 %.0f us" % (rnd + 1, mode, med, p99), file=sys.stderr)
+                for mix, ratio, c in points:
+                    t = memcaslap(n, ratio, c)
+                    tps[mode]["%s, %d conn" % (mix, c)].append(t)
+                    print("round %d %-10s %-8s %3d conns %7d TPS" % (rnd + 1, mode, mix, c, t), file=sys.stderr)
+                for role, port in roles(n).items():
+                    med, p99 = paced(port)
+                    lat[mode][role].append((med, p99))
+                    print("round %d %-10s latency via %s median %.0f us, p99 %.0f us" % (rnd + 1, mode, role, med, p99),
+                          file=sys.stderr)
             finally:
                 stop(proc)
     return tps, lat
@@ -209,14 +224,14 @@ def repair_times(count=24):
 
 
 def svg(tps):
-    W, H, L, B, T = 720, 360, 60, 60, 40
-    mixes = [m for m, _ in MIXES]
+    W, H, L, B, T = 1100, 360, 60, 60, 40
+    mixes = list(tps[MODES[0]].keys())
     peak = max(statistics.median(v) for m in MODES for v in tps[m].values()) * 1.15
     colours = {"memcached": "#222222", "single": "#aaaaaa", "smr": "#4a7ab5", "gop": "#e2a33b", "crosscheck": "#3b9e5a"}
     gw = (W - L - 20) / len(mixes)
     bw = gw / (len(MODES) + 1)
     out = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (W, H),
-           '<text x="%d" y="22" font-size="15">lockstep kv throughput (median TPS, memcaslap, 16 connections)</text>' % L]
+           '<text x="%d" y="22" font-size="15">lockstep kv throughput (median TPS, memcaslap)</text>' % L]
     ph = H - T - B
     for gi, mix in enumerate(mixes):
         for mi, mode in enumerate(MODES):
@@ -246,22 +261,22 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     json.dump(result, open(os.path.join(OUT, "kv.json"), "w"), indent=1)
     open(os.path.join(OUT, "kv.svg"), "w").write(svg(tps))
-    lines = ["### Throughput (median of %d rounds, %d s each, TPS, %d connections)" % (ROUNDS, SECONDS, CONNS), "",
-             "| mix | memcached | single | smr | gop | crosscheck | single / memcached | smr / memcached "
+    lines = ["### Throughput (median of %d rounds, %d s each, TPS)" % (ROUNDS, SECONDS), "",
+             "| mix, connections | memcached | single | smr | gop | crosscheck | single / memcached | smr / memcached "
              "| crosscheck / smr | gop / smr |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for mix, _ in MIXES:
+    for mix in tps[MODES[0]]:
         m = {k: med(tps[k][mix]) for k in MODES}
         lines.append("| %s | %d | %d | %d | %d | %d | %.2f | %.2f | %.2f | %.2f |" % (
             mix, m["memcached"], m["single"], m["smr"], m["gop"], m["crosscheck"], m["single"] / m["memcached"],
             m["smr"] / m["memcached"], m["crosscheck"] / m["smr"], m["gop"] / m["smr"]))
-    lat_med = {m: med([x[0] for x in lat[m]]) for m in MODES}
-    lat_p99 = {m: med([x[1] for x in lat[m]]) for m in MODES}
-    lines += ["", "### Latency of one request at a time, %d requests/s, via replica 1 (median of rounds)" % PACED_RATE, "",
-              "| measure | memcached | single | smr | gop | crosscheck | crosscheck - smr |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, v in (("median", lat_med), ("p99", lat_p99)):
-        lines.append("| %s | %.0f us | %.0f us | %.0f us | %.0f us | %.0f us | %+.0f us |" % (
-            name, v["memcached"], v["single"], v["smr"], v["gop"], v["crosscheck"], v["crosscheck"] - v["smr"]))
+    lines += ["", "### Latency of one request at a time, %d requests/s (median of rounds)" % PACED_RATE, "",
+              "| via | measure | memcached | single | smr | gop | crosscheck | crosscheck - smr |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for role in ("leader", "follower"):
+        for name, k in (("median", 0), ("p99", 1)):
+            v = {m: med([x[k] for x in lat[m][role]]) for m in MODES}
+            lines.append("| %s | %s | %.0f us | %.0f us | %.0f us | %.0f us | %.0f us | %+.0f us |" % (
+                role, name, v["memcached"], v["single"], v["smr"], v["gop"], v["crosscheck"], v["crosscheck"] - v["smr"]))
     d, s = rep["detect_to_repair_us"], rep["repair_step_us"]
     lines += ["", "### Repair (%d corruptions, %d repairs, %d requests unanswered)" % (
         rep["corruptions"], rep["repairs"], rep["unanswered"]), "",

@@ -2,11 +2,10 @@
 
 pub mod check;
 pub mod command;
-pub mod conn;
 pub mod dedupe;
 pub mod fuzzing;
+pub mod net;
 pub mod objects;
-pub mod peer;
 pub mod protocol;
 pub mod replica;
 pub mod storage;

@@ -10,9 +10,10 @@
 
 use crate::check::{Outcome, ReplyTo, ReqId, Validator};
 use crate::command::Command;
-use crate::conn;
 use crate::dedupe::Applied;
-use crate::peer::{self, Peers};
+use crate::net::peer::Peers;
+use crate::net::poll::Poller;
+use crate::net::{self, Listeners, Service};
 use crate::storage::LogStore;
 use crate::store::{Limits, Store, Target};
 use lockstep_core::{Event, EventSink};
@@ -21,12 +22,9 @@ use prost::Message as _;
 use raft::eraftpb::{ConfChange, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, MessageType};
 use raft::{RawNode, StateRole};
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, Sender, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -88,25 +86,16 @@ pub struct Config {
     pub max_conns: usize,
 }
 
-/// Messages waiting for the replica thread, at most (senders block past it: client
-/// connections and peer links then slow down instead of growing a queue).
-const INBOX_MAX: usize = 4096;
 /// Pending client connections the kernel holds for us (memcached's default).
 const LISTEN_BACKLOG: i32 = 1024;
-/// Stack of a client connection thread (its buffers are on the heap).
-const CONN_STACK: usize = 256 << 10;
 
-/// Where connections and peer links send what the replica thread is told.
-pub type Inbox = SyncSender<Inbound>;
-
-/// What the replica thread is told.
+/// What the replica is told by its client connections and links.
 pub enum Inbound {
-    Open { conn: u64, tx: Sender<(u64, Vec<u8>)> },
+    Open { conn: u64 },
     Closed { conn: u64 },
     Request { conn: u64, seq: u64, cmd: Command },
     Stats { conn: u64, seq: u64, args: Vec<String> },
     Local { conn: u64, seq: u64, line: String },
-    Peer { from: u64, frame: Vec<u8> },
     PeerError(String),
 }
 
@@ -194,7 +183,8 @@ pub struct Replica {
     store: Store,
     delta: Delta,
     events: EventSink,
-    conns: HashMap<u64, Sender<(u64, Vec<u8>)>>,
+    /// Replies released and not yet handed to their connections.
+    replies: Vec<(u64, u64, Vec<u8>)>,
     batch: Vec<(u64, u64, Command)>,
     /// Requests from our clients that are not applied yet.
     inflight: HashMap<(u64, u64), Inflight>,
@@ -226,17 +216,15 @@ pub struct Replica {
     incarnation: u64,
     started: Instant,
     counters: Counters,
-    /// Client connections open now (the acceptor's count, for the cap).
-    live_conns: Arc<AtomicUsize>,
 }
 
 /// Start a replica and serve until a fatal error. Returns the exit status.
 pub fn run(cfg: Config) -> i32 {
-    let client = match TcpListener::bind(cfg.client) {
+    let clients = match TcpListener::bind(cfg.client) {
         Ok(l) => {
             // memcached's backlog (its -b, default 1024) instead of std's 128: a burst of
-            // connections otherwise overflows it while the acceptor starts their threads,
-            // and every overflowing client waits a second for its SYN to be resent.
+            // connections otherwise overflows it, and every overflowing client waits a
+            // second for its SYN to be resent.
             use std::os::fd::AsRawFd;
             // SAFETY: listen on a socket we own; it only changes the backlog.
             unsafe { libc::listen(l.as_raw_fd(), LISTEN_BACKLOG) };
@@ -248,114 +236,68 @@ pub fn run(cfg: Config) -> i32 {
         }
     };
     raise_nofile_limit();
-    let (tx, rx) = sync_channel(INBOX_MAX);
-    let replicated = cfg.mode != Mode::Single;
-    if replicated {
+    let peers = if cfg.mode != Mode::Single {
         let me = cfg.peers[cfg.id as usize - 1];
-        let listener = match TcpListener::bind(me) {
-            Ok(l) => l,
+        match TcpListener::bind(me) {
+            Ok(l) => Some((l, cfg.peers.len() as u64)),
             Err(e) => {
                 eprintln!("lockstep kv: cannot listen for replicas on {me}: {e}");
                 return 1;
             }
-        };
-        peer::listen(listener, cfg.peers.len() as u64, tx.clone());
-    }
-    let mut replica = match Replica::new(cfg) {
+        }
+    } else {
+        None
+    };
+    let poll = match Poller::new() {
+        Ok(p) => Arc::new(p),
+        Err(e) => {
+            eprintln!("lockstep kv: epoll: {e}");
+            return 1;
+        }
+    };
+    let mut replica = match Replica::new(cfg, poll.clone()) {
         Ok(r) => r,
         Err((code, msg)) => {
             eprintln!("lockstep kv: {msg}");
             return code;
         }
     };
-    let item_max = replica.store.limits().item_max;
-    let max_conns = replica.cfg.max_conns;
-    let live = replica.live_conns.clone();
-    if !replicated {
-        // Single mode has nothing to order: each connection applies its requests itself,
-        // under the replica's lock, as memcached's worker threads do.
-        drop((tx, rx));
-        let shared = Arc::new(Mutex::new(replica));
-        let route = Route::Direct(shared.clone());
-        thread::Builder::new()
-            .name("client-accept".into())
-            .spawn(move || accept_clients(client, route, item_max, max_conns, live))
-            .expect("spawn client acceptor");
-        return Replica::serve_single(&shared);
+    let listeners = Listeners {
+        clients,
+        peers,
+        max_conns: replica.cfg.max_conns,
+        item_max: replica.store.limits().item_max,
+    };
+    replica.start_watchdog();
+    replica.announce();
+    net::serve(&mut replica, poll, listeners)
+}
+
+impl Service for Replica {
+    fn deliver(&mut self, m: Inbound) -> Result<(), i32> {
+        self.handle(m)
     }
-    let route = Route::Inbox(tx.clone());
-    thread::Builder::new()
-        .name("client-accept".into())
-        .spawn(move || accept_clients(client, route, item_max, max_conns, live))
-        .expect("spawn client acceptor");
-    drop(tx);
-    replica.serve(rx)
-}
 
-/// The single-mode replica. A connection thread that panicked while holding it may have
-/// left the store half-changed: stop (exit 86) rather than serve from it.
-fn lock_single(shared: &Mutex<Replica>) -> std::sync::MutexGuard<'_, Replica> {
-    shared.lock().unwrap_or_else(|_| {
-        eprintln!("lockstep kv: a request failed while changing the store; stopping rather than serving from it");
-        std::process::exit(lockstep_core::exit::DETECTED)
-    })
-}
-
-/// How a connection hands its requests over: to the replica thread through the inbox (a
-/// replicated replica orders them), or, in single mode, straight into the replica under
-/// its lock, so that a request costs no hop between threads.
-#[derive(Clone)]
-pub enum Route {
-    Inbox(Inbox),
-    Direct(Arc<Mutex<Replica>>),
-}
-
-impl Route {
-    /// Hand over one message; false once the replica is gone.
-    pub fn deliver(&self, m: Inbound) -> bool {
-        match self {
-            Route::Inbox(tx) => tx.send(m).is_ok(),
-            Route::Direct(shared) => {
-                let mut r = lock_single(shared);
-                if let Err(code) = r.handle(m).and_then(|()| r.step()) {
-                    std::process::exit(code);
-                }
-                r.heartbeat.fetch_add(1, AtomicOrdering::Relaxed);
-                true
-            }
-        }
+    fn peer_frame(&mut self, from: u64, frame: &[u8]) -> Result<(), i32> {
+        self.on_peer(from, frame)
     }
-}
 
-/// Serve client connections, one thread each, at most `max_conns` at once. Past the cap a
-/// new connection is told so and closed, as memcached does.
-fn accept_clients(client: TcpListener, route: Route, item_max: usize, max_conns: usize, live: Arc<AtomicUsize>) {
-    for (conn, stream) in client.incoming().enumerate() {
-        let mut stream = match stream {
-            Ok(s) => s,
-            Err(_) => {
-                // Out of descriptors (EMFILE) or a connection reset before accept: the
-                // backlog keeps it, so wait instead of spinning on it.
-                thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        if live.load(AtomicOrdering::Relaxed) >= max_conns {
-            let _ = stream.write_all(b"ERROR Too many open connections\r\n");
-            continue;
-        }
-        live.fetch_add(1, AtomicOrdering::Relaxed);
-        let (tx, mine) = (route.clone(), live.clone());
-        let spawned = thread::Builder::new()
-            .name("client".into())
-            .stack_size(CONN_STACK)
-            .spawn(move || {
-                conn::serve(stream, conn as u64, tx, item_max);
-                mine.fetch_sub(1, AtomicOrdering::Relaxed);
-            });
-        if spawned.is_err() {
-            live.fetch_sub(1, AtomicOrdering::Relaxed);
-        }
+    fn round(&mut self) -> Result<(), i32> {
+        self.step()?;
+        self.heartbeat.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn take_replies(&mut self, into: &mut Vec<(u64, u64, Vec<u8>)>) {
+        into.append(&mut self.replies);
+    }
+
+    fn peers(&mut self) -> Option<&mut Peers> {
+        self.raft.as_mut().map(|r| &mut r.peers)
+    }
+
+    fn tick(&self) -> Duration {
+        self.cfg.tick
     }
 }
 
@@ -380,7 +322,7 @@ fn now_ms() -> u64 {
 }
 
 impl Replica {
-    fn new(cfg: Config) -> Result<Self, (i32, String)> {
+    fn new(cfg: Config, poll: Arc<Poller>) -> Result<Self, (i32, String)> {
         let n = cfg.peers.len().max(1);
         let mut events = EventSink::new(cfg.events.as_deref(), true)
             .map_err(|e| (1, format!("cannot open the events file: {e}")))?;
@@ -438,7 +380,7 @@ impl Replica {
             rc.validate().map_err(|e| (2, format!("raft configuration: {e}")))?;
             let logger = slog::Logger::root(slog::Discard, slog::o!());
             let node = RawNode::new(&rc, storage.clone(), &logger).map_err(|e| (1, format!("raft: {e}")))?;
-            let peers = Peers::start(cfg.id, &cfg.peers);
+            let peers = Peers::start(cfg.id, &cfg.peers, poll);
             raft = Some(RaftPart {
                 node,
                 config: rc,
@@ -460,7 +402,7 @@ impl Replica {
             store,
             delta,
             events,
-            conns: HashMap::new(),
+            replies: Vec::new(),
             batch: Vec::new(),
             inflight: HashMap::new(),
             applied_tags,
@@ -483,7 +425,6 @@ impl Replica {
             incarnation: now_ms() ^ (std::process::id() as u64) << 40,
             started: Instant::now(),
             counters: Counters::default(),
-            live_conns: Default::default(),
             cfg,
         })
     }
@@ -500,52 +441,6 @@ impl Replica {
                     self.cfg.mode.name()
                 )),
         );
-    }
-
-    fn serve(&mut self, rx: Receiver<Inbound>) -> i32 {
-        self.start_watchdog();
-        self.announce();
-        loop {
-            match rx.recv_timeout(self.cfg.tick) {
-                Ok(m) => {
-                    if let Err(code) = self.handle(m) {
-                        return code;
-                    }
-                    // Everything already queued joins the same batch and Ready.
-                    while let Ok(m) = rx.try_recv() {
-                        if let Err(code) = self.handle(m) {
-                            return code;
-                        }
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return 0,
-            }
-            if let Err(code) = self.step() {
-                return code;
-            }
-            self.heartbeat.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    /// Single mode: connections apply their requests themselves (`Route::Direct`); this
-    /// thread only keeps the watchdog fed, taking the lock so that a replica stuck inside
-    /// it stops the process like a stuck replica thread does.
-    fn serve_single(shared: &Arc<Mutex<Replica>>) -> i32 {
-        let tick = {
-            let mut r = lock_single(shared);
-            r.start_watchdog();
-            r.announce();
-            r.cfg.tick
-        };
-        loop {
-            thread::sleep(tick);
-            let mut r = lock_single(shared);
-            if let Err(code) = r.step() {
-                return code;
-            }
-            r.heartbeat.fetch_add(1, AtomicOrdering::Relaxed);
-        }
     }
 
     /// A thread that stops the process when the replica thread stops making progress (a
@@ -626,14 +521,12 @@ impl Replica {
 
     fn handle(&mut self, m: Inbound) -> Result<(), i32> {
         match m {
-            Inbound::Open { conn, tx } => {
+            Inbound::Open { .. } => {
                 self.counters.curr_connections += 1;
                 self.counters.total_connections += 1;
-                self.conns.insert(conn, tx);
             }
-            Inbound::Closed { conn } => {
+            Inbound::Closed { .. } => {
                 self.counters.curr_connections -= 1;
-                self.conns.remove(&conn);
             }
             Inbound::Request { conn, seq, cmd } => {
                 self.inflight.insert(
@@ -657,7 +550,6 @@ impl Replica {
                 let reply = self.local_command(&line);
                 self.send_reply(conn, seq, reply.into_bytes());
             }
-            Inbound::Peer { from, frame } => self.on_peer(from, &frame)?,
             Inbound::PeerError(msg) => {
                 self.events.emit(Event::new("kv", "peer-error", "close").message(msg));
             }
@@ -667,9 +559,7 @@ impl Replica {
 
     fn send_reply(&mut self, conn: u64, seq: u64, reply: Vec<u8>) {
         self.inflight.remove(&(conn, seq));
-        if let Some(tx) = self.conns.get(&conn) {
-            let _ = tx.send((seq, reply));
-        }
+        self.replies.push((conn, seq, reply));
     }
 
     fn fatal_io(&mut self, what: &str, e: std::io::Error) -> i32 {

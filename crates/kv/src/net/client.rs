@@ -1,0 +1,316 @@
+//! One client connection, driven by the replica thread's event loop: bytes in are parsed
+//! into requests for the replica; replies (which may be released out of order, as
+//! validation finishes at different times) go out in request order.
+//!
+//! Limits: at most `PIPELINE_MAX` requests of one connection wait for their replies and
+//! at most `OUT_MAX` reply bytes wait for the client to read them; past either the
+//! connection is not read until it drains, so a client that pipelines without reading
+//! slows down instead of growing our buffers. Unparsed input is at most one request.
+
+use super::poll::{Interest, Poller};
+use crate::protocol::{parse, Parsed, Request, LINE_MAX};
+use crate::replica::Inbound;
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+
+/// Requests of one connection handed to the replica and not answered yet, at most.
+pub const PIPELINE_MAX: usize = 256;
+/// Reply bytes waiting for the client to read them before we stop reading its requests.
+const OUT_MAX: usize = 4 << 20;
+
+/// The first byte of a binary-protocol request.
+const BINARY_MAGIC: u8 = 0x80;
+
+/// The memcached release whose behaviour kv reproduces comes first: clients (memccapable,
+/// libmemcached) read the version to decide what the server supports.
+pub const VERSION: &str = concat!("VERSION 1.6.18-lockstep-", env!("CARGO_PKG_VERSION"), "\r\n");
+
+enum Slot {
+    Ready(Vec<u8>),
+    Await {
+        seq: u64,
+        noreply: bool,
+        reply: Option<Vec<u8>>,
+    },
+}
+
+pub struct Client {
+    pub stream: TcpStream,
+    pub id: u64,
+    /// Received and not parsed yet (at most one incomplete request).
+    input: Vec<u8>,
+    /// Bytes of an oversized value still to be discarded as they arrive.
+    swallowing: usize,
+    next_seq: u64,
+    /// Replies in request order, some still awaited.
+    slots: VecDeque<Slot>,
+    awaiting: usize,
+    out: Vec<u8>,
+    out_at: usize,
+    /// Stop reading and parsing; close once `out` is written (quit, a fatal protocol
+    /// error).
+    closing: bool,
+    /// The client sent its last byte: what it sent is still parsed and answered.
+    eof: bool,
+    /// The peer closed its side or the socket failed: close now.
+    pub dead: bool,
+    interest: Interest,
+    item_max: usize,
+}
+
+impl Client {
+    pub fn new(stream: TcpStream, id: u64, item_max: usize) -> Client {
+        Client {
+            stream,
+            id,
+            input: Vec::new(),
+            swallowing: 0,
+            next_seq: 0,
+            slots: VecDeque::new(),
+            awaiting: 0,
+            out: Vec::new(),
+            out_at: 0,
+            closing: false,
+            eof: false,
+            dead: false,
+            interest: Interest::READ,
+            item_max,
+        }
+    }
+
+    fn unsent(&self) -> usize {
+        self.out.len() - self.out_at
+    }
+
+    /// Whether more requests may be parsed now.
+    fn may_parse(&self) -> bool {
+        !self.closing && !self.dead && self.awaiting < PIPELINE_MAX && self.unsent() < OUT_MAX
+    }
+
+    /// Whether more input may be read now.
+    fn wants_input(&self) -> bool {
+        self.may_parse() && !self.eof
+    }
+
+    /// Everything this connection will ever answer is written.
+    fn finished(&self) -> bool {
+        let drained = self.unsent() == 0 && self.slots.is_empty();
+        // After the end of input, what is left unparsed is an incomplete request.
+        drained && (self.closing || (self.eof && (self.input.is_empty() || self.may_parse())))
+    }
+
+    /// Read what the socket has (a bounded amount per call, for fairness) and parse it.
+    /// Requests for the replica go to `to_replica`.
+    pub fn on_readable(&mut self, scratch: &mut [u8], to_replica: &mut Vec<Inbound>) {
+        if self.interest.with_write(false) == Interest::NONE {
+            // Not watched for input: only a hang-up or an error is reported.
+            self.dead = true;
+            return;
+        }
+        for _ in 0..4 {
+            if !self.wants_input() {
+                break;
+            }
+            let n = match self.stream.read(scratch) {
+                Ok(0) => {
+                    // The client is done sending: what it sent is still answered (as
+                    // memcached answers what it parsed before it reads the end).
+                    self.eof = true;
+                    break;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => {
+                    self.dead = true;
+                    break;
+                }
+            };
+            let skip = self.swallowing.min(n);
+            self.swallowing -= skip;
+            self.input.extend_from_slice(&scratch[skip..n]);
+            self.parse_input(to_replica);
+            if n < scratch.len() {
+                break;
+            }
+        }
+    }
+
+    /// Parse buffered input while the pipeline has room (what stays is parsed when replies
+    /// drain it).
+    pub fn parse_input(&mut self, to_replica: &mut Vec<Inbound>) {
+        if self.next_seq == 0 && self.slots.is_empty() && self.input.first() == Some(&BINARY_MAGIC) {
+            // The binary protocol: say so in its own framing, then close.
+            let reply = binary_not_supported(&self.input);
+            self.slots.push_back(Slot::Ready(reply));
+            self.input.clear();
+            self.closing = true;
+            return;
+        }
+        let buffer_max = LINE_MAX + self.item_max + 2;
+        let mut at = 0;
+        while at < self.input.len() && self.may_parse() {
+            let (step, swallow) = match parse(&self.input[at..], self.item_max) {
+                Parsed::Incomplete => {
+                    if self.input.len() - at > buffer_max {
+                        self.slots
+                            .push_back(Slot::Ready(b"CLIENT_ERROR request too large\r\n".to_vec()));
+                        self.closing = true;
+                    }
+                    break;
+                }
+                Parsed::Error {
+                    reply,
+                    consumed,
+                    swallow,
+                    close,
+                } => {
+                    if !reply.is_empty() {
+                        self.slots.push_back(Slot::Ready(reply.into_bytes()));
+                    }
+                    self.closing |= close;
+                    (consumed, swallow)
+                }
+                Parsed::Request { req, consumed, swallow } => {
+                    self.request(req, to_replica);
+                    (consumed, swallow)
+                }
+            };
+            at += step;
+            // What is already here of a swallowed block goes now, the rest as it comes.
+            let here = swallow.min(self.input.len() - at);
+            at += here;
+            self.swallowing = swallow - here;
+            if self.swallowing > 0 {
+                break;
+            }
+        }
+        self.input.drain(..at.min(self.input.len()));
+        if self.closing {
+            self.input.clear();
+        }
+        self.release();
+    }
+
+    fn request(&mut self, req: Request, to_replica: &mut Vec<Inbound>) {
+        let (conn, seq) = (self.id, self.next_seq);
+        let (msg, noreply) = match req {
+            Request::Data { cmd, noreply } => (Inbound::Request { conn, seq, cmd }, noreply),
+            Request::Local { line } => (Inbound::Local { conn, seq, line }, false),
+            Request::Stats { args } => (Inbound::Stats { conn, seq, args }, false),
+            Request::Version => return self.slots.push_back(Slot::Ready(VERSION.as_bytes().to_vec())),
+            Request::MetaNoop => return self.slots.push_back(Slot::Ready(b"MN\r\n".to_vec())),
+            Request::Verbosity { noreply } => {
+                if !noreply {
+                    self.slots.push_back(Slot::Ready(b"OK\r\n".to_vec()));
+                }
+                return;
+            }
+            Request::Quit => {
+                self.closing = true;
+                return;
+            }
+        };
+        to_replica.push(msg);
+        self.slots.push_back(Slot::Await {
+            seq,
+            noreply,
+            reply: None,
+        });
+        self.awaiting += 1;
+        self.next_seq += 1;
+    }
+
+    /// The replica's reply to request `seq`.
+    pub fn reply(&mut self, seq: u64, reply: Vec<u8>) {
+        for slot in self.slots.iter_mut() {
+            if let Slot::Await {
+                seq: s,
+                reply: r @ None,
+                ..
+            } = slot
+            {
+                if *s == seq {
+                    *r = Some(reply);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Move the replies that are due, in order, to the output buffer.
+    pub fn release(&mut self) {
+        while let Some(front) = self.slots.front_mut() {
+            match front {
+                Slot::Ready(r) => self.out.extend_from_slice(r),
+                Slot::Await { reply: None, .. } => break,
+                Slot::Await {
+                    reply: Some(r),
+                    noreply,
+                    ..
+                } => {
+                    // An empty reply is a quiet one (a meta command's q flag).
+                    if !*noreply {
+                        self.out.extend_from_slice(r);
+                    }
+                    self.awaiting -= 1;
+                }
+            }
+            self.slots.pop_front();
+        }
+    }
+
+    /// Write what is due; then watch the socket for what this connection needs next.
+    /// Returns false when the connection is to be closed.
+    pub fn flush(&mut self, poll: &Poller, token: u64, to_replica: &mut Vec<Inbound>) -> bool {
+        // Input held back by the pipeline limit is parsed as replies make room.
+        if !self.input.is_empty() && self.may_parse() && self.swallowing == 0 {
+            self.parse_input(to_replica);
+        }
+        while self.unsent() > 0 && !self.dead {
+            match self.stream.write(&self.out[self.out_at..]) {
+                Ok(0) => self.dead = true,
+                Ok(n) => self.out_at += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => self.dead = true,
+            }
+        }
+        if self.unsent() == 0 {
+            self.out.clear();
+            self.out_at = 0;
+        } else if self.out_at > OUT_MAX {
+            self.out.drain(..self.out_at);
+            self.out_at = 0;
+        }
+        if self.dead || self.finished() {
+            return false;
+        }
+        let read = if self.wants_input() {
+            Interest::READ
+        } else {
+            Interest::NONE
+        };
+        let want = read.with_write(self.unsent() > 0);
+        if want != self.interest {
+            self.interest = want;
+            let _ = poll.modify(&self.stream, token, want);
+        }
+        true
+    }
+}
+
+/// A binary-protocol response to the request at the front of `buf`: status 0x0083 ("not
+/// supported"), the request's opcode and opaque echoed, and a message saying why.
+fn binary_not_supported(buf: &[u8]) -> Vec<u8> {
+    let msg = b"lockstep kv speaks the memcached text protocol only";
+    let opcode = buf.get(1).copied().unwrap_or(0);
+    let opaque = buf.get(12..16).unwrap_or(&[0; 4]);
+    let mut r = vec![0x81, opcode, 0, 0, 0, 0, 0x00, 0x83];
+    r.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    r.extend_from_slice(opaque);
+    r.extend_from_slice(&[0; 8]);
+    r.extend_from_slice(msg);
+    r
+}
