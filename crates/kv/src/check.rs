@@ -69,8 +69,10 @@ pub struct Validator {
     /// Correct replies that a FAILED replica's clients are waiting for, by target replica.
     owed: BTreeMap<(u64, ReqId), Vec<u8>>,
     /// Local requests whose reply is held because this replica FAILED them.
-    held: BTreeMap<ReqId, (ReplyTo, Instant)>,
+    held: Held,
 }
+
+type Held = BTreeMap<ReqId, (ReplyTo, Instant)>;
 
 /// Requests are forgotten this long after they were applied, settled or not.
 pub const WINDOW: Duration = Duration::from_secs(10);
@@ -138,7 +140,7 @@ impl Validator {
     }
 
     fn evaluate(&mut self, id: ReqId) -> Vec<Outcome> {
-        let (me, n) = (self.me, self.n);
+        let n = self.n;
         let majority = n / 2 + 1;
         let p = self.pending.get_mut(&id).expect("evaluated request exists");
         let mut out = Vec::new();
@@ -146,6 +148,32 @@ impl Validator {
         // an object that it does not have, and VALID once a majority agrees on every
         // object and it has each of those values. Two faulty replicas that differ on
         // different objects are both found, and the third stays VALID.
+        let known = p.sets.iter().filter(|s| s.is_some()).count();
+        let mut present = p.sets.iter().flatten();
+        let first = present.next();
+        if present.all(|s| Some(s) == first) {
+            // Every delta known so far is the same (the usual case): each of those
+            // replicas is VALID once they are a majority, no one is FAILED, and no object
+            // lacks a majority. No vote needs counting.
+            let now = if known >= majority {
+                Status::Valid
+            } else {
+                Status::Suspect
+            };
+            for r in 0..n {
+                if p.sets[r].is_some() && p.status[r] != Status::Failed {
+                    p.status[r] = now;
+                }
+            }
+        } else {
+            Self::tally(p, &mut self.held, id, majority, &mut out);
+        }
+        self.settle(id, out)
+    }
+
+    /// The object-by-object vote, when the known deltas differ.
+    fn tally(p: &mut Pending, held: &mut Held, id: ReqId, majority: usize, out: &mut Vec<Outcome>) {
+        let n = p.sets.len();
         let votes = vote(&p.sets, majority);
         let known = p.sets.iter().filter(|s| s.is_some()).count();
         for r in 0..n {
@@ -180,10 +208,16 @@ impl Validator {
             p.no_majority = true;
             // Our client gets the error, whether its reply was still unsent or held for a
             // repair that cannot bring a right one.
-            let to = p.to.filter(|_| !p.released || self.held.remove(&id).is_some());
+            let to = p.to.filter(|_| !p.released || held.remove(&id).is_some());
             p.released |= to.is_some();
             out.push(Outcome::NoMajority { req: id, to });
         }
+    }
+
+    /// After the statuses of `id` changed: hand over what is due.
+    fn settle(&mut self, id: ReqId, mut out: Vec<Outcome>) -> Vec<Outcome> {
+        let me = self.me;
+        let p = self.pending.get_mut(&id).expect("evaluated request exists");
         // A FAILED origin's client needs the right reply, which a VALID replica hands over
         // in its REPAIR.
         let origin = p.origin as usize;
