@@ -18,19 +18,21 @@ use poll::{Interest, Poller, Ready};
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A reply released by the replica: (connection, request sequence, bytes).
+pub type Reply = (u64, u64, Vec<u8>);
+
 /// What the event loop drives.
 pub trait Service {
-    /// A message from a client connection.
-    fn deliver(&mut self, m: Inbound) -> Result<(), i32>;
+    /// One round after a burst of input: take the messages from client connections,
+    /// order, apply, settle, queue messages to peers, and hand over the replies released
+    /// for this loop's connections.
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>) -> Result<(), i32>;
     /// A frame from replica `from`.
     fn peer_frame(&mut self, from: u64, frame: &[u8]) -> Result<(), i32>;
-    /// One round after a burst of input: order, apply, settle, queue messages to peers.
-    fn round(&mut self) -> Result<(), i32>;
-    /// Replies released since the last call: (connection, request sequence, bytes).
-    fn take_replies(&mut self, into: &mut Vec<(u64, u64, Vec<u8>)>);
     /// The outgoing replica links (None for a single replica).
     fn peers(&mut self) -> Option<&mut Peers>;
     /// The longest the loop may sleep.
@@ -55,6 +57,12 @@ pub struct Listeners {
     pub peers: Option<(TcpListener, u64)>,
     pub max_conns: usize,
     pub item_max: usize,
+    /// Client connections open now, over all loops sharing the client listener.
+    pub live: Arc<AtomicUsize>,
+    /// This loop's index among `loops` sharing the listener: connection ids are
+    /// `k * loops + index`, unique over all of them.
+    pub index: u64,
+    pub loops: u64,
 }
 
 struct Loop<'a, S: Service> {
@@ -68,7 +76,7 @@ struct Loop<'a, S: Service> {
     scratch: Vec<u8>,
     /// Client messages for the replica, handed over after the burst of events.
     to_replica: Vec<Inbound>,
-    replies: Vec<(u64, u64, Vec<u8>)>,
+    replies: Vec<Reply>,
     /// Clients with replies or output to deal with this round.
     touched: Vec<u64>,
     accept_paused_until: Option<Instant>,
@@ -129,10 +137,7 @@ impl<S: Service> Loop<'_, S> {
             for r in &ready {
                 self.on_event(*r)?;
             }
-            for m in self.to_replica.drain(..) {
-                self.svc.deliver(m)?;
-            }
-            self.svc.round()?;
+            self.svc.turn(&mut self.to_replica, &mut self.replies)?;
             next_round = Instant::now() + self.svc.tick();
             self.answer_clients()?;
             let now = Instant::now();
@@ -188,18 +193,19 @@ impl<S: Service> Loop<'_, S> {
                 // A connection reset before we took it.
                 Err(_) => continue,
             };
-            if self.clients.len() >= self.listeners.max_conns {
+            if self.listeners.live.load(Ordering::Relaxed) >= self.listeners.max_conns {
                 // memcached's behaviour past its -c: say so and close.
                 let _ = (&stream).write(b"ERROR Too many open connections\r\n");
                 continue;
             }
-            let id = self.next_client;
+            let id = self.next_client * self.listeners.loops + self.listeners.index;
             self.next_client += 1;
             let token = TOKEN_CLIENT | id;
             if stream.set_nonblocking(true).is_err() || self.poll.add(&stream, token, Interest::READ).is_err() {
                 continue;
             }
             let _ = stream.set_nodelay(true);
+            self.listeners.live.fetch_add(1, Ordering::Relaxed);
             self.clients
                 .insert(id, Client::new(stream, id, self.listeners.item_max));
             self.to_replica.push(Inbound::Open { conn: id });
@@ -263,8 +269,8 @@ impl<S: Service> Loop<'_, S> {
             self.inlinks.strangers.retain(|t| *t != token);
             if !why.is_empty() {
                 let who = peer.map_or("a replica link".to_string(), |p| p.to_string());
-                self.svc
-                    .deliver(Inbound::PeerError(format!("{who}: {why}; connection closed")))?;
+                self.to_replica
+                    .push(Inbound::PeerError(format!("{who}: {why}; connection closed")));
             }
         }
         Ok(())
@@ -272,7 +278,6 @@ impl<S: Service> Loop<'_, S> {
 
     /// Hand released replies to their connections and write what is due.
     fn answer_clients(&mut self) -> Result<(), i32> {
-        self.svc.take_replies(&mut self.replies);
         for (conn, seq, reply) in self.replies.drain(..) {
             if let Some(c) = self.clients.get_mut(&conn) {
                 c.reply(seq, reply);
@@ -286,6 +291,7 @@ impl<S: Service> Loop<'_, S> {
             c.release();
             if !c.flush(&self.poll, TOKEN_CLIENT | id, &mut self.to_replica) {
                 self.clients.remove(&id);
+                self.listeners.live.fetch_sub(1, Ordering::Relaxed);
                 self.to_replica.push(Inbound::Closed { conn: id });
             }
         }

@@ -98,8 +98,7 @@ impl Replica {
                 stat("time", (now_ms() / 1000).to_string());
                 stat("version", env!("CARGO_PKG_VERSION").to_string());
                 stat("pointer_size", (8 * std::mem::size_of::<usize>()).to_string());
-                // One thread applies every request (memcached counts its workers here).
-                stat("threads", "1".into());
+                stat("threads", self.threads.to_string());
                 stat("max_connections", self.cfg.max_conns.to_string());
                 stat("curr_connections", c.curr_connections.to_string());
                 stat("total_connections", c.total_connections.to_string());
@@ -163,7 +162,7 @@ impl Replica {
             ("udpport", "0".into()),
             ("inter", self.cfg.client.ip().to_string()),
             ("evictions", "on".into()),
-            ("num_threads", "1".into()),
+            ("num_threads", self.threads.to_string()),
             ("cas_enabled", "yes".into()),
             ("binding_protocol", "ascii".into()),
             ("item_size_max", limits.item_max.to_string()),

@@ -13,7 +13,7 @@ use crate::command::Command;
 use crate::dedupe::Applied;
 use crate::net::peer::Peers;
 use crate::net::poll::Poller;
-use crate::net::{self, Listeners, Service};
+use crate::net::{self, Listeners, Reply, Service};
 use crate::storage::LogStore;
 use crate::store::{Limits, Store, Target};
 use lockstep_core::{Event, EventSink};
@@ -216,6 +216,8 @@ pub struct Replica {
     incarnation: u64,
     started: Instant,
     counters: Counters,
+    /// Event loops serving this replica (the `threads` stat).
+    threads: usize,
 }
 
 /// Start a replica and serve until a fatal error. Returns the exit status.
@@ -262,34 +264,145 @@ pub fn run(cfg: Config) -> i32 {
             return code;
         }
     };
-    let listeners = Listeners {
-        clients,
-        peers,
-        max_conns: replica.cfg.max_conns,
-        item_max: replica.store.limits().item_max,
-    };
+    let (max_conns, item_max) = (replica.cfg.max_conns, replica.store.limits().item_max);
+    let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     replica.start_watchdog();
     replica.announce();
-    net::serve(&mut replica, poll, listeners)
+    if peers.is_some() {
+        let listeners = Listeners {
+            clients,
+            peers,
+            max_conns,
+            item_max,
+            live,
+            index: 0,
+            loops: 1,
+        };
+        return net::serve(&mut replica, poll, listeners);
+    }
+    drop(poll);
+    // Single mode has nothing to order: like memcached's worker threads, one loop per CPU
+    // (at most 4) serves its own connections and applies their requests under the store's
+    // lock, a whole turn at a time.
+    let loops = single_loops();
+    replica.threads = loops as usize;
+    let tick = replica.cfg.tick;
+    let shared = Arc::new(std::sync::Mutex::new(replica));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    for index in 0..loops {
+        let listeners = match clients.try_clone() {
+            Ok(clients) => Listeners {
+                clients,
+                peers: None,
+                max_conns,
+                item_max,
+                live: live.clone(),
+                index,
+                loops,
+            },
+            Err(e) => {
+                eprintln!("lockstep kv: cannot share the client listener: {e}");
+                return 1;
+            }
+        };
+        let mut svc = SharedReplica {
+            shared: shared.clone(),
+            index,
+            loops,
+            tick,
+        };
+        let done = done_tx.clone();
+        let spawned = thread::Builder::new().name(format!("loop-{index}")).spawn(move || {
+            let code = match Poller::new() {
+                Ok(p) => net::serve(&mut svc, Arc::new(p), listeners),
+                Err(e) => {
+                    eprintln!("lockstep kv: epoll: {e}");
+                    1
+                }
+            };
+            let _ = done.send(code);
+        });
+        if let Err(e) = spawned {
+            eprintln!("lockstep kv: cannot start an event loop: {e}");
+            return 1;
+        }
+    }
+    // The first loop to stop decides the exit status.
+    done_rx.recv().unwrap_or(1)
+}
+
+/// Event loops in single mode: one per CPU, at most 4 (memcached's default).
+fn single_loops() -> u64 {
+    thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4) as u64
+}
+
+impl Replica {
+    /// One loop's turn: its clients' messages, one step, and the replies released for the
+    /// connections that `mine` says are the loop's.
+    fn turn_for(
+        &mut self,
+        msgs: &mut Vec<Inbound>,
+        replies: &mut Vec<Reply>,
+        mine: impl Fn(u64) -> bool,
+    ) -> Result<(), i32> {
+        for m in msgs.drain(..) {
+            self.handle(m)?;
+        }
+        self.step()?;
+        self.heartbeat.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.replies.iter().all(|r| mine(r.0)) {
+            replies.append(&mut self.replies);
+        } else {
+            // Another loop's replies stay for it.
+            let (ours, theirs): (Vec<Reply>, Vec<Reply>) =
+                std::mem::take(&mut self.replies).into_iter().partition(|r| mine(r.0));
+            replies.extend(ours);
+            self.replies = theirs;
+        }
+        Ok(())
+    }
+}
+
+/// The replica of single mode, shared by its event loops.
+struct SharedReplica {
+    shared: Arc<std::sync::Mutex<Replica>>,
+    index: u64,
+    loops: u64,
+    tick: Duration,
+}
+
+impl Service for SharedReplica {
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>) -> Result<(), i32> {
+        // A loop that panicked while holding the replica may have left the store
+        // half-changed: stop (exit 86) rather than serve from it.
+        let mut r = self.shared.lock().map_err(|_| {
+            eprintln!("lockstep kv: a request failed while changing the store; stopping rather than serving from it");
+            lockstep_core::exit::DETECTED
+        })?;
+        let (index, loops) = (self.index, self.loops);
+        r.turn_for(msgs, replies, |conn| conn % loops == index)
+    }
+
+    fn peer_frame(&mut self, _: u64, _: &[u8]) -> Result<(), i32> {
+        Ok(())
+    }
+
+    fn peers(&mut self) -> Option<&mut Peers> {
+        None
+    }
+
+    fn tick(&self) -> Duration {
+        self.tick
+    }
 }
 
 impl Service for Replica {
-    fn deliver(&mut self, m: Inbound) -> Result<(), i32> {
-        self.handle(m)
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>) -> Result<(), i32> {
+        self.turn_for(msgs, replies, |_| true)
     }
 
     fn peer_frame(&mut self, from: u64, frame: &[u8]) -> Result<(), i32> {
         self.on_peer(from, frame)
-    }
-
-    fn round(&mut self) -> Result<(), i32> {
-        self.step()?;
-        self.heartbeat.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn take_replies(&mut self, into: &mut Vec<(u64, u64, Vec<u8>)>) {
-        into.append(&mut self.replies);
     }
 
     fn peers(&mut self) -> Option<&mut Peers> {
@@ -425,6 +538,7 @@ impl Replica {
             incarnation: now_ms() ^ (std::process::id() as u64) << 40,
             started: Instant::now(),
             counters: Counters::default(),
+            threads: 1,
             cfg,
         })
     }
