@@ -1,7 +1,7 @@
 //! Canonical bytes of protected objects: one order of fields for the checksum, and a
 //! self-delimiting encoding for repair messages and snapshots.
 
-use lockstep_core::checksum::crc32c_append;
+use lockstep_core::checksum::{crc32c_append, crc32c_append_u32, crc32c_append_u64, crc32c_append_u8};
 
 /// Feeds an object's protected fields into a CRC32C, without building a buffer.
 #[derive(Default)]
@@ -12,14 +12,14 @@ pub struct Hasher {
 impl Hasher {
     pub fn bytes(&mut self, b: &[u8]) {
         // The length first, so that ("ab","c") and ("a","bc") differ.
-        self.crc = crc32c_append(self.crc, &(b.len() as u32).to_le_bytes());
+        self.crc = crc32c_append_u32(self.crc, b.len() as u32);
         self.crc = crc32c_append(self.crc, b);
     }
     pub fn u64(&mut self, v: u64) {
-        self.crc = crc32c_append(self.crc, &v.to_le_bytes());
+        self.crc = crc32c_append_u64(self.crc, v);
     }
     pub fn u32(&mut self, v: u32) {
-        self.crc = crc32c_append(self.crc, &v.to_le_bytes());
+        self.crc = crc32c_append_u32(self.crc, v);
     }
     pub fn finish(&self) -> u32 {
         self.crc
@@ -39,7 +39,7 @@ pub trait FieldSink {
 
 impl FieldSink for Hasher {
     fn u8(&mut self, v: u8) {
-        self.crc = crc32c_append(self.crc, &[v]);
+        self.crc = crc32c_append_u8(self.crc, v);
     }
     fn u32(&mut self, v: u32) {
         Hasher::u32(self, v)

@@ -981,8 +981,11 @@ impl Replica {
         let r = self.raft.as_mut().unwrap();
         let wanted = r.storage.take_snapshot_wanted();
         // A wanted snapshot may repeat the last index: it refreshes the configuration in it.
+        // Not ahead of Raft's commit index (entries applied early are): Raft must still be
+        // able to hand out what it considers unapplied.
         if self.recovery.is_none()
             && self.applied > 0
+            && self.applied <= r.node.raft.raft_log.committed
             && (wanted || self.applied.saturating_sub(r.snap_index) >= self.cfg.snapshot_every)
         {
             self.take_snapshot()?;
