@@ -95,6 +95,17 @@ impl Replica {
                 snapshot = Some(s);
             }
             to_apply.extend(rd.take_committed_entries());
+            // What we applied was committed, so no leader may replace it: an entry at an
+            // applied index means that reasoning failed, and serving on would diverge.
+            if let Some(e) = rd.entries().first().filter(|e| e.index <= self.applied) {
+                let why = format!(
+                    "the leader replaces entry {} (term {}), which this replica already applied (up to {})",
+                    e.index, e.term, self.applied
+                );
+                self.halt(why);
+                return Err(lockstep_core::exit::DETECTED);
+            }
+            let r = self.raft.as_mut().unwrap();
             if let Err(e) = r.storage.append(rd.entries()) {
                 return Err(self.fatal_io("append to the log", e));
             }
