@@ -31,8 +31,8 @@ pub struct ReplyTo {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The local replica is VALID: send the reply.
-    Release { to: ReplyTo, reply: Vec<u8> },
+    /// The local replica is VALID: send the reply (once `req` is committed).
+    Release { req: ReqId, to: ReplyTo, reply: Vec<u8> },
     /// `replica` (1-based) disagrees with the majority on these objects.
     /// The first few differing objects are also in `values`, as "id: its CRC / the
     /// majority's CRC".
@@ -237,6 +237,7 @@ impl Validator {
                 // Our own client's request: nobody else is owed this reply, so it moves.
                 p.released = true;
                 out.push(Outcome::Release {
+                    req: id,
                     to,
                     reply: p.reply.take().expect("checked above"),
                 });
@@ -367,6 +368,7 @@ mod tests {
         assert_eq!(
             out,
             vec![Outcome::Release {
+                req: R,
                 to: TO,
                 reply: b"X".to_vec()
             }]

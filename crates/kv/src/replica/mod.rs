@@ -218,6 +218,12 @@ pub struct Replica {
     counters: Counters,
     /// Event loops serving this replica (the `threads` stat).
     threads: usize,
+    /// The highest entry this replica knows to be committed without Raft having said so
+    /// (a follower's early apply).
+    committed_early: u64,
+    /// Validated replies of entries applied speculatively (a cross-checking leader), sent
+    /// once their entry is committed: (entry, client, reply, when validated).
+    parked: Vec<(u64, ReplyTo, Vec<u8>, Instant)>,
 }
 
 /// Start a replica and serve until a fatal error. Returns the exit status.
@@ -539,6 +545,8 @@ impl Replica {
             started: Instant::now(),
             counters: Counters::default(),
             threads: 1,
+            committed_early: 0,
+            parked: Vec::new(),
             cfg,
         })
     }
@@ -809,7 +817,15 @@ impl Replica {
     fn settle(&mut self, outcomes: Vec<Outcome>) {
         for o in outcomes {
             match o {
-                Outcome::Release { to, reply } => self.send_reply(to.conn, to.seq, reply),
+                Outcome::Release { req, to, reply } => {
+                    if req.index > self.committed() {
+                        // Validated against a speculative apply: acknowledged only once
+                        // the entry is committed.
+                        self.parked.push((req.index, to, reply, Instant::now()));
+                    } else {
+                        self.send_reply(to.conn, to.seq, reply)
+                    }
+                }
                 Outcome::Failed {
                     replica,
                     req,
@@ -923,6 +939,33 @@ impl Replica {
         Ok(())
     }
 
+    /// The highest entry known to be committed.
+    fn committed(&self) -> u64 {
+        match &self.raft {
+            Some(r) => r.node.raft.raft_log.committed.max(self.committed_early),
+            None => u64::MAX,
+        }
+    }
+
+    /// Send the parked replies whose entries are now committed; those waiting longer than
+    /// a client may wait get an error instead (their entry may never commit).
+    fn release_parked(&mut self, now: Option<Instant>) {
+        if self.parked.is_empty() {
+            return;
+        }
+        let committed = self.committed();
+        for (index, to, reply, at) in std::mem::take(&mut self.parked) {
+            if index <= committed {
+                self.send_reply(to.conn, to.seq, reply);
+            } else if now.is_some_and(|now| now.duration_since(at) > crate::check::REPLY_TIMEOUT) {
+                self.counters.held_dropped += 1;
+                self.send_reply(to.conn, to.seq, NOT_VALIDATED.to_vec());
+            } else {
+                self.parked.push((index, to, reply, at));
+            }
+        }
+    }
+
     // ---- periodic -------------------------------------------------------------------
 
     fn housekeeping(&mut self) -> Result<(), i32> {
@@ -954,6 +997,7 @@ impl Replica {
         }
         self.recover_proposed
             .retain(|_, t| now.duration_since(*t) < ORDER_TIMEOUT);
+        self.release_parked(Some(now));
         if let Some(v) = self.validator.as_mut() {
             let (dropped, _) = v.expire(now);
             for to in dropped {

@@ -77,6 +77,7 @@ impl Replica {
         let mut to_apply: Vec<Entry> = Vec::new();
         let mut snapshot = None;
         let early_ok = self.may_apply_early();
+        let speculate = self.may_speculate();
         let mut early: Vec<Entry> = Vec::new();
         {
             let r = self.raft.as_mut().unwrap();
@@ -108,6 +109,12 @@ impl Replica {
             let r = self.raft.as_mut().unwrap();
             if let Err(e) = r.storage.append(rd.entries()) {
                 return Err(self.fatal_io("append to the log", e));
+            }
+            if speculate {
+                // Our CHECKs for our new entries go ahead of the entries themselves.
+                let term = self.raft.as_ref().unwrap().node.raft.term;
+                let mine: Vec<Entry> = rd.entries().iter().filter(|e| e.term == term).cloned().collect();
+                self.apply_early(mine, false)?;
             }
             let r = self.raft.as_mut().unwrap();
             send_all(&mut r.peers, messages);
@@ -214,7 +221,8 @@ impl Replica {
                 }
             }
         }
-        self.apply_early(early)?;
+        self.apply_early(early, true)?;
+        self.release_parked(None);
         // Raft's applied index only paces what it hands out; entries held back during a
         // recovery are this replica's to apply later.
         self.raft.as_mut().unwrap().node.advance_apply();
@@ -240,10 +248,22 @@ impl Replica {
         voters.len() <= 3 && voters.contains(&self.cfg.id)
     }
 
-    /// Apply entries known committed early (`may_apply_early`), in order: request batches
-    /// only, from the next index on. Recovery, audit and configuration entries wait for
-    /// the commit index, and so does everything after them.
-    fn apply_early(&mut self, early: Vec<Entry>) -> Result<(), i32> {
+    /// Whether a cross-checking leader applies its new entries before they are committed.
+    /// Its CHECKs then travel with the entries, so a follower that applies them early has
+    /// a majority for its own client's request at once, without waiting for the leader to
+    /// hear back. Replies wait for the commit all the same (`parked`). Should the entries
+    /// never commit (this leader is deposed and its successor replaces them), the replica
+    /// halts when the successor's entries arrive and restarts from its log.
+    fn may_speculate(&self) -> bool {
+        let Some(r) = self.raft.as_ref() else { return false };
+        self.validator.is_some() && r.node.raft.state == StateRole::Leader && self.recovery.is_none() && !r.rejoining
+    }
+
+    /// Apply entries ahead of Raft's commit index (`may_apply_early`, `may_speculate`), in
+    /// order: request batches only, from the next index on. Recovery, audit and
+    /// configuration entries wait for the commit index, and so does everything after them.
+    /// `committed`: the entries are known committed.
+    fn apply_early(&mut self, early: Vec<Entry>, committed: bool) -> Result<(), i32> {
         for e in early {
             if e.index <= self.applied {
                 continue;
@@ -255,6 +275,9 @@ impl Replica {
                 None => self.applied = e.index,
                 Some(&ENTRY_BATCH) => self.apply(e.index, &e.data)?,
                 Some(_) => break,
+            }
+            if committed {
+                self.committed_early = self.committed_early.max(e.index);
             }
         }
         Ok(())
