@@ -363,9 +363,12 @@ fn corruption_commands_are_refused_without_the_flag() {
     let c = Cluster::start(3, &[]);
     let mut mc = Mc::connect(c.port(1)).unwrap();
     assert_eq!(mc.set("k", b"v"), "STORED");
-    assert!(mc
-        .line("lockstep_corrupt k item")
-        .starts_with("CLIENT_ERROR test corruption is off"));
+    for cmd in ["lockstep_corrupt k item", "lockstep_isolate 1000"] {
+        assert!(
+            mc.line(cmd).starts_with("CLIENT_ERROR test commands are off"),
+            "{cmd}"
+        );
+    }
     assert_eq!(mc.get("k").as_deref(), Some(&b"v"[..]));
 }
 
@@ -845,6 +848,71 @@ fn pipelined_bursts_and_many_connections_in_a_cluster() {
 
 fn stat_u64(c: &Cluster, id: u64, name: &str) -> u64 {
     Mc::connect(c.port(id)).unwrap().stats()[name].parse().unwrap()
+}
+
+/// A crosscheck leader applies its new entries before they commit. Cut off from the others
+/// (a test-only partition) and deposed, it must never acknowledge such an entry, and when
+/// its successor's entries replace it, it must throw the state away (stop with 86 and
+/// restart from its log) rather than serve it.
+#[test]
+fn a_deposed_leader_never_serves_what_it_applied_ahead_of_the_commit() {
+    let mut c = Cluster::start(3, &["--test-corruption"]);
+    let old = c.leader();
+    let mut mc = Mc::connect(c.port(old)).unwrap();
+    assert_eq!(mc.set("k", b"before"), "STORED");
+    c.assert_agree();
+    assert_eq!(mc.line("lockstep_isolate 4000"), "OK");
+    mc.send(b"set k 0 0 8\r\nisolated\r\n");
+    // The other two elect a leader and move on.
+    let others: Vec<u64> = (1..=3).filter(|&id| id != old).collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let new = loop {
+        assert!(Instant::now() < deadline, "no new leader");
+        if let Some(&id) = others
+            .iter()
+            .find(|&&id| stat(&c, id, "kv_role").as_deref() == Some("leader"))
+        {
+            break id;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut fresh = Mc::connect(c.port(new)).unwrap();
+    for i in 0..5 {
+        assert_eq!(fresh.set("k", format!("after{i}").as_bytes()), "STORED");
+    }
+    // The isolated write is never acknowledged.
+    let reply = mc.read_line();
+    assert!(
+        !reply.starts_with("STORED"),
+        "an entry that never committed was acknowledged: {reply:?}"
+    );
+    // Once the partition heals, the successor's entries replace the speculative one.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        assert!(Instant::now() < deadline, "the deposed leader kept serving");
+        if let Some(st) = c.children[old as usize - 1].as_mut().unwrap().try_wait().unwrap() {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(status.code(), Some(86), "log:\n{}", c.log(old));
+    assert!(c.event_kinds(old).iter().any(|k| k == "halt"));
+    c.children[old as usize - 1] = None;
+    c.spawn(old);
+    c.wait_ready(old);
+    for id in 1..=3 {
+        assert_eq!(
+            Mc::connect(c.port(id)).unwrap().get("k").as_deref(),
+            Some(&b"after4"[..]),
+            "replica {id}"
+        );
+    }
+    c.assert_agree();
+}
+
+/// The value of one general stat of replica `id`, if it answers.
+fn stat(c: &Cluster, id: u64, name: &str) -> Option<String> {
+    Mc::connect(c.port(id)).ok()?.stats().remove(name)
 }
 
 /// A flip whose CRC was recomputed, in an object no request touches, on a follower and

@@ -317,7 +317,7 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
         b"mn" => req(Request::MetaNoop, line_len),
         b"mg" | b"ms" | b"md" | b"ma" | b"me" => meta(name[1], args, buf, line_len, item_max),
         b"quit" => req(Request::Quit, line_len),
-        b"lockstep_digest" | b"lockstep_corrupt" => req(
+        b"lockstep_digest" | b"lockstep_corrupt" | b"lockstep_isolate" => req(
             Request::Local {
                 line: String::from_utf8_lossy(line).into_owned(),
             },

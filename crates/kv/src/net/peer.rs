@@ -72,6 +72,8 @@ struct Link {
 /// and written by [`Peers::flush`] without blocking; what the socket does not take now
 /// goes when it becomes writable.
 pub struct Peers {
+    /// Nothing is queued while set (a test-only partition).
+    pub muted: bool,
     me: u64,
     links: Vec<Option<Link>>,
     hello: Vec<u8>,
@@ -102,6 +104,7 @@ impl Peers {
         let mut framed = Vec::new();
         append_frame(&mut framed, &hello);
         let mut p = Peers {
+            muted: false,
             me,
             links,
             hello: framed,
@@ -115,6 +118,9 @@ impl Peers {
     /// down or its queue is full.
     pub fn send(&mut self, to: u64, payload: &[u8]) {
         debug_assert!(to != self.me);
+        if self.muted {
+            return;
+        }
         let i = (to as usize).wrapping_sub(1);
         if let Some(Some(link)) = self.links.get_mut(i) {
             link.queue(payload);
@@ -122,6 +128,9 @@ impl Peers {
     }
 
     pub fn broadcast(&mut self, payload: &[u8]) {
+        if self.muted {
+            return;
+        }
         for link in self.links.iter_mut().flatten() {
             link.queue(payload);
         }

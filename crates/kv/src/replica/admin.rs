@@ -38,8 +38,19 @@ impl Replica {
                     None => "NOT_FOUND\r\n".into(),
                 }
             }
-            ["lockstep_corrupt", ..] => {
-                "CLIENT_ERROR test corruption is off (start the replica with --test-corruption)\r\n".into()
+            ["lockstep_isolate", ms] if self.cfg.test_corruption => match ms.parse::<u64>() {
+                Ok(ms) if ms <= 60_000 => {
+                    // A network partition around this replica: nothing to or from the
+                    // other replicas for that long.
+                    if let Some(r) = self.raft.as_mut() {
+                        r.isolated_until = Some(Instant::now() + Duration::from_millis(ms));
+                    }
+                    "OK\r\n".into()
+                }
+                _ => "CLIENT_ERROR usage: lockstep_isolate <milliseconds, at most 60000>\r\n".into(),
+            },
+            ["lockstep_corrupt" | "lockstep_isolate", ..] => {
+                "CLIENT_ERROR test commands are off (start the replica with --test-corruption)\r\n".into()
             }
             _ => "ERROR\r\n".into(),
         }

@@ -175,6 +175,22 @@ struct RaftPart {
     snap_index: u64,
     /// Wiped for replacement and not yet rebuilt from a snapshot.
     rejoining: bool,
+    /// Test-only partition (`lockstep_isolate`): until then, nothing is sent to or taken
+    /// from the other replicas.
+    isolated_until: Option<Instant>,
+}
+
+impl RaftPart {
+    fn isolated(&mut self) -> bool {
+        match self.isolated_until {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                self.isolated_until = None;
+                false
+            }
+            None => false,
+        }
+    }
 }
 
 pub struct Replica {
@@ -508,6 +524,7 @@ impl Replica {
                 last_tick: Instant::now(),
                 snap_index,
                 rejoining: false,
+                isolated_until: None,
             });
         }
         let validator = (cfg.mode == Mode::CrossCheck).then(|| Validator::new(n, cfg.id));
@@ -600,6 +617,8 @@ impl Replica {
         if self.raft.is_none() {
             return self.order_batch();
         }
+        let r = self.raft.as_mut().unwrap();
+        r.peers.muted = r.isolated();
         self.propose_batch();
         self.propose_recovers();
         let tick = {
@@ -889,6 +908,9 @@ impl Replica {
     // ---- peers ----------------------------------------------------------------------
 
     fn on_peer(&mut self, from: u64, frame: &[u8]) -> Result<(), i32> {
+        if self.raft.as_mut().is_some_and(|r| r.isolated()) {
+            return Ok(());
+        }
         let mut u = Unpacker::new(frame);
         let result = match u.u8() {
             Ok(MSG_RAFT) => match Message::decode(u.rest()) {

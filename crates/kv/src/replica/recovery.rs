@@ -213,6 +213,7 @@ impl Replica {
             last_tick: Instant::now(),
             snap_index: 0,
             rejoining: true,
+            isolated_until: None,
         });
         self.store = Store::new(self.cfg.limits.clone());
         self.applied_tags = Applied::default();
