@@ -261,14 +261,20 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     json.dump(result, open(os.path.join(OUT, "kv.json"), "w"), indent=1)
     open(os.path.join(OUT, "kv.svg"), "w").write(svg(tps))
-    lines = ["### Throughput (median of %d rounds, %d s each, TPS)" % (ROUNDS, SECONDS), "",
+    def ratio(a, b, mix):
+        # Per round, then the median: the two runs of a round are minutes apart at most,
+        # so machine drift between rounds cancels out of each ratio.
+        return med([x / y for x, y in zip(tps[a][mix], tps[b][mix])])
+
+    lines = ["### Throughput (median of %d rounds, %d s each, TPS; ratios: median of the per-round ratios)"
+             % (ROUNDS, SECONDS), "",
              "| mix, connections | memcached | single | smr | gop | crosscheck | single / memcached | smr / memcached "
              "| crosscheck / smr | gop / smr |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mix in tps[MODES[0]]:
         m = {k: med(tps[k][mix]) for k in MODES}
         lines.append("| %s | %d | %d | %d | %d | %d | %.2f | %.2f | %.2f | %.2f |" % (
-            mix, m["memcached"], m["single"], m["smr"], m["gop"], m["crosscheck"], m["single"] / m["memcached"],
-            m["smr"] / m["memcached"], m["crosscheck"] / m["smr"], m["gop"] / m["smr"]))
+            mix, m["memcached"], m["single"], m["smr"], m["gop"], m["crosscheck"], ratio("single", "memcached", mix),
+            ratio("smr", "memcached", mix), ratio("crosscheck", "smr", mix), ratio("gop", "smr", mix)))
     lines += ["", "### Latency of one request at a time, %d requests/s (median of rounds)" % PACED_RATE, "",
               "| via | measure | memcached | single | smr | gop | crosscheck | crosscheck - smr |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]

@@ -103,6 +103,11 @@ struct StoreOpts {
     /// open connections" and is closed, as with memcached's -c.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     max_conns: usize,
+    /// Event loops of a single replica (no --peers), each serving its own connections, as
+    /// memcached's -t: 0 means one per CPU, at most 4. A cluster replica always has one
+    /// loop, which owns the store.
+    #[arg(long, default_value_t = 0, value_name = "N", value_parser = clap::value_parser!(u64).range(0..=64))]
+    threads: u64,
     /// The window for --max-recoveries, in seconds.
     #[arg(long, default_value_t = 60, value_name = "SECS")]
     recovery_window: u64,
@@ -236,6 +241,7 @@ fn serve(a: ServeArgs) -> i32 {
         recovery_window: Duration::from_secs(a.opts.recovery_window.max(1)),
         watchdog: Duration::from_secs(10),
         max_conns: a.opts.max_conns.max(1),
+        threads: a.opts.threads,
     };
     replica::run(cfg)
 }
@@ -283,6 +289,7 @@ fn cluster(a: ClusterArgs) -> i32 {
         cmd.args(["--max-recoveries", &a.opts.max_recoveries.to_string()]);
         cmd.args(["--recovery-window", &a.opts.recovery_window.to_string()]);
         cmd.args(["--max-conns", &a.opts.max_conns.to_string()]);
+        cmd.args(["--threads", &a.opts.threads.to_string()]);
         if a.opts.no_fsync {
             cmd.arg("--no-fsync");
         }

@@ -244,7 +244,15 @@ impl Mc {
     }
 
     fn stats(&mut self) -> std::collections::HashMap<String, String> {
-        self.send(b"stats kv\r\n");
+        self.stats_of("stats kv")
+    }
+
+    fn stats_general(&mut self) -> std::collections::HashMap<String, String> {
+        self.stats_of("stats")
+    }
+
+    fn stats_of(&mut self, cmd: &str) -> std::collections::HashMap<String, String> {
+        self.send(format!("{cmd}\r\n").as_bytes());
         let mut m = std::collections::HashMap::new();
         loop {
             let l = self.read_line();
@@ -364,10 +372,7 @@ fn corruption_commands_are_refused_without_the_flag() {
     let mut mc = Mc::connect(c.port(1)).unwrap();
     assert_eq!(mc.set("k", b"v"), "STORED");
     for cmd in ["lockstep_corrupt k item", "lockstep_isolate 1000"] {
-        assert!(
-            mc.line(cmd).starts_with("CLIENT_ERROR test commands are off"),
-            "{cmd}"
-        );
+        assert!(mc.line(cmd).starts_with("CLIENT_ERROR test commands are off"), "{cmd}");
     }
     assert_eq!(mc.get("k").as_deref(), Some(&b"v"[..]));
 }
@@ -828,6 +833,38 @@ fn survives_bursts(port: u16) {
         Mc::connect(port).unwrap().line("version").split(' ').next(),
         Some("VERSION")
     );
+}
+
+/// A single replica with several event loops: connections land on different loops, their
+/// ids never collide (a collision would make a request look like a repeat and drop it),
+/// and every loop's clients see one store.
+#[test]
+fn single_mode_loops_share_one_store() {
+    let (mut child, port) = single_server(&["--threads", "3"]);
+    assert_eq!(Mc::connect(port).unwrap().stats_general()["threads"], "3");
+    let mut conns: Vec<Mc> = (0..60).map(|_| Mc::connect(port).unwrap()).collect();
+    for round in 0..5 {
+        for (i, mc) in conns.iter_mut().enumerate() {
+            let v = format!("{i}.{round}");
+            assert_eq!(mc.set(&format!("key{i}"), v.as_bytes()), "STORED");
+        }
+    }
+    // Every connection reads what the others wrote, whichever loop serves it.
+    for (i, mc) in conns.iter_mut().enumerate() {
+        let other = (i + 17) % 60;
+        assert_eq!(
+            mc.get(&format!("key{other}")).as_deref(),
+            Some(format!("{other}.4").as_bytes())
+        );
+    }
+    let mut mc = Mc::connect(port).unwrap();
+    assert_eq!(mc.set("n", b"0"), "STORED");
+    for c in conns.iter_mut() {
+        c.line("incr n 1");
+    }
+    assert_eq!(mc.get("n").as_deref(), Some(&b"60"[..]));
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 #[test]

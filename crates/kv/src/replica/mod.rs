@@ -84,6 +84,8 @@ pub struct Config {
     pub watchdog: Duration,
     /// Client connections served at once (memcached's `-c`).
     pub max_conns: usize,
+    /// Event loops in single mode (0: one per CPU, at most 4).
+    pub threads: u64,
 }
 
 /// Pending client connections the kernel holds for us (memcached's default).
@@ -306,7 +308,7 @@ pub fn run(cfg: Config) -> i32 {
     // Single mode has nothing to order: like memcached's worker threads, one loop per CPU
     // (at most 4) serves its own connections and applies their requests under the store's
     // lock, a whole turn at a time.
-    let loops = single_loops();
+    let loops = single_loops(replica.cfg.threads);
     replica.threads = loops as usize;
     let tick = replica.cfg.tick;
     let shared = Arc::new(std::sync::Mutex::new(replica));
@@ -353,8 +355,11 @@ pub fn run(cfg: Config) -> i32 {
     done_rx.recv().unwrap_or(1)
 }
 
-/// Event loops in single mode: one per CPU, at most 4 (memcached's default).
-fn single_loops() -> u64 {
+/// Event loops in single mode: as asked, or one per CPU, at most 4 (memcached's default).
+fn single_loops(asked: u64) -> u64 {
+    if asked > 0 {
+        return asked;
+    }
     thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4) as u64
 }
 
