@@ -1391,6 +1391,15 @@ impl Streams {
                     "incr k0\r\n",
                     "verbosity 1\r\n",
                     "stats bogus\r\n",
+                    "cache_memlimit 64\r\n",
+                    "cache_memlimit 32 noreply\r\n",
+                    "cache_memlimit 16 extra\r\n",
+                    "cache_memlimit 7\r\n",
+                    "cache_memlimit 2000000000\r\n",
+                    "cache_memlimit -5\r\n",
+                    "cache_memlimit abc noreply\r\n",
+                    "cache_memlimit\r\n",
+                    "cache_memlimit 8 9 10\r\n",
                 ])
                 .as_bytes()
                 .to_vec(),

@@ -50,6 +50,10 @@ pub enum Command {
     TooLarge {
         key: Vec<u8>,
     },
+    /// `cache_memlimit`: the memory limit, in MiB, from now on (at least 8, as memcached).
+    MemLimit {
+        mb: u32,
+    },
     /// A meta command: `kind` is b'g', b's', b'd', b'a' or b'e' (mg, ms, md, ma, me);
     /// `flags` are its flag tokens as sent, already checked by the parser.
     Meta {
@@ -116,6 +120,10 @@ impl Command {
             Command::TooLarge { key } => {
                 p.u8(7);
                 p.bytes(key);
+            }
+            Command::MemLimit { mb } => {
+                p.u8(9);
+                p.u32(*mb);
             }
             Command::Meta { kind, key, flags, data } => {
                 p.u8(8);
@@ -201,6 +209,7 @@ impl Command {
                     data: u.bytes()?.to_vec(),
                 }
             }
+            9 => Command::MemLimit { mb: u.u32()? },
             _ => return Err(UnpackError("unknown command tag")),
         })
     }
@@ -237,6 +246,7 @@ mod tests {
                 exptime: 100,
             },
             Command::FlushAll { delay: 0 },
+            Command::MemLimit { mb: 64 },
         ];
         for c in cmds {
             let mut p = Packer::default();

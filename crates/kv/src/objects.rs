@@ -165,6 +165,8 @@ pub struct Globals {
     /// The log's clock: never goes backwards.
     pub now_ms: u64,
     pub evictions: u64,
+    /// The memory limit `cache_memlimit` set, in bytes (0: the configured one).
+    pub memlimit: u64,
 }
 
 impl Default for Globals {
@@ -179,6 +181,7 @@ impl Default for Globals {
             oldest_cas: 0,
             now_ms: 0,
             evictions: 0,
+            memlimit: 0,
         }
     }
 }
@@ -198,6 +201,10 @@ impl Protected for Globals {
         }
         p.u32(self.lru_head);
         p.u32(self.lru_tail);
+        // Only once set, so that stores that never changed it keep their CRCs and format.
+        if self.memlimit != 0 {
+            p.u64(self.memlimit);
+        }
     }
     fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
         Ok(Globals {
@@ -210,6 +217,7 @@ impl Protected for Globals {
             evictions: u.u64()?,
             lru_head: u.u32()?,
             lru_tail: u.u32()?,
+            memlimit: if u.is_empty() { 0 } else { u.u64()? },
         })
     }
 }

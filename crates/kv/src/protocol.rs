@@ -301,6 +301,21 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
                 _ => err("ERROR", line_len),
             }
         }
+        // memcached: 1 or 2 arguments (the second is "noreply" or ignored); the limit is in
+        // MiB, parsed as its 32-bit strtoul does (no sign, truncated to 32 bits).
+        b"cache_memlimit" => match args {
+            [mb] | [mb, _] => match std::str::from_utf8(mb).ok().and_then(|s| s.parse::<u64>().ok()) {
+                None => fail("ERROR", line_len),
+                Some(mb) => match mb as u32 {
+                    mb if mb < 8 => fail("MEMLIMIT_TOO_SMALL cannot set maxbytes to less than 8m", line_len),
+                    mb if mb > 1_000_000_000 => {
+                        fail("MEMLIMIT_ADJUST_FAILED input value is megabytes not bytes", line_len)
+                    }
+                    mb => data(Command::MemLimit { mb }, noreply, line_len),
+                },
+            },
+            _ => err("ERROR", line_len),
+        },
         b"version" => req(Request::Version, line_len),
         // memcached: "verbosity noreply" sets nothing and says nothing.
         b"verbosity" => match args {

@@ -78,6 +78,11 @@ impl Store {
         &self.limits
     }
 
+    /// The memory limit in force: `cache_memlimit`'s, or the configured one.
+    pub fn memory_limit(&self) -> u64 {
+        memory_limit(&self.limits, self.globals.peek())
+    }
+
     /// Execute one command at log time `now_ms`. The reply is recorded in the delta. On a
     /// failed object check the command stops where it is; the reply is then an error that
     /// no client must see (the cross-check will disagree with it), and the delta names the
@@ -186,6 +191,17 @@ impl Store {
                     g.oldest_cas = g.cas + 1;
                 }
                 out.extend_from_slice(b"OK\r\n");
+            }
+            Command::MemLimit { mb } => {
+                let bytes = u64::from(*mb) << 20;
+                if bytes > self.limits.memory_bytes {
+                    // The configured limit bounds what this process may allocate.
+                    out.extend_from_slice(b"MEMLIMIT_ADJUST_FAILED out of bounds or unable to adjust\r\n");
+                } else {
+                    self.globals.write(d)?.memlimit = bytes;
+                    // Like memcached, items are evicted as later stores need room.
+                    out.extend_from_slice(b"OK\r\n");
+                }
             }
         }
         Ok(())
@@ -632,7 +648,7 @@ impl Store {
     fn evict(&mut self, keep: u32, d: &mut Delta) -> R<()> {
         loop {
             let g = self.globals.read(d)?;
-            if g.bytes <= self.limits.memory_bytes || g.lru_tail == NIL || g.lru_tail == keep {
+            if g.bytes <= memory_limit(&self.limits, g) || g.lru_tail == NIL || g.lru_tail == keep {
                 return Ok(());
             }
             let victim = g.lru_tail;
@@ -1011,6 +1027,15 @@ impl<T: Protected> GuardInfo for Guarded<T> {
 
 /// memcached's exptime rules, in log milliseconds: 0 never; negative: already expired;
 /// up to 30 days: relative seconds; beyond: a Unix time in seconds.
+/// The memory limit in force: what `cache_memlimit` set, else the configured one.
+fn memory_limit(limits: &Limits, g: &Globals) -> u64 {
+    if g.memlimit == 0 {
+        limits.memory_bytes
+    } else {
+        g.memlimit.min(limits.memory_bytes)
+    }
+}
+
 pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
     if exptime == 0 {
         0
@@ -1102,5 +1127,37 @@ mod flush_tests {
         assert_eq!(run(&mut s, get("before"), 1000), "END\r\n");
         assert_eq!(run(&mut s, get("after"), 1000), "VALUE after 0 1\r\nv\r\nEND\r\n");
         assert_eq!(run(&mut s, get("after"), 5000), "VALUE after 0 1\r\nv\r\nEND\r\n");
+    }
+
+    #[test]
+    fn cache_memlimit_lowers_the_limit_for_later_stores_and_survives_a_snapshot() {
+        let limits = Limits {
+            memory_bytes: 16 << 20,
+            ..Limits::default()
+        };
+        let mut s = Store::new(limits.clone());
+        assert_eq!(
+            run(&mut s, Command::MemLimit { mb: 32 }, 1),
+            "MEMLIMIT_ADJUST_FAILED out of bounds or unable to adjust\r\n"
+        );
+        assert_eq!(s.memory_limit(), 16 << 20);
+        assert_eq!(run(&mut s, Command::MemLimit { mb: 8 }, 1), "OK\r\n");
+        assert_eq!(s.memory_limit(), 8 << 20);
+        let big = |k: usize| Command::Store {
+            op: StoreOp::Set,
+            key: format!("k{k}").into_bytes(),
+            flags: 0,
+            exptime: 0,
+            data: vec![b'v'; 1 << 20],
+            cas: 0,
+        };
+        for k in 0..12 {
+            assert_eq!(run(&mut s, big(k), 2), "STORED\r\n");
+        }
+        assert!(s.globals.peek().bytes <= 8 << 20, "{}", s.globals.peek().bytes);
+        assert!(s.globals.peek().evictions >= 4);
+        let restored = Store::restore(limits, &s.snapshot()).unwrap();
+        assert_eq!(restored.memory_limit(), 8 << 20);
+        assert_eq!(restored.digest(), s.digest());
     }
 }

@@ -120,7 +120,7 @@ impl Replica {
                 stat("curr_items", g.items.to_string());
                 stat("total_items", c.total_items.to_string());
                 stat("bytes", g.bytes.to_string());
-                stat("limit_maxbytes", self.store.limits().memory_bytes.to_string());
+                stat("limit_maxbytes", self.store.memory_limit().to_string());
                 stat("evictions", g.evictions.to_string());
             }
             let role = match &self.raft {
@@ -167,7 +167,7 @@ impl Replica {
         let limits = self.store.limits();
         let mut out = String::new();
         for (k, v) in [
-            ("maxbytes", limits.memory_bytes.to_string()),
+            ("maxbytes", self.store.memory_limit().to_string()),
             ("maxconns", self.cfg.max_conns.to_string()),
             ("tcpport", self.cfg.client.port().to_string()),
             ("udpport", "0".into()),
