@@ -1400,6 +1400,19 @@ impl Streams {
                     "cache_memlimit abc noreply\r\n",
                     "cache_memlimit\r\n",
                     "cache_memlimit 8 9 10\r\n",
+                    "lru_crawler sleep 100\r\n",
+                    "lru_crawler sleep 2000000\r\n",
+                    "lru_crawler tocrawl x\r\n",
+                    "lru_crawler tocrawl 5\r\n",
+                    "lru_crawler crawl all\r\n",
+                    "lru_crawler crawl 1,2\r\n",
+                    "lru_crawler crawl 99\r\n",
+                    "lru_crawler crawl\r\n",
+                    "lru_crawler metadump\r\n",
+                    "lru_crawler bogus\r\n",
+                    "lru_crawler\r\n",
+                    "lru_crawler disable\r\n",
+                    "lru_crawler enable\r\n",
                 ])
                 .as_bytes()
                 .to_vec(),
@@ -1476,6 +1489,61 @@ impl Differ {
 
 /// The same generated command streams to memcached 1.6, to kv in single mode and to a
 /// replica of a kv cluster: every reply must be byte for byte the same.
+/// `lru_crawler metadump` lists the same items as memcached's, in its line format (the
+/// last-access and expiry times are wall-clock readings, so they are compared loosely),
+/// and refuses, like memcached, to run behind other queued replies.
+#[test]
+fn metadump_lists_items_like_memcached() {
+    let memcached = Memcached::start();
+    let (mut child, port) = single_server(&[]);
+    let mut dumps = Vec::new();
+    for p in [memcached.port, port] {
+        let mut mc = Mc::connect(p).unwrap();
+        for (key, flags, len, exptime) in [
+            ("a", 0, 1, 0),
+            ("k:1", 5, 200, 0),
+            ("big", 7, 5000, 0),
+            ("t", 0, 3, 100_000),
+        ] {
+            let mut req = format!("set {key} {flags} {exptime} {len}\r\n").into_bytes();
+            req.extend(std::iter::repeat_n(b'v', len));
+            req.extend_from_slice(b"\r\n");
+            mc.send(&req);
+            assert_eq!(mc.read_line(), "STORED");
+        }
+        mc.send(b"lru_crawler metadump all\r\n");
+        let mut lines = Vec::new();
+        loop {
+            let l = mc.read_line();
+            if l == "END" || l.is_empty() {
+                break;
+            }
+            // la= is a clock reading; exp= too, unless the item never expires.
+            let masked: Vec<String> = l
+                .split(' ')
+                .map(|f| {
+                    if f.starts_with("la=") || (f.starts_with("exp=") && f != "exp=-1") {
+                        f.split('=').next().unwrap().to_string() + "=*"
+                    } else {
+                        f.to_string()
+                    }
+                })
+                .collect();
+            lines.push(masked.join(" "));
+        }
+        lines.sort();
+        // A metadump queued behind another reply is refused.
+        mc.send(b"version\r\nlru_crawler metadump all\r\n");
+        mc.read_line();
+        assert_eq!(mc.read_line(), "ERROR cannot pipeline other commands before metadump");
+        dumps.push(lines);
+    }
+    assert_eq!(dumps[0].len(), 4, "{:?}", dumps[0]);
+    assert_eq!(dumps[0], dumps[1]);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 #[test]
 fn replies_match_memcached_byte_for_byte() {
     let memcached = Memcached::start();

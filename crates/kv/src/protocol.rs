@@ -28,8 +28,8 @@ pub enum Request {
     },
     /// `mn`: answered "MN" in order with the replies before it.
     MetaNoop,
-    /// lockstep's own commands (`lockstep_digest`, `lockstep_corrupt ...`), answered by the
-    /// replica that received them and never ordered.
+    /// lockstep's own commands (`lockstep_digest`, `lockstep_corrupt ...`) and memcached's
+    /// `lru_crawler`, answered by the replica that received them and never ordered.
     Local {
         line: String,
     },
@@ -332,7 +332,7 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
         b"mn" => req(Request::MetaNoop, line_len),
         b"mg" | b"ms" | b"md" | b"ma" | b"me" => meta(name[1], args, buf, line_len, item_max),
         b"quit" => req(Request::Quit, line_len),
-        b"lockstep_digest" | b"lockstep_corrupt" | b"lockstep_isolate" => req(
+        b"lockstep_digest" | b"lockstep_corrupt" | b"lockstep_isolate" | b"lru_crawler" => req(
             Request::Local {
                 line: String::from_utf8_lossy(line).into_owned(),
             },

@@ -755,6 +755,45 @@ impl Store {
         self.globals.peek()
     }
 
+    /// `lru_crawler metadump`: one line per live item in memcached's format (`classes`:
+    /// only items of those slab classes). A debugging view of this replica, not ordered
+    /// through the log, as memcached's crawler is not ordered with requests either.
+    pub fn metadump(&self, classes: Option<&[u32]>) -> String {
+        let g = self.globals.peek();
+        let now = g.now_ms;
+        let mut out = String::new();
+        for (slot, it) in self.items.iter().enumerate() {
+            let Some(it) = it.as_ref().map(|i| i.peek()) else {
+                continue;
+            };
+            let expired = it.exptime_ms != 0 && it.exptime_ms <= now;
+            let flushed = it.cas < g.oldest_cas
+                || (g.oldest_live_ms != 0 && g.oldest_live_ms <= now && it.stored_ms <= g.oldest_live_ms);
+            let size = crate::protocol::item_size(it.key.len(), it.flags, it.value.len());
+            let cls = slab_class(size);
+            if expired || flushed || classes.is_some_and(|c| !c.contains(&cls)) {
+                continue;
+            }
+            let la = self
+                .links
+                .get(slot)
+                .and_then(|l| l.as_ref())
+                .map_or(0, |l| l.peek().accessed_ms);
+            let exp = if it.exptime_ms == 0 {
+                -1
+            } else {
+                (it.exptime_ms / 1000) as i64
+            };
+            out.push_str(&format!(
+                "key={} exp={exp} la={} cas={} fetch=no cls={cls} size={size}\n",
+                uri_encode(&it.key),
+                la / 1000,
+                it.cas
+            ));
+        }
+        out
+    }
+
     /// A digest of the whole protected state: every object's id and CRC, in id order.
     /// Replicas that agree have equal digests. Objects failing their check are counted.
     pub fn digest(&self) -> (u64, usize) {
@@ -1051,6 +1090,44 @@ pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
 const NON_NUMERIC: &[u8] = b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n";
 
 /// Seconds an item has left, as meta commands report it: -1 if it never expires.
+/// memcached's slab classes with its default settings (`-n 48 -f 1.25`, 1 MiB items):
+/// chunk sizes from 96 bytes, each 1.25 times the last rounded up to 8, up to 512 KiB.
+pub const SLAB_CLASSES: u32 = slab_classes();
+
+const fn slab_classes() -> u32 {
+    let (mut size, mut cls) = (96u32, 1u32);
+    while (size as u64) * 5 < 512 * 1024 * 4 {
+        size = size * 5 / 4;
+        size = size.div_ceil(8) * 8;
+        cls += 1;
+    }
+    cls
+}
+
+/// The slab class memcached would store an item of `ntotal` bytes in.
+pub fn slab_class(ntotal: usize) -> u32 {
+    let mut size = 96usize;
+    let mut cls = 1;
+    while cls < SLAB_CLASSES && size < ntotal {
+        size = (size * 5 / 4).div_ceil(8) * 8;
+        cls += 1;
+    }
+    cls
+}
+
+/// memcached's `uriencode`: letters, digits and `-._~` stay, anything else is `%XX`.
+fn uri_encode(key: &[u8]) -> String {
+    let mut s = String::with_capacity(key.len());
+    for &b in key {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            s.push(b as char);
+        } else {
+            s.push_str(&format!("%{b:02X}"));
+        }
+    }
+    s
+}
+
 fn ttl_left(exptime_ms: u64, now: u64) -> i64 {
     if exptime_ms == 0 {
         -1

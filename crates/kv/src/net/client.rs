@@ -197,7 +197,20 @@ impl Client {
         let (conn, seq) = (self.id, self.next_seq);
         let (msg, noreply) = match req {
             Request::Data { cmd, noreply } => (Inbound::Request { conn, seq, cmd }, noreply),
-            Request::Local { line } => (Inbound::Local { conn, seq, line }, false),
+            Request::Local { line } => {
+                // Whether replies are queued ahead of it (memcached streams a metadump
+                // straight to the socket, so it refuses one queued behind others).
+                let queued_behind = !self.slots.is_empty();
+                (
+                    Inbound::Local {
+                        conn,
+                        seq,
+                        line,
+                        queued_behind,
+                    },
+                    false,
+                )
+            }
             Request::Stats { args } => (Inbound::Stats { conn, seq, args }, false),
             Request::Version => return self.slots.push_back(Slot::Ready(VERSION.as_bytes().to_vec())),
             Request::MetaNoop => return self.slots.push_back(Slot::Ready(b"MN\r\n".to_vec())),

@@ -3,7 +3,8 @@
 use super::*;
 
 impl Replica {
-    pub(super) fn local_command(&mut self, line: &str) -> String {
+    /// `queued_behind`: replies to earlier requests of the connection are still queued.
+    pub(super) fn local_command(&mut self, line: &str, queued_behind: bool) -> String {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words[..] {
             ["lockstep_digest"] => {
@@ -49,9 +50,59 @@ impl Replica {
                 }
                 _ => "CLIENT_ERROR usage: lockstep_isolate <milliseconds, at most 60000>\r\n".into(),
             },
+            ["lru_crawler", ref args @ ..] => self.lru_crawler(args, queued_behind),
             ["lockstep_corrupt" | "lockstep_isolate", ..] => {
                 "CLIENT_ERROR test commands are off (start the replica with --test-corruption)\r\n".into()
             }
+            _ => "ERROR\r\n".into(),
+        }
+    }
+
+    /// memcached's `lru_crawler`. kv has no crawler thread: expired items are reclaimed
+    /// as they are met, so `crawl` has nothing to add; `enable`/`disable` keep memcached's
+    /// state and replies, and `metadump` lists the live items.
+    fn lru_crawler(&mut self, args: &[&str], queued_behind: bool) -> String {
+        const DISABLED: &str = "CLIENT_ERROR lru crawler disabled\r\n";
+        // memcached's class ids: 1 to 62, or "all" (and "hash" for metadump).
+        let classes = |spec: &str| -> Result<Option<Vec<u32>>, ()> {
+            if spec == "all" || spec == "hash" {
+                return Ok(None);
+            }
+            spec.split(',')
+                .map(|p| p.parse::<u32>().ok().filter(|c| (1..=62).contains(c)).ok_or(()))
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some)
+        };
+        let number = |n: &str| n.parse::<u32>().ok();
+        match args {
+            ["enable"] if self.crawler_enabled => "ERROR failed to start lru crawler thread\r\n".into(),
+            ["enable"] => {
+                self.crawler_enabled = true;
+                "OK\r\n".into()
+            }
+            ["disable"] => {
+                self.crawler_enabled = false;
+                "OK\r\n".into()
+            }
+            ["sleep", n] => match number(n) {
+                Some(n) if n <= 1_000_000 => "OK\r\n".into(),
+                Some(_) => "CLIENT_ERROR sleep must be one second or less\r\n".into(),
+                None => "CLIENT_ERROR bad command line format\r\n".into(),
+            },
+            ["tocrawl", n] => match number(n) {
+                Some(_) => "OK\r\n".into(),
+                None => "CLIENT_ERROR bad command line format\r\n".into(),
+            },
+            ["crawl", _] | ["metadump", _] if !self.crawler_enabled => DISABLED.into(),
+            ["crawl", spec] => match classes(spec) {
+                Ok(_) => "OK\r\n".into(),
+                Err(()) => "BADCLASS invalid class id\r\n".into(),
+            },
+            ["metadump", _] if queued_behind => "ERROR cannot pipeline other commands before metadump\r\n".into(),
+            ["metadump", spec] => match classes(spec) {
+                Ok(which) => self.store.metadump(which.as_deref()) + "END\r\n",
+                Err(()) => "BADCLASS invalid class id\r\n".into(),
+            },
             _ => "ERROR\r\n".into(),
         }
     }

@@ -93,11 +93,28 @@ const LISTEN_BACKLOG: i32 = 1024;
 
 /// What the replica is told by its client connections and links.
 pub enum Inbound {
-    Open { conn: u64 },
-    Closed { conn: u64 },
-    Request { conn: u64, seq: u64, cmd: Command },
-    Stats { conn: u64, seq: u64, args: Vec<String> },
-    Local { conn: u64, seq: u64, line: String },
+    Open {
+        conn: u64,
+    },
+    Closed {
+        conn: u64,
+    },
+    Request {
+        conn: u64,
+        seq: u64,
+        cmd: Command,
+    },
+    Stats {
+        conn: u64,
+        seq: u64,
+        args: Vec<String>,
+    },
+    Local {
+        conn: u64,
+        seq: u64,
+        line: String,
+        queued_behind: bool,
+    },
     PeerError(String),
 }
 
@@ -236,6 +253,8 @@ pub struct Replica {
     counters: Counters,
     /// Event loops serving this replica (the `threads` stat).
     threads: usize,
+    /// memcached's `lru_crawler enable`/`disable` state (this replica's, like memcached's).
+    crawler_enabled: bool,
     /// The highest entry this replica knows to be committed without Raft having said so
     /// (a follower's early apply).
     committed_early: u64,
@@ -568,6 +587,7 @@ impl Replica {
             counters: Counters::default(),
             threads: 1,
             committed_early: 0,
+            crawler_enabled: true,
             parked: Vec::new(),
             cfg,
         })
@@ -692,8 +712,13 @@ impl Replica {
                 let reply = self.stats(&args);
                 self.send_reply(conn, seq, reply);
             }
-            Inbound::Local { conn, seq, line } => {
-                let reply = self.local_command(&line);
+            Inbound::Local {
+                conn,
+                seq,
+                line,
+                queued_behind,
+            } => {
+                let reply = self.local_command(&line, queued_behind);
                 self.send_reply(conn, seq, reply.into_bytes());
             }
             Inbound::PeerError(msg) => {
