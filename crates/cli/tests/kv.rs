@@ -1304,7 +1304,7 @@ impl Streams {
         match self.next() % 20 {
             16 => {
                 let mut c = format!("mg {key}");
-                for f in ["v", "f", "s", "k", "O77", "q", "c", "T0"] {
+                for f in ["v", "f", "s", "k", "O77", "q", "c", "T0", "u"] {
                     if self.next().is_multiple_of(3) {
                         c.push(' ');
                         c.push_str(f);

@@ -363,7 +363,7 @@ fn meta_flag_known(kind: u8, c: u8) -> bool {
 /// Known flags that would change the reply and are not done here yet: refused (see
 /// docs/kv.md) rather than ignored.
 fn meta_flag_missing(kind: u8, c: u8) -> bool {
-    b"bhluERSx".contains(&c) || (c == b'N' && kind != b'a')
+    b"bhlERSx".contains(&c) || (c == b'N' && kind != b'a') || (c == b'u' && kind != b'g')
 }
 
 /// Parse `mg`, `ms`, `md`, `ma` or `me`: check every flag as memcached does, so that only

@@ -368,7 +368,10 @@ impl Store {
                 if let Some(ttl) = number(b'T') {
                     self.item_mut(slot, d)?.exptime_ms = absolute_exptime(ttl as i32 as i64, now);
                 }
-                self.bump(slot, now, d)?;
+                // u: the read leaves the item where it is in the LRU.
+                if flag(b'u').is_none() {
+                    self.bump(slot, now, d)?;
+                }
                 let rest = returned(self, Some(slot), None, d)?;
                 if flag(b'v').is_some() {
                     let it = self.item(slot, d)?;
@@ -1236,5 +1239,33 @@ mod flush_tests {
         let restored = Store::restore(limits, &s.snapshot()).unwrap();
         assert_eq!(restored.memory_limit(), 8 << 20);
         assert_eq!(restored.digest(), s.digest());
+    }
+
+    #[test]
+    fn meta_get_with_u_leaves_the_lru_alone() {
+        let tail_key = |s: &Store| {
+            s.items[s.globals.peek().lru_tail as usize]
+                .as_ref()
+                .unwrap()
+                .peek()
+                .key
+                .clone()
+        };
+        let mg = |key: &str, flags: &[&str]| Command::Meta {
+            kind: b'g',
+            key: key.into(),
+            flags: flags.iter().map(|f| f.as_bytes().to_vec()).collect(),
+            data: Vec::new(),
+        };
+        let mut s = Store::new(Limits::default());
+        run(&mut s, set("a"), 1000);
+        run(&mut s, set("b"), 1001);
+        assert_eq!(tail_key(&s), b"a");
+        // Later than the bump interval, so that a plain read would move it.
+        let later = 1001 + LRU_BUMP_INTERVAL_MS;
+        assert_eq!(run(&mut s, mg("a", &["v", "u"]), later), "VA 1\r\nv\r\n");
+        assert_eq!(tail_key(&s), b"a", "u must not bump");
+        run(&mut s, mg("a", &["v"]), later + 1);
+        assert_eq!(tail_key(&s), b"b", "a plain mg bumps");
     }
 }
