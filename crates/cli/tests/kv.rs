@@ -1316,7 +1316,9 @@ impl Streams {
             17 => {
                 let value = self.value();
                 let mut c = format!("ms {key} {}", value.len());
-                for f in ["MS", "ME", "MA", "MP", "MR", "F5", "T0", "q", "c", "k", "O9", "C{cas}"] {
+                for f in [
+                    "MS", "ME", "MA", "MP", "MR", "F5", "T0", "q", "c", "k", "O9", "C{cas}", "h", "l", "u", "R5",
+                ] {
                     if self.next().is_multiple_of(6) {
                         c.push(' ');
                         c.push_str(&f.replace("{cas}", &format!("{{cas {key}}}")));
@@ -1331,8 +1333,10 @@ impl Streams {
                 let op = self.pick(&["md", "ma", "ma", "mn", "mg", "ms"]);
                 let mut c = format!("{op} {key}");
                 let menu: &[&str] = match op {
-                    "md" => &["q", "k", "O1", "C{cas}"],
-                    "ma" => &["v", "q", "N0", "J13", "D2", "MD", "M+", "k", "c", "D-1"],
+                    "md" => &["q", "k", "O1", "C{cas}", "h", "l", "u", "N5", "R5", "S", "x", "E5"],
+                    "ma" => &[
+                        "v", "q", "N0", "J13", "D2", "MD", "M+", "k", "c", "D-1", "h", "l", "u", "R5", "E5",
+                    ],
                     "mn" => return b"mn\r\n".to_vec(),
                     _ => &["Z", "v v", "O123456789012345678901234567890123", "MX", "Fx"],
                 };

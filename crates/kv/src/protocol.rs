@@ -356,14 +356,17 @@ fn req(req: Request, consumed: usize) -> Parsed {
 
 /// Whether memcached 1.6.18 knows meta flag `c` for command `kind` (it ignores the known
 /// flags a command does not use, and refuses unknown letters).
-fn meta_flag_known(kind: u8, c: u8) -> bool {
-    b"bcfhklOqstuvxCDEFIJLMNPRST".contains(&c) && (c != b'x' || kind == b'd')
+/// The flags memcached 1.6.18 takes on every meta command (each command ignores those
+/// that mean nothing to it); `E`, `S` and `x` are not among them.
+fn meta_flag_known(c: u8) -> bool {
+    b"bcfhklOqstuvCDFIJLMNPRT".contains(&c)
 }
 
 /// Known flags that would change the reply and are not done here yet: refused (see
-/// docs/kv.md) rather than ignored.
-fn meta_flag_missing(kind: u8, c: u8) -> bool {
-    b"bhlERSx".contains(&c) || (c == b'N' && kind != b'a') || (c == b'u' && kind != b'g')
+/// docs/kv.md) rather than ignored. `append`: an ms in append or prepend mode, where `N`
+/// creates a missing item.
+fn meta_flag_missing(kind: u8, c: u8, append: bool) -> bool {
+    c == b'b' || (kind == b'g' && b"hlRN".contains(&c)) || (kind == b's' && c == b'N' && append)
 }
 
 /// Parse `mg`, `ms`, `md`, `ma` or `me`: check every flag as memcached does, so that only
@@ -393,7 +396,7 @@ fn meta(kind: u8, args: &[&[u8]], buf: &[u8], line_len: usize, item_max: usize) 
         swallow: len.map_or(0, |l| l + 2),
         close: false,
     };
-    let invalid = if kind == b'a' {
+    let invalid = if kind == b'a' || kind == b'd' {
         "CLIENT_ERROR invalid or duplicate flag"
     } else {
         "CLIENT_ERROR invalid flag"
@@ -403,12 +406,12 @@ fn meta(kind: u8, args: &[&[u8]], buf: &[u8], line_len: usize, item_max: usize) 
     let mut seen = Vec::new();
     for f in flags {
         let (c, arg) = (f[0], &f[1..]);
-        if !meta_flag_known(kind, c) {
+        if !meta_flag_known(c) {
             return err(invalid, line_len);
         }
         if seen.contains(&c) {
             return err(
-                if kind == b'a' {
+                if kind == b'a' || kind == b'd' {
                     invalid
                 } else {
                     "CLIENT_ERROR duplicate flag"
@@ -438,7 +441,8 @@ fn meta(kind: u8, args: &[&[u8]], buf: &[u8], line_len: usize, item_max: usize) 
     if flags.iter().any(|f| f[0] == b'O' && f.len() > 33) {
         return err("CLIENT_ERROR opaque token too long", line_len);
     }
-    if flags.iter().any(|f| meta_flag_missing(kind, f[0])) {
+    let append = flags.iter().any(|f| matches!(f[..], [b'M', b'A' | b'a' | b'P' | b'p']));
+    if flags.iter().any(|f| meta_flag_missing(kind, f[0], append)) {
         return err(invalid, line_len);
     }
     let flags: Vec<Vec<u8>> = flags.iter().map(|f| f.to_vec()).collect();
