@@ -1304,7 +1304,7 @@ impl Streams {
         match self.next() % 20 {
             16 => {
                 let mut c = format!("mg {key}");
-                for f in ["v", "f", "s", "k", "O77", "q", "c", "T0", "u"] {
+                for f in ["v", "f", "s", "k", "O77", "q", "c", "T0", "u", "h"] {
                     if self.next().is_multiple_of(3) {
                         c.push(' ');
                         c.push_str(f);
@@ -1548,6 +1548,82 @@ fn metadump_lists_items_like_memcached() {
     let _ = child.wait();
 }
 
+/// What memcached remembers of an item's reads: `mg h` (read before?), `me` and which
+/// commands count as a read (get, gat, touch, mg without `u`; not add, incr or ma) and
+/// which make a new item (set, append, ms). The same sequence against memcached and kv.
+#[test]
+fn hit_flags_and_me_match_memcached() {
+    let memcached = Memcached::start();
+    let (mut child, port) = single_server(&[]);
+    let steps: &[&[u8]] = &[
+        b"set k 5 0 10\r\n0123456789\r\n",
+        b"mg k h\r\n",
+        b"mg k h\r\n",
+        b"set k 0 0 1\r\nx\r\n",
+        b"mg k h u\r\n",
+        b"mg k h\r\n",
+        b"set j 0 0 1\r\nx\r\n",
+        b"get j\r\n",
+        b"mg j h\r\n",
+        b"set q 0 0 1\r\nx\r\n",
+        b"touch q 100\r\n",
+        b"mg q h\r\n",
+        b"set r 0 0 1\r\nx\r\n",
+        b"gat 100 r\r\n",
+        b"mg r h\r\n",
+        b"set t 0 0 1\r\nx\r\n",
+        b"ma t\r\n",
+        b"mg t h\r\n",
+        b"set y 0 0 1\r\nx\r\n",
+        b"mg y\r\n",
+        b"append y 0 0 1\r\nx\r\n",
+        b"mg y h\r\n",
+        b"set n 0 0 1\r\n5\r\n",
+        b"mg n v\r\n",
+        b"incr n 1\r\n",
+        b"add n 0 0 1\r\n1\r\n",
+        b"mg n h\r\n",
+        b"ms n 1\r\n7\r\n",
+        b"mg n h\r\n",
+        b"set big 3 0 500\r\n",
+        b"me nope\r\n",
+    ];
+    let mut replies = Vec::new();
+    for p in [memcached.port, port] {
+        let mut mc = Mc::connect(p).unwrap();
+        let mut got = Vec::new();
+        for step in steps {
+            if step.starts_with(b"set big") {
+                let mut req = step.to_vec();
+                req.extend(std::iter::repeat_n(b'v', 500));
+                req.extend_from_slice(b"\r\n");
+                mc.send(&req);
+                got.push(mc.read_line());
+                mc.send(b"get big\r\nme big\r\n");
+                for _ in 0..4 {
+                    got.push(mc.read_line());
+                }
+                continue;
+            }
+            mc.send(step);
+            let first = mc.read_line();
+            if first.starts_with("VALUE") || first.starts_with("VA ") {
+                got.push(first);
+                got.push(mc.read_line());
+                if !step.starts_with(b"mg") {
+                    got.push(mc.read_line());
+                }
+            } else {
+                got.push(first);
+            }
+        }
+        replies.push(got);
+    }
+    assert_eq!(replies[1], replies[0]);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 #[test]
 fn replies_match_memcached_byte_for_byte() {
     let memcached = Memcached::start();
@@ -1652,7 +1728,7 @@ fn meta_ttl_and_debug_replies() {
     assert_eq!(mc.line("me nothere"), "EN");
     assert_eq!(mc.line("mn"), "MN");
     assert_eq!(
-        mc.line("mg tk h"),
+        mc.line("mg tk R30"),
         "CLIENT_ERROR invalid flag",
         "not done yet: refused, not ignored"
     );

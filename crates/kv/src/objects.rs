@@ -72,6 +72,8 @@ pub struct Links {
     pub prev: u32,
     pub next: u32,
     pub accessed_ms: u64,
+    /// Read since it was stored (memcached's ITEM_FETCHED: `mg h`, metadump's `fetch`).
+    pub fetched: bool,
 }
 
 impl Protected for Links {
@@ -79,12 +81,17 @@ impl Protected for Links {
         p.u32(self.prev);
         p.u32(self.next);
         p.u64(self.accessed_ms);
+        // Only when set, so that links packed before the field existed keep their CRCs.
+        if self.fetched {
+            p.u8(1);
+        }
     }
     fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
         Ok(Links {
             prev: u.u32()?,
             next: u.u32()?,
             accessed_ms: u.u64()?,
+            fetched: !u.is_empty() && u.u8()? == 1,
         })
     }
 }

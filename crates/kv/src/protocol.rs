@@ -366,7 +366,7 @@ fn meta_flag_known(c: u8) -> bool {
 /// docs/kv.md) rather than ignored. `append`: an ms in append or prepend mode, where `N`
 /// creates a missing item.
 fn meta_flag_missing(kind: u8, c: u8, append: bool) -> bool {
-    c == b'b' || (kind == b'g' && b"hlRN".contains(&c)) || (kind == b's' && c == b'N' && append)
+    c == b'b' || (kind == b'g' && b"RN".contains(&c)) || (kind == b's' && c == b'N' && append)
 }
 
 /// Parse `mg`, `ms`, `md`, `ma` or `me`: check every flag as memcached does, so that only

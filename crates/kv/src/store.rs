@@ -120,6 +120,7 @@ impl Store {
                         let exp = absolute_exptime(*exptime, now);
                         self.item_mut(slot, d)?.exptime_ms = exp;
                     }
+                    self.mark_fetched(slot, d)?;
                     self.bump(slot, now, d)?;
                     let it = self.item(slot, d)?;
                     out.extend_from_slice(b"VALUE ");
@@ -175,6 +176,7 @@ impl Store {
             Command::Touch { key, exptime } => match self.lookup(key, now, d)? {
                 Some(slot) => {
                     self.item_mut(slot, d)?.exptime_ms = absolute_exptime(*exptime, now);
+                    self.mark_fetched(slot, d)?;
                     self.bump(slot, now, d)?;
                     out.extend_from_slice(b"TOUCHED\r\n");
                 }
@@ -263,6 +265,10 @@ impl Store {
                     old
                 };
                 self.account(old_size, slot, d)?;
+                // memcached stores a new item: not fetched yet.
+                if self.links_of(slot, d)?.fetched {
+                    self.links_mut(slot, d)?.fetched = false;
+                }
                 self.bump(slot, now, d)?;
             }
             None => {
@@ -327,7 +333,13 @@ impl Store {
         let quiet = flag(b'q').is_some();
         // The return flags, in the order they were asked for.
         // `no_item_cas`: what `c` shows without an item (ms shows c0 when nothing was stored).
-        let returned = |store: &Self, slot: Option<u32>, no_item_cas: Option<u64>, d: &mut Delta| -> R<Vec<u8>> {
+        // `before`: for mg, the item's links before this read (for h and l).
+        let returned = |store: &Self,
+                        slot: Option<u32>,
+                        no_item_cas: Option<u64>,
+                        before: Option<&Links>,
+                        d: &mut Delta|
+         -> R<Vec<u8>> {
             let mut r = Vec::new();
             let it = match slot {
                 Some(s) => Some(store.item(s, d)?),
@@ -342,6 +354,13 @@ impl Store {
                     (b'f', Some(it)) => format!("f{}", it.flags).into_bytes(),
                     (b's', Some(it)) => format!("s{}", it.value.len()).into_bytes(),
                     (b't', Some(it)) => format!("t{}", ttl_left(it.exptime_ms, now)).into_bytes(),
+                    (b'h', Some(_)) if before.is_some() => {
+                        format!("h{}", before.map_or(0, |l| l.fetched as u8)).into_bytes()
+                    }
+                    (b'l', Some(_)) if before.is_some() => {
+                        let idle = now.saturating_sub(before.map_or(now, |l| l.accessed_ms)) / 1000;
+                        format!("l{idle}").into_bytes()
+                    }
                     _ => continue,
                 };
                 r.push(b' ');
@@ -360,7 +379,7 @@ impl Store {
                 let Some(slot) = slot else {
                     if !quiet {
                         out.extend_from_slice(b"EN");
-                        out.extend_from_slice(&returned(self, None, None, d)?);
+                        out.extend_from_slice(&returned(self, None, None, None, d)?);
                         out.extend_from_slice(b"\r\n");
                     }
                     return Ok(());
@@ -368,11 +387,14 @@ impl Store {
                 if let Some(ttl) = number(b'T') {
                     self.item_mut(slot, d)?.exptime_ms = absolute_exptime(ttl as i32 as i64, now);
                 }
-                // u: the read leaves the item where it is in the LRU.
+                // h and l report the item as it was before this read.
+                let before = self.links_of(slot, d)?;
+                // u: the read leaves the item where it is in the LRU, and unfetched.
                 if flag(b'u').is_none() {
+                    self.mark_fetched(slot, d)?;
                     self.bump(slot, now, d)?;
                 }
-                let rest = returned(self, Some(slot), None, d)?;
+                let rest = returned(self, Some(slot), None, Some(&before), d)?;
                 if flag(b'v').is_some() {
                     let it = self.item(slot, d)?;
                     out.extend_from_slice(format!("VA {}", it.value.len()).as_bytes());
@@ -404,7 +426,7 @@ impl Store {
                 };
                 if !cas_failure.is_empty() && op != StoreOp::Cas {
                     out.extend_from_slice(cas_failure);
-                    out.extend_from_slice(&returned(self, None, Some(0), d)?);
+                    out.extend_from_slice(&returned(self, None, Some(0), None, d)?);
                     out.extend_from_slice(b"\r\n");
                     return Ok(());
                 }
@@ -425,7 +447,7 @@ impl Store {
                     return Ok(());
                 }
                 let slot = if code == b"HD" { self.lookup(key, now, d)? } else { None };
-                let rest = returned(self, slot, Some(0), d)?;
+                let rest = returned(self, slot, Some(0), None, d)?;
                 out.extend_from_slice(code);
                 out.extend_from_slice(&rest);
                 out.extend_from_slice(b"\r\n");
@@ -443,7 +465,7 @@ impl Store {
                     }
                 };
                 out.extend_from_slice(code);
-                out.extend_from_slice(&returned(self, None, None, d)?);
+                out.extend_from_slice(&returned(self, None, None, None, d)?);
                 out.extend_from_slice(b"\r\n");
             }
             b'a' => {
@@ -452,7 +474,7 @@ impl Store {
                 let (slot, value) = match slot {
                     Some(_) if cas_mismatch => {
                         out.extend_from_slice(b"EX");
-                        out.extend_from_slice(&returned(self, None, None, d)?);
+                        out.extend_from_slice(&returned(self, None, None, None, d)?);
                         out.extend_from_slice(b"\r\n");
                         return Ok(());
                     }
@@ -472,7 +494,7 @@ impl Store {
                                 Some(s) => (s, initial),
                                 None => {
                                     out.extend_from_slice(b"NS");
-                                    out.extend_from_slice(&returned(self, None, None, d)?);
+                                    out.extend_from_slice(&returned(self, None, None, None, d)?);
                                     out.extend_from_slice(b"\r\n");
                                     return Ok(());
                                 }
@@ -480,13 +502,13 @@ impl Store {
                         }
                         None => {
                             out.extend_from_slice(b"NF");
-                            out.extend_from_slice(&returned(self, None, None, d)?);
+                            out.extend_from_slice(&returned(self, None, None, None, d)?);
                             out.extend_from_slice(b"\r\n");
                             return Ok(());
                         }
                     },
                 };
-                let rest = returned(self, Some(slot), None, d)?;
+                let rest = returned(self, Some(slot), None, None, d)?;
                 // memcached's q hides a success, except the creation of a counter.
                 if quiet && !vivified {
                     return Ok(());
@@ -506,13 +528,17 @@ impl Store {
             _ => match slot {
                 None => out.extend_from_slice(b"EN\r\n"),
                 Some(s) => {
+                    let links = self.links_of(s, d)?;
                     let it = self.item(s, d)?;
+                    let size = crate::protocol::item_size(it.key.len(), it.flags, it.value.len());
                     let line = format!(
-                        "ME {} exp={} la=0 cas={} fetch=no cls=1 size={}\r\n",
+                        "ME {} exp={} la={} cas={} fetch={} cls={} size={size}\r\n",
                         String::from_utf8_lossy(key),
                         ttl_left(it.exptime_ms, now),
+                        now.saturating_sub(links.accessed_ms) / 1000,
                         it.cas,
-                        it.size()
+                        if links.fetched { "yes" } else { "no" },
+                        slab_class(size),
                     );
                     out.extend_from_slice(line.as_bytes());
                 }
@@ -629,6 +655,7 @@ impl Store {
                 prev: NIL,
                 next: old_head,
                 accessed_ms: now,
+                fetched: false,
             },
             d,
         ));
@@ -706,6 +733,21 @@ impl Store {
     }
 
     /// Move an item to the LRU head if it was not refreshed recently.
+    /// The item was read (a get, a touch, an mg): memcached's ITEM_FETCHED.
+    fn mark_fetched(&mut self, slot: u32, d: &mut Delta) -> R<()> {
+        if !self.links_of(slot, d)?.fetched {
+            self.links_mut(slot, d)?.fetched = true;
+        }
+        Ok(())
+    }
+
+    fn links_of(&self, slot: u32, d: &mut Delta) -> R<Links> {
+        match self.links.get(slot as usize).and_then(|l| l.as_ref()) {
+            Some(l) => Ok(l.read(d)?.clone()),
+            None => Err(self.dangling(links_id(slot), d)),
+        }
+    }
+
     fn bump(&mut self, slot: u32, now: u64, d: &mut Delta) -> R<()> {
         let (prev, next, accessed) = {
             let l = match self.links.get(slot as usize).and_then(|l| l.as_ref()) {
@@ -777,21 +819,20 @@ impl Store {
             if expired || flushed || classes.is_some_and(|c| !c.contains(&cls)) {
                 continue;
             }
-            let la = self
-                .links
-                .get(slot)
-                .and_then(|l| l.as_ref())
-                .map_or(0, |l| l.peek().accessed_ms);
+            let links = self.links.get(slot).and_then(|l| l.as_ref()).map(|l| l.peek());
+            let la = links.map_or(0, |l| l.accessed_ms);
+            let fetched = links.is_some_and(|l| l.fetched);
             let exp = if it.exptime_ms == 0 {
                 -1
             } else {
                 (it.exptime_ms / 1000) as i64
             };
             out.push_str(&format!(
-                "key={} exp={exp} la={} cas={} fetch=no cls={cls} size={size}\n",
+                "key={} exp={exp} la={} cas={} fetch={} cls={cls} size={size}\n",
                 uri_encode(&it.key),
                 la / 1000,
-                it.cas
+                it.cas,
+                if fetched { "yes" } else { "no" }
             ));
         }
         out
