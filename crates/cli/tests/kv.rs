@@ -1395,9 +1395,11 @@ impl Streams {
                     "incr k0\r\n",
                     "verbosity 1\r\n",
                     "stats bogus\r\n",
+                    // Only the limit both already have: below it, which items memcached
+                    // evicts depends on its slab pages, not only on the bytes stored.
                     "cache_memlimit 64\r\n",
-                    "cache_memlimit 32 noreply\r\n",
-                    "cache_memlimit 16 extra\r\n",
+                    "cache_memlimit 64 noreply\r\n",
+                    "cache_memlimit 64 extra\r\n",
                     "cache_memlimit 7\r\n",
                     "cache_memlimit 2000000000\r\n",
                     "cache_memlimit -5\r\n",
