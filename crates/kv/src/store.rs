@@ -120,8 +120,7 @@ impl Store {
                         let exp = absolute_exptime(*exptime, now);
                         self.item_mut(slot, d)?.exptime_ms = exp;
                     }
-                    self.mark_fetched(slot, d)?;
-                    self.bump(slot, now, d)?;
+                    self.bump(slot, now, Fetched::Yes, d)?;
                     let it = self.item(slot, d)?;
                     out.extend_from_slice(b"VALUE ");
                     out.extend_from_slice(&it.key);
@@ -176,8 +175,7 @@ impl Store {
             Command::Touch { key, exptime } => match self.lookup(key, now, d)? {
                 Some(slot) => {
                     self.item_mut(slot, d)?.exptime_ms = absolute_exptime(*exptime, now);
-                    self.mark_fetched(slot, d)?;
-                    self.bump(slot, now, d)?;
+                    self.bump(slot, now, Fetched::Yes, d)?;
                     out.extend_from_slice(b"TOUCHED\r\n");
                 }
                 None => out.extend_from_slice(b"NOT_FOUND\r\n"),
@@ -225,7 +223,7 @@ impl Store {
         let exp = absolute_exptime(exptime, now);
         match (op, existing) {
             (StoreOp::Add, Some(slot)) => {
-                self.bump(slot, now, d)?;
+                self.bump(slot, now, Fetched::Unchanged, d)?;
                 return Ok(b"NOT_STORED\r\n");
             }
             (StoreOp::Replace | StoreOp::Append | StoreOp::Prepend, None) => return Ok(b"NOT_STORED\r\n"),
@@ -266,10 +264,7 @@ impl Store {
                 };
                 self.account(old_size, slot, d)?;
                 // memcached stores a new item: not fetched yet.
-                if self.links_of(slot, d)?.fetched {
-                    self.links_mut(slot, d)?.fetched = false;
-                }
-                self.bump(slot, now, d)?;
+                self.bump(slot, now, Fetched::No, d)?;
             }
             None => {
                 let item = Item {
@@ -391,8 +386,7 @@ impl Store {
                 let before = self.links_of(slot, d)?;
                 // u: the read leaves the item where it is in the LRU, and unfetched.
                 if flag(b'u').is_none() {
-                    self.mark_fetched(slot, d)?;
-                    self.bump(slot, now, d)?;
+                    self.bump(slot, now, Fetched::Yes, d)?;
                 }
                 let rest = returned(self, Some(slot), None, Some(&before), d)?;
                 if flag(b'v').is_some() {
@@ -733,14 +727,6 @@ impl Store {
     }
 
     /// Move an item to the LRU head if it was not refreshed recently.
-    /// The item was read (a get, a touch, an mg): memcached's ITEM_FETCHED.
-    fn mark_fetched(&mut self, slot: u32, d: &mut Delta) -> R<()> {
-        if !self.links_of(slot, d)?.fetched {
-            self.links_mut(slot, d)?.fetched = true;
-        }
-        Ok(())
-    }
-
     fn links_of(&self, slot: u32, d: &mut Delta) -> R<Links> {
         match self.links.get(slot as usize).and_then(|l| l.as_ref()) {
             Some(l) => Ok(l.read(d)?.clone()),
@@ -748,14 +734,23 @@ impl Store {
         }
     }
 
-    fn bump(&mut self, slot: u32, now: u64, d: &mut Delta) -> R<()> {
-        let (prev, next, accessed) = {
-            let l = match self.links.get(slot as usize).and_then(|l| l.as_ref()) {
-                Some(l) => l.read(d)?,
-                None => return Err(self.dangling(links_id(slot), d)),
-            };
-            (l.prev, l.next, l.accessed_ms)
+    /// Move the item to the LRU head (at most once per `LRU_BUMP_INTERVAL_MS`) and record
+    /// whether it has been read since stored (memcached's ITEM_FETCHED).
+    fn bump(&mut self, slot: u32, now: u64, fetched: Fetched, d: &mut Delta) -> R<()> {
+        let Links {
+            prev,
+            next,
+            accessed_ms: accessed,
+            fetched: was,
+        } = self.links_of(slot, d)?;
+        let now_fetched = match fetched {
+            Fetched::Yes => true,
+            Fetched::No => false,
+            Fetched::Unchanged => was,
         };
+        if now_fetched != was {
+            self.links_mut(slot, d)?.fetched = now_fetched;
+        }
         if now.saturating_sub(accessed) < LRU_BUMP_INTERVAL_MS {
             return Ok(());
         }
@@ -1134,6 +1129,16 @@ pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
 const NON_NUMERIC: &[u8] = b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n";
 
 /// Seconds an item has left, as meta commands report it: -1 if it never expires.
+/// What an access does to an item's fetched mark (memcached's ITEM_FETCHED).
+#[derive(Clone, Copy)]
+enum Fetched {
+    /// A read: get, gat, touch, mg without `u`.
+    Yes,
+    /// A new value: memcached stores a new item.
+    No,
+    Unchanged,
+}
+
 /// memcached's slab classes with its default settings (`-n 48 -f 1.25`, 1 MiB items):
 /// chunk sizes from 96 bytes, each 1.25 times the last rounded up to 8, up to 512 KiB.
 pub const SLAB_CLASSES: u32 = slab_classes();

@@ -219,7 +219,7 @@ pub struct Replica {
     delta: Delta,
     events: EventSink,
     /// Replies released and not yet handed to their connections.
-    replies: Vec<(u64, u64, Vec<u8>)>,
+    replies: Vec<Reply>,
     batch: Vec<(u64, u64, Command)>,
     /// Requests from our clients that are not applied yet.
     inflight: HashMap<(u64, u64), Inflight>,
