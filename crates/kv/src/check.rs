@@ -3,8 +3,16 @@
 //! deltas, or FAILED when a majority disagrees with it. The local reply is released once
 //! the local replica is VALID; the other replicas' statuses are settled as their CHECKs
 //! arrive (deferred validation), which is what recovery needs.
+//!
+//! Two levels. Replicas first exchange one digest per log entry: a CRC32C over the
+//! entry's deltas, in request order (`digest`). When the digests agree, which is the
+//! common case, every request of the entry is settled at once: no per-request state, no
+//! per-object message. Only when a replica's digest differs from ours do the two trade
+//! their full deltas for that entry, and the per-request vote above runs on them (a
+//! replica whose digest equals ours is counted with our deltas: equal digests mean equal
+//! deltas, up to the CRC's 2^-32 chance, the same strength as the object CRCs).
 
-use lockstep_guard::{ObjectId, Pair};
+use lockstep_guard::{ObjectId, Packer, Pair, UnpackError, Unpacker};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -45,6 +53,46 @@ pub enum Outcome {
     /// Every replica's delta is known and no majority agrees on some object: the request's
     /// result cannot be trusted (its client, if it is ours, is `to`: it gets an error).
     NoMajority { req: ReqId, to: Option<ReplyTo> },
+    /// Digests of entry `index` differ: every peer needs our full deltas (`count`
+    /// requests, encoded by `encode_delta`).
+    Detail { index: u64, count: u32, detail: Vec<u8> },
+}
+
+/// An entry's deltas: per request, its position in the entry and its (object, CRC) pairs.
+pub type Deltas = Vec<(u32, Vec<Pair>)>;
+
+/// A request of an entry as this replica executed it.
+#[derive(Debug)]
+pub struct Executed {
+    pub pos: u32,
+    pub reply: Vec<u8>,
+    /// The replica whose client sent the request.
+    pub origin: u64,
+    /// Our client, if it is ours.
+    pub to: Option<ReplyTo>,
+}
+
+/// The digest of an entry's deltas, as encoded (`(pos, pairs)` per request).
+pub fn digest(detail: &[u8]) -> u32 {
+    lockstep_core::crc32c(detail)
+}
+
+/// One log entry at the digest level.
+struct EntryCheck {
+    /// Per replica, its digest of the entry.
+    digests: Vec<Option<u32>>,
+    /// Our encoded deltas and the requests they belong to, once we applied the entry.
+    detail: Option<(u32, Vec<u8>)>,
+    executed: Vec<Executed>,
+    /// Our clients' replies went out (or moved to the per-request vote).
+    released: bool,
+    /// Digests differed: the entry's requests are voted one by one.
+    voting: bool,
+    /// Peers' full deltas, once sent (only when digests differ).
+    peer_details: Vec<Option<Deltas>>,
+    /// Replicas whose deltas were handed to the per-request vote (bit per replica).
+    fed: u64,
+    created: Instant,
 }
 
 struct Pending {
@@ -65,6 +113,7 @@ struct Pending {
 pub struct Validator {
     n: usize,
     me: usize,
+    entries: BTreeMap<u64, EntryCheck>,
     pending: BTreeMap<ReqId, Pending>,
     /// Correct replies that a FAILED replica's clients are waiting for, by target replica.
     owed: BTreeMap<(u64, ReqId), Vec<u8>>,
@@ -83,10 +132,11 @@ pub const REPLY_TIMEOUT: Duration = Duration::from_secs(3);
 impl Validator {
     /// `n` replicas; `me` is this replica's 1-based id.
     pub fn new(n: usize, me: u64) -> Self {
-        assert!(n >= 1 && me >= 1 && me as usize <= n);
+        assert!((1..=64).contains(&n) && me >= 1 && me as usize <= n);
         Validator {
             n,
             me: me as usize - 1,
+            entries: BTreeMap::new(),
             pending: BTreeMap::new(),
             owed: BTreeMap::new(),
             held: BTreeMap::new(),
@@ -108,15 +158,151 @@ impl Validator {
         })
     }
 
+    fn entry_check(&mut self, index: u64) -> &mut EntryCheck {
+        let n = self.n;
+        self.entries.entry(index).or_insert_with(|| EntryCheck {
+            digests: vec![None; n],
+            detail: None,
+            executed: Vec::new(),
+            released: false,
+            voting: false,
+            peer_details: vec![None; n],
+            fed: 0,
+            created: Instant::now(),
+        })
+    }
+
+    /// This replica applied entry `index`: `count` checked requests, whose deltas are
+    /// `detail` (encoded; `digest(&detail)` went to the peers) and whose replies and
+    /// clients are `executed`, in the same order.
+    pub fn local_entry(&mut self, index: u64, count: u32, detail: Vec<u8>, executed: Vec<Executed>) -> Vec<Outcome> {
+        debug_assert_eq!(executed.len(), count as usize);
+        let me = self.me;
+        let e = self.entry_check(index);
+        e.digests[me] = Some(digest(&detail));
+        e.detail = Some((count, detail));
+        e.executed = executed;
+        e.created = Instant::now();
+        self.evaluate_entry(index)
+    }
+
+    /// Replica `from` (1-based) sent its digest of entry `index`.
+    pub fn remote_digest(&mut self, from: u64, index: u64, d: u32) -> Vec<Outcome> {
+        let i = from as usize - 1;
+        assert!(i < self.n && i != self.me);
+        let e = self.entry_check(index);
+        if e.digests[i].is_some() {
+            return Vec::new();
+        }
+        e.digests[i] = Some(d);
+        self.evaluate_entry(index)
+    }
+
+    /// Replica `from` sent its full deltas of entry `index` (digests differ somewhere):
+    /// they join the per-request vote, now or once we applied the entry.
+    pub fn remote_detail(&mut self, from: u64, index: u64, reqs: Deltas) -> Vec<Outcome> {
+        let i = from as usize - 1;
+        assert!(i < self.n && i != self.me);
+        let e = self.entry_check(index);
+        if e.peer_details[i].is_some() {
+            return Vec::new();
+        }
+        let mut p = Packer::default();
+        for (pos, pairs) in &reqs {
+            encode_delta(&mut p, *pos, pairs);
+        }
+        // The digest goes first on the same link; this only covers a lost or stale one.
+        e.digests[i] = Some(digest(&p.buf));
+        e.peer_details[i] = Some(reqs);
+        self.evaluate_entry(index)
+    }
+
+    fn evaluate_entry(&mut self, index: u64) -> Vec<Outcome> {
+        let (n, me) = (self.n, self.me);
+        let majority = n / 2 + 1;
+        let e = self.entries.get_mut(&index).expect("evaluated entry exists");
+        let Some(mine) = e.digests[me].filter(|_| e.detail.is_some()) else {
+            return Vec::new();
+        };
+        let differs =
+            e.digests.iter().any(|d| d.is_some_and(|d| d != mine)) || e.peer_details.iter().any(|d| d.is_some());
+        let mut out = if differs { self.start_voting(index) } else { Vec::new() };
+        let e = self.entries.get_mut(&index).expect("evaluated entry exists");
+        if e.voting {
+            // Each replica not heard in the vote yet votes with the deltas of any replica
+            // whose digest equals its own (ours, or a peer's detail, or its own detail).
+            let (count, detail) = e.detail.as_ref().expect("applied");
+            let ours = decode_detail(*count, detail);
+            let mut votes = Vec::new();
+            for r in 0..n {
+                let (Some(d), false) = (e.digests[r], r == me || e.fed & (1 << r) != 0) else {
+                    continue;
+                };
+                let source = if d == mine {
+                    Some(&ours)
+                } else {
+                    (0..n).find_map(|s| e.peer_details[s].as_ref().filter(|_| e.digests[s] == Some(d)))
+                };
+                if let Some(pairs) = source {
+                    e.fed |= 1 << r;
+                    votes.push((r as u64 + 1, pairs.clone()));
+                }
+            }
+            for (from, reqs) in votes {
+                for (pos, pairs) in reqs {
+                    out.extend(self.remote(from, ReqId { index, pos }, pairs));
+                }
+            }
+            return out;
+        }
+        let agree = e.digests.iter().filter(|d| **d == Some(mine)).count();
+        if agree >= majority && !e.released {
+            e.released = true;
+            for x in &mut e.executed {
+                if let Some(to) = x.to {
+                    out.push(Outcome::Release {
+                        req: ReqId { index, pos: x.pos },
+                        to,
+                        reply: std::mem::take(&mut x.reply),
+                    });
+                }
+            }
+        }
+        if agree == n {
+            self.entries.remove(&index);
+        }
+        out
+    }
+
+    /// Digests differ: tell every peer our full deltas, and hand the entry's requests to
+    /// the per-request vote (once). Every replica that sees a difference does the same,
+    /// at once, so a replica that turns out FAILED has had its deltas sent everywhere
+    /// before it can ask for a repair, and the repair can carry its clients' replies.
+    fn start_voting(&mut self, index: u64) -> Vec<Outcome> {
+        let Some(e) = self.entries.get_mut(&index) else {
+            return Vec::new();
+        };
+        if e.voting {
+            return Vec::new();
+        }
+        e.voting = true;
+        let released = std::mem::replace(&mut e.released, true);
+        let executed = std::mem::take(&mut e.executed);
+        let (count, detail) = e.detail.clone().expect("applied");
+        let ours = decode_detail(count, &detail);
+        assert_eq!(ours.len(), executed.len(), "one delta per executed request");
+        let mut out = vec![Outcome::Detail { index, count, detail }];
+        for ((pos, pairs), x) in ours.into_iter().zip(executed) {
+            assert_eq!(pos, x.pos);
+            // A reply that already went out was confirmed by a majority of equal digests.
+            let to = x.to.filter(|_| !released);
+            out.extend(self.local(ReqId { index, pos }, pairs, x.reply, x.origin, to));
+        }
+        out
+    }
+
     /// This replica executed `id`.
-    pub fn local(
-        &mut self,
-        id: ReqId,
-        pairs: Vec<Pair>,
-        reply: Vec<u8>,
-        origin: u64,
-        to: Option<ReplyTo>,
-    ) -> Vec<Outcome> {
+    fn local(&mut self, id: ReqId, pairs: Vec<Pair>, reply: Vec<u8>, origin: u64, to: Option<ReplyTo>) -> Vec<Outcome> {
         let me = self.me;
         let p = self.entry(id);
         p.sets[me] = Some(pairs);
@@ -128,7 +314,7 @@ impl Validator {
     }
 
     /// Replica `from` (1-based) reported its delta for `id`.
-    pub fn remote(&mut self, from: u64, id: ReqId, pairs: Vec<Pair>) -> Vec<Outcome> {
+    fn remote(&mut self, from: u64, id: ReqId, pairs: Vec<Pair>) -> Vec<Outcome> {
         let i = from as usize - 1;
         assert!(i < self.n && i != self.me);
         let p = self.entry(id);
@@ -276,6 +462,13 @@ impl Validator {
     /// requests forgotten unsettled.
     pub fn expire(&mut self, now: Instant) -> (Vec<ReplyTo>, usize) {
         let mut dropped = Vec::new();
+        for e in self.entries.values_mut() {
+            if !e.released && now.duration_since(e.created) > REPLY_TIMEOUT {
+                e.released = true;
+                dropped.extend(e.executed.iter().filter_map(|x| x.to));
+            }
+        }
+        self.entries.retain(|_, e| now.duration_since(e.created) <= WINDOW);
         for p in self.pending.values_mut() {
             if let (false, Some(to)) = (p.released, p.to) {
                 if now.duration_since(p.created) > REPLY_TIMEOUT {
@@ -308,8 +501,9 @@ impl Validator {
         (dropped, old.len())
     }
 
+    /// Entries and requests awaiting verdicts.
     pub fn pending(&self) -> usize {
-        self.pending.len()
+        self.entries.len() + self.pending.len()
     }
 }
 
@@ -347,6 +541,43 @@ fn compared(id: ObjectId, set: &[Pair], votes: &[Vote]) -> String {
     let show = |v: Option<u32>| v.map_or("-".to_string(), |c| format!("{c:08x}"));
     let majority = votes.iter().find(|v| v.id == id).and_then(|v| v.winner).flatten();
     format!("{id}: {} / {}", show(value_of(set, id)), show(majority))
+}
+
+/// Encode one request's delta into an entry's detail (and so its digest).
+pub fn encode_delta(p: &mut Packer, pos: u32, pairs: &[Pair]) {
+    p.u32(pos);
+    p.u32(pairs.len() as u32);
+    for (id, crc) in pairs {
+        p.u64(id.0);
+        p.u32(*crc);
+    }
+}
+
+/// `count` requests' deltas, as encoded by `encode_delta` (a peer's, or our own).
+pub fn decode_deltas(u: &mut Unpacker<'_>, count: u32) -> Result<Deltas, UnpackError> {
+    // Each request takes at least 8 bytes: the count is checked before allocating.
+    if count as usize > u.rest().len() / 8 {
+        return Err(UnpackError("request count exceeds message"));
+    }
+    let mut out = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let pos = u.u32()?;
+        let n = u.u32()? as usize;
+        if n > u.rest().len() / 12 {
+            return Err(UnpackError("pair count exceeds message"));
+        }
+        let mut pairs = Vec::with_capacity(n);
+        for _ in 0..n {
+            pairs.push((ObjectId(u.u64()?), u.u32()?));
+        }
+        out.push((pos, pairs));
+    }
+    Ok(out)
+}
+
+/// Our own detail, which we encoded.
+fn decode_detail(count: u32, detail: &[u8]) -> Deltas {
+    decode_deltas(&mut Unpacker::new(detail), count).expect("our own detail decodes")
 }
 
 #[cfg(test)]
@@ -474,5 +705,128 @@ mod tests {
             .any(|o| matches!(o, Outcome::Failed { replica: 2, objects, .. } if objects == &vec![ObjectId(2)])));
         // No majority on the reply itself: our client gets an error, not a reply.
         assert!(out.contains(&Outcome::NoMajority { req: R, to: Some(TO) }));
+    }
+
+    fn entry(crcs: &[u32]) -> (u32, Vec<u8>, Deltas) {
+        let mut p = Packer::default();
+        let reqs: Deltas = crcs.iter().enumerate().map(|(i, &c)| (i as u32, set(c))).collect();
+        for (pos, pairs) in &reqs {
+            encode_delta(&mut p, *pos, pairs);
+        }
+        (reqs.len() as u32, p.buf, reqs)
+    }
+
+    fn executed(count: u32, origin: u64, ours: bool) -> Vec<Executed> {
+        (0..count)
+            .map(|pos| Executed {
+                pos,
+                reply: format!("r{pos}").into_bytes(),
+                origin,
+                to: ours.then_some(ReplyTo {
+                    conn: 1,
+                    seq: pos as u64,
+                }),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn equal_digests_release_a_whole_entry_without_a_per_request_vote() {
+        let mut v = Validator::new(3, 1);
+        let (count, detail, _) = entry(&[1, 2]);
+        let d = digest(&detail);
+        assert!(v.local_entry(9, count, detail, executed(count, 1, true)).is_empty());
+        let out = v.remote_digest(2, 9, d);
+        let released: Vec<_> = out
+            .iter()
+            .map(|o| match o {
+                Outcome::Release { req, reply, .. } => (req.pos, reply.clone()),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(released, vec![(0, b"r0".to_vec()), (1, b"r1".to_vec())]);
+        assert_eq!(v.pending(), 1, "kept for the third replica's verdict");
+        assert!(v.remote_digest(3, 9, d).is_empty());
+        assert_eq!(v.pending(), 0, "all agree: nothing is kept");
+        assert!(v.pending.is_empty(), "no per-request state was made");
+    }
+
+    #[test]
+    fn a_differing_digest_brings_the_full_deltas_and_the_per_request_vote() {
+        // We are replica 2; replica 1 (the origin) executed request 1 wrongly.
+        let mut v = Validator::new(3, 2);
+        let (count, detail, _) = entry(&[1, 2]);
+        let (_, bad, bad_reqs) = entry(&[1, 9]);
+        // Replica 1's full deltas come before we applied the entry: they are kept.
+        assert!(v.remote_digest(1, 4, digest(&bad)).is_empty());
+        assert!(v.remote_detail(1, 4, bad_reqs).is_empty());
+        let out = v.local_entry(4, count, detail.clone(), executed(count, 1, false));
+        assert!(
+            matches!(&out[0], Outcome::Detail { index: 4, count: 2, detail: d } if *d == detail),
+            "{out:?}"
+        );
+        // Replica 3 agrees with us: counted with our deltas; replica 1 is FAILED on the
+        // request it got wrong, and is owed our reply for its client.
+        let out = v.remote_digest(3, 4, digest(&detail));
+        assert!(
+            out.iter().any(|o| matches!(
+                o,
+                Outcome::Failed {
+                    replica: 1,
+                    req: ReqId { index: 4, pos: 1 },
+                    ..
+                }
+            )),
+            "{out:?}"
+        );
+        assert!(!out.iter().any(|o| matches!(
+            o,
+            Outcome::Failed {
+                req: ReqId { pos: 0, .. },
+                ..
+            }
+        )));
+        assert_eq!(v.take_owed(1), vec![(ReqId { index: 4, pos: 1 }, b"r1".to_vec())]);
+    }
+
+    #[test]
+    fn our_wrong_entry_holds_our_clients_replies_for_the_repair() {
+        let mut v = Validator::new(3, 3);
+        let (count, bad, _) = entry(&[5]);
+        let (_, good, good_reqs) = entry(&[1]);
+        let out = v.local_entry(7, count, bad, executed(count, 3, true));
+        assert!(out.is_empty());
+        // Replica 1's digest differs: we send our deltas; replica 2's equals replica 1's,
+        // so replica 1's full deltas count for both.
+        let out = v.remote_digest(1, 7, digest(&good));
+        assert!(matches!(out[..], [Outcome::Detail { index: 7, .. }]), "{out:?}");
+        assert!(
+            v.remote_digest(2, 7, digest(&good)).is_empty(),
+            "1:1, no deltas for 1 yet"
+        );
+        let out = v.remote_detail(1, 7, good_reqs);
+        assert!(
+            out.iter().any(|o| matches!(o, Outcome::Failed { replica: 3, .. })),
+            "{out:?}"
+        );
+        assert!(!out.iter().any(|o| matches!(o, Outcome::Release { .. })));
+        assert_eq!(
+            v.take_held(ReqId { index: 7, pos: 0 }),
+            Some(ReplyTo { conn: 1, seq: 0 })
+        );
+    }
+
+    #[test]
+    fn an_entry_nobody_confirms_gets_its_clients_an_error_in_bounded_time() {
+        let mut v = Validator::new(3, 1);
+        let (count, detail, _) = entry(&[1, 2]);
+        v.local_entry(3, count, detail, executed(count, 1, true));
+        let now = Instant::now();
+        assert!(v.expire(now).0.is_empty());
+        let late = now + REPLY_TIMEOUT + Duration::from_millis(10);
+        assert_eq!(v.expire(late).0.len(), 2);
+        assert!(v.expire(late).0.is_empty(), "once");
+        v.expire(now + WINDOW + Duration::from_millis(10));
+        assert_eq!(v.pending(), 0);
     }
 }

@@ -986,17 +986,18 @@ impl Store {
 
     /// The whole state, for a Raft snapshot: every existing object, packed.
     pub fn snapshot(&self) -> Vec<u8> {
-        let mut p = Packer::default();
-        p.u32(self.limits.buckets);
         let mut ids = Vec::new();
         self.for_each_object(|g| ids.push((g.gid(), g.gcrc())));
+        let mut p = Packer::default();
+        p.u32(self.limits.buckets);
         p.u64(ids.len() as u64);
+        let mut obj = Packer::default();
         for (id, crc) in ids {
             p.u64(id.0);
             // The stored CRC travels with the object, so that an object that is already
             // corrupt here is still caught on the replica that installs the snapshot.
             p.u32(crc);
-            let mut obj = Packer::default();
+            obj.buf.clear();
             self.pack_object(id, &mut obj);
             p.bytes(&obj.buf);
         }

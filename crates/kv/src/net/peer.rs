@@ -66,7 +66,16 @@ struct Link {
     out: Vec<u8>,
     out_at: usize,
     watching_write: bool,
+    /// Something queued must go out in this round.
+    urgent: bool,
+    /// When the oldest frame that may wait (see [`Peers::send_lazy`]) was queued.
+    lazy_since: Option<Instant>,
 }
+
+/// A frame sent with [`Peers::send_lazy`] waits at most this long for company.
+pub const LAZY_FLUSH: Duration = Duration::from_millis(2);
+/// ... or until this much is queued.
+const LAZY_BYTES: usize = 64 << 10;
 
 /// Outgoing links, one per peer id. Frames are queued during a round of the replica loop
 /// and written by [`Peers::flush`] without blocking; what the socket does not take now
@@ -96,6 +105,8 @@ impl Peers {
                     out: Vec::new(),
                     out_at: 0,
                     watching_write: false,
+                    urgent: false,
+                    lazy_since: None,
                 })
             })
             .collect();
@@ -123,7 +134,20 @@ impl Peers {
         }
         let i = (to as usize).wrapping_sub(1);
         if let Some(Some(link)) = self.links.get_mut(i) {
-            link.queue(payload);
+            link.queue(payload, false);
+        }
+    }
+
+    /// Queue a frame that nobody waits on: it goes with the next urgent frame to the same
+    /// peer, or after `LAZY_FLUSH`. A write and the peer's wake-up are the dearest part
+    /// of a small message, so frames that only feed deferred work share them.
+    pub fn send_lazy(&mut self, to: u64, payload: &[u8]) {
+        debug_assert!(to != self.me);
+        if self.muted {
+            return;
+        }
+        if let Some(Some(link)) = self.links.get_mut((to as usize).wrapping_sub(1)) {
+            link.queue(payload, true);
         }
     }
 
@@ -132,15 +156,29 @@ impl Peers {
             return;
         }
         for link in self.links.iter_mut().flatten() {
-            link.queue(payload);
+            link.queue(payload, false);
         }
     }
 
-    /// Write what is queued, as far as the sockets take it now.
+    /// Write what is queued and due, as far as the sockets take it now.
     pub fn flush(&mut self) {
+        let now = Instant::now();
         for link in self.links.iter_mut().flatten() {
-            link.write_some(&self.poll);
+            let lazy_due = link.lazy_since.is_some_and(|t| now >= t + LAZY_FLUSH);
+            if link.urgent || lazy_due || link.out.len() - link.out_at >= LAZY_BYTES {
+                link.write_some(&self.poll);
+            }
         }
+    }
+
+    /// When the oldest lazy frame falls due, if one waits.
+    pub fn lazy_deadline(&self) -> Option<Instant> {
+        self.links
+            .iter()
+            .flatten()
+            .filter_map(|l| l.lazy_since)
+            .min()
+            .map(|t| t + LAZY_FLUSH)
     }
 
     /// The socket of link `id` is ready (connected, writable, or failed).
@@ -192,17 +230,21 @@ impl Peers {
 }
 
 impl Link {
-    fn queue(&mut self, payload: &[u8]) {
+    fn queue(&mut self, payload: &[u8], lazy: bool) {
         let queued = self.out.len() - self.out_at;
         if matches!(self.state, LinkState::Down(_)) || (queued > 0 && queued + payload.len() > QUEUE_MAX) {
             return;
         }
         append_frame(&mut self.out, payload);
+        if lazy {
+            self.lazy_since.get_or_insert_with(Instant::now);
+        } else {
+            self.urgent = true;
+        }
     }
 
     fn connect(&mut self, poll: &Poller) {
-        self.out.clear();
-        self.out_at = 0;
+        self.discard_queue();
         match connect_nonblocking(self.addr) {
             Ok(s) => {
                 let token = TOKEN_OUT | self.id;
@@ -223,9 +265,15 @@ impl Link {
             poll.remove(s);
         }
         self.state = LinkState::Down(Instant::now() + RECONNECT_AFTER);
+        self.discard_queue();
+        self.watching_write = false;
+    }
+
+    fn discard_queue(&mut self) {
         self.out.clear();
         self.out_at = 0;
-        self.watching_write = false;
+        self.urgent = false;
+        self.lazy_since = None;
     }
 
     fn write_some(&mut self, poll: &Poller) {
@@ -241,8 +289,11 @@ impl Link {
             }
         }
         if self.out_at == self.out.len() {
+            // (Field by field: `s` still borrows the state.)
             self.out.clear();
             self.out_at = 0;
+            self.urgent = false;
+            self.lazy_since = None;
         } else if self.out_at >= QUEUE_MAX {
             self.out.drain(..self.out_at);
             self.out_at = 0;

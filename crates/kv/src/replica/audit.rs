@@ -17,7 +17,7 @@
 //!   confirmed snapshot is kept, so a lagging replica replays it instead and brings its
 //!   own, independently computed, vote.
 //!
-//! Audits are proposed by the leader every `--snapshot-every` entries and every
+//! Audits are proposed by the leader when a snapshot is due (`SnapshotPace`) and every
 //! `--audit-every`, and by any replica after it restarts or when Raft wants a snapshot
 //! (a replica re-added after a replacement).
 
@@ -100,7 +100,9 @@ impl Replica {
         }
         let leader = r.node.raft.state == StateRole::Leader;
         let a = &self.audits;
-        let by_entries = self.applied.saturating_sub(a.last_index) >= self.cfg.snapshot_every;
+        let by_entries = r
+            .pace
+            .due(self.applied.saturating_sub(a.last_index), self.cfg.snapshot_every);
         let by_time = a.last_applied_at.is_none_or(|t| t.elapsed() >= self.cfg.audit_every);
         let due = a.wanted || (leader && (by_entries || by_time));
         if !due || a.proposed_at.is_some_and(|t| t.elapsed() < AUDIT_RETRY) {
@@ -137,8 +139,12 @@ impl Replica {
             groups: self.store.audit_groups(AUDIT_GROUPS),
         };
         let r = self.raft.as_ref().unwrap();
-        let snapshot_due = self.audits.snapshot_wanted || index.saturating_sub(r.snap_index) >= self.cfg.snapshot_every;
+        let snapshot_due =
+            self.audits.snapshot_wanted || r.pace.due(index.saturating_sub(r.snap_index), self.cfg.snapshot_every);
         let snapshot = snapshot_due.then(|| (self.snapshot_data(), r.storage.conf_state()));
+        if let Some((data, _)) = &snapshot {
+            self.raft.as_mut().unwrap().pace.taken(data.len());
+        }
         let us = began.elapsed().as_micros() as u64;
         self.audits.last_us = us;
         self.audits.max_us = self.audits.max_us.max(us);

@@ -8,7 +8,7 @@
 //! the healthy replicas send REPAIR with the packed objects, and the failed one replaces
 //! them before it applies anything else.
 
-use crate::check::{Outcome, ReplyTo, ReqId, Validator};
+use crate::check::{self, Executed, Outcome, ReplyTo, ReqId, Validator};
 use crate::command::Command;
 use crate::dedupe::Applied;
 use crate::net::peer::Peers;
@@ -17,7 +17,7 @@ use crate::net::{self, Listeners, Reply, Service};
 use crate::storage::LogStore;
 use crate::store::{Limits, Store, Target};
 use lockstep_core::{Event, EventSink};
-use lockstep_guard::{Delta, ObjectId, Packer, Pair, UnpackError, Unpacker};
+use lockstep_guard::{Delta, ObjectId, Packer, UnpackError, Unpacker};
 use prost::Message as _;
 use raft::eraftpb::{ConfChange, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, MessageType};
 use raft::{RawNode, StateRole};
@@ -123,6 +123,7 @@ const ENTRY_RECOVER: u8 = 2;
 const ENTRY_AUDIT: u8 = 3;
 const MSG_RAFT: u8 = 1;
 const MSG_CHECK: u8 = 2;
+const MSG_DIGEST: u8 = 5;
 const MSG_REPAIR: u8 = 3;
 const MSG_AUDIT: u8 = 4;
 
@@ -192,11 +193,41 @@ struct RaftPart {
     peers: Peers,
     last_tick: Instant,
     snap_index: u64,
+    pace: SnapshotPace,
     /// Wiped for replacement and not yet rebuilt from a snapshot.
     rejoining: bool,
     /// Test-only partition (`lockstep_isolate`): until then, nothing is sent to or taken
     /// from the other replicas.
     isolated_until: Option<Instant>,
+}
+
+/// When the next snapshot is due. A snapshot copies the whole state, so for a large state
+/// it waits until the log since the last one holds as many bytes as that snapshot did:
+/// snapshotting then costs at most as much again as logging (Redis rewrites its AOF on
+/// the same rule), and the log stays within one state's size (bounded by the memory
+/// limit). Small states are snapshotted every `--snapshot-every` entries.
+#[derive(Default)]
+struct SnapshotPace {
+    /// Entry bytes applied since the last snapshot was taken.
+    log_bytes: u64,
+    /// Size of the last snapshot taken.
+    last_len: u64,
+}
+
+/// States up to this size are cheap to copy: they are snapshotted by entry count alone.
+const SMALL_SNAPSHOT: u64 = 1 << 20;
+/// Bytes counted per entry besides its data (index, term, framing).
+const ENTRY_OVERHEAD: u64 = 32;
+
+impl SnapshotPace {
+    fn due(&self, entries_since: u64, every: u64) -> bool {
+        entries_since >= every && (self.last_len <= SMALL_SNAPSHOT || self.log_bytes >= self.last_len)
+    }
+
+    fn taken(&mut self, len: usize) {
+        self.log_bytes = 0;
+        self.last_len = len as u64;
+    }
 }
 
 impl RaftPart {
@@ -456,7 +487,11 @@ impl Service for Replica {
     }
 
     fn tick(&self) -> Duration {
-        self.cfg.tick
+        let lazy = self.raft.as_ref().and_then(|r| r.peers.lazy_deadline());
+        match lazy {
+            Some(t) => self.cfg.tick.min(t.saturating_duration_since(Instant::now())),
+            None => self.cfg.tick,
+        }
     }
 }
 
@@ -547,6 +582,7 @@ impl Replica {
                 peers,
                 last_tick: Instant::now(),
                 snap_index,
+                pace: SnapshotPace::default(),
                 rejoining: false,
                 isolated_until: None,
             });
@@ -759,6 +795,9 @@ impl Replica {
             rec.buffered.push_back((index, data.to_vec()));
             return Ok(());
         }
+        if let Some(r) = self.raft.as_mut() {
+            r.pace.log_bytes += data.len() as u64 + ENTRY_OVERHEAD;
+        }
         let mut u = Unpacker::new(data);
         let result = match u.u8() {
             Ok(ENTRY_BATCH) => self.apply_batch(index, &mut u),
@@ -786,14 +825,10 @@ impl Replica {
         let incarnation = u.u64()?;
         let n = u.u32()?;
         let mine = origin == self.cfg.id && incarnation == self.incarnation;
-        let mut check = Packer::default();
-        check.u8(MSG_CHECK);
-        check.u64(index);
-        // The count is patched in below: repeats of applied requests are left out.
-        let count_at = check.buf.len();
-        check.u32(0);
-        let mut checked = 0u32;
-        let mut outcomes = Vec::new();
+        let checking = self.validator.is_some();
+        // The entry's deltas, request by request (the detail behind its digest).
+        let mut detail = Packer::default();
+        let mut executed = Vec::new();
         for pos in 0..n {
             let conn = u.u64()?;
             let seq = u.u64()?;
@@ -818,30 +853,47 @@ impl Replica {
                 );
             }
             let to = (mine && self.inflight.remove(&(conn, seq)).is_some()).then_some(ReplyTo { conn, seq });
-            match self.validator.as_mut() {
-                None => {
-                    if let Some(to) = to {
-                        self.send_reply(to.conn, to.seq, reply);
-                    }
-                }
-                Some(v) => {
-                    let pairs = self.delta.finish().to_vec();
-                    checked += 1;
-                    check.u32(pos);
-                    encode_pairs(&mut check, &pairs);
-                    outcomes.extend(v.local(ReqId { index, pos }, pairs, reply, origin, to));
-                }
+            if checking {
+                check::encode_delta(&mut detail, pos, self.delta.finish());
+                executed.push(Executed { pos, reply, origin, to });
+            } else if let Some(to) = to {
+                self.send_reply(to.conn, to.seq, reply);
             }
         }
         if !u.is_empty() {
             return Err(UnpackError("trailing bytes in batch"));
         }
-        check.buf[count_at..count_at + 4].copy_from_slice(&checked.to_le_bytes());
-        if self.validator.is_some() && checked > 0 {
-            self.raft.as_mut().unwrap().peers.broadcast(&check.buf);
+        if executed.is_empty() {
+            return Ok(());
         }
+        let mut msg = Packer::default();
+        msg.u8(MSG_DIGEST);
+        msg.u64(index);
+        msg.u32(check::digest(&detail.buf));
+        self.send_check(&msg.buf);
+        let count = executed.len() as u32;
+        let v = self.validator.as_mut().expect("checking");
+        let outcomes = v.local_entry(index, count, detail.buf, executed);
         self.settle(outcomes);
         Ok(())
+    }
+
+    /// A digest is urgent for the leader's peers (their own clients' replies wait on the
+    /// leader's delta) and for the leader (its clients' wait on a follower's); between
+    /// followers it only serves deferred validation and goes with other traffic.
+    fn send_check(&mut self, check: &[u8]) {
+        let n = self.n as u64;
+        let me = self.cfg.id;
+        let r = self.raft.as_mut().unwrap();
+        let leading = r.node.raft.state == StateRole::Leader;
+        let leader = r.node.raft.leader_id;
+        for peer in (1..=n).filter(|&p| p != me) {
+            if leading || peer == leader {
+                r.peers.send(peer, check);
+            } else {
+                r.peers.send_lazy(peer, check);
+            }
+        }
     }
 
     fn count(&mut self, cmd: &Command, reply: &[u8]) {
@@ -914,6 +966,14 @@ impl Replica {
                         set.insert(ObjectId(0));
                     }
                 }
+                Outcome::Detail { index, count, detail } => {
+                    let mut p = Packer::default();
+                    p.u8(MSG_CHECK);
+                    p.u64(index);
+                    p.u32(count);
+                    p.buf.extend_from_slice(&detail);
+                    self.raft.as_mut().unwrap().peers.broadcast(&p.buf);
+                }
                 Outcome::NoMajority { req, to } => {
                     // Unavailable rather than wrong: the objects nobody agrees on answer
                     // errors until a majority agrees again (an audit or a repair); the
@@ -958,6 +1018,7 @@ impl Replica {
                 Err(_) => Err(UnpackError("raft message does not decode")),
             },
             Ok(MSG_CHECK) => self.on_check(from, &mut u),
+            Ok(MSG_DIGEST) => self.on_digest(from, &mut u),
             Ok(MSG_REPAIR) => self.on_repair(from, &mut u),
             Ok(MSG_AUDIT) => self.on_audit(from, &mut u),
             _ => Err(UnpackError("unknown message type")),
@@ -972,22 +1033,28 @@ impl Replica {
         Ok(())
     }
 
+    /// A peer's full deltas for an entry whose digests differ.
     fn on_check(&mut self, from: u64, u: &mut Unpacker<'_>) -> Result<(), UnpackError> {
         let index = u.u64()?;
-        let n = u.u32()?;
-        let mut reqs = Vec::new();
-        for _ in 0..n {
-            let pos = u.u32()?;
-            reqs.push((ReqId { index, pos }, decode_pairs(u)?));
+        let count = u.u32()?;
+        let reqs = check::decode_deltas(u, count)?;
+        if !u.is_empty() {
+            return Err(UnpackError("trailing bytes in check"));
         }
-        let Some(v) = self.validator.as_mut() else {
-            return Ok(());
-        };
-        let mut outcomes = Vec::new();
-        for (id, pairs) in reqs {
-            outcomes.extend(v.remote(from, id, pairs));
+        if let Some(v) = self.validator.as_mut() {
+            let outcomes = v.remote_detail(from, index, reqs);
+            self.settle(outcomes);
         }
-        self.settle(outcomes);
+        Ok(())
+    }
+
+    fn on_digest(&mut self, from: u64, u: &mut Unpacker<'_>) -> Result<(), UnpackError> {
+        let index = u.u64()?;
+        let digest = u.u32()?;
+        if let Some(v) = self.validator.as_mut() {
+            let outcomes = v.remote_digest(from, index, digest);
+            self.settle(outcomes);
+        }
         Ok(())
     }
 
@@ -1082,7 +1149,9 @@ impl Replica {
         if self.recovery.is_none()
             && self.applied > 0
             && self.applied <= r.node.raft.raft_log.committed
-            && (wanted || self.applied.saturating_sub(r.snap_index) >= self.cfg.snapshot_every)
+            && (wanted
+                || r.pace
+                    .due(self.applied.saturating_sub(r.snap_index), self.cfg.snapshot_every))
         {
             self.take_snapshot()?;
         }
@@ -1107,6 +1176,7 @@ impl Replica {
         let data = self.snapshot_data();
         let applied = self.applied;
         let r = self.raft.as_mut().expect("replicated");
+        r.pace.taken(data.len());
         if let Err(e) = r.storage.compact(applied, data) {
             return Err(self.fatal_io("write a snapshot", e));
         }
@@ -1120,24 +1190,4 @@ impl Replica {
         self.applied_tags.encode(&mut p);
         p.buf
     }
-}
-
-fn encode_pairs(p: &mut Packer, pairs: &[Pair]) {
-    p.u32(pairs.len() as u32);
-    for (id, crc) in pairs {
-        p.u64(id.0);
-        p.u32(*crc);
-    }
-}
-
-fn decode_pairs(u: &mut Unpacker<'_>) -> Result<Vec<Pair>, UnpackError> {
-    let n = u.u32()? as usize;
-    if n > u.rest().len() / 12 {
-        return Err(UnpackError("pair count exceeds message"));
-    }
-    let mut v = Vec::with_capacity(n);
-    for _ in 0..n {
-        v.push((ObjectId(u.u64()?), u.u32()?));
-    }
-    Ok(v)
 }

@@ -212,6 +212,7 @@ impl Replica {
             peers: old.peers,
             last_tick: Instant::now(),
             snap_index: 0,
+            pace: Default::default(),
             rejoining: true,
             isolated_until: None,
         });
