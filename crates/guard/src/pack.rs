@@ -108,6 +108,16 @@ impl Packer {
         self.u32(b.len() as u32);
         self.buf.extend_from_slice(b);
     }
+    /// What `fill` packs, length-prefixed as by [`Packer::bytes`], written in place (no
+    /// intermediate buffer: a snapshot is the size of the whole state).
+    pub fn nested<R>(&mut self, fill: impl FnOnce(&mut Packer) -> R) -> R {
+        let at = self.buf.len();
+        self.u32(0);
+        let r = fill(self);
+        let len = u32::try_from(self.buf.len() - at - 4).expect("nested field under 4 GiB");
+        self.buf[at..at + 4].copy_from_slice(&len.to_le_bytes());
+        r
+    }
 }
 
 #[derive(Debug, PartialEq, Eq)]

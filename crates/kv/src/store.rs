@@ -919,6 +919,10 @@ impl Store {
         self.with_object(id, |g| g.gpack(out)).is_some()
     }
 
+    pub fn object_exists(&self, id: ObjectId) -> bool {
+        self.with_object(id, |_| ()).is_some()
+    }
+
     /// Whether an object passes its check (absent objects do).
     pub fn object_ok(&self, id: ObjectId) -> bool {
         self.with_object(id, |g| g.gok()).unwrap_or(true)
@@ -986,22 +990,24 @@ impl Store {
 
     /// The whole state, for a Raft snapshot: every existing object, packed.
     pub fn snapshot(&self) -> Vec<u8> {
+        let mut p = Packer::default();
+        self.snapshot_into(&mut p);
+        p.buf
+    }
+
+    /// `snapshot`, appended to `p`.
+    pub fn snapshot_into(&self, p: &mut Packer) {
         let mut ids = Vec::new();
         self.for_each_object(|g| ids.push((g.gid(), g.gcrc())));
-        let mut p = Packer::default();
         p.u32(self.limits.buckets);
         p.u64(ids.len() as u64);
-        let mut obj = Packer::default();
         for (id, crc) in ids {
             p.u64(id.0);
             // The stored CRC travels with the object, so that an object that is already
             // corrupt here is still caught on the replica that installs the snapshot.
             p.u32(crc);
-            obj.buf.clear();
-            self.pack_object(id, &mut obj);
-            p.bytes(&obj.buf);
+            p.nested(|p| self.pack_object(id, p));
         }
-        p.buf
     }
 
     /// Rebuild from `snapshot`'s bytes (the limits other than the bucket count are ours).

@@ -1186,7 +1186,7 @@ impl Replica {
 
     fn snapshot_data(&self) -> Vec<u8> {
         let mut p = Packer::default();
-        p.bytes(&self.store.snapshot());
+        p.nested(|p| self.store.snapshot_into(p));
         self.applied_tags.encode(&mut p);
         p.buf
     }

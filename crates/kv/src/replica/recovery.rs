@@ -80,11 +80,9 @@ impl Replica {
         p.u32(real.len() as u32);
         for id in &real {
             p.u64(id.0);
-            let mut obj = Packer::default();
-            let present = self.store.pack_object(*id, &mut obj);
-            p.u8(present as u8);
+            p.u8(self.store.object_exists(*id) as u8);
             p.u32(self.store.object_crc(*id));
-            p.bytes(&obj.buf);
+            p.nested(|p| self.store.pack_object(*id, p));
         }
         let owed = self.validator.as_mut().map(|v| v.take_owed(target)).unwrap_or_default();
         p.u32(owed.len() as u32);
