@@ -86,8 +86,10 @@ struct StoreOpts {
     /// Accept lockstep_corrupt on the client port (tests and measurements only).
     #[arg(long)]
     test_corruption: bool,
-    /// Applied log entries between state audits; each audit also takes a snapshot, which
-    /// becomes the one sent to lagging replicas once a majority confirmed it.
+    /// Applied log entries between snapshots (at least; a state over 1 MiB also waits
+    /// until the log since the last snapshot is as large as it was). In crosscheck mode
+    /// each snapshot is taken at a state audit and becomes the one sent to lagging
+    /// replicas once a majority confirmed it.
     #[arg(long, default_value_t = 10_000, value_name = "N")]
     snapshot_every: u64,
     /// Seconds between state audits, whatever the load: the replicas compare digests of

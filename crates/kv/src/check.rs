@@ -88,7 +88,7 @@ struct EntryCheck {
     released: bool,
     /// Digests differed: the entry's requests are voted one by one.
     voting: bool,
-    /// Peers' full deltas, once sent (only when digests differ).
+    /// Peers' full deltas, once sent (only when digests differ; empty until then).
     peer_details: Vec<Option<Deltas>>,
     /// Replicas whose deltas were handed to the per-request vote (bit per replica).
     fed: u64,
@@ -166,7 +166,7 @@ impl Validator {
             executed: Vec::new(),
             released: false,
             voting: false,
-            peer_details: vec![None; n],
+            peer_details: Vec::new(),
             fed: 0,
             created: Instant::now(),
         })
@@ -204,9 +204,10 @@ impl Validator {
         let i = from as usize - 1;
         assert!(i < self.n && i != self.me);
         let e = self.entry_check(index);
-        if e.peer_details[i].is_some() {
+        if e.peer_details.get(i).is_some_and(|d| d.is_some()) {
             return Vec::new();
         }
+        e.peer_details.resize(e.digests.len(), None);
         let mut p = Packer::default();
         for (pos, pairs) in &reqs {
             encode_delta(&mut p, *pos, pairs);
@@ -224,8 +225,7 @@ impl Validator {
         let Some(mine) = e.digests[me].filter(|_| e.detail.is_some()) else {
             return Vec::new();
         };
-        let differs =
-            e.digests.iter().any(|d| d.is_some_and(|d| d != mine)) || e.peer_details.iter().any(|d| d.is_some());
+        let differs = e.digests.iter().any(|d| d.is_some_and(|d| d != mine)) || !e.peer_details.is_empty();
         let mut out = if differs { self.start_voting(index) } else { Vec::new() };
         let e = self.entries.get_mut(&index).expect("evaluated entry exists");
         if e.voting {
@@ -241,7 +241,8 @@ impl Validator {
                 let source = if d == mine {
                     Some(&ours)
                 } else {
-                    (0..n).find_map(|s| e.peer_details[s].as_ref().filter(|_| e.digests[s] == Some(d)))
+                    let mut known = e.peer_details.iter().enumerate();
+                    known.find_map(|(s, x)| x.as_ref().filter(|_| e.digests[s] == Some(d)))
                 };
                 if let Some(pairs) = source {
                     e.fed |= 1 << r;
@@ -545,6 +546,7 @@ fn compared(id: ObjectId, set: &[Pair], votes: &[Vote]) -> String {
 
 /// Encode one request's delta into an entry's detail (and so its digest).
 pub fn encode_delta(p: &mut Packer, pos: u32, pairs: &[Pair]) {
+    p.buf.reserve(8 + 12 * pairs.len());
     p.u32(pos);
     p.u32(pairs.len() as u32);
     for (id, crc) in pairs {

@@ -829,6 +829,12 @@ impl Replica {
         // The entry's deltas, request by request (the detail behind its digest).
         let mut detail = Packer::default();
         let mut executed = Vec::new();
+        if checking {
+            // (The count comes from the log: it sizes nothing beyond what we batch.)
+            let expected = (n as usize).min(BATCH_MAX);
+            detail.buf.reserve(64 * expected);
+            executed.reserve(expected);
+        }
         for pos in 0..n {
             let conn = u.u64()?;
             let seq = u.u64()?;
