@@ -1,6 +1,8 @@
 //! The store's protected objects. Each is one `Guarded<T>` with a deterministic id:
-//! items and their LRU links by slot, hash buckets by number, and two singletons (the slab
-//! allocator and the global counters/LRU ends).
+//! items and their LRU links by slot, hash buckets by number, the free-slot stack in
+//! chunks by number, and two singletons (the slab allocator and the global counters/LRU
+//! ends). Every object's size is bounded by a constant or by items per bucket, so that
+//! checking it on each access costs the same whatever the store holds.
 
 use lockstep_guard::{FieldSink, ObjectId, Protected, UnpackError, Unpacker};
 
@@ -9,6 +11,7 @@ pub const KIND_LINKS: u8 = 2;
 pub const KIND_BUCKET: u8 = 3;
 pub const KIND_SLAB: u8 = 4;
 pub const KIND_GLOBALS: u8 = 5;
+pub const KIND_FREE: u8 = 6;
 
 /// No slot (end of an LRU list).
 pub const NIL: u32 = u32::MAX;
@@ -21,6 +24,9 @@ pub fn links_id(slot: u32) -> ObjectId {
 }
 pub fn bucket_id(b: u32) -> ObjectId {
     ObjectId::new(KIND_BUCKET, b as u64)
+}
+pub fn free_chunk_id(chunk: u32) -> ObjectId {
+    ObjectId::new(KIND_FREE, chunk as u64)
 }
 pub const SLAB_ID: ObjectId = ObjectId((KIND_SLAB as u64) << 56);
 pub const GLOBALS_ID: ObjectId = ObjectId((KIND_GLOBALS as u64) << 56);
@@ -123,35 +129,56 @@ impl Protected for Bucket {
     }
 }
 
-/// The slot allocator: slots are handed out lowest-free-first, so allocation is the same
-/// on every replica.
+/// The slot allocator: freed slots are reused last-freed-first, the same on every replica.
+/// The stack of freed slots lives in `FreeChunk`s of `FREE_CHUNK` slots (chunk `i` holds
+/// stack positions `i * FREE_CHUNK ..`), so that a free or an allocation checks and
+/// rewrites one small chunk, not a stack that a mass delete made as long as the store.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Slab {
-    /// Freed slots, used as a stack.
-    pub free: Vec<u32>,
+    /// Freed slots on the stack.
+    pub free_len: u32,
     /// Slots ever allocated; the next new slot.
     pub high: u32,
 }
 
+/// Slots per free-stack chunk.
+pub const FREE_CHUNK: u32 = 64;
+
 impl Protected for Slab {
     fn fields<S: FieldSink>(&self, p: &mut S) {
         p.u32(self.high);
-        p.u32(self.free.len() as u32);
-        for &s in &self.free {
+        p.u32(self.free_len);
+    }
+    fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
+        let high = u.u32()?;
+        let free_len = u.u32()?;
+        if free_len > high {
+            return Err(UnpackError("more free slots than slots"));
+        }
+        Ok(Slab { free_len, high })
+    }
+}
+
+/// One chunk of the free-slot stack (see `Slab`): at most `FREE_CHUNK` slots.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FreeChunk {
+    pub slots: Vec<u32>,
+}
+
+impl Protected for FreeChunk {
+    fn fields<S: FieldSink>(&self, p: &mut S) {
+        p.u32(self.slots.len() as u32);
+        for &s in &self.slots {
             p.u32(s);
         }
     }
     fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
-        let high = u.u32()?;
-        let n = u.u32()? as usize;
-        if n > u.rest().len() / 4 {
-            return Err(UnpackError("free list exceeds message"));
+        let n = u.u32()?;
+        if n > FREE_CHUNK {
+            return Err(UnpackError("free chunk over its size"));
         }
-        let mut free = Vec::with_capacity(n);
-        for _ in 0..n {
-            free.push(u.u32()?);
-        }
-        Ok(Slab { free, high })
+        let slots = (0..n).map(|_| u.u32()).collect::<Result<_, _>>()?;
+        Ok(FreeChunk { slots })
     }
 }
 
