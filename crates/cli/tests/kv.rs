@@ -1304,6 +1304,25 @@ impl Streams {
         }
     }
 
+    /// A meta command's key token: mostly the key itself, sometimes its base64 form with
+    /// the `b` flag (memcached decodes it leniently, and shows binary keys encoded), or a
+    /// token that does not decode.
+    fn meta_key(&mut self, key: &str) -> String {
+        match self.next() % 8 {
+            0 => match key {
+                "k0" => "azA= b".into(),
+                "k1" => "azE b".into(),
+                "n0" => "bjA= b".into(),
+                "a\0b" => "YQBi b".into(),
+                _ => "bjE= b".into(),
+            },
+            1 => self
+                .pick(&["azF= b", "a=zE b", "YR== b", "!!!! b", "YWJjZA=== b"])
+                .into(),
+            _ => key.into(),
+        }
+    }
+
     fn command(&mut self) -> Vec<u8> {
         let key = self.pick(&["k0", "k1", "k2", "n0", "n1", "a\0b"]).to_string();
         let noreply = if self.next().is_multiple_of(6) { " noreply" } else { "" };
@@ -1311,8 +1330,8 @@ impl Streams {
         let exptime = self.pick(&["0", "0", "0", "-1", "10000"]);
         match self.next() % 20 {
             16 => {
-                let mut c = format!("mg {key}");
-                for f in ["v", "f", "s", "k", "O77", "q", "c", "T0", "u", "h"] {
+                let mut c = format!("mg {}", self.meta_key(&key));
+                for f in ["v", "T100", "f", "s", "t", "k", "O77", "q", "c", "T0", "u", "h"] {
                     if self.next().is_multiple_of(3) {
                         c.push(' ');
                         c.push_str(f);
@@ -1323,7 +1342,7 @@ impl Streams {
             }
             17 => {
                 let value = self.value();
-                let mut c = format!("ms {key} {}", value.len());
+                let mut c = format!("ms {} {}", self.meta_key(&key), value.len());
                 for f in [
                     "MS", "ME", "MA", "MP", "MR", "F5", "T0", "q", "c", "k", "O9", "C{cas}", "h", "l", "u", "R5",
                 ] {
@@ -1338,8 +1357,8 @@ impl Streams {
                 c
             }
             18 => {
-                let op = self.pick(&["md", "ma", "ma", "mn", "mg", "ms"]);
-                let mut c = format!("{op} {key}");
+                let op = self.pick(&["md", "ma", "ma", "mn", "mg", "ms", "me"]);
+                let mut c = format!("{op} {}", self.meta_key(&key));
                 let menu: &[&str] = match op {
                     "md" => &["q", "k", "O1", "C{cas}", "h", "l", "u", "N5", "R5", "S", "x", "E5"],
                     "ma" => &[
@@ -1474,6 +1493,21 @@ impl Differ {
             let line = String::from_utf8_lossy(&line).to_string();
             if line.starts_with("VERSION ") {
                 return out;
+            }
+            if line.starts_with("ME ") {
+                // CAS numbering and clock seconds are each server's own; the key, fetch
+                // state, slab class and size are compared.
+                let shown: Vec<String> = line
+                    .trim_end()
+                    .split(' ')
+                    .map(|t| match t.split_once('=') {
+                        Some((k @ ("exp" | "la" | "cas"), _)) => format!("{k}=N"),
+                        _ => t.to_string(),
+                    })
+                    .collect();
+                out.push_str(&shown.join(" "));
+                out.push_str("\r\n");
+                continue;
             }
             let f: Vec<&str> = line.trim_end().split(' ').collect();
             if matches!(f[0], "HD" | "VA") && f.iter().any(|t| t.starts_with('c') && t.len() > 1) {
@@ -1732,7 +1766,12 @@ fn meta_ttl_and_debug_replies() {
     let r = mc.line("mg tk t v");
     assert!(r == "VA 2 t100" || r == "VA 2 t99", "{r}");
     assert_eq!(mc.read_line(), "hi");
-    assert_eq!(mc.line("mg tk t T0"), "HD t-1", "T0 removes the expiry");
+    // Flags act in order, as in memcached: `t` ahead of `T` shows the TTL before it.
+    let r = mc.line("mg tk t T0");
+    assert!(r == "HD t100" || r == "HD t99", "{r}");
+    assert_eq!(mc.line("mg tk t"), "HD t-1", "T0 removed the expiry");
+    assert_eq!(mc.line("mg tk T7 t"), "HD t7");
+    assert_eq!(mc.line("mg tk T0 t"), "HD t-1");
     let me = mc.line("me tk");
     assert!(me.starts_with("ME tk exp=-1 la=0 cas="), "{me}");
     assert_eq!(mc.line("me nothere"), "EN");

@@ -42,6 +42,9 @@ pub struct Item {
     pub cas: u64,
     /// Log time of the last store, for flush_all.
     pub stored_ms: u64,
+    /// Stored by a meta command with a base64 key (`b`): memcached's ITEM_KEY_BINARY,
+    /// which makes `mg k` and `me` show the key base64-encoded.
+    pub key_binary: bool,
 }
 
 impl Item {
@@ -59,6 +62,10 @@ impl Protected for Item {
         p.u64(self.exptime_ms);
         p.u64(self.cas);
         p.u64(self.stored_ms);
+        // Only when set, so that items without it keep their CRCs and format.
+        if self.key_binary {
+            p.u8(1);
+        }
     }
     fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
         Ok(Item {
@@ -68,6 +75,11 @@ impl Protected for Item {
             exptime_ms: u.u64()?,
             cas: u.u64()?,
             stored_ms: u.u64()?,
+            key_binary: match u.is_empty() {
+                true => false,
+                false if u.u8()? == 1 => true,
+                false => return Err(UnpackError("bad key flag")),
+            },
         })
     }
 }

@@ -330,7 +330,8 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
         ),
         b"shutdown" => err("ERROR: shutdown not enabled", line_len),
         b"mn" => req(Request::MetaNoop, line_len),
-        b"mg" | b"ms" | b"md" | b"ma" | b"me" => meta(name[1], args, buf, line_len, item_max),
+        b"me" => meta_debug(args, line_len),
+        b"mg" | b"ms" | b"md" | b"ma" => meta(name[1], args, buf, line_len, item_max),
         b"quit" => req(Request::Quit, line_len),
         b"lockstep_digest" | b"lockstep_corrupt" | b"lockstep_isolate" | b"lru_crawler" => req(
             Request::Local {
@@ -366,10 +367,38 @@ fn meta_flag_known(c: u8) -> bool {
 /// docs/kv.md) rather than ignored. `append`: an ms in append or prepend mode, where `N`
 /// creates a missing item.
 fn meta_flag_missing(kind: u8, c: u8, append: bool) -> bool {
-    c == b'b' || (kind == b'g' && b"RN".contains(&c)) || (kind == b's' && c == b'N' && append)
+    (kind == b'g' && b"RN".contains(&c)) || (kind == b's' && c == b'N' && append)
 }
 
-/// Parse `mg`, `ms`, `md`, `ma` or `me`: check every flag as memcached does, so that only
+/// `me`: memcached reads only the key and, if the next token is exactly `b`, decodes the
+/// key as base64 (a key that does not decode is a bad command line); every other token
+/// is ignored.
+fn meta_debug(args: &[&[u8]], line_len: usize) -> Parsed {
+    let Some(&token) = args.first() else {
+        return err("ERROR", line_len);
+    };
+    if token.len() > KEY_MAX {
+        return err(BAD_FORMAT, line_len);
+    }
+    let binary = args.get(1) == Some(&&b"b"[..]);
+    let key = match binary {
+        true => match base64_decode(token) {
+            Some(k) => k,
+            None => return err(BAD_FORMAT, line_len),
+        },
+        false => token.to_vec(),
+    };
+    let flags = if binary { vec![b"b".to_vec()] } else { Vec::new() };
+    let cmd = Command::Meta {
+        kind: b'e',
+        key,
+        flags,
+        data: Vec::new(),
+    };
+    data(cmd, false, line_len)
+}
+
+/// Parse `mg`, `ms`, `md` or `ma`: check every flag as memcached does, so that only
 /// well-formed commands reach the log.
 fn meta(kind: u8, args: &[&[u8]], buf: &[u8], line_len: usize, item_max: usize) -> Parsed {
     let Some((&key, rest)) = args.split_first() else {
@@ -445,6 +474,21 @@ fn meta(kind: u8, args: &[&[u8]], buf: &[u8], line_len: usize, item_max: usize) 
     if flags.iter().any(|f| meta_flag_missing(kind, f[0], append)) {
         return err(invalid, line_len);
     }
+    // `b`: the key token is base64 (memcached's lenient decoder); the store sees the
+    // decoded key, and replies show it encoded again, as memcached's do.
+    let binary = flags.iter().any(|f| f[0] == b'b');
+    let decoded;
+    let key = if binary {
+        decoded = match base64_decode(key) {
+            Some(k) => k,
+            // (md and ma report it as a bad flag, as memcached does.)
+            None if kind == b'a' || kind == b'd' => return err(invalid, line_len),
+            None => return err("CLIENT_ERROR error decoding key", line_len),
+        };
+        &decoded[..]
+    } else {
+        key
+    };
     let flags: Vec<Vec<u8>> = flags.iter().map(|f| f.to_vec()).collect();
     let noreply = false; // meta commands answer through their flags (q), at apply time
     let Some(len) = len else {
@@ -477,6 +521,62 @@ fn meta(kind: u8, args: &[&[u8]], buf: &[u8], line_len: usize, item_max: usize) 
         data: value.to_vec(),
     };
     data(cmd, noreply, total)
+}
+
+const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding, as memcached prints binary keys.
+pub fn base64_encode(data: &[u8]) -> String {
+    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    for chunk in data.chunks(3) {
+        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(BASE64[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Base64 decoding with memcached's rules: characters outside the alphabet (and '=') are
+/// skipped; the rest must be a non-zero multiple of 4; '=' counts as a zero digit and ends
+/// the decoding at the end of its group, dropping one byte per '=' (three are invalid).
+/// None where memcached answers "error decoding key" (including an empty result).
+pub fn base64_decode(token: &[u8]) -> Option<Vec<u8>> {
+    let digit = |c: u8| match c {
+        b'=' => Some(0),
+        _ => BASE64.iter().position(|&x| x == c).map(|v| v as u8),
+    };
+    let count = token.iter().filter(|&&c| digit(c).is_some()).count();
+    if count == 0 || count % 4 != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(count / 4 * 3);
+    let (mut group, mut filled, mut pad) = ([0u8; 4], 0, 0);
+    for &c in token {
+        let Some(v) = digit(c) else { continue };
+        pad += usize::from(c == b'=');
+        group[filled] = v;
+        filled += 1;
+        if filled == 4 {
+            out.push((group[0] << 2) | (group[1] >> 4));
+            out.push((group[1] << 4) | (group[2] >> 2));
+            out.push((group[2] << 6) | group[3]);
+            filled = 0;
+            if pad > 0 {
+                if pad > 2 {
+                    return None;
+                }
+                out.truncate(out.len() - pad);
+                break;
+            }
+        }
+    }
+    (!out.is_empty()).then_some(out)
 }
 
 /// A value's data block after its command line.
@@ -670,5 +770,21 @@ mod tests {
             }
             let _ = parse(&buf, MAX);
         }
+    }
+
+    #[test]
+    fn base64_keys_decode_as_memcached_decodes_them() {
+        assert_eq!(base64_decode(b"YWJj").as_deref(), Some(&b"abc"[..]));
+        assert_eq!(base64_decode(b"YQ==").as_deref(), Some(&b"a"[..]));
+        // Outside the alphabet is skipped; '=' ends the group it closes.
+        assert_eq!(base64_decode(b"Y!W!J!j").as_deref(), Some(&b"abc"[..]));
+        assert_eq!(base64_decode(b"YQ==YWJj").as_deref(), Some(&b"a"[..]));
+        for bad in [&b""[..], b"YQ", b"!!!!", b"YWJjZA===", b"Y==="] {
+            assert_eq!(base64_decode(bad), None, "{bad:?}");
+        }
+        for key in [&b"a"[..], b"ab", b"abc", b"\0\x01\x02", b" b "] {
+            assert_eq!(base64_decode(base64_encode(key).as_bytes()).as_deref(), Some(key));
+        }
+        assert_eq!(base64_encode(b"bin\0key"), "YmluAGtleQ==");
     }
 }

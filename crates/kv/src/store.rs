@@ -144,7 +144,7 @@ impl Store {
                 data,
                 cas,
             } => {
-                let reply = self.store(*op, key, *flags, *exptime, data, *cas, now, d)?;
+                let reply = self.store(*op, key, *flags, *exptime, data, *cas, false, now, d)?;
                 out.extend_from_slice(reply);
             }
             Command::Delete { key } => match self.lookup(key, now, d)? {
@@ -218,9 +218,12 @@ impl Store {
         exptime: i64,
         data: &[u8],
         cas_in: u64,
+        key_binary: bool,
         now: u64,
         d: &mut Delta,
     ) -> R<&'static [u8]> {
+        // As memcached: an append or prepend makes a new item that does not keep the flag.
+        let key_binary = key_binary && !matches!(op, StoreOp::Append | StoreOp::Prepend);
         let existing = self.lookup(key, now, d)?;
         let exp = absolute_exptime(exptime, now);
         match (op, existing) {
@@ -262,6 +265,7 @@ impl Store {
                     }
                     it.cas = cas;
                     it.stored_ms = stored_ms;
+                    it.key_binary = key_binary;
                     old
                 };
                 self.account(old_size, slot, d)?;
@@ -276,6 +280,7 @@ impl Store {
                     exptime_ms: exp,
                     cas,
                     stored_ms,
+                    key_binary,
                 };
                 self.link(item, now, d)?;
             }
@@ -304,6 +309,11 @@ impl Store {
             if value.len() < it.value.len() {
                 value.resize(it.value.len(), b' ');
             }
+            // A longer number does not fit in place: memcached makes a new item, which
+            // does not keep a base64 key's flag.
+            if value.len() > it.value.len() {
+                it.key_binary = false;
+            }
             it.value = value;
             it.cas = cas;
             old
@@ -330,11 +340,11 @@ impl Store {
         let quiet = flag(b'q').is_some();
         // The return flags, in the order they were asked for.
         // `no_item_cas`: what `c` shows without an item (ms shows c0 when nothing was stored).
-        // `before`: for mg, the item's links before this read (for h and l).
+        // `before`: for mg, the item before this read (see `MgBefore`).
         let returned = |store: &Self,
                         slot: Option<u32>,
                         no_item_cas: Option<u64>,
-                        before: Option<&Links>,
+                        before: Option<&MgBefore>,
                         d: &mut Delta|
          -> R<Vec<u8>> {
             let mut r = Vec::new();
@@ -344,18 +354,29 @@ impl Store {
             };
             for f in flags {
                 let shown = match (f[0], it) {
-                    (b'k', _) => [&b"k"[..], key].concat(),
+                    // An mg hit shows the item's key; everything else echoes the request's.
+                    (b'k', Some(it)) if before.is_some() => shown_key(&it.key, it.key_binary),
+                    (b'k', _) => shown_key(key, flag(b'b').is_some()),
                     (b'O', _) => f.clone(),
                     (b'c', Some(it)) => format!("c{}", it.cas).into_bytes(),
                     (b'c', None) if no_item_cas.is_some() => format!("c{}", no_item_cas.unwrap_or(0)).into_bytes(),
                     (b'f', Some(it)) => format!("f{}", it.flags).into_bytes(),
                     (b's', Some(it)) => format!("s{}", it.value.len()).into_bytes(),
-                    (b't', Some(it)) => format!("t{}", ttl_left(it.exptime_ms, now)).into_bytes(),
+                    (b't', Some(it)) => {
+                        // memcached handles the flags in order: a `t` ahead of `T` shows
+                        // the time to live from before the update.
+                        let t_first = flags.iter().position(|f| f[0] == b't') < flags.iter().position(|f| f[0] == b'T');
+                        let exptime = match before {
+                            Some(b) if t_first && flag(b'T').is_some() => b.exptime_ms,
+                            _ => it.exptime_ms,
+                        };
+                        format!("t{}", ttl_left(exptime, now)).into_bytes()
+                    }
                     (b'h', Some(_)) if before.is_some() => {
-                        format!("h{}", before.map_or(0, |l| l.fetched as u8)).into_bytes()
+                        format!("h{}", before.map_or(0, |b| b.links.fetched as u8)).into_bytes()
                     }
                     (b'l', Some(_)) if before.is_some() => {
-                        let idle = now.saturating_sub(before.map_or(now, |l| l.accessed_ms)) / 1000;
+                        let idle = now.saturating_sub(before.map_or(now, |b| b.links.accessed_ms)) / 1000;
                         format!("l{idle}").into_bytes()
                     }
                     _ => continue,
@@ -381,11 +402,13 @@ impl Store {
                     }
                     return Ok(());
                 };
+                let before = MgBefore {
+                    links: self.links_of(slot, d)?,
+                    exptime_ms: self.item(slot, d)?.exptime_ms,
+                };
                 if let Some(ttl) = number(b'T') {
                     self.item_mut(slot, d)?.exptime_ms = absolute_exptime(ttl as i32 as i64, now);
                 }
-                // h and l report the item as it was before this read.
-                let before = self.links_of(slot, d)?;
                 // u: the read leaves the item where it is in the LRU, and unfetched.
                 if flag(b'u').is_none() {
                     self.bump(slot, now, Fetched::Yes, d)?;
@@ -428,7 +451,9 @@ impl Store {
                 }
                 let item_flags = unsigned(b'F').unwrap_or(0) as u32;
                 let ttl = number(b'T').unwrap_or(0) as i32 as i64;
-                let reply = self.store(op, key, item_flags, ttl, data, unsigned(b'C').unwrap_or(0), now, d)?;
+                let cas_in = unsigned(b'C').unwrap_or(0);
+                let binary = flag(b'b').is_some();
+                let reply = self.store(op, key, item_flags, ttl, data, cas_in, binary, now, d)?;
                 let code: &[u8] = match reply {
                     b"STORED\r\n" => b"HD",
                     b"EXISTS\r\n" => b"EX",
@@ -485,7 +510,7 @@ impl Store {
                         // Autovivify: create the counter with J (default 0).
                         Some(ttl) => {
                             let initial = unsigned(b'J').unwrap_or(0).to_string().into_bytes();
-                            self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, now, d)?;
+                            self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, false, now, d)?;
                             match self.lookup(key, now, d)? {
                                 Some(s) => (s, initial),
                                 None => {
@@ -529,7 +554,7 @@ impl Store {
                     let size = crate::protocol::item_size(it.key.len(), it.flags, it.value.len());
                     let line = format!(
                         "ME {} exp={} la={} cas={} fetch={} cls={} size={size}\r\n",
-                        String::from_utf8_lossy(key),
+                        String::from_utf8_lossy(&display_key(&it.key, it.key_binary)),
                         ttl_left(it.exptime_ms, now),
                         now.saturating_sub(links.accessed_ms) / 1000,
                         it.cas,
@@ -1212,6 +1237,28 @@ enum Fetched {
     /// A new value: memcached stores a new item.
     No,
     Unchanged,
+}
+
+/// An item as it was before an mg read: `h` and `l` report the links from before the
+/// read, and a `t` ahead of `T` the time to live from before the update.
+struct MgBefore {
+    links: Links,
+    exptime_ms: u64,
+}
+
+/// `k` followed by an item's key as memcached shows it: base64 and a `b` flag when it was
+/// stored with a base64 key.
+fn shown_key(key: &[u8], binary: bool) -> Vec<u8> {
+    let b: &[u8] = if binary { b" b" } else { b"" };
+    [&b"k"[..], &display_key(key, binary), b].concat()
+}
+
+/// An item's key as memcached prints it (base64 when stored with a base64 key).
+fn display_key(key: &[u8], binary: bool) -> Vec<u8> {
+    match binary {
+        true => crate::protocol::base64_encode(key).into_bytes(),
+        false => key.to_vec(),
+    }
 }
 
 /// The free-slot stack disagrees with itself (the slab's count against chunk `chunk`):
