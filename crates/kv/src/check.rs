@@ -158,6 +158,13 @@ impl Validator {
         })
     }
 
+    /// The 0-based index of peer `from` (1-based, not us).
+    fn peer(&self, from: u64) -> usize {
+        let i = from as usize - 1;
+        assert!(i < self.n && i != self.me);
+        i
+    }
+
     fn entry_check(&mut self, index: u64) -> &mut EntryCheck {
         let n = self.n;
         self.entries.entry(index).or_insert_with(|| EntryCheck {
@@ -172,14 +179,15 @@ impl Validator {
         })
     }
 
-    /// This replica applied entry `index`: `count` checked requests, whose deltas are
-    /// `detail` (encoded; `digest(&detail)` went to the peers) and whose replies and
-    /// clients are `executed`, in the same order.
-    pub fn local_entry(&mut self, index: u64, count: u32, detail: Vec<u8>, executed: Vec<Executed>) -> Vec<Outcome> {
-        debug_assert_eq!(executed.len(), count as usize);
+    /// This replica applied entry `index`: the checked requests' deltas are `detail`
+    /// (encoded by `encode_delta`; its `digest` went to the peers), their replies and
+    /// clients `executed`, in the same order.
+    pub fn local_entry(&mut self, index: u64, digest: u32, detail: Vec<u8>, executed: Vec<Executed>) -> Vec<Outcome> {
+        debug_assert_eq!(digest, self::digest(&detail));
         let me = self.me;
+        let count = executed.len() as u32;
         let e = self.entry_check(index);
-        e.digests[me] = Some(digest(&detail));
+        e.digests[me] = Some(digest);
         e.detail = Some((count, detail));
         e.executed = executed;
         e.created = Instant::now();
@@ -188,8 +196,7 @@ impl Validator {
 
     /// Replica `from` (1-based) sent its digest of entry `index`.
     pub fn remote_digest(&mut self, from: u64, index: u64, d: u32) -> Vec<Outcome> {
-        let i = from as usize - 1;
-        assert!(i < self.n && i != self.me);
+        let i = self.peer(from);
         let e = self.entry_check(index);
         if e.digests[i].is_some() {
             return Vec::new();
@@ -201,19 +208,14 @@ impl Validator {
     /// Replica `from` sent its full deltas of entry `index` (digests differ somewhere):
     /// they join the per-request vote, now or once we applied the entry.
     pub fn remote_detail(&mut self, from: u64, index: u64, reqs: Deltas) -> Vec<Outcome> {
-        let i = from as usize - 1;
-        assert!(i < self.n && i != self.me);
+        let i = self.peer(from);
         let e = self.entry_check(index);
         if e.peer_details.get(i).is_some_and(|d| d.is_some()) {
             return Vec::new();
         }
         e.peer_details.resize(e.digests.len(), None);
-        let mut p = Packer::default();
-        for (pos, pairs) in &reqs {
-            encode_delta(&mut p, *pos, pairs);
-        }
         // The digest goes first on the same link; this only covers a lost or stale one.
-        e.digests[i] = Some(digest(&p.buf));
+        e.digests[i] = Some(digest(&encode_deltas(&reqs)));
         e.peer_details[i] = Some(reqs);
         self.evaluate_entry(index)
     }
@@ -316,8 +318,7 @@ impl Validator {
 
     /// Replica `from` (1-based) reported its delta for `id`.
     fn remote(&mut self, from: u64, id: ReqId, pairs: Vec<Pair>) -> Vec<Outcome> {
-        let i = from as usize - 1;
-        assert!(i < self.n && i != self.me);
+        let i = self.peer(from);
         let p = self.entry(id);
         if p.sets[i].is_some() {
             return Vec::new();
@@ -555,6 +556,15 @@ pub fn encode_delta(p: &mut Packer, pos: u32, pairs: &[Pair]) {
     }
 }
 
+/// Every request's delta of `reqs`, encoded one after another.
+pub fn encode_deltas(reqs: &Deltas) -> Vec<u8> {
+    let mut p = Packer::default();
+    for (pos, pairs) in reqs {
+        encode_delta(&mut p, *pos, pairs);
+    }
+    p.buf
+}
+
 /// `count` requests' deltas, as encoded by `encode_delta` (a peer's, or our own).
 pub fn decode_deltas(u: &mut Unpacker<'_>, count: u32) -> Result<Deltas, UnpackError> {
     // Each request takes at least 8 bytes: the count is checked before allocating.
@@ -710,12 +720,8 @@ mod tests {
     }
 
     fn entry(crcs: &[u32]) -> (u32, Vec<u8>, Deltas) {
-        let mut p = Packer::default();
         let reqs: Deltas = crcs.iter().enumerate().map(|(i, &c)| (i as u32, set(c))).collect();
-        for (pos, pairs) in &reqs {
-            encode_delta(&mut p, *pos, pairs);
-        }
-        (reqs.len() as u32, p.buf, reqs)
+        (reqs.len() as u32, encode_deltas(&reqs), reqs)
     }
 
     fn executed(count: u32, origin: u64, ours: bool) -> Vec<Executed> {
@@ -737,7 +743,9 @@ mod tests {
         let mut v = Validator::new(3, 1);
         let (count, detail, _) = entry(&[1, 2]);
         let d = digest(&detail);
-        assert!(v.local_entry(9, count, detail, executed(count, 1, true)).is_empty());
+        assert!(v
+            .local_entry(9, digest(&detail), detail, executed(count, 1, true))
+            .is_empty());
         let out = v.remote_digest(2, 9, d);
         let released: Vec<_> = out
             .iter()
@@ -762,7 +770,7 @@ mod tests {
         // Replica 1's full deltas come before we applied the entry: they are kept.
         assert!(v.remote_digest(1, 4, digest(&bad)).is_empty());
         assert!(v.remote_detail(1, 4, bad_reqs).is_empty());
-        let out = v.local_entry(4, count, detail.clone(), executed(count, 1, false));
+        let out = v.local_entry(4, digest(&detail), detail.clone(), executed(count, 1, false));
         assert!(
             matches!(&out[0], Outcome::Detail { index: 4, count: 2, detail: d } if *d == detail),
             "{out:?}"
@@ -796,7 +804,7 @@ mod tests {
         let mut v = Validator::new(3, 3);
         let (count, bad, _) = entry(&[5]);
         let (_, good, good_reqs) = entry(&[1]);
-        let out = v.local_entry(7, count, bad, executed(count, 3, true));
+        let out = v.local_entry(7, digest(&bad), bad, executed(count, 3, true));
         assert!(out.is_empty());
         // Replica 1's digest differs: we send our deltas; replica 2's equals replica 1's,
         // so replica 1's full deltas count for both.
@@ -822,7 +830,7 @@ mod tests {
     fn an_entry_nobody_confirms_gets_its_clients_an_error_in_bounded_time() {
         let mut v = Validator::new(3, 1);
         let (count, detail, _) = entry(&[1, 2]);
-        v.local_entry(3, count, detail, executed(count, 1, true));
+        v.local_entry(3, digest(&detail), detail, executed(count, 1, true));
         let now = Instant::now();
         assert!(v.expire(now).0.is_empty());
         let late = now + REPLY_TIMEOUT + Duration::from_millis(10);

@@ -875,11 +875,11 @@ impl Replica {
         let mut msg = Packer::default();
         msg.u8(MSG_DIGEST);
         msg.u64(index);
-        msg.u32(check::digest(&detail.buf));
+        let digest = check::digest(&detail.buf);
+        msg.u32(digest);
         self.send_check(&msg.buf);
-        let count = executed.len() as u32;
         let v = self.validator.as_mut().expect("checking");
-        let outcomes = v.local_entry(index, count, detail.buf, executed);
+        let outcomes = v.local_entry(index, digest, detail.buf, executed);
         self.settle(outcomes);
         Ok(())
     }
