@@ -17,63 +17,6 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     crc32c::crc32c_append(crc, data)
 }
 
-/// `crc32c_append(crc, &v.to_le_bytes())`: one instruction where the CPU has SSE4.2. The
-/// fixed-size fields of a protected object are hashed one at a time, and a call into the
-/// general routine per field costs more than the field.
-#[inline]
-pub fn crc32c_append_u64(crc: u32, v: u64) -> u32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("sse4.2") {
-        // SAFETY: the CPU has SSE4.2 (checked above).
-        return unsafe { field::u64(crc, v) };
-    }
-    crc32c_append(crc, &v.to_le_bytes())
-}
-
-/// `crc32c_append(crc, &v.to_le_bytes())` (see [`crc32c_append_u64`]).
-#[inline]
-pub fn crc32c_append_u32(crc: u32, v: u32) -> u32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("sse4.2") {
-        // SAFETY: the CPU has SSE4.2 (checked above).
-        return unsafe { field::u32(crc, v) };
-    }
-    crc32c_append(crc, &v.to_le_bytes())
-}
-
-/// `crc32c_append(crc, &[v])` (see [`crc32c_append_u64`]).
-#[inline]
-pub fn crc32c_append_u8(crc: u32, v: u8) -> u32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("sse4.2") {
-        // SAFETY: the CPU has SSE4.2 (checked above).
-        return unsafe { field::u8(crc, v) };
-    }
-    crc32c_append(crc, &[v])
-}
-
-/// The `crc32` instruction on one field. It updates the raw register; the inversions make
-/// it the same function as `crc32c_append`.
-#[cfg(target_arch = "x86_64")]
-mod field {
-    use std::arch::x86_64::{_mm_crc32_u32, _mm_crc32_u64, _mm_crc32_u8};
-
-    #[target_feature(enable = "sse4.2")]
-    pub unsafe fn u64(crc: u32, v: u64) -> u32 {
-        !(_mm_crc32_u64(u64::from(!crc), v) as u32)
-    }
-
-    #[target_feature(enable = "sse4.2")]
-    pub unsafe fn u32(crc: u32, v: u32) -> u32 {
-        !_mm_crc32_u32(!crc, v)
-    }
-
-    #[target_feature(enable = "sse4.2")]
-    pub unsafe fn u8(crc: u32, v: u8) -> u32 {
-        !_mm_crc32_u8(!crc, v)
-    }
-}
-
 /// The CRC32C of `a ++ b` from `crc32c(a)`, `crc32c(b)` and `b.len()`, in O(log len).
 #[inline]
 pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: usize) -> u32 {
@@ -223,24 +166,6 @@ mod fold {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn field_crcs_match_the_byte_routine() {
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut crc = 0u32;
-        for _ in 0..1000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            assert_eq!(crc32c_append_u64(crc, x), crc32c_append(crc, &x.to_le_bytes()));
-            assert_eq!(
-                crc32c_append_u32(crc, x as u32),
-                crc32c_append(crc, &(x as u32).to_le_bytes())
-            );
-            assert_eq!(crc32c_append_u8(crc, x as u8), crc32c_append(crc, &[x as u8]));
-            crc = crc32c_append_u64(crc, x);
-        }
-    }
 
     #[test]
     fn append_copy_equals_append_at_every_length_and_start() {

@@ -56,6 +56,12 @@ impl Delta {
         }
     }
 
+    /// This request already recorded `crc` for `id` (a check or a write it made), so an
+    /// object still carrying that CRC needs no second check within the request.
+    pub fn vouches(&self, id: ObjectId, crc: u32) -> bool {
+        crc != CORRUPT_MARK && self.pairs.contains(&(id, crc))
+    }
+
     /// An access found `id` corrupt.
     pub fn record_corrupt(&mut self, id: ObjectId) {
         self.record(id, CORRUPT_MARK);

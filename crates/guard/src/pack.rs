@@ -1,28 +1,68 @@
 //! Canonical bytes of protected objects: one order of fields for the checksum, and a
 //! self-delimiting encoding for repair messages and snapshots.
 
-use lockstep_core::checksum::{crc32c_append, crc32c_append_u32, crc32c_append_u64, crc32c_append_u8};
+use lockstep_core::checksum::crc32c_append;
 
 /// Feeds an object's protected fields into a CRC32C, without building a buffer.
-#[derive(Default)]
+///
+/// Fixed-size fields gather in a small buffer that is checksummed a block at a time:
+/// one call per field into the CRC routine costs more than the field, and a block lets
+/// the CPU run its three CRC lanes in parallel. The result is the CRC of the packed bytes.
 pub struct Hasher {
     crc: u32,
+    pending: [u8; HASHER_BLOCK],
+    len: usize,
+}
+
+/// Bytes a [`Hasher`] gathers before it folds them into the CRC.
+const HASHER_BLOCK: usize = 128;
+
+impl Default for Hasher {
+    fn default() -> Self {
+        Hasher {
+            crc: 0,
+            pending: [0; HASHER_BLOCK],
+            len: 0,
+        }
+    }
 }
 
 impl Hasher {
+    #[inline]
+    fn push(&mut self, b: &[u8]) {
+        if self.len + b.len() > HASHER_BLOCK {
+            self.fold();
+        }
+        self.pending[self.len..self.len + b.len()].copy_from_slice(b);
+        self.len += b.len();
+    }
+    #[inline]
+    fn fold(&mut self) {
+        self.crc = crc32c_append(self.crc, &self.pending[..self.len]);
+        self.len = 0;
+    }
+    #[inline]
     pub fn bytes(&mut self, b: &[u8]) {
         // The length first, so that ("ab","c") and ("a","bc") differ.
-        self.crc = crc32c_append_u32(self.crc, b.len() as u32);
-        self.crc = crc32c_append(self.crc, b);
+        self.u32(b.len() as u32);
+        if b.len() <= HASHER_BLOCK / 4 {
+            self.push(b);
+        } else {
+            self.fold();
+            self.crc = crc32c_append(self.crc, b);
+        }
     }
+    #[inline]
     pub fn u64(&mut self, v: u64) {
-        self.crc = crc32c_append_u64(self.crc, v);
+        self.push(&v.to_le_bytes());
     }
+    #[inline]
     pub fn u32(&mut self, v: u32) {
-        self.crc = crc32c_append_u32(self.crc, v);
+        self.push(&v.to_le_bytes());
     }
+    #[inline]
     pub fn finish(&self) -> u32 {
-        self.crc
+        crc32c_append(self.crc, &self.pending[..self.len])
     }
 }
 
@@ -38,30 +78,38 @@ pub trait FieldSink {
 }
 
 impl FieldSink for Hasher {
+    #[inline]
     fn u8(&mut self, v: u8) {
-        self.crc = crc32c_append_u8(self.crc, v);
+        self.push(&[v]);
     }
+    #[inline]
     fn u32(&mut self, v: u32) {
         Hasher::u32(self, v)
     }
+    #[inline]
     fn u64(&mut self, v: u64) {
         Hasher::u64(self, v)
     }
+    #[inline]
     fn bytes(&mut self, b: &[u8]) {
         Hasher::bytes(self, b)
     }
 }
 
 impl FieldSink for Packer {
+    #[inline]
     fn u8(&mut self, v: u8) {
         Packer::u8(self, v)
     }
+    #[inline]
     fn u32(&mut self, v: u32) {
         Packer::u32(self, v)
     }
+    #[inline]
     fn u64(&mut self, v: u64) {
         Packer::u64(self, v)
     }
+    #[inline]
     fn bytes(&mut self, b: &[u8]) {
         Packer::bytes(self, b)
     }
@@ -95,15 +143,19 @@ pub struct Packer {
 }
 
 impl Packer {
+    #[inline]
     pub fn u8(&mut self, v: u8) {
         self.buf.push(v);
     }
+    #[inline]
     pub fn u32(&mut self, v: u32) {
         self.buf.extend_from_slice(&v.to_le_bytes());
     }
+    #[inline]
     pub fn u64(&mut self, v: u64) {
         self.buf.extend_from_slice(&v.to_le_bytes());
     }
+    #[inline]
     pub fn bytes(&mut self, b: &[u8]) {
         self.u32(b.len() as u32);
         self.buf.extend_from_slice(b);
@@ -140,6 +192,7 @@ impl<'a> Unpacker<'a> {
     pub fn new(buf: &'a [u8]) -> Self {
         Unpacker { buf }
     }
+    #[inline]
     fn take(&mut self, n: usize) -> Result<&'a [u8], UnpackError> {
         if self.buf.len() < n {
             return Err(UnpackError("truncated"));
@@ -148,23 +201,68 @@ impl<'a> Unpacker<'a> {
         self.buf = rest;
         Ok(head)
     }
+    #[inline]
     pub fn u8(&mut self) -> Result<u8, UnpackError> {
         Ok(self.take(1)?[0])
     }
+    #[inline]
     pub fn u32(&mut self) -> Result<u32, UnpackError> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
     }
+    #[inline]
     pub fn u64(&mut self) -> Result<u64, UnpackError> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
     }
+    #[inline]
     pub fn bytes(&mut self) -> Result<&'a [u8], UnpackError> {
         let n = self.u32()? as usize;
         self.take(n)
     }
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.buf.is_empty()
     }
+    #[inline]
     pub fn rest(&self) -> &'a [u8] {
         self.buf
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every mix of field sizes, including byte strings on both sides of the block size,
+    /// hashes to the CRC of the packed bytes.
+    #[test]
+    fn hasher_is_the_crc_of_the_packed_bytes() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut h = Hasher::default();
+        let mut p = Packer::default();
+        for i in 0..2000usize {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            match x % 4 {
+                0 => {
+                    FieldSink::u8(&mut h, x as u8);
+                    FieldSink::u8(&mut p, x as u8);
+                }
+                1 => {
+                    h.u32(x as u32);
+                    p.u32(x as u32);
+                }
+                2 => {
+                    h.u64(x);
+                    p.u64(x);
+                }
+                _ => {
+                    let b: Vec<u8> = (0..(x >> 32) as usize % 300).map(|j| (i + j) as u8).collect();
+                    h.bytes(&b);
+                    p.bytes(&b);
+                }
+            }
+            assert_eq!(h.finish(), lockstep_core::crc32c(&p.buf), "after field {i}");
+        }
     }
 }

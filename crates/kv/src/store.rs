@@ -7,6 +7,7 @@ use crate::command::{Command, StoreOp};
 use crate::objects::*;
 use lockstep_guard::{Corrupt, Delta, Guarded, ObjectId, Packer, Protected, UnpackError, Unpacker};
 use std::collections::BTreeSet;
+use std::io::Write as _;
 
 /// Recorded for an object that a request deleted.
 pub const GONE: u32 = 0;
@@ -124,11 +125,14 @@ impl Store {
                     }
                     self.bump(slot, now, Fetched::Yes, d)?;
                     let it = self.item(slot, d)?;
+                    // Header digits are at most 60 bytes; one reservation covers the value.
+                    out.reserve(it.key.len() + it.value.len() + 80);
                     out.extend_from_slice(b"VALUE ");
                     out.extend_from_slice(&it.key);
-                    out.extend_from_slice(format!(" {} {}", it.flags, it.value.len()).as_bytes());
+                    // (Writing into a Vec cannot fail.)
+                    let _ = write!(out, " {} {}", it.flags, it.value.len());
                     if *with_cas {
-                        out.extend_from_slice(format!(" {}", it.cas).as_bytes());
+                        let _ = write!(out, " {}", it.cas);
                     }
                     out.extend_from_slice(b"\r\n");
                     out.extend_from_slice(&it.value);

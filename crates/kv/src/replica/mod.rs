@@ -872,12 +872,14 @@ impl Replica {
         if executed.is_empty() {
             return Ok(());
         }
-        let mut msg = Packer::default();
-        msg.u8(MSG_DIGEST);
-        msg.u64(index);
         let digest = check::digest(&detail.buf);
-        msg.u32(digest);
-        self.send_check(&msg.buf);
+        // (kind, index, digest) packed as `on_digest` reads them; on the stack, as one
+        // goes out per entry.
+        let mut msg = [0u8; 13];
+        msg[0] = MSG_DIGEST;
+        msg[1..9].copy_from_slice(&index.to_le_bytes());
+        msg[9..].copy_from_slice(&digest.to_le_bytes());
+        self.send_check(&msg);
         let v = self.validator.as_mut().expect("checking");
         let outcomes = v.local_entry(index, digest, detail.buf, executed);
         self.settle(outcomes);
