@@ -1299,7 +1299,14 @@ impl Streams {
             1 => Vec::new(),
             _ => {
                 let n = self.next() % 40;
-                (0..n).map(|_| b"abcxyz 019"[(self.next() % 10) as usize]).collect()
+                let mut v: Vec<u8> = (0..n).map(|_| b"abcxyz 019"[(self.next() % 10) as usize]).collect();
+                // Not only spaces: memcached's incr parses such a value with strtoull, which
+                // skips the spaces and the line end and reads on into whatever the slab
+                // chunk held before (a memcached bug whose result depends on its memory).
+                if v.iter().all(|&b| b == b' ') && !v.is_empty() {
+                    v[0] = b'a';
+                }
+                v
             }
         }
     }
@@ -1331,7 +1338,9 @@ impl Streams {
         match self.next() % 20 {
             16 => {
                 let mut c = format!("mg {}", self.meta_key(&key));
-                for f in ["v", "T100", "f", "s", "t", "k", "O77", "q", "c", "T0", "u", "h"] {
+                for f in [
+                    "v", "T100", "f", "s", "t", "k", "O77", "q", "c", "T0", "u", "h", "N30", "R200", "R30",
+                ] {
                     if self.next().is_multiple_of(3) {
                         c.push(' ');
                         c.push_str(f);
@@ -1344,7 +1353,8 @@ impl Streams {
                 let value = self.value();
                 let mut c = format!("ms {} {}", self.meta_key(&key), value.len());
                 for f in [
-                    "MS", "ME", "MA", "MP", "MR", "F5", "T0", "q", "c", "k", "O9", "C{cas}", "h", "l", "u", "R5",
+                    "MS", "ME", "MA", "MP", "MR", "F5", "T0", "q", "c", "k", "O9", "C{cas}", "h", "l", "u", "R5", "I",
+                    "C1", "N30",
                 ] {
                     if self.next().is_multiple_of(6) {
                         c.push(' ');
@@ -1360,12 +1370,25 @@ impl Streams {
                 let op = self.pick(&["md", "ma", "ma", "mn", "mg", "ms", "me"]);
                 let mut c = format!("{op} {}", self.meta_key(&key));
                 let menu: &[&str] = match op {
-                    "md" => &["q", "k", "O1", "C{cas}", "h", "l", "u", "N5", "R5", "S", "x", "E5"],
+                    "md" => &[
+                        "q", "k", "O1", "C{cas}", "h", "l", "u", "N5", "R5", "S", "x", "E5", "I", "I T30", "Tx", "MX",
+                    ],
                     "ma" => &[
-                        "v", "q", "N0", "J13", "D2", "MD", "M+", "k", "c", "D-1", "h", "l", "u", "R5", "E5",
+                        "v", "q", "N0", "J13", "D2", "MD", "M+", "k", "c", "D-1", "h", "l", "u", "R5", "E5", "MX",
                     ],
                     "mn" => return b"mn\r\n".to_vec(),
-                    _ => &["Z", "v v", "O123456789012345678901234567890123", "MX", "Fx"],
+                    _ => &[
+                        "Z",
+                        "v v",
+                        "O123456789012345678901234567890123",
+                        "MX",
+                        "Fx",
+                        "Tx",
+                        "Cx",
+                        "MXY",
+                        "Jx",
+                        "Dx",
+                    ],
                 };
                 for f in menu {
                     if self.next().is_multiple_of(3) {
@@ -1484,6 +1507,7 @@ impl Differ {
         bytes.extend_from_slice(b"version\r\n");
         self.mc.send(&bytes);
         let mut out = String::new();
+        let mut value_next = false;
         loop {
             let mut line = Vec::new();
             if let Err(e) = self.mc.r.read_until(b'\n', &mut line) {
@@ -1491,8 +1515,23 @@ impl Differ {
             }
             assert!(!line.is_empty(), "{}: connection closed; so far: {out:?}", self.name);
             let line = String::from_utf8_lossy(&line).to_string();
+            if std::mem::take(&mut value_next) {
+                // memcached pads a counter that an incr or decr shortened in place only
+                // when no queued reply of the same batch still holds the item (else it
+                // makes a new, unpadded item): which one happens depends on when its
+                // replies went out, so a value's trailing spaces are not compared.
+                out.push_str(line.trim_end_matches(['\r', '\n']).trim_end_matches(' '));
+                out.push_str("\r\n");
+                continue;
+            }
             if line.starts_with("VERSION ") {
                 return out;
+            }
+            if line == "BUSY currently processing crawler request\r\n" {
+                // memcached's crawler runs in the background: a second crawl is refused
+                // only while the first is still going, which is a matter of timing.
+                out.push_str("OK\r\n");
+                continue;
             }
             if line.starts_with("ME ") {
                 // CAS numbering and clock seconds are each server's own; the key, fetch
@@ -1510,15 +1549,26 @@ impl Differ {
                 continue;
             }
             let f: Vec<&str> = line.trim_end().split(' ').collect();
-            if matches!(f[0], "HD" | "VA") && f.iter().any(|t| t.starts_with('c') && t.len() > 1) {
+            value_next = matches!(f[0], "VALUE" | "VA");
+            let number =
+                |t: &str, c: char| t.len() > 1 && t.starts_with(c) && t[1..].chars().all(|c| c.is_ascii_digit());
+            if matches!(f[0], "HD" | "VA") {
+                // A meta reply: CAS numbering is each server's own (remembered per key for
+                // later C tokens), and a time to live may cross a second boundary on one
+                // server and not the other (compared to the next 10 s).
                 let key = f.iter().find(|t| t.starts_with('k')).map(|k| &k[1..]);
                 let mut shown = Vec::new();
-                for t in &f {
-                    if t.starts_with('c') && t[1..].chars().all(|c| c.is_ascii_digit()) && t.len() > 1 {
+                for (at, t) in f.iter().enumerate() {
+                    if at == 1 && f[0] == "VA" {
+                        shown.push("L".to_string()); // (the length: see value_next)
+                    } else if number(t, 'c') {
                         if let Some(k) = key {
                             self.cas.insert(k.to_string(), t[1..].to_string());
                         }
                         shown.push("cC".to_string());
+                    } else if number(t, 't') {
+                        let ttl: u64 = t[1..].parse().unwrap();
+                        shown.push(format!("t~{}", ttl.div_ceil(10) * 10));
                     } else {
                         shown.push(t.to_string());
                     }
@@ -1527,7 +1577,9 @@ impl Differ {
                 out.push_str("\r\n");
             } else if f.len() == 5 && f[0] == "VALUE" {
                 self.cas.insert(f[1].to_string(), f[4].to_string());
-                out.push_str(&format!("VALUE {} {} {} C\r\n", f[1], f[2], f[3]));
+                out.push_str(&format!("VALUE {} {} L C\r\n", f[1], f[2]));
+            } else if f.len() == 4 && f[0] == "VALUE" {
+                out.push_str(&format!("VALUE {} {} L\r\n", f[1], f[2]));
             } else {
                 out.push_str(&line);
             }
@@ -1675,7 +1727,7 @@ fn replies_match_memcached_byte_for_byte() {
     let cluster = Cluster::start(3, &[]);
     let ports = [memcached.port, single_port, cluster.port(2)];
     let names = ["memcached", "kv single", "kv cluster replica 2"];
-    for seed in 1..=10u64 {
+    for seed in 1..=30u64 {
         let mut gen = Streams {
             x: 0x9E37_79B9_7F4A_7C15 ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D),
         };
@@ -1776,11 +1828,30 @@ fn meta_ttl_and_debug_replies() {
     assert!(me.starts_with("ME tk exp=-1 la=0 cas="), "{me}");
     assert_eq!(mc.line("me nothere"), "EN");
     assert_eq!(mc.line("mn"), "MN");
-    assert_eq!(
-        mc.line("mg tk R30"),
-        "CLIENT_ERROR invalid flag",
-        "not done yet: refused, not ignored"
-    );
+    // The recache token, as memcached 1.6.18 hands it out: N creates a missing item and
+    // wins; later readers see Z; R wins below its time to live; md I marks the item stale
+    // (X) and gives the token to its next reader; a stale ms (I, an older CAS) stores
+    // but stays stale.
+    assert_eq!(mc.line("mg nk N30 s t v"), "VA 0 s0 t30 W");
+    assert_eq!(mc.read_line(), "");
+    assert_eq!(mc.line("mg nk N30 s"), "HD s0 Z");
+    assert_eq!(mc.line("mg tk R30"), "HD", "no expiry: R never wins");
+    mc.send(b"ms rk 1 T20\r\nr\r\n");
+    assert_eq!(mc.read_line(), "HD");
+    assert_eq!(mc.line("mg rk R10"), "HD");
+    assert_eq!(mc.line("mg rk R30"), "HD W");
+    assert_eq!(mc.line("mg rk R30"), "HD Z");
+    assert_eq!(mc.line("md rk I T90"), "HD");
+    assert_eq!(mc.line("mg rk t"), "HD t90 X W");
+    assert_eq!(mc.line("mg rk"), "HD Z X");
+    mc.send(b"ms rk 1 C1 I\r\ns\r\n");
+    assert_eq!(mc.read_line(), "HD");
+    assert_eq!(mc.line("mg rk v t"), "VA 1 t90 Z X");
+    assert_eq!(mc.read_line(), "s");
+    mc.send(b"ms rk 1\r\nn\r\n");
+    assert_eq!(mc.read_line(), "HD");
+    assert_eq!(mc.line("mg rk v"), "VA 1");
+    assert_eq!(mc.read_line(), "n");
     let _ = child.kill();
     let _ = child.wait();
 }

@@ -45,7 +45,19 @@ pub struct Item {
     /// Stored by a meta command with a base64 key (`b`): memcached's ITEM_KEY_BINARY,
     /// which makes `mg k` and `me` show the key base64-encoded.
     pub key_binary: bool,
+    /// Marked stale by `md … I` or a stale `ms … I` (memcached's ITEM_STALE): `mg` shows
+    /// `X`, and hands the next reader the recache token.
+    pub stale: bool,
+    /// A reader was handed the recache token (`W`; memcached's ITEM_TOKEN_SENT): later
+    /// readers see `Z` until the item is replaced.
+    pub token_sent: bool,
 }
+
+/// Bits of the trailing marks byte of an [`Item`], written only when one is set so that
+/// plain items keep their CRCs and format (a byte of 1 is the older key flag).
+const MARK_KEY_BINARY: u8 = 1;
+const MARK_STALE: u8 = 2;
+const MARK_TOKEN_SENT: u8 = 4;
 
 impl Item {
     /// Bytes charged against the memory limit.
@@ -62,24 +74,33 @@ impl Protected for Item {
         p.u64(self.exptime_ms);
         p.u64(self.cas);
         p.u64(self.stored_ms);
-        // Only when set, so that items without it keep their CRCs and format.
-        if self.key_binary {
-            p.u8(1);
+        let marks = (self.key_binary as u8 * MARK_KEY_BINARY)
+            | (self.stale as u8 * MARK_STALE)
+            | (self.token_sent as u8 * MARK_TOKEN_SENT);
+        if marks != 0 {
+            p.u8(marks);
         }
     }
     fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
+        let (key, value) = (u.bytes()?.to_vec(), u.bytes()?.to_vec());
+        let (flags, exptime_ms, cas, stored_ms) = (u.u32()?, u.u64()?, u.u64()?, u.u64()?);
+        let marks = match u.is_empty() {
+            true => 0,
+            false => u.u8()?,
+        };
+        if marks & !(MARK_KEY_BINARY | MARK_STALE | MARK_TOKEN_SENT) != 0 {
+            return Err(UnpackError("bad item marks"));
+        }
         Ok(Item {
-            key: u.bytes()?.to_vec(),
-            value: u.bytes()?.to_vec(),
-            flags: u.u32()?,
-            exptime_ms: u.u64()?,
-            cas: u.u64()?,
-            stored_ms: u.u64()?,
-            key_binary: match u.is_empty() {
-                true => false,
-                false if u.u8()? == 1 => true,
-                false => return Err(UnpackError("bad key flag")),
-            },
+            key,
+            value,
+            flags,
+            exptime_ms,
+            cas,
+            stored_ms,
+            key_binary: marks & MARK_KEY_BINARY != 0,
+            stale: marks & MARK_STALE != 0,
+            token_sent: marks & MARK_TOKEN_SENT != 0,
         })
     }
 }
@@ -265,5 +286,41 @@ impl Protected for Globals {
             lru_tail: u.u32()?,
             memlimit: if u.is_empty() { 0 } else { u.u64()? },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockstep_guard::Packer;
+
+    fn item(key_binary: bool, stale: bool, token_sent: bool) -> Item {
+        Item {
+            key: b"k".to_vec(),
+            value: b"v".to_vec(),
+            flags: 1,
+            exptime_ms: 2,
+            cas: 3,
+            stored_ms: 4,
+            key_binary,
+            stale,
+            token_sent,
+        }
+    }
+
+    #[test]
+    fn item_marks_round_trip_and_a_plain_item_packs_without_them() {
+        let mut plain = Packer::default();
+        item(false, false, false).pack(&mut plain);
+        for marks in 0..8u8 {
+            let it = item(marks & 1 != 0, marks & 2 != 0, marks & 4 != 0);
+            let mut p = Packer::default();
+            it.pack(&mut p);
+            assert_eq!(p.buf.len(), plain.buf.len() + usize::from(marks != 0));
+            assert_eq!(Item::unpack(&mut Unpacker::new(&p.buf)).unwrap(), it);
+        }
+        let mut bad = plain.buf.clone();
+        bad.push(8);
+        assert!(Item::unpack(&mut Unpacker::new(&bad)).is_err());
     }
 }

@@ -67,6 +67,7 @@ fn err(reply: &str, consumed: usize) -> Parsed {
 }
 
 const BAD_FORMAT: &str = "CLIENT_ERROR bad command line format";
+const BAD_TOKEN: &str = "CLIENT_ERROR bad token in command line format";
 const TOO_LARGE: &str = "SERVER_ERROR object too large for cache";
 
 /// What memcached adds to a value to make an item (64-bit build, CAS on): the item header
@@ -363,13 +364,6 @@ fn meta_flag_known(c: u8) -> bool {
     b"bcfhklOqstuvCDFIJLMNPRT".contains(&c)
 }
 
-/// Known flags that would change the reply and are not done here yet: refused (see
-/// docs/kv.md) rather than ignored. `append`: an ms in append or prepend mode, where `N`
-/// creates a missing item.
-fn meta_flag_missing(kind: u8, c: u8, append: bool) -> bool {
-    (kind == b'g' && b"RN".contains(&c)) || (kind == b's' && c == b'N' && append)
-}
-
 /// `me`: memcached reads only the key and, if the next token is exactly `b`, decodes the
 /// key as base64 (a key that does not decode is a bad command line); every other token
 /// is ignored.
@@ -425,70 +419,66 @@ fn meta(kind: u8, args: &[&[u8]], buf: &[u8], line_len: usize, item_max: usize) 
         swallow: len.map_or(0, |l| l + 2),
         close: false,
     };
-    let invalid = if kind == b'a' || kind == b'd' {
-        "CLIENT_ERROR invalid or duplicate flag"
-    } else {
-        "CLIENT_ERROR invalid flag"
+    // memcached's flag pre-parse, token by token: a repeated or unknown letter stops it
+    // at once; a bad number, M token or base64 key marks an error and goes on, and the
+    // last such message wins (`F` leaves the message as it was). md and ma answer every
+    // pre-parse failure with one message.
+    let preparse_failed = |message: Option<&str>| {
+        let reply = match kind {
+            b'a' | b'd' => "CLIENT_ERROR invalid or duplicate flag",
+            _ => message.unwrap_or(BAD_FORMAT),
+        };
+        err(reply, line_len)
     };
-    // As memcached, token by token: an unknown letter, a duplicate, a bad number or mode;
-    // then an over-long opaque, and the flags not done here.
-    let mut seen = Vec::new();
+    let mut seen = [false; 128];
+    let mut failed = false;
+    let mut message = None;
+    let mut decoded = None;
     for f in flags {
         let (c, arg) = (f[0], &f[1..]);
-        if !meta_flag_known(c) {
-            return err(invalid, line_len);
+        if c >= 127 || seen[c as usize] {
+            return preparse_failed(Some("CLIENT_ERROR duplicate flag"));
         }
-        if seen.contains(&c) {
-            return err(
-                if kind == b'a' || kind == b'd' {
-                    invalid
-                } else {
-                    "CLIENT_ERROR duplicate flag"
-                },
-                line_len,
-            );
-        }
-        seen.push(c);
-        match c {
-            b'T' | b'N' | b'R' if c_long(arg).is_none() => return err(BAD_FORMAT, line_len),
-            b'F' | b'C' | b'E' if c_ulong(arg).is_none() => return err(BAD_FORMAT, line_len),
-            b'M' if kind == b's'
-                && !matches!(
-                    arg,
-                    [b'E' | b'e' | b'A' | b'a' | b'P' | b'p' | b'R' | b'r' | b'S' | b's']
-                ) =>
-            {
-                return err("CLIENT_ERROR invalid mode for ms M token", line_len)
-            }
-            b'J' | b'D' if kind == b'a' && c_ulong(arg).is_none() => return err(invalid, line_len),
-            b'M' if kind == b'a' && !matches!(arg, [b'I' | b'i' | b'+' | b'D' | b'd' | b'-']) => {
-                return err(invalid, line_len)
-            }
-            _ => {}
-        }
-    }
-    if flags.iter().any(|f| f[0] == b'O' && f.len() > 33) {
-        return err("CLIENT_ERROR opaque token too long", line_len);
-    }
-    let append = flags.iter().any(|f| matches!(f[..], [b'M', b'A' | b'a' | b'P' | b'p']));
-    if flags.iter().any(|f| meta_flag_missing(kind, f[0], append)) {
-        return err(invalid, line_len);
-    }
-    // `b`: the key token is base64 (memcached's lenient decoder); the store sees the
-    // decoded key, and replies show it encoded again, as memcached's do.
-    let binary = flags.iter().any(|f| f[0] == b'b');
-    let decoded;
-    let key = if binary {
-        decoded = match base64_decode(key) {
-            Some(k) => k,
-            // (md and ma report it as a bad flag, as memcached does.)
-            None if kind == b'a' || kind == b'd' => return err(invalid, line_len),
-            None => return err("CLIENT_ERROR error decoding key", line_len),
+        seen[c as usize] = true;
+        let problem = match c {
+            _ if !meta_flag_known(c) => return preparse_failed(Some("CLIENT_ERROR invalid flag")),
+            // `b`: the key token is base64 (memcached's lenient decoder); the store sees
+            // the decoded key, and replies show it encoded again, as memcached's do.
+            b'b' => match base64_decode(key) {
+                Some(k) => {
+                    decoded = Some(k);
+                    None
+                }
+                None => Some(Some("CLIENT_ERROR error decoding key")),
+            },
+            b'T' | b'N' | b'R' if c_long(arg).is_none() => Some(Some(BAD_TOKEN)),
+            b'C' if c_ulong(arg).is_none() => Some(Some(BAD_TOKEN)),
+            b'F' if c_ulong(arg).is_none() => Some(None),
+            b'M' if arg.len() != 1 => Some(Some("CLIENT_ERROR incorrect length for M token")),
+            b'J' if c_ulong(arg).is_none() => Some(Some("CLIENT_ERROR invalid numeric initial value")),
+            b'D' if c_ulong(arg).is_none() => Some(Some("CLIENT_ERROR invalid numeric delta value")),
+            _ => None,
         };
-        &decoded[..]
-    } else {
-        key
-    };
+        if let Some(m) = problem {
+            failed = true;
+            message = m.or(message);
+        }
+    }
+    if failed {
+        return preparse_failed(message);
+    }
+    let mode = flags.iter().find(|f| f[0] == b'M').map(|f| f[1]);
+    // Then the mode of ms and ma, and an opaque over 32 bytes.
+    let opaque_too_long = flags.iter().any(|f| f[0] == b'O' && f.len() > 33);
+    match (kind, mode) {
+        (b's', Some(m)) if !b"EeAaPpRrSs".contains(&m) => {
+            return err("CLIENT_ERROR invalid mode for ms M token", line_len)
+        }
+        (b'a', Some(m)) if !b"Ii+Dd-".contains(&m) => return err("CLIENT_ERROR invalid mode for ma M token", line_len),
+        _ if opaque_too_long => return err("CLIENT_ERROR opaque token too long", line_len),
+        _ => {}
+    }
+    let key = decoded.as_deref().unwrap_or(key);
     let flags: Vec<Vec<u8>> = flags.iter().map(|f| f.to_vec()).collect();
     let noreply = false; // meta commands answer through their flags (q), at apply time
     let Some(len) = len else {

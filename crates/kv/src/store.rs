@@ -148,7 +148,7 @@ impl Store {
                 data,
                 cas,
             } => {
-                let reply = self.store(*op, key, *flags, *exptime, data, *cas, false, now, d)?;
+                let reply = self.store(*op, key, *flags, *exptime, data, *cas, MetaStore::default(), now, d)?;
                 out.extend_from_slice(reply);
             }
             Command::Delete { key } => match self.lookup(key, now, d)? {
@@ -222,13 +222,16 @@ impl Store {
         exptime: i64,
         data: &[u8],
         cas_in: u64,
-        key_binary: bool,
+        how: MetaStore,
         now: u64,
         d: &mut Delta,
     ) -> R<&'static [u8]> {
         // As memcached: an append or prepend makes a new item that does not keep the flag.
-        let key_binary = key_binary && !matches!(op, StoreOp::Append | StoreOp::Prepend);
+        let key_binary = how.key_binary && !matches!(op, StoreOp::Append | StoreOp::Prepend);
         let existing = self.lookup(key, now, d)?;
+        // `ms … I` with a CAS older than the item's: stored, but marked stale, keeping the
+        // item's time to live and recache token (memcached's CAS_STALE).
+        let mut stale_from = None;
         let exp = absolute_exptime(exptime, now);
         match (op, existing) {
             (StoreOp::Add, Some(slot)) => {
@@ -237,7 +240,13 @@ impl Store {
             }
             (StoreOp::Replace | StoreOp::Append | StoreOp::Prepend, None) => return Ok(b"NOT_STORED\r\n"),
             (StoreOp::Cas, None) => return Ok(b"NOT_FOUND\r\n"),
-            (StoreOp::Cas, Some(slot)) if self.item(slot, d)?.cas != cas_in => return Ok(b"EXISTS\r\n"),
+            (StoreOp::Cas, Some(slot)) if self.item(slot, d)?.cas != cas_in => {
+                let old = self.item(slot, d)?;
+                if !(how.set_stale && cas_in != 0 && cas_in < old.cas) {
+                    return Ok(b"EXISTS\r\n");
+                }
+                stale_from = Some((old.exptime_ms, old.token_sent));
+            }
             _ => {}
         }
         if let Some(slot) = existing {
@@ -269,7 +278,12 @@ impl Store {
                     }
                     it.cas = cas;
                     it.stored_ms = stored_ms;
+                    // A store makes a new item in memcached: no marks but the key's.
                     it.key_binary = key_binary;
+                    (it.stale, it.token_sent) = (false, false);
+                    if let Some((exptime_ms, token_sent)) = stale_from {
+                        (it.exptime_ms, it.stale, it.token_sent) = (exptime_ms, true, token_sent);
+                    }
                     old
                 };
                 self.account(old_size, slot, d)?;
@@ -285,6 +299,8 @@ impl Store {
                     cas,
                     stored_ms,
                     key_binary,
+                    stale: false,
+                    token_sent: false,
                 };
                 self.link(item, now, d)?;
             }
@@ -316,7 +332,7 @@ impl Store {
             // A longer number does not fit in place: memcached makes a new item, which
             // does not keep a base64 key's flag.
             if value.len() > it.value.len() {
-                it.key_binary = false;
+                (it.key_binary, it.stale, it.token_sent) = (false, false, false);
             }
             it.value = value;
             it.cas = cas;
@@ -356,7 +372,7 @@ impl Store {
                 Some(s) => Some(store.item(s, d)?),
                 None => None,
             };
-            for f in flags {
+            for (at, f) in flags.iter().enumerate() {
                 let shown = match (f[0], it) {
                     // An mg hit shows the item's key; everything else echoes the request's.
                     (b'k', Some(it)) if before.is_some() => shown_key(&it.key, it.key_binary),
@@ -367,12 +383,11 @@ impl Store {
                     (b'f', Some(it)) => format!("f{}", it.flags).into_bytes(),
                     (b's', Some(it)) => format!("s{}", it.value.len()).into_bytes(),
                     (b't', Some(it)) => {
-                        // memcached handles the flags in order: a `t` ahead of `T` shows
-                        // the time to live from before the update.
-                        let t_first = flags.iter().position(|f| f[0] == b't') < flags.iter().position(|f| f[0] == b'T');
+                        // memcached handles the flags in order: a `t` shows the time to
+                        // live as the `T` or `N` ahead of it left it.
                         let exptime = match before {
-                            Some(b) if t_first && flag(b'T').is_some() => b.exptime_ms,
-                            _ => it.exptime_ms,
+                            Some(b) => b.exptime_after(&flags[..at], now),
+                            None => it.exptime_ms,
                         };
                         format!("t{}", ttl_left(exptime, now)).into_bytes()
                     }
@@ -398,6 +413,17 @@ impl Store {
         };
         match kind {
             b'g' => {
+                // N: a miss creates an empty item (without the base64 mark, as memcached)
+                // whose reader gets the recache token; its time to live comes in flag
+                // order below.
+                let (slot, created) = match slot {
+                    Some(s) => (Some(s), false),
+                    None if flag(b'N').is_some() => {
+                        self.store(StoreOp::Add, key, 0, 0, b"", 0, MetaStore::default(), now, d)?;
+                        (self.lookup(key, now, d)?, true)
+                    }
+                    None => (None, false),
+                };
                 let Some(slot) = slot else {
                     if !quiet {
                         out.extend_from_slice(b"EN");
@@ -409,15 +435,36 @@ impl Store {
                 let before = MgBefore {
                     links: self.links_of(slot, d)?,
                     exptime_ms: self.item(slot, d)?.exptime_ms,
+                    created,
                 };
-                if let Some(ttl) = number(b'T') {
-                    self.item_mut(slot, d)?.exptime_ms = absolute_exptime(ttl as i32 as i64, now);
+                let exptime = before.exptime_after(flags, now);
+                if exptime != before.exptime_ms {
+                    self.item_mut(slot, d)?.exptime_ms = exptime;
+                }
+                // The recache token (memcached's W, Z and X): N on a created item wins;
+                // R wins when the time to live is below its argument and no reader holds
+                // the token; a stale item hands it to its first reader.
+                let it = self.item(slot, d)?;
+                let recache = flags.iter().position(|f| f[0] == b'R').is_some_and(|at| {
+                    let exptime = before.exptime_after(&flags[..at], now);
+                    let below = absolute_exptime(number(b'R').unwrap_or(0) as i32 as i64, now);
+                    !created && exptime != 0 && below != 0 && ttl_left(exptime, now) < ttl_left(below, now)
+                });
+                let (held, stale) = (it.token_sent, it.stale);
+                let won = (created || (recache && !held)) || (stale && !held);
+                if won {
+                    self.item_mut(slot, d)?.token_sent = true;
                 }
                 // u: the read leaves the item where it is in the LRU, and unfetched.
                 if flag(b'u').is_none() {
                     self.bump(slot, now, Fetched::Yes, d)?;
                 }
-                let rest = returned(self, Some(slot), None, Some(&before), d)?;
+                let mut rest = returned(self, Some(slot), None, Some(&before), d)?;
+                for (mark, on) in [(b" Z", held), (b" X", stale), (b" W", won)] {
+                    if on {
+                        rest.extend_from_slice(mark);
+                    }
+                }
                 if flag(b'v').is_some() {
                     let it = self.item(slot, d)?;
                     out.extend_from_slice(format!("VA {}", it.value.len()).as_bytes());
@@ -436,7 +483,8 @@ impl Store {
                     Some(b'E') => StoreOp::Add,
                     Some(b'A') => StoreOp::Append,
                     Some(b'P') => StoreOp::Prepend,
-                    Some(b'R') => StoreOp::Replace,
+                    // As memcached: replace with a CAS token is a CAS.
+                    Some(b'R') if flag(b'C').is_none() => StoreOp::Replace,
                     _ if flag(b'C').is_some() => StoreOp::Cas,
                     _ => StoreOp::Set,
                 };
@@ -444,7 +492,8 @@ impl Store {
                 // when it is missing (memcached: NF; add, append and prepend go on).
                 let cas_failure: &[u8] = match (flag(b'C'), slot) {
                     (Some(_), None) if matches!(op, StoreOp::Replace | StoreOp::Set) => b"NF",
-                    _ if cas_mismatch => b"EX",
+                    // (An add finds the item there whatever its CAS: NS.)
+                    _ if cas_mismatch && op != StoreOp::Add => b"EX",
                     _ => b"",
                 };
                 if !cas_failure.is_empty() && op != StoreOp::Cas {
@@ -456,8 +505,11 @@ impl Store {
                 let item_flags = unsigned(b'F').unwrap_or(0) as u32;
                 let ttl = number(b'T').unwrap_or(0) as i32 as i64;
                 let cas_in = unsigned(b'C').unwrap_or(0);
-                let binary = flag(b'b').is_some();
-                let reply = self.store(op, key, item_flags, ttl, data, cas_in, binary, now, d)?;
+                let how = MetaStore {
+                    key_binary: flag(b'b').is_some(),
+                    set_stale: flag(b'I').is_some(),
+                };
+                let reply = self.store(op, key, item_flags, ttl, data, cas_in, how, now, d)?;
                 let code: &[u8] = match reply {
                     b"STORED\r\n" => b"HD",
                     b"EXISTS\r\n" => b"EX",
@@ -482,7 +534,19 @@ impl Store {
                     None => b"NF",
                     Some(_) if cas_mismatch => b"EX",
                     Some(s) => {
-                        self.unlink(s, d)?;
+                        if flag(b'I').is_some() {
+                            // I: invalidate rather than delete. The item stays, stale, with
+                            // a new CAS (and T's time to live), and its next reader gets
+                            // the recache token.
+                            let cas = self.next_cas(d)?;
+                            let mut it = self.item_mut(s, d)?;
+                            (it.stale, it.token_sent, it.cas) = (true, false, cas);
+                            if let Some(ttl) = number(b'T') {
+                                it.exptime_ms = absolute_exptime(ttl as i32 as i64, now);
+                            }
+                        } else {
+                            self.unlink(s, d)?;
+                        }
                         if quiet {
                             return Ok(());
                         }
@@ -514,7 +578,8 @@ impl Store {
                         // Autovivify: create the counter with J (default 0).
                         Some(ttl) => {
                             let initial = unsigned(b'J').unwrap_or(0).to_string().into_bytes();
-                            self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, false, now, d)?;
+                            let how = MetaStore::default();
+                            self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, how, now, d)?;
                             match self.lookup(key, now, d)? {
                                 Some(s) => (s, initial),
                                 None => {
@@ -1245,9 +1310,33 @@ enum Fetched {
 
 /// An item as it was before an mg read: `h` and `l` report the links from before the
 /// read, and a `t` ahead of `T` the time to live from before the update.
+/// What a meta store asks beyond a text-protocol one.
+#[derive(Clone, Copy, Default)]
+struct MetaStore {
+    /// `b`: the key came base64-encoded.
+    key_binary: bool,
+    /// `I`: a CAS older than the item's stores a stale value instead of failing.
+    set_stale: bool,
+}
+
 struct MgBefore {
     links: Links,
     exptime_ms: u64,
+    /// Created by this mg's `N`.
+    created: bool,
+}
+
+impl MgBefore {
+    /// The item's expiry once `flags` (an mg's, in order) did their part: `T` sets it,
+    /// and `N` on an item it created.
+    fn exptime_after(&self, flags: &[Vec<u8>], now: u64) -> u64 {
+        let ttl = |f: &[u8]| std::str::from_utf8(&f[1..]).ok()?.parse::<i64>().ok();
+        flags.iter().fold(self.exptime_ms, |exptime, f| match (f[0], ttl(f)) {
+            (b'T', Some(t)) => absolute_exptime(t as i32 as i64, now),
+            (b'N', Some(t)) if self.created => absolute_exptime(t as i32 as i64, now),
+            _ => exptime,
+        })
+    }
 }
 
 /// `k` followed by an item's key as memcached shows it: base64 and a `b` flag when it was
