@@ -4,8 +4,9 @@
 //! `append` never runs twice. The table is derived from the log, so every replica holds the
 //! same one; it travels in snapshots.
 
+use fxhash::FxHashSet;
 use lockstep_guard::{Packer, UnpackError, Unpacker};
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 
 /// (proposing replica, its incarnation, connection, request number on that connection).
 pub type Tag = (u64, u64, u64, u64);
@@ -16,7 +17,8 @@ pub const WINDOW: usize = 1 << 18;
 
 #[derive(Default)]
 pub struct Applied {
-    seen: HashSet<Tag>,
+    /// (Tags are ours, from the log, never a client's: no need for a keyed hash.)
+    seen: FxHashSet<Tag>,
     order: VecDeque<Tag>,
 }
 

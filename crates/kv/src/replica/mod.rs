@@ -175,7 +175,8 @@ struct Inflight {
     arrived: Instant,
     /// When it was last put into a proposal (None: waiting in the batch).
     proposed: Option<Instant>,
-    cmd: Command,
+    /// Kept to propose again (a cluster only: a single replica applies at once).
+    cmd: Option<Command>,
 }
 
 struct Recovery {
@@ -253,7 +254,7 @@ pub struct Replica {
     replies: Vec<Reply>,
     batch: Vec<(u64, u64, Command)>,
     /// Requests from our clients that are not applied yet.
-    inflight: HashMap<(u64, u64), Inflight>,
+    inflight: fxhash::FxHashMap<(u64, u64), Inflight>,
     /// Tags of applied requests, so that a re-proposed request runs once.
     applied_tags: Applied,
     raft: Option<RaftPart>,
@@ -600,7 +601,7 @@ impl Replica {
             events,
             replies: Vec::new(),
             batch: Vec::new(),
-            inflight: HashMap::new(),
+            inflight: Default::default(),
             applied_tags,
             raft,
             validator,
@@ -736,7 +737,7 @@ impl Replica {
                     Inflight {
                         arrived: Instant::now(),
                         proposed: None,
-                        cmd: cmd.clone(),
+                        cmd: self.raft.is_some().then(|| cmd.clone()),
                     },
                 );
                 self.batch.push((conn, seq, cmd));
@@ -839,7 +840,8 @@ impl Replica {
             let conn = u.u64()?;
             let seq = u.u64()?;
             let cmd = Command::decode(u)?;
-            if !self.applied_tags.first_time((origin, incarnation, conn, seq)) {
+            // (A single replica proposes nothing twice: no table to keep.)
+            if self.raft.is_some() && !self.applied_tags.first_time((origin, incarnation, conn, seq)) {
                 continue;
             }
             self.delta.clear();
@@ -1119,7 +1121,8 @@ impl Replica {
         for (&(conn, seq), f) in self.inflight.iter_mut() {
             if f.proposed.is_some_and(|p| now.duration_since(p) > REPROPOSE_AFTER) {
                 f.proposed = None;
-                self.batch.push((conn, seq, f.cmd.clone()));
+                self.batch
+                    .push((conn, seq, f.cmd.clone().expect("a cluster keeps its commands")));
             }
         }
         self.recover_proposed
