@@ -129,6 +129,10 @@ const MSG_AUDIT: u8 = 4;
 
 const NOT_VALIDATED: &[u8] = b"SERVER_ERROR the replicas did not confirm the result in time\r\n";
 const WITHDRAWN: &[u8] = b"SERVER_ERROR this replica is being rebuilt; the request was not acknowledged\r\n";
+/// A reply parked for a speculatively applied entry, when that state is thrown away before
+/// the entry committed: it may have committed elsewhere, or been replaced.
+const UNCONFIRMED: &[u8] =
+    b"SERVER_ERROR outcome unknown: this replica's state was replaced before the request committed\r\n";
 const NO_MAJORITY: &[u8] = b"SERVER_ERROR no majority of replicas agrees on the result; try again later\r\n";
 
 /// A request of ours not applied this long after its proposal is proposed again (its
@@ -1092,6 +1096,16 @@ impl Replica {
             } else {
                 self.parked.push((index, to, reply, at));
             }
+        }
+    }
+
+    /// The speculative state behind the parked replies is gone (a snapshot replaced it, or
+    /// the replica was wiped): a later commit index says nothing about those entries any
+    /// more, so their clients learn that the outcome is unknown rather than a false STORED.
+    pub(super) fn withdraw_parked(&mut self) {
+        for (_, to, _, _) in std::mem::take(&mut self.parked) {
+            self.counters.held_dropped += 1;
+            self.send_reply(to.conn, to.seq, UNCONFIRMED.to_vec());
         }
     }
 

@@ -144,6 +144,7 @@ impl Replica {
             let index = s.get_metadata().index;
             match restore_data(&self.cfg.limits, &s.data) {
                 Ok((store, tags)) => {
+                    self.withdraw_parked();
                     self.store = store;
                     self.applied_tags = tags;
                     self.applied = index;

@@ -174,6 +174,7 @@ impl Replica {
         for (conn, seq) in pending {
             self.send_reply(conn, seq, WITHDRAWN.to_vec());
         }
+        self.withdraw_parked();
         self.batch.clear();
         let old = self.raft.take().expect("replicated");
         let hard = raft::Storage::initial_state(&old.storage)
