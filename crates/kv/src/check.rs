@@ -168,7 +168,7 @@ impl Validator {
     fn entry_check(&mut self, index: u64) -> &mut EntryCheck {
         let n = self.n;
         self.entries.entry(index).or_insert_with(|| EntryCheck {
-            digests: vec![None; n],
+            digests: no_digests(n),
             detail: None,
             executed: Vec::new(),
             released: false,
@@ -590,6 +590,14 @@ pub fn decode_deltas(u: &mut Unpacker<'_>, count: u32) -> Result<Deltas, UnpackE
 /// Our own detail, which we encoded.
 fn decode_detail(count: u32, detail: &[u8]) -> Deltas {
     decode_deltas(&mut Unpacker::new(detail), count).expect("our own detail decodes")
+}
+
+/// `vec![None; n]`, which for an all-zero value is a `calloc`: glibc serves that from
+/// its main allocator, never from the per-thread cache, and one is made per entry.
+fn no_digests(n: usize) -> Vec<Option<u32>> {
+    let mut d = Vec::with_capacity(n);
+    d.resize(n, None);
+    d
 }
 
 #[cfg(test)]
