@@ -96,9 +96,11 @@ impl Replica {
                 snapshot = Some(s);
             }
             to_apply.extend(rd.take_committed_entries());
+            // (Raft keeps its own account of what this Ready held: its entries are ours.)
+            let entries = rd.take_entries();
             // What we applied was committed, so no leader may replace it: an entry at an
             // applied index means that reasoning failed, and serving on would diverge.
-            if let Some(e) = rd.entries().first().filter(|e| e.index <= self.applied) {
+            if let Some(e) = entries.first().filter(|e| e.index <= self.applied) {
                 let why = format!(
                     "the leader replaces entry {} (term {}), which this replica already applied (up to {})",
                     e.index, e.term, self.applied
@@ -107,21 +109,24 @@ impl Replica {
                 return Err(lockstep_core::exit::DETECTED);
             }
             let r = self.raft.as_mut().unwrap();
-            if let Err(e) = r.storage.append(rd.entries()) {
+            if let Err(e) = r.storage.append(&entries) {
                 return Err(self.fatal_io("append to the log", e));
             }
+            // The entries of the current term, applied before the commit: a speculating
+            // leader's own, or a follower's from its leader (never both).
+            let term = r.node.raft.term;
+            let ahead: Vec<Entry> = match speculate || early_ok {
+                true => entries.into_iter().filter(|e| e.term == term).collect(),
+                false => Vec::new(),
+            };
             if speculate {
                 // Our CHECKs for our new entries go ahead of the entries themselves.
-                let term = self.raft.as_ref().unwrap().node.raft.term;
-                let mine: Vec<Entry> = rd.entries().iter().filter(|e| e.term == term).cloned().collect();
-                self.apply_early(mine, false)?;
+                self.apply_early(ahead, false)?;
+            } else {
+                early = ahead;
             }
             let r = self.raft.as_mut().unwrap();
             send_all(&mut r.peers, messages);
-            if early_ok {
-                let term = r.node.raft.term;
-                early.extend(rd.entries().iter().filter(|e| e.term == term).cloned());
-            }
             if let Some(hs) = rd.hs() {
                 let r = self.raft.as_mut().unwrap();
                 if let Err(e) = r.storage.set_hard_state(hs) {
