@@ -52,7 +52,7 @@ impl<T: Protected> Guarded<T> {
 
     /// Verify and record. Corruption is recorded too, so that the cross-check names it.
     pub fn read(&self, delta: &mut Delta) -> Result<&T, Corrupt> {
-        if !delta.checking() {
+        if self.checked_already(delta) {
             return Ok(&self.value);
         }
         self.check(delta)?;
@@ -63,21 +63,22 @@ impl<T: Protected> Guarded<T> {
     /// Verify, then hand out a mutable view that recomputes the CRC and records it when
     /// dropped (the paper's check()/update() pair around a method call).
     pub fn write<'a>(&'a mut self, delta: &'a mut Delta) -> Result<GuardMut<'a, T>, Corrupt> {
-        if delta.checking() {
+        if !self.checked_already(delta) {
             self.check(delta)?;
         }
         Ok(GuardMut { obj: self, delta })
     }
 
+    /// No check is due: the baseline checks nothing, and an object this request already
+    /// verified or wrote, whose stored CRC is still the one recorded then (and so already
+    /// in the delta), is not hashed again. A flip since then is no worse than one during
+    /// the access: it reaches the delta through a later write's CRC or through the reply,
+    /// where the cross-check sees it, or the next request's first access finds it.
+    fn checked_already(&self, delta: &Delta) -> bool {
+        !delta.checking() || delta.vouches(self.id, self.crc)
+    }
+
     fn check(&self, delta: &mut Delta) -> Result<(), Corrupt> {
-        // An object this request already verified or wrote, whose stored CRC is still the
-        // one recorded then, is not hashed again. A flip since then is no worse than one
-        // during the access: it reaches the delta through a later write's CRC or through
-        // the reply, where the cross-check sees it, or the next request's first access
-        // finds it.
-        if delta.vouches(self.id, self.crc) {
-            return Ok(());
-        }
         if self.value.crc() != self.crc {
             delta.record_corrupt(self.id);
             return Err(Corrupt(self.id));

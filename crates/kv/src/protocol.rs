@@ -356,8 +356,6 @@ fn req(req: Request, consumed: usize) -> Parsed {
     }
 }
 
-/// Whether memcached 1.6.18 knows meta flag `c` for command `kind` (it ignores the known
-/// flags a command does not use, and refuses unknown letters).
 /// The flags memcached 1.6.18 takes on every meta command (each command ignores those
 /// that mean nothing to it); `E`, `S` and `x` are not among them.
 fn meta_flag_known(c: u8) -> bool {

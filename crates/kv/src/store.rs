@@ -240,12 +240,14 @@ impl Store {
             }
             (StoreOp::Replace | StoreOp::Append | StoreOp::Prepend, None) => return Ok(b"NOT_STORED\r\n"),
             (StoreOp::Cas, None) => return Ok(b"NOT_FOUND\r\n"),
-            (StoreOp::Cas, Some(slot)) if self.item(slot, d)?.cas != cas_in => {
+            (StoreOp::Cas, Some(slot)) => {
                 let old = self.item(slot, d)?;
-                if !(how.set_stale && cas_in != 0 && cas_in < old.cas) {
-                    return Ok(b"EXISTS\r\n");
+                if old.cas != cas_in {
+                    if !(how.set_stale && cas_in != 0 && cas_in < old.cas) {
+                        return Ok(b"EXISTS\r\n");
+                    }
+                    stale_from = Some((old.exptime_ms, old.token_sent));
                 }
-                stale_from = Some((old.exptime_ms, old.token_sent));
             }
             _ => {}
         }
@@ -447,11 +449,11 @@ impl Store {
                 let it = self.item(slot, d)?;
                 let recache = flags.iter().position(|f| f[0] == b'R').is_some_and(|at| {
                     let exptime = before.exptime_after(&flags[..at], now);
-                    let below = absolute_exptime(number(b'R').unwrap_or(0) as i32 as i64, now);
+                    let below = meta_exptime(number(b'R').unwrap_or(0), now);
                     !created && exptime != 0 && below != 0 && ttl_left(exptime, now) < ttl_left(below, now)
                 });
                 let (held, stale) = (it.token_sent, it.stale);
-                let won = (created || (recache && !held)) || (stale && !held);
+                let won = created || (!held && (recache || stale));
                 if won {
                     self.item_mut(slot, d)?.token_sent = true;
                 }
@@ -542,7 +544,7 @@ impl Store {
                             let mut it = self.item_mut(s, d)?;
                             (it.stale, it.token_sent, it.cas) = (true, false, cas);
                             if let Some(ttl) = number(b'T') {
-                                it.exptime_ms = absolute_exptime(ttl as i32 as i64, now);
+                                it.exptime_ms = meta_exptime(ttl, now);
                             }
                         } else {
                             self.unlink(s, d)?;
@@ -1295,6 +1297,11 @@ pub fn absolute_exptime(exptime: i64, now_ms: u64) -> u64 {
     }
 }
 
+/// The expiry a meta TTL token (`T`, `N`, `R`) names: memcached keeps it in 32 bits.
+fn meta_exptime(token: i64, now_ms: u64) -> u64 {
+    absolute_exptime(token as i32 as i64, now_ms)
+}
+
 const NON_NUMERIC: &[u8] = b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n";
 
 /// Seconds an item has left, as meta commands report it: -1 if it never expires.
@@ -1332,8 +1339,8 @@ impl MgBefore {
     fn exptime_after(&self, flags: &[Vec<u8>], now: u64) -> u64 {
         let ttl = |f: &[u8]| std::str::from_utf8(&f[1..]).ok()?.parse::<i64>().ok();
         flags.iter().fold(self.exptime_ms, |exptime, f| match (f[0], ttl(f)) {
-            (b'T', Some(t)) => absolute_exptime(t as i32 as i64, now),
-            (b'N', Some(t)) if self.created => absolute_exptime(t as i32 as i64, now),
+            (b'T', Some(t)) => meta_exptime(t, now),
+            (b'N', Some(t)) if self.created => meta_exptime(t, now),
             _ => exptime,
         })
     }

@@ -1190,6 +1190,15 @@ impl Replica {
 /// refused with a clear message instead of misread. 3: the applied-request window.
 const SNAPSHOT_FORMAT: u32 = 3;
 
+/// What `restore_data` reads.
+fn snapshot_bytes(store: &Store, tags: &Applied) -> Vec<u8> {
+    let mut p = Packer::default();
+    p.u32(SNAPSHOT_FORMAT);
+    p.nested(|p| store.snapshot_into(p));
+    tags.encode(&mut p);
+    p.buf
+}
+
 fn restore_data(limits: &Limits, data: &[u8]) -> Result<(Store, Applied), UnpackError> {
     let mut u = Unpacker::new(data);
     if u.u32()? != SNAPSHOT_FORMAT {
@@ -1220,11 +1229,7 @@ impl Replica {
     }
 
     fn snapshot_data(&self) -> Vec<u8> {
-        let mut p = Packer::default();
-        p.u32(SNAPSHOT_FORMAT);
-        p.nested(|p| self.store.snapshot_into(p));
-        self.applied_tags.encode(&mut p);
-        p.buf
+        snapshot_bytes(&self.store, &self.applied_tags)
     }
 }
 
@@ -1235,13 +1240,10 @@ mod tests {
     #[test]
     fn a_snapshot_in_another_format_is_refused_by_name() {
         let limits = Limits::default();
-        let mut p = Packer::default();
-        p.u32(SNAPSHOT_FORMAT);
-        p.nested(|p| Store::new(limits.clone()).snapshot_into(p));
-        Applied::default().encode(&mut p);
-        assert!(restore_data(&limits, &p.buf).is_ok());
-        p.buf[0] ^= 1;
-        let e = restore_data(&limits, &p.buf).err().expect("refused");
+        let mut data = snapshot_bytes(&Store::new(limits.clone()), &Applied::default());
+        assert!(restore_data(&limits, &data).is_ok());
+        data[0] ^= 1;
+        let e = restore_data(&limits, &data).err().expect("refused");
         assert!(e.0.contains("another format"), "{e}");
     }
 }
