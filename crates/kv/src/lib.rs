@@ -1,5 +1,6 @@
 //! `lockstep kv`: a replicated memcached-protocol store that cross-checks state deltas.
 
+pub mod binary;
 pub mod check;
 pub mod command;
 pub mod dedupe;

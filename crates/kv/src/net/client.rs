@@ -8,6 +8,7 @@
 //! slows down instead of growing our buffers. Unparsed input is at most one request.
 
 use super::poll::{Interest, Poller};
+use crate::binary::{self, Frame, Pending};
 use crate::protocol::{parse, Parsed, Request, LINE_MAX};
 use crate::replica::Inbound;
 use std::collections::VecDeque;
@@ -19,9 +20,6 @@ pub const PIPELINE_MAX: usize = 256;
 /// Reply bytes waiting for the client to read them before we stop reading its requests.
 const OUT_MAX: usize = 4 << 20;
 
-/// The first byte of a binary-protocol request.
-const BINARY_MAGIC: u8 = 0x80;
-
 /// The memcached release whose behaviour kv reproduces comes first: clients (memccapable,
 /// libmemcached) read the version to decide what the server supports.
 pub const VERSION: &str = concat!("VERSION 1.6.18-lockstep-", env!("CARGO_PKG_VERSION"), "\r\n");
@@ -31,8 +29,18 @@ enum Slot {
     Await {
         seq: u64,
         noreply: bool,
+        /// A binary-protocol request: what its response is made of besides the reply.
+        binary: Option<Pending>,
         reply: Option<Vec<u8>>,
     },
+}
+
+/// What a connection speaks, decided by its first byte (as memcached does).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Undecided,
+    Text,
+    Binary,
 }
 
 pub struct Client {
@@ -57,6 +65,7 @@ pub struct Client {
     pub dead: bool,
     interest: Interest,
     item_max: usize,
+    protocol: Protocol,
 }
 
 impl Client {
@@ -76,6 +85,7 @@ impl Client {
             dead: false,
             interest: Interest::READ,
             item_max,
+            protocol: Protocol::Undecided,
         }
     }
 
@@ -140,41 +150,67 @@ impl Client {
     /// Parse buffered input while the pipeline has room (what stays is parsed when replies
     /// drain it).
     pub fn parse_input(&mut self, to_replica: &mut Vec<Inbound>) {
-        if self.next_seq == 0 && self.slots.is_empty() && self.input.first() == Some(&BINARY_MAGIC) {
-            // The binary protocol: say so in its own framing, then close.
-            let reply = binary_not_supported(&self.input);
-            self.slots.push_back(Slot::Ready(reply));
-            self.input.clear();
-            self.closing = true;
-            return;
+        if self.protocol == Protocol::Undecided {
+            self.protocol = match self.input.first() {
+                None => return,
+                Some(&binary::REQUEST_MAGIC) => Protocol::Binary,
+                Some(_) => Protocol::Text,
+            };
         }
         let buffer_max = LINE_MAX + self.item_max + 2;
         let mut at = 0;
         while at < self.input.len() && self.may_parse() {
-            let (step, swallow) = match parse(&self.input[at..], self.item_max) {
-                Parsed::Incomplete => {
-                    if self.input.len() - at > buffer_max {
-                        self.slots
-                            .push_back(Slot::Ready(b"CLIENT_ERROR request too large\r\n".to_vec()));
-                        self.closing = true;
+            let (step, swallow) = if self.protocol == Protocol::Binary {
+                match binary::parse(&self.input[at..], self.item_max, binary_version()) {
+                    Frame::Incomplete => break,
+                    Frame::Answer {
+                        reply,
+                        consumed,
+                        swallow,
+                        close,
+                    } => {
+                        if !reply.is_empty() {
+                            self.slots.push_back(Slot::Ready(reply));
+                        }
+                        self.closing |= close;
+                        (consumed, swallow)
                     }
-                    break;
-                }
-                Parsed::Error {
-                    reply,
-                    consumed,
-                    swallow,
-                    close,
-                } => {
-                    if !reply.is_empty() {
-                        self.slots.push_back(Slot::Ready(reply.into_bytes()));
+                    Frame::Request {
+                        req,
+                        pending,
+                        consumed,
+                        swallow,
+                    } => {
+                        self.request(req, Some(pending), to_replica);
+                        (consumed, swallow)
                     }
-                    self.closing |= close;
-                    (consumed, swallow)
                 }
-                Parsed::Request { req, consumed, swallow } => {
-                    self.request(req, to_replica);
-                    (consumed, swallow)
+            } else {
+                match parse(&self.input[at..], self.item_max) {
+                    Parsed::Incomplete => {
+                        if self.input.len() - at > buffer_max {
+                            self.slots
+                                .push_back(Slot::Ready(b"CLIENT_ERROR request too large\r\n".to_vec()));
+                            self.closing = true;
+                        }
+                        break;
+                    }
+                    Parsed::Error {
+                        reply,
+                        consumed,
+                        swallow,
+                        close,
+                    } => {
+                        if !reply.is_empty() {
+                            self.slots.push_back(Slot::Ready(reply.into_bytes()));
+                        }
+                        self.closing |= close;
+                        (consumed, swallow)
+                    }
+                    Parsed::Request { req, consumed, swallow } => {
+                        self.request(req, None, to_replica);
+                        (consumed, swallow)
+                    }
                 }
             };
             at += step;
@@ -193,7 +229,7 @@ impl Client {
         self.release();
     }
 
-    fn request(&mut self, req: Request, to_replica: &mut Vec<Inbound>) {
+    fn request(&mut self, req: Request, binary: Option<Pending>, to_replica: &mut Vec<Inbound>) {
         let (conn, seq) = (self.id, self.next_seq);
         let (msg, noreply) = match req {
             Request::Data { cmd, noreply } => (Inbound::Request { conn, seq, cmd }, noreply),
@@ -229,6 +265,7 @@ impl Client {
         self.slots.push_back(Slot::Await {
             seq,
             noreply,
+            binary,
             reply: None,
         });
         self.awaiting += 1;
@@ -261,11 +298,14 @@ impl Client {
                 Slot::Await {
                     reply: Some(r),
                     noreply,
+                    binary,
                     ..
                 } => {
                     // An empty reply is a quiet one (a meta command's q flag).
-                    if !*noreply {
-                        self.out.extend_from_slice(r);
+                    match binary {
+                        Some(pending) => self.out.extend_from_slice(&binary::respond(pending, r)),
+                        None if !*noreply => self.out.extend_from_slice(r),
+                        None => {}
                     }
                     self.awaiting -= 1;
                 }
@@ -314,16 +354,8 @@ impl Client {
     }
 }
 
-/// A binary-protocol response to the request at the front of `buf`: status 0x0083 ("not
-/// supported"), the request's opcode and opaque echoed, and a message saying why.
-fn binary_not_supported(buf: &[u8]) -> Vec<u8> {
-    let msg = b"lockstep kv speaks the memcached text protocol only";
-    let opcode = buf.get(1).copied().unwrap_or(0);
-    let opaque = buf.get(12..16).unwrap_or(&[0; 4]);
-    let mut r = vec![0x81, opcode, 0, 0, 0, 0, 0x00, 0x83];
-    r.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    r.extend_from_slice(opaque);
-    r.extend_from_slice(&[0; 8]);
-    r.extend_from_slice(msg);
-    r
+/// The version a binary client reads: the text reply's, without "VERSION " and the
+/// line end.
+fn binary_version() -> &'static str {
+    VERSION.trim_start_matches("VERSION ").trim_end()
 }
