@@ -497,10 +497,10 @@ pub fn respond(p: &Pending, reply: &[u8]) -> Vec<u8> {
             b"HD" => ok(returned(line, b'c'), &[], &[], &[]),
             b"EX" => err(status::KEY_EEXISTS),
             b"NF" => err(status::KEY_ENOENT),
-            b"NS" if *cas => err(status::KEY_ENOENT),
-            b"NS" => err(match *loud {
-                op::ADD => status::KEY_EEXISTS,
-                op::REPLACE => status::KEY_ENOENT,
+            // (A compare-and-swap of a missing key is NF; an append's is NS.)
+            b"NS" => err(match (*loud, *cas) {
+                (op::ADD, false) => status::KEY_EEXISTS,
+                (op::REPLACE, false) => status::KEY_ENOENT,
                 _ => status::NOT_STORED,
             }),
             _ => error(p.opcode, p.opaque, status::INTERNAL, Some(line)),

@@ -526,7 +526,13 @@ impl Store {
                     return Ok(());
                 }
                 let slot = if code == b"HD" { self.lookup(key, now, d)? } else { None };
-                let rest = returned(self, slot, Some(0), None, d)?;
+                // Stored with a time to live already past, the item is gone at once; `c`
+                // still shows the CAS it was given, as memcached's does.
+                let given = match (code, slot) {
+                    (b"HD", None) => self.globals.read(d)?.cas,
+                    _ => 0,
+                };
+                let rest = returned(self, slot, Some(given), None, d)?;
                 out.extend_from_slice(code);
                 out.extend_from_slice(&rest);
                 out.extend_from_slice(b"\r\n");
@@ -562,7 +568,15 @@ impl Store {
             b'a' => {
                 let incr = !matches!(flag(b'M').and_then(|m| m.first()), Some(b'D' | b'd' | b'-'));
                 let vivified = slot.is_none();
-                let (slot, value) = match slot {
+                // `given`: the CAS of a counter created with a time to live already past
+                // (gone at once, yet created: memcached answers with its value and CAS).
+                let (slot, value, given) = match slot {
+                    // memcached refuses an empty value as non-numeric before it compares
+                    // the CAS (`do_add_delta`).
+                    Some(s) if cas_mismatch && self.item(s, d)?.value.is_empty() => {
+                        out.extend_from_slice(NON_NUMERIC);
+                        return Ok(());
+                    }
                     Some(_) if cas_mismatch => {
                         out.extend_from_slice(b"EX");
                         out.extend_from_slice(&returned(self, None, None, None, d)?);
@@ -570,7 +584,7 @@ impl Store {
                         return Ok(());
                     }
                     Some(s) => match self.arith(s, incr, unsigned(b'D').unwrap_or(1), d)? {
-                        Some(v) => (s, v),
+                        Some(v) => (Some(s), v, None),
                         None => {
                             out.extend_from_slice(NON_NUMERIC);
                             return Ok(());
@@ -581,9 +595,11 @@ impl Store {
                         Some(ttl) => {
                             let initial = unsigned(b'J').unwrap_or(0).to_string().into_bytes();
                             let how = MetaStore::default();
-                            self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, how, now, d)?;
+                            let stored =
+                                self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, how, now, d)?;
                             match self.lookup(key, now, d)? {
-                                Some(s) => (s, initial),
+                                Some(s) => (Some(s), initial, None),
+                                None if stored == b"STORED\r\n" => (None, initial, Some(self.globals.read(d)?.cas)),
                                 None => {
                                     out.extend_from_slice(b"NS");
                                     out.extend_from_slice(&returned(self, None, None, None, d)?);
@@ -600,7 +616,7 @@ impl Store {
                         }
                     },
                 };
-                let rest = returned(self, Some(slot), None, None, d)?;
+                let rest = returned(self, slot, given, None, d)?;
                 // memcached's q hides a success, except the creation of a counter.
                 if quiet && !vivified {
                     return Ok(());
