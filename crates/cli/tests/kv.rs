@@ -1840,7 +1840,7 @@ impl Streams {
             2 => 0xffff_fff0,
             _ => 0,
         };
-        let quiet = self.next() % 3 == 0;
+        let quiet = self.next().is_multiple_of(3);
         let q = |loud: u8, quiet_op: u8| if quiet { quiet_op } else { loud };
         let mut value = Vec::new();
         let mut extras = Vec::new();
@@ -1864,7 +1864,7 @@ impl Streams {
             8 | 9 => {
                 extras.extend_from_slice(&(self.next() % 1000).to_be_bytes());
                 extras.extend_from_slice(&(self.next() % 50).to_be_bytes());
-                let create = if self.next() % 2 == 0 { u32::MAX } else { exptime };
+                let create = if self.next().is_multiple_of(2) { u32::MAX } else { exptime };
                 extras.extend_from_slice(&create.to_be_bytes());
                 [q(0x05, 0x15), q(0x06, 0x16)][(self.next() % 2) as usize]
             }
