@@ -3,7 +3,7 @@
 # Usage: scripts/deps.sh [test|bench]
 set -euo pipefail
 # protobuf-compiler: raft-rs generates its message types with protoc at build time.
-want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache libmemcached-tools memcached protobuf-compiler git postmark fio)
+want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio)
 if [ "${1:-test}" = bench ]; then
     want+=(redis-server redis-tools xz-utils bc bindfs)
 fi

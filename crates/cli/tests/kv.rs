@@ -313,6 +313,28 @@ fn pymemcache_functional_suite_on_every_replica() {
     c.assert_agree();
 }
 
+/// pylibmc (libmemcached) with `binary=True`: the same script passes against memcached
+/// (so it states memcached's behaviour), a single server and every replica of a cluster.
+#[test]
+fn pylibmc_binary_protocol_on_memcached_single_and_every_replica() {
+    let memcached = Memcached::start();
+    let (mut single, single_port) = single_server(&[]);
+    let c = Cluster::start(3, &[]);
+    let mut ports = vec![memcached.port.to_string(), single_port.to_string()];
+    ports.extend((1..=3).map(|id| c.port(id).to_string()));
+    // Debian's python3 has pylibmc (python3-pylibmc); a pyenv python may not.
+    let out = Command::new("/usr/bin/python3")
+        .arg(fixture_file("kv_pylibmc_binary.py"))
+        .args(&ports)
+        .output()
+        .expect("run /usr/bin/python3");
+    let _ = single.kill();
+    let _ = single.wait();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("ok: 5 ports"), "{text}");
+    c.assert_agree();
+}
+
 /// Every corruption target, at rest (caught by the object's own check) and during an
 /// access (CRC recomputed: only the cross-check sees it), on a follower and the leader.
 #[test]
@@ -773,6 +795,57 @@ const BURST_CONNS: usize = 2000;
 /// 10,000 pipelined requests in one write burst (sets, then gets), and 2,000 connections
 /// open at once with one request each: every reply arrives, in order, with the right
 /// value, and the server is still there afterwards.
+/// `n` quiet sets, then `n` quiet key-gets and a NOOP, pipelined on one binary-protocol
+/// connection: the sets say nothing, every get answers with its key and value, in order.
+fn binary_burst(port: u16, n: usize) {
+    let frame = |opcode: u8, key: &[u8], extras: &[u8], value: &[u8]| {
+        let mut r = vec![0x80, opcode];
+        r.extend_from_slice(&(key.len() as u16).to_be_bytes());
+        r.extend_from_slice(&[extras.len() as u8, 0, 0, 0]);
+        r.extend_from_slice(&((extras.len() + key.len() + value.len()) as u32).to_be_bytes());
+        r.extend_from_slice(&[0; 12]);
+        r.extend_from_slice(extras);
+        r.extend_from_slice(key);
+        r.extend_from_slice(value);
+        r
+    };
+    let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        let mut burst = Vec::new();
+        for i in 0..n {
+            burst.extend(frame(
+                0x11,
+                format!("bin{i}").as_bytes(),
+                &[0; 8],
+                format!("b{i}").as_bytes(),
+            ));
+        }
+        for i in 0..n {
+            burst.extend(frame(0x0d, format!("bin{i}").as_bytes(), &[], &[]));
+        }
+        burst.extend(frame(0x0a, &[], &[], &[]));
+        writer.write_all(&burst).unwrap();
+    });
+    let mut r = BufReader::new(stream);
+    for i in 0..=n {
+        let mut h = [0u8; 24];
+        r.read_exact(&mut h)
+            .unwrap_or_else(|e| panic!("binary response {i}: {e}"));
+        let mut body = vec![0u8; u32::from_be_bytes(h[8..12].try_into().unwrap()) as usize];
+        r.read_exact(&mut body).unwrap();
+        if i == n {
+            assert_eq!((h[1], body.len()), (0x0a, 0), "the NOOP ends the burst");
+            break;
+        }
+        assert_eq!((h[1], h[6], h[7]), (0x0d, 0, 0), "getkq {i}");
+        // Extras (4 bytes of flags), then the key, then the value.
+        assert_eq!(&body[4..], format!("bin{i}b{i}").as_bytes(), "getkq {i}");
+    }
+    sender.join().unwrap();
+}
+
 fn survives_bursts(port: u16) {
     let limit = raise_own_nofile();
     assert!(
@@ -816,6 +889,7 @@ fn survives_bursts(port: u16) {
         }
     }
     sender.join().unwrap();
+    binary_burst(port, N);
 
     let mut conns: Vec<Mc> = (0..BURST_CONNS).map(|_| Mc::connect(port).expect("connect")).collect();
     for (i, c) in conns.iter_mut().enumerate() {
@@ -1864,7 +1938,11 @@ impl Streams {
             8 | 9 => {
                 extras.extend_from_slice(&(self.next() % 1000).to_be_bytes());
                 extras.extend_from_slice(&(self.next() % 50).to_be_bytes());
-                let create = if self.next().is_multiple_of(2) { u32::MAX } else { exptime };
+                let create = if self.next().is_multiple_of(2) {
+                    u32::MAX
+                } else {
+                    exptime
+                };
                 extras.extend_from_slice(&create.to_be_bytes());
                 [q(0x05, 0x15), q(0x06, 0x16)][(self.next() % 2) as usize]
             }

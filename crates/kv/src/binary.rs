@@ -654,6 +654,48 @@ mod tests {
         assert_eq!(status_of(&reply), status::E2BIG);
     }
 
+    /// Random frames (random opcodes, lengths and bytes, cut anywhere): the parser never
+    /// panics, never consumes more than it was given unless it swallows, and a response
+    /// to any reply never panics either.
+    #[test]
+    fn random_frames_never_panic() {
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let key = vec![b'k'; (next() % 300) as usize];
+            let extras = vec![0xAB; (next() % 24) as usize];
+            let value = vec![b'v'; (next() % 64) as usize];
+            let mut r = req((next() % 0x40) as u8, &key, &extras, &value, next() % 3);
+            if next() % 4 == 0 {
+                let at = 4 + (next() % 8) as usize;
+                r[at] = next() as u8;
+            }
+            r.truncate((next() as usize) % (r.len() + 1));
+            match parse(&r, 1024, "v") {
+                Frame::Incomplete => {}
+                Frame::Answer { consumed, .. } => assert!(consumed <= r.len()),
+                Frame::Request { pending, consumed, .. } => {
+                    assert!(consumed <= r.len());
+                    for reply in [
+                        &b"VA 3 f1 c2\r\nabc\r\n"[..],
+                        b"EN\r\n",
+                        b"VA 9\r\n",
+                        b"STAT a\r\n",
+                        b"",
+                        b"HD c",
+                    ] {
+                        let _ = respond(&pending, reply);
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn replies_map_onto_statuses() {
         let get = Pending {
