@@ -169,10 +169,7 @@ impl Client {
                         swallow,
                         close,
                     } => {
-                        if !reply.is_empty() {
-                            self.slots.push_back(Slot::Ready(reply));
-                        }
-                        self.closing |= close;
+                        self.answer(reply, close);
                         (consumed, swallow)
                     }
                     Frame::Request {
@@ -201,10 +198,7 @@ impl Client {
                         swallow,
                         close,
                     } => {
-                        if !reply.is_empty() {
-                            self.slots.push_back(Slot::Ready(reply.into_bytes()));
-                        }
-                        self.closing |= close;
+                        self.answer(reply.into_bytes(), close);
                         (consumed, swallow)
                     }
                     Parsed::Request { req, consumed, swallow } => {
@@ -227,6 +221,15 @@ impl Client {
             self.input.clear();
         }
         self.release();
+    }
+
+    /// A reply the connection gives itself (nothing if empty), in request order; `close`
+    /// ends the connection once it is written.
+    fn answer(&mut self, reply: Vec<u8>, close: bool) {
+        if !reply.is_empty() {
+            self.slots.push_back(Slot::Ready(reply));
+        }
+        self.closing |= close;
     }
 
     fn request(&mut self, req: Request, binary: Option<Pending>, to_replica: &mut Vec<Inbound>) {
