@@ -798,17 +798,7 @@ const BURST_CONNS: usize = 2000;
 /// `n` quiet sets, then `n` quiet key-gets and a NOOP, pipelined on one binary-protocol
 /// connection: the sets say nothing, every get answers with its key and value, in order.
 fn binary_burst(port: u16, n: usize) {
-    let frame = |opcode: u8, key: &[u8], extras: &[u8], value: &[u8]| {
-        let mut r = vec![0x80, opcode];
-        r.extend_from_slice(&(key.len() as u16).to_be_bytes());
-        r.extend_from_slice(&[extras.len() as u8, 0, 0, 0]);
-        r.extend_from_slice(&((extras.len() + key.len() + value.len()) as u32).to_be_bytes());
-        r.extend_from_slice(&[0; 12]);
-        r.extend_from_slice(extras);
-        r.extend_from_slice(key);
-        r.extend_from_slice(value);
-        r
-    };
+    let frame = |opcode: u8, key: &[u8], extras: &[u8], value: &[u8]| binary_frame(opcode, key, extras, value, 0, 0);
     let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let mut writer = stream.try_clone().unwrap();
@@ -2009,18 +1999,9 @@ impl BinDiffer {
                 BinCas::Own => self.cas.get(&r.key).copied().unwrap_or(424242),
                 BinCas::Bogus => 424242,
             };
-            bytes.extend_from_slice(&[0x80, r.opcode]);
-            bytes.extend_from_slice(&(r.key.len() as u16).to_be_bytes());
-            bytes.extend_from_slice(&[r.extras.len() as u8, 0, 0, 0]);
-            bytes.extend_from_slice(&((r.extras.len() + r.key.len() + r.value.len()) as u32).to_be_bytes());
-            bytes.extend_from_slice(&(i as u32).to_be_bytes());
-            bytes.extend_from_slice(&cas.to_be_bytes());
-            bytes.extend_from_slice(&r.extras);
-            bytes.extend_from_slice(&r.key);
-            bytes.extend_from_slice(&r.value);
+            bytes.extend(binary_frame(r.opcode, &r.key, &r.extras, &r.value, i as u32, cas));
         }
-        bytes.extend_from_slice(&[0x80, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]);
-        bytes.extend_from_slice(&[0; 8]);
+        bytes.extend(binary_frame(0x0a, &[], &[], &[], u32::MAX, 0));
         self.stream.write_all(&bytes).unwrap();
         let mut out = String::new();
         loop {
@@ -2113,10 +2094,10 @@ fn binary_replies_match_memcached() {
     // On a binary connection, a frame without the request magic closes it without a
     // word (here after a NOOP's answer), and a key over 250 bytes is refused and closes
     // it, as in memcached.
-    let mut bad_magic = vec![0x80, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
-    bad_magic.extend_from_slice(&[0; 8]);
+    let mut bad_magic = binary_frame(0x0a, &[], &[], &[], 0, 0);
     bad_magic.extend_from_slice(&[0x81; 24]);
-    for (bad, status) in [(bad_magic, Some(0u16)), (long_key_get(), Some(0x0004u16))] {
+    let long_key_get = binary_frame(0x00, &[b'k'; 300], &[], &[], 0, 0);
+    for (bad, status) in [(bad_magic, Some(0u16)), (long_key_get, Some(0x0004u16))] {
         let replies: Vec<(Option<u16>, bool)> = ports
             .iter()
             .map(|&p| {
@@ -2136,10 +2117,17 @@ fn binary_replies_match_memcached() {
     let _ = single.wait();
 }
 
-fn long_key_get() -> Vec<u8> {
-    let mut r = vec![0x80, 0x00, 0x01, 0x2c, 0, 0, 0, 0, 0, 0, 0x01, 0x2c];
-    r.extend_from_slice(&[0; 12]);
-    r.extend_from_slice(&[b'k'; 300]);
+/// A binary-protocol request frame.
+fn binary_frame(opcode: u8, key: &[u8], extras: &[u8], value: &[u8], opaque: u32, cas: u64) -> Vec<u8> {
+    let mut r = vec![0x80, opcode];
+    r.extend_from_slice(&(key.len() as u16).to_be_bytes());
+    r.extend_from_slice(&[extras.len() as u8, 0, 0, 0]);
+    r.extend_from_slice(&((extras.len() + key.len() + value.len()) as u32).to_be_bytes());
+    r.extend_from_slice(&opaque.to_be_bytes());
+    r.extend_from_slice(&cas.to_be_bytes());
+    r.extend_from_slice(extras);
+    r.extend_from_slice(key);
+    r.extend_from_slice(value);
     r
 }
 

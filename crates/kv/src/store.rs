@@ -525,14 +525,11 @@ impl Store {
                 if code == b"HD" && quiet {
                     return Ok(());
                 }
-                let slot = if code == b"HD" { self.lookup(key, now, d)? } else { None };
-                // Stored with a time to live already past, the item is gone at once; `c`
-                // still shows the CAS it was given, as memcached's does.
-                let given = match (code, slot) {
-                    (b"HD", None) => self.globals.read(d)?.cas,
-                    _ => 0,
+                let (slot, given) = match code {
+                    b"HD" => self.stored_item(key, now, d)?,
+                    _ => (None, None),
                 };
-                let rest = returned(self, slot, Some(given), None, d)?;
+                let rest = returned(self, slot, Some(given.unwrap_or(0)), None, d)?;
                 out.extend_from_slice(code);
                 out.extend_from_slice(&rest);
                 out.extend_from_slice(b"\r\n");
@@ -569,7 +566,7 @@ impl Store {
                 let incr = !matches!(flag(b'M').and_then(|m| m.first()), Some(b'D' | b'd' | b'-'));
                 let vivified = slot.is_none();
                 // `given`: the CAS of a counter created with a time to live already past
-                // (gone at once, yet created: memcached answers with its value and CAS).
+                // (see `stored_item`).
                 let (slot, value, given) = match slot {
                     // memcached refuses an empty value as non-numeric before it compares
                     // the CAS (`do_add_delta`).
@@ -597,16 +594,14 @@ impl Store {
                             let how = MetaStore::default();
                             let stored =
                                 self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, how, now, d)?;
-                            match self.lookup(key, now, d)? {
-                                Some(s) => (Some(s), initial, None),
-                                None if stored == b"STORED\r\n" => (None, initial, Some(self.globals.read(d)?.cas)),
-                                None => {
-                                    out.extend_from_slice(b"NS");
-                                    out.extend_from_slice(&returned(self, None, None, None, d)?);
-                                    out.extend_from_slice(b"\r\n");
-                                    return Ok(());
-                                }
+                            if stored != b"STORED\r\n" {
+                                out.extend_from_slice(b"NS");
+                                out.extend_from_slice(&returned(self, None, None, None, d)?);
+                                out.extend_from_slice(b"\r\n");
+                                return Ok(());
                             }
+                            let (slot, given) = self.stored_item(key, now, d)?;
+                            (slot, initial, given)
                         }
                         None => {
                             out.extend_from_slice(b"NF");
@@ -697,6 +692,16 @@ impl Store {
     fn dangling(&self, id: ObjectId, d: &mut Delta) -> Corrupt {
         d.record_corrupt(id);
         Corrupt(id)
+    }
+
+    /// Where a store that answered STORED left its item: its slot, or, when its time to
+    /// live had already passed (the item is gone at once), the CAS it was given, which
+    /// memcached's meta replies still show.
+    fn stored_item(&mut self, key: &[u8], now: u64, d: &mut Delta) -> R<(Option<u32>, Option<u64>)> {
+        Ok(match self.lookup(key, now, d)? {
+            Some(slot) => (Some(slot), None),
+            None => (None, Some(self.globals.read(d)?.cas)),
+        })
     }
 
     /// The slot of a live item with this key; expired and flushed items are unlinked here

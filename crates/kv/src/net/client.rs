@@ -157,56 +157,13 @@ impl Client {
                 Some(_) => Protocol::Text,
             };
         }
-        let buffer_max = LINE_MAX + self.item_max + 2;
         let mut at = 0;
         while at < self.input.len() && self.may_parse() {
-            let (step, swallow) = if self.protocol == Protocol::Binary {
-                match binary::parse(&self.input[at..], self.item_max, binary_version()) {
-                    Frame::Incomplete => break,
-                    Frame::Answer {
-                        reply,
-                        consumed,
-                        swallow,
-                        close,
-                    } => {
-                        self.answer(reply, close);
-                        (consumed, swallow)
-                    }
-                    Frame::Request {
-                        req,
-                        pending,
-                        consumed,
-                        swallow,
-                    } => {
-                        self.request(req, Some(pending), to_replica);
-                        (consumed, swallow)
-                    }
-                }
-            } else {
-                match parse(&self.input[at..], self.item_max) {
-                    Parsed::Incomplete => {
-                        if self.input.len() - at > buffer_max {
-                            self.slots
-                                .push_back(Slot::Ready(b"CLIENT_ERROR request too large\r\n".to_vec()));
-                            self.closing = true;
-                        }
-                        break;
-                    }
-                    Parsed::Error {
-                        reply,
-                        consumed,
-                        swallow,
-                        close,
-                    } => {
-                        self.answer(reply.into_bytes(), close);
-                        (consumed, swallow)
-                    }
-                    Parsed::Request { req, consumed, swallow } => {
-                        self.request(req, None, to_replica);
-                        (consumed, swallow)
-                    }
-                }
+            let next = match self.protocol {
+                Protocol::Binary => self.next_binary(at, to_replica),
+                _ => self.next_text(at, to_replica),
             };
+            let Some((step, swallow)) = next else { break };
             at += step;
             // What is already here of a swallowed block goes now, the rest as it comes.
             let here = swallow.min(self.input.len() - at);
@@ -221,6 +178,57 @@ impl Client {
             self.input.clear();
         }
         self.release();
+    }
+
+    /// Parse one text request at `at`: the bytes it took and the bytes to discard after
+    /// it, or None when more input is needed.
+    fn next_text(&mut self, at: usize, to_replica: &mut Vec<Inbound>) -> Option<(usize, usize)> {
+        match parse(&self.input[at..], self.item_max) {
+            Parsed::Incomplete => {
+                if self.input.len() - at > LINE_MAX + self.item_max + 2 {
+                    self.answer(b"CLIENT_ERROR request too large\r\n".to_vec(), true);
+                }
+                None
+            }
+            Parsed::Error {
+                reply,
+                consumed,
+                swallow,
+                close,
+            } => {
+                self.answer(reply.into_bytes(), close);
+                Some((consumed, swallow))
+            }
+            Parsed::Request { req, consumed, swallow } => {
+                self.request(req, None, to_replica);
+                Some((consumed, swallow))
+            }
+        }
+    }
+
+    /// [`Client::next_text`] for a binary-protocol frame.
+    fn next_binary(&mut self, at: usize, to_replica: &mut Vec<Inbound>) -> Option<(usize, usize)> {
+        match binary::parse(&self.input[at..], self.item_max, binary_version()) {
+            Frame::Incomplete => None,
+            Frame::Answer {
+                reply,
+                consumed,
+                swallow,
+                close,
+            } => {
+                self.answer(reply, close);
+                Some((consumed, swallow))
+            }
+            Frame::Request {
+                req,
+                pending,
+                consumed,
+                swallow,
+            } => {
+                self.request(req, Some(pending), to_replica);
+                Some((consumed, swallow))
+            }
+        }
     }
 
     /// A reply the connection gives itself (nothing if empty), in request order; `close`
