@@ -3,7 +3,7 @@
 # Usage: scripts/deps.sh [test|bench]
 set -euo pipefail
 # protobuf-compiler: raft-rs generates its message types with protoc at build time.
-want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio)
+want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio nginx-light)
 if [ "${1:-test}" = bench ]; then
     want+=(redis-server redis-tools xz-utils bc bindfs)
 fi
@@ -20,6 +20,10 @@ if [ ${#missing[@]} -gt 0 ]; then
     # and `lockstep kv` wants that port by default.
     if [[ " ${missing[*]} " == *" memcached "* ]]; then
         $SUDO service memcached stop >/dev/null 2>&1 || true
+    fi
+    # Likewise nginx on port 80: the tests start their own master in the foreground.
+    if [[ " ${missing[*]} " == *" nginx-light "* ]]; then
+        $SUDO service nginx stop >/dev/null 2>&1 || true
     fi
 fi
 if ! command -v cargo >/dev/null 2>&1; then

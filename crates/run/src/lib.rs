@@ -12,6 +12,7 @@
 //! * [`backend`]: the seam between policy and mechanism (ptrace today).
 //! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
 //! * [`rendezvous`]: what happens when all replicas of a task have arrived.
+//! * [`signals`]: asynchronous signals, delivered at the same point in every replica.
 //! * [`data`]: reading syscall arguments and copying results between replicas.
 //! * [`clock`]: clock reads, answered from per-task value sequences without a rendezvous.
 //! * [`stats`]: counters printed by `--stats`.
@@ -22,6 +23,7 @@ pub mod data;
 pub mod options;
 pub mod rendezvous;
 pub mod session;
+pub mod signals;
 pub mod spawn;
 pub mod stats;
 

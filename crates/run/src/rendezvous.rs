@@ -4,6 +4,7 @@
 use crate::backend::{Backend, Resume};
 use crate::data;
 use crate::options::CompareMode;
+use crate::signals::{Interrupted, SigSet, StandIn};
 use crate::session::{
     describe_death, Arrival, Death, InputRecord, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId,
     MAX_QUEUED_INPUTS, PREVIEW,
@@ -13,6 +14,14 @@ use lockstep_core::{vote, Event, Verdict};
 use lockstep_trace::syscalls::{self, Class, Desc, NewFds};
 use lockstep_trace::{ptrace, Tid, SYS_LOCKSTEP_INSTALL, SYS_LOCKSTEP_TRACE};
 use std::time::Instant;
+
+/// Whether a call the leader ran ended because a signal arrived: a restart code, or the
+/// EINTR that some blocking calls (`epoll_wait`, `epoll_pwait`, `rt_sigtimedwait`) return
+/// directly.
+fn interrupted_by_signal(nr: u64, ret: i64) -> bool {
+    ptrace::is_restart(ret)
+        || (ret == -(libc::EINTR as i64) && syscalls::describe(nr).is_some_and(|d| d.blocking))
+}
 
 /// What the replicas are compared on at one rendezvous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -317,8 +326,7 @@ impl Session {
             Arrival::Syscall { nr, args } => {
                 if let Some(sig) = self.tasks[task].pending.first().copied() {
                     self.tasks[task].pending.remove(0);
-                    self.deliver_before(task, nr, sig);
-                    return Ok(());
+                    return self.deliver_at_rendezvous(task, nr, args, sig);
                 }
                 if self.reintegration_due && self.reintegrate(task)? {
                     return Ok(());
@@ -328,29 +336,7 @@ impl Session {
         }
     }
 
-    /// Delivers `sig` to every replica just before the syscall they are stopped at: the
-    /// call is skipped and rewound, so it runs again once the handler returns.
-    fn deliver_before(&mut self, task: TaskId, nr: u64, sig: i32) {
-        self.stats.signals_delivered += 1;
-        self.tasks[task].kicked = false;
-        if std::env::var_os("LOCKSTEP_DEBUG").is_some() {
-            eprintln!(
-                "lockstep debug: delivering signal {sig} to task {task} before {}",
-                syscalls::name(nr)
-            );
-        }
-        for r in self.live_slots(task) {
-            let mut regs = self.slot(task, r).regs;
-            ptrace::rewind_to_syscall(&mut regs, nr);
-            let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
-            let _ = self.be.set_regs(tid, &regs);
-            self.slot_mut(task, r).deliver = Some(sig);
-            let _ = self.be.signal_thread(tgid, tid, sig);
-            self.resume(task, r, Resume::Run, SlotState::Running);
-        }
-    }
-
-    fn execute(&mut self, task: TaskId, nr: u64, args: [u64; 6]) -> Result<(), Stopped> {
+    pub(crate) fn execute(&mut self, task: TaskId, nr: u64, args: [u64; 6]) -> Result<(), Stopped> {
         let desc = syscalls::describe(nr);
         let class = desc.map(|d| syscalls::classify(d, &args)).unwrap_or(Class::Unsupported);
         self.stats.count(class);
@@ -452,8 +438,11 @@ impl Session {
             return Ok(());
         };
         let ret = regs.rax as i64;
+        if let Some(stand_in) = self.slot_mut(task, r).stand_in.take() {
+            return self.finish_stand_in(task, r, stand_in);
+        }
         match self.tasks[task].phase {
-            Phase::Leader { nr, args, .. } | Phase::LeaderFirst { nr, args } if ptrace::is_restart(ret) => {
+            Phase::Leader { nr, args, .. } | Phase::LeaderFirst { nr, args } if interrupted_by_signal(nr, ret) => {
                 // Interrupted (by a signal or our kick): run it again from the start; the
                 // followers are still parked at the same call. Whatever the kernel already
                 // wrote into the leader's in/out buffers is given to them too.
@@ -465,6 +454,12 @@ impl Session {
                             data::sync_inout(&self.be, tid, fslot.tid, desc, &args, &fargs);
                         }
                     }
+                }
+                // A signal of the leader's own interrupted it (not our kick): if it is to be
+                // handled, its delivery stop comes next, and the leader takes it as the
+                // kernel left the call (`deliver_interrupted`).
+                if !self.tasks[task].kicked {
+                    self.tasks[task].interrupted = Some(Interrupted { nr, regs });
                 }
                 ptrace::rewind_to_syscall(&mut regs, nr);
                 let _ = self.be.set_regs(tid, &regs);
@@ -624,6 +619,7 @@ impl Session {
                 let mut regs = self.slot(task, f).regs;
                 ptrace::skip_with_result(&mut regs, ret);
                 let _ = self.be.set_regs(ftid, &regs);
+                self.raise_mirrored(task, f);
                 self.resume(task, f, Resume::Run, SlotState::Running);
             } else {
                 self.install_fds(task, f, ltgid, &fds, ret)?;
@@ -646,6 +642,7 @@ impl Session {
             }
         }
         self.tasks[task].phase = Phase::Collect;
+        self.tasks[task].mirror = SigSet::default();
         self.resume(task, leader, Resume::Run, SlotState::Running);
         Ok(())
     }
@@ -703,7 +700,19 @@ impl Session {
         let mut regs = self.slot(task, f).regs;
         regs.orig_rax = SYS_LOCKSTEP_INSTALL;
         let _ = self.be.set_regs(ftid, &regs);
-        self.resume(task, f, Resume::Run, SlotState::Running);
+        // Signals the leader took at this call reach the follower at the exit of its
+        // install, not before: a pending signal would abort the notification wait.
+        let signals = self.tasks[task].mirror;
+        if signals.is_empty() {
+            self.resume(task, f, Resume::Run, SlotState::Running);
+        } else {
+            self.slot_mut(task, f).stand_in = Some(StandIn {
+                restore: None,
+                ret,
+                signals,
+            });
+            self.resume(task, f, Resume::ToExit, SlotState::Executing);
+        }
         let listener = self.replicas[f as usize].listener.clone();
         let notif = self.await_install_notification(&listener, ftid)?;
         if notif.pid as Tid != ftid {
@@ -845,8 +854,12 @@ impl Session {
             }
         }
         for r in members {
+            if r != leader {
+                self.raise_mirrored(task, r);
+            }
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
+        self.tasks[task].mirror = SigSet::default();
         Ok(())
     }
 

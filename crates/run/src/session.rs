@@ -13,6 +13,7 @@
 
 use crate::backend::{Backend, Ptrace, Resume};
 use crate::options::{FlipSpec, FlipTarget, Options};
+use crate::signals::{Interrupted, SigSet, StandIn};
 use crate::spawn;
 use crate::stats::Stats;
 use crate::Error;
@@ -97,8 +98,10 @@ pub struct Slot {
     pub signature: Signature,
     /// Intercepted syscall stops so far (for test flips).
     pub stops: u64,
-    /// A signal we sent on purpose: let it through at its delivery stop.
-    pub deliver: Option<i32>,
+    /// Signals we sent on purpose: let them through at their delivery stops.
+    pub deliver: SigSet,
+    /// The call this follower runs in place of its own, and what to do at its exit.
+    pub stand_in: Option<StandIn>,
     /// Result of this slot's execution in an all-replica phase.
     pub result: i64,
     /// The first bytes of the buffer of the output call it arrived at (for messages),
@@ -123,7 +126,8 @@ impl Slot {
             regs: unsafe { std::mem::zeroed() },
             signature: Signature::new(),
             stops: 0,
-            deliver: None,
+            deliver: SigSet::default(),
+            stand_in: None,
             result: 0,
             preview: [0; PREVIEW],
             preview_len: 0,
@@ -170,6 +174,11 @@ pub struct Task {
     pub pending: Vec<i32>,
     /// We interrupted the current execution to deliver a pending signal.
     pub kicked: bool,
+    /// The leader's call that a signal interrupted, until the signal's delivery stop.
+    pub interrupted: Option<Interrupted>,
+    /// Signals the leader takes at the current call, for the followers when they are
+    /// released from it.
+    pub mirror: SigSet,
     /// The logical child created by the clone/fork rendezvous in progress.
     pub spawned: Option<TaskId>,
     /// The logical thread id the program sees.
@@ -214,8 +223,8 @@ pub struct Replica {
 }
 
 /// Signals lockstep itself received, as a bit mask, set by the signal handler.
-static RECEIVED: AtomicU64 = AtomicU64::new(0);
-const FORWARDED: [i32; 6] = [
+pub(crate) static RECEIVED: AtomicU64 = AtomicU64::new(0);
+pub(crate) const FORWARDED: [i32; 6] = [
     libc::SIGINT,
     libc::SIGTERM,
     libc::SIGHUP,
@@ -579,6 +588,8 @@ impl Session {
             first_arrival: None,
             pending: Vec::new(),
             kicked: false,
+            interrupted: None,
+            mirror: SigSet::default(),
             spawned: None,
             logical_tid,
             finished: false,
@@ -770,7 +781,7 @@ impl Session {
     }
 
     /// Resumes after an event stop the way the thread was running before.
-    fn resume_same(&mut self, task: TaskId, r: ReplicaId) {
+    pub(crate) fn resume_same(&mut self, task: TaskId, r: ReplicaId) {
         let slot = self.slot(task, r);
         let how = if slot.state == SlotState::Executing {
             Resume::ToExit
@@ -791,6 +802,11 @@ impl Session {
             return Ok(());
         }
         self.slot_mut(task, r).stops += 1;
+        if r == self.leader {
+            // A call the kernel restarted without a delivery stop (another thread took the
+            // signal): whatever interrupted it is over.
+            self.tasks[task].interrupted = None;
+        }
         if task == 0 && ptrace::syscall_nr(&regs) == libc::SYS_exit_group as u64 {
             let cpu = Some(self.replica_cpu_now(r));
             // Reintegrated replicas get new ids.
@@ -826,7 +842,7 @@ impl Session {
             );
         }
         let process = self.tasks[task].process;
-        if self.processes[process].exiting && self.slot(task, r).deliver.is_some() {
+        if self.processes[process].exiting && !self.slot(task, r).deliver.is_empty() {
             // This process is being killed by a signal we sent: do not park the thread at
             // a rendezvous; let it return so the signal is delivered.
             ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
@@ -1296,51 +1312,8 @@ impl Session {
         keep_going
     }
 
-    fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
-        let tid = self.slot(task, r).tid;
-        if self.slot(task, r).deliver == Some(sig) {
-            self.slot_mut(task, r).deliver = None;
-            let _ = self.be.resume(tid, Resume::Signal(sig));
-            return Ok(());
-        }
-        let info = self.be.siginfo(tid).ok();
-        let code = info.map(|i| i.si_code).unwrap_or(0);
-        let synchronous = matches!(
-            sig,
-            libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP
-        ) && code > 0;
-        if synchronous {
-            let regs = self.be.regs(tid).ok();
-            if let Some(regs) = regs {
-                if sig == libc::SIGSEGV {
-                    match self.trapped_insn(tid, regs.rip) {
-                        Some(TrappedInsn::Rdtsc(len)) => return self.arrive(task, r, regs, Arrival::Rdtsc { len }),
-                        Some(TrappedInsn::Cpuid) => {
-                            let arrival = Arrival::Cpuid {
-                                leaf: regs.rax as u32,
-                                subleaf: regs.rcx as u32,
-                            };
-                            return self.arrive(task, r, regs, arrival);
-                        }
-                        None => {}
-                    }
-                }
-                // SAFETY: si_addr is valid for these fault signals.
-                let addr = info.map(|i| unsafe { i.si_addr() } as u64).unwrap_or(0);
-                return self.arrive(task, r, regs, Arrival::Fault { sig, addr });
-            }
-        }
-        // Asynchronous: suppressed now, delivered at the same point in every replica.
-        // The leader's copy stands for all replicas (each replica generates its own).
-        if r == self.leader {
-            self.async_signal(task, sig);
-        }
-        self.resume_same(task, r);
-        Ok(())
-    }
-
     /// The instruction at `rip`, if it is one lockstep traps (RDTSC, RDTSCP, CPUID).
-    fn trapped_insn(&self, tid: Tid, rip: u64) -> Option<TrappedInsn> {
+    pub(crate) fn trapped_insn(&self, tid: Tid, rip: u64) -> Option<TrappedInsn> {
         let mut insn = [0u8; 3];
         self.be.read(tid, rip, &mut insn).ok()?;
         match insn {
@@ -1351,7 +1324,7 @@ impl Session {
         }
     }
 
-    fn arrive(&mut self, task: TaskId, r: ReplicaId, regs: Regs, arrival: Arrival) -> Result<(), Stopped> {
+    pub(crate) fn arrive(&mut self, task: TaskId, r: ReplicaId, regs: Regs, arrival: Arrival) -> Result<(), Stopped> {
         let slot = self.slot_mut(task, r);
         slot.regs = regs;
         slot.state = SlotState::Arrived;
@@ -1457,133 +1430,6 @@ impl Session {
                 self.slot_mut(t, r).tid = tid;
             }
         }
-    }
-
-    // ----- signals -----
-
-    /// What the program's process does with `sig`, read from /proc.
-    fn disposition(&self, tgid: Tid, sig: i32) -> SignalFate {
-        let status = std::fs::read_to_string(format!("/proc/{tgid}/status")).unwrap_or_default();
-        let mask = |key: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(key))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-                .unwrap_or(0)
-        };
-        let bit = 1u64 << (sig - 1);
-        // A blocked signal never reaches a delivery stop while blocked, so only the
-        // handler and ignore masks matter here.
-        if mask("SigCgt:") & bit != 0 {
-            return SignalFate::Handled;
-        }
-        if mask("SigIgn:") & bit != 0 {
-            return SignalFate::Ignored;
-        }
-        match sig {
-            libc::SIGCHLD | libc::SIGURG | libc::SIGWINCH | libc::SIGCONT => SignalFate::Ignored,
-            // Job control is not replicated: stopping one replica would look like a hang.
-            libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU => SignalFate::Ignored,
-            _ => SignalFate::Fatal,
-        }
-    }
-
-    /// An asynchronous signal for `task` (its leader copy, or forwarded by lockstep).
-    pub fn async_signal(&mut self, task: TaskId, sig: i32) {
-        let tgid = self.slot(task, self.leader).tgid;
-        match self.disposition(tgid, sig) {
-            SignalFate::Ignored => {}
-            SignalFate::Fatal => self.kill_process(self.tasks[task].process, sig),
-            SignalFate::Handled => {
-                if !self.tasks[task].pending.contains(&sig) {
-                    self.tasks[task].pending.push(sig);
-                }
-                self.kick(task);
-            }
-        }
-    }
-
-    /// Interrupts a task that is blocked in a syscall so a pending signal can be delivered.
-    fn kick(&mut self, task: TaskId) {
-        let (nr, leader_only) = match self.tasks[task].phase {
-            Phase::Leader { nr, .. } | Phase::LeaderFirst { nr, .. } => (nr, true),
-            Phase::All { nr, .. } => (nr, false),
-            _ => return,
-        };
-        if !lockstep_trace::syscalls::describe(nr)
-            .map(|d| d.blocking)
-            .unwrap_or(false)
-        {
-            return;
-        }
-        self.tasks[task].kicked = true;
-        for r in self.live_slots(task) {
-            if (!leader_only || r == self.leader) && self.slot(task, r).state == SlotState::Executing {
-                let _ = self.be.interrupt(self.slot(task, r).tid);
-            }
-        }
-    }
-
-    /// Kills logical process `p` with `sig` in every replica, at whatever point each is:
-    /// the signal is fatal and unhandled, so no user code runs after it anyway.
-    fn kill_process(&mut self, p: ProcId, sig: i32) {
-        if self.debug {
-            eprintln!("lockstep debug: killing process {p} with signal {sig}");
-        }
-        self.processes[p].exiting = true;
-        let tasks = self.processes[p].tasks.clone();
-        for t in tasks {
-            for r in self.live_slots(t) {
-                let slot = self.slot(t, r);
-                if slot.state == SlotState::Dead {
-                    continue;
-                }
-                let (tgid, tid, state) = (slot.tgid, slot.tid, slot.state);
-                self.slot_mut(t, r).deliver = Some(sig);
-                let _ = self.be.signal_thread(tgid, tid, sig);
-                if matches!(state, SlotState::Arrived | SlotState::Done) {
-                    // Parked: let it return (EINTR) so the signal is delivered.
-                    let mut regs = self.slot(t, r).regs;
-                    if state == SlotState::Arrived {
-                        ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
-                        let _ = self.be.set_regs(tid, &regs);
-                    }
-                    self.resume(t, r, Resume::Run, SlotState::Running);
-                }
-            }
-            self.tasks[t].phase = Phase::Collect;
-        }
-    }
-
-    fn forward_received_signals(&mut self) -> Result<(), Stopped> {
-        let got = RECEIVED.swap(0, Ordering::SeqCst);
-        if got == 0 {
-            return Ok(());
-        }
-        for sig in FORWARDED {
-            if got & (1 << sig) == 0 {
-                continue;
-            }
-            // Like timeout(1) with its process group: every process of the program gets
-            // the signal, each through its first live thread.
-            for p in 0..self.processes.len() {
-                if self.processes[p].exiting {
-                    continue;
-                }
-                let leader = self.leader as usize;
-                let target = self.processes[p].tasks.iter().copied().find(|&t| {
-                    !self.tasks[t].finished
-                        && self.tasks[t].slots[leader]
-                            .as_ref()
-                            .map(|s| s.state != SlotState::Dead)
-                            .unwrap_or(false)
-                });
-                if let Some(t) = target {
-                    self.async_signal(t, sig);
-                }
-            }
-        }
-        Ok(())
     }
 
     // ----- timeouts -----
@@ -1737,17 +1583,11 @@ impl Session {
     }
 }
 
-enum TrappedInsn {
+pub(crate) enum TrappedInsn {
     Rdtsc(u8),
     Cpuid,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum SignalFate {
-    Handled,
-    Ignored,
-    Fatal,
-}
 
 pub fn describe_death(d: Death) -> String {
     match d {

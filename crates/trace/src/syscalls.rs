@@ -268,6 +268,25 @@ static ROWS: &[Desc] = &[
         [Fd, Out(RetTimes(EPOLL_EVENT)), Val, In(Fixed(TIMESPEC)), Ignore, Val],
         blocking
     ),
+    // Waits and sleeps: the leader waits (in its own time), the followers get its result.
+    // A signal that ends the leader's wait ends each follower's at the same call.
+    row!(SYS_rt_sigsuspend, Input, [In(Fixed(8)), Val], blocking),
+    row!(SYS_pause, Input, [], blocking),
+    row!(
+        SYS_rt_sigtimedwait,
+        Input,
+        [In(Fixed(8)), Out(Fixed(SIGINFO)), Val, Val],
+        blocking
+    ),
+    // The time left (second pointer) is written only when the sleep is interrupted; it is
+    // copied then (`signals.rs`).
+    row!(SYS_nanosleep, Input, [In(Fixed(TIMESPEC)), Ignore], blocking),
+    row!(
+        SYS_clock_nanosleep,
+        Input,
+        [Val, Val, In(Fixed(TIMESPEC)), Ignore],
+        blocking
+    ),
     row!(SYS_clock_gettime, Input, [Val, Out(Fixed(TIMESPEC))]),
     row!(SYS_clock_getres, Input, [Val, Out(Fixed(TIMESPEC))]),
     row!(SYS_gettimeofday, Input, [Out(Fixed(16)), Out(Fixed(8))]),
@@ -494,22 +513,7 @@ static ROWS: &[Desc] = &[
     row!(SYS_tgkill, All, [Val, Val, Val]),
     row!(SYS_rt_sigqueueinfo, All, [Val, Val, Ignore]),
     row!(SYS_rt_tgsigqueueinfo, All, [Val, Val, Val, Ignore]),
-    row!(SYS_rt_sigsuspend, All, [In(Fixed(8)), Val], blocking),
-    row!(SYS_pause, All, [], blocking),
-    row!(
-        SYS_rt_sigtimedwait,
-        All,
-        [In(Fixed(8)), Out(Fixed(SIGINFO)), Val, Val],
-        blocking
-    ),
     row!(SYS_rt_sigpending, All, [Out(Fixed(8)), Val]),
-    row!(SYS_nanosleep, All, [In(Fixed(TIMESPEC)), Ignore], blocking),
-    row!(
-        SYS_clock_nanosleep,
-        All,
-        [Val, Val, In(Fixed(TIMESPEC)), Ignore],
-        blocking
-    ),
     row!(SYS_alarm, All, [Val]),
     row!(SYS_setitimer, All, [Val, In(Fixed(ITIMERVAL)), Ignore]),
     row!(SYS_timer_create, All, [Val, Ignore, Out(Fixed(4))]),

@@ -1,0 +1,458 @@
+//! Asynchronous signals. Each replica raises its own copies (SIGCHLD from its own
+//! children, SIGALRM from its own timers); they are all suppressed at their delivery stops.
+//! The leader's copy, or a signal lockstep itself received and forwards, decides what the
+//! program gets, and it gets it at the same point in every replica:
+//!
+//! - The leader is blocked in a call it runs for everyone (an input, `pselect`, `pause`,
+//!   `nanosleep`, `wait4`, ...) and the signal interrupts it: the leader takes the signal
+//!   there, natively, and every follower, parked at the entry of the same call, takes it
+//!   "inside" the same call (`deliver_interrupted`). The call ends the same way everywhere
+//!   (EINTR, or restarted after the handler under `SA_RESTART`), and a mask that the call
+//!   itself installs (`pselect`, `ppoll`, `epoll_pwait`, `sigsuspend`) is in force while
+//!   the handler runs, as natively.
+//! - Otherwise the signal waits for the task's next rendezvous. A call the leader runs for
+//!   everyone then runs with the signal pending in the leader (so it returns at once if it
+//!   would block, like a native call the signal reached first), and the followers get the
+//!   signal when they are released from the call (`mirror`). Any other call is rewound and
+//!   the handler runs just before it in every replica (`deliver_before`).
+//! - A fatal signal kills the logical process in every replica; an ignored one is dropped.
+
+use crate::backend::{Backend, Resume};
+use crate::options::CompareMode;
+use crate::session::{
+    Arrival, Phase, ProcId, ReplicaId, Session, SlotState, Stopped, TaskId, TrappedInsn, FORWARDED, RECEIVED,
+};
+use lockstep_trace::syscalls::{self, Class};
+use lockstep_trace::{ptrace, Regs, Tid};
+use std::sync::atomic::Ordering;
+
+/// A set of signals (bit N-1 for signal N): those lockstep sent to a thread on purpose and
+/// lets through at their delivery stops.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SigSet(u64);
+
+impl SigSet {
+    fn bit(sig: i32) -> u64 {
+        debug_assert!((1..=64).contains(&sig), "signal {sig}");
+        1u64 << ((sig - 1) & 63)
+    }
+
+    pub fn add(&mut self, sig: i32) {
+        self.0 |= Self::bit(sig);
+    }
+
+    pub fn contains(self, sig: i32) -> bool {
+        self.0 & Self::bit(sig) != 0
+    }
+
+    /// Removes `sig`; whether it was there.
+    pub fn take(&mut self, sig: i32) -> bool {
+        let had = self.contains(sig);
+        self.0 &= !Self::bit(sig);
+        had
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn iter(self) -> impl Iterator<Item = i32> {
+        (1..=64).filter(move |&s| self.contains(s))
+    }
+}
+
+/// The leader's call that a signal interrupted: how the kernel left it at the syscall exit,
+/// kept while the leader (rewound meanwhile) goes on to the signal's delivery stop.
+pub struct Interrupted {
+    pub nr: u64,
+    /// The leader's registers at the exit: the restart code in `rax`, `orig_rax` the call.
+    pub regs: Regs,
+}
+
+/// What a follower does at the exit of the call it was given in place of its own.
+pub struct StandIn {
+    /// Registers to put back (its own call's entry state) with `rax` = `ret`.
+    pub restore: Option<Regs>,
+    pub ret: i64,
+    /// Signals to raise in the follower now, before it returns to the program.
+    pub signals: SigSet,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SignalFate {
+    Handled,
+    Ignored,
+    Fatal,
+}
+
+impl Session {
+    /// A signal-delivery stop of replica `r`'s thread of `task`.
+    pub(crate) fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
+        let tid = self.slot(task, r).tid;
+        if r == self.leader && self.tasks[task].interrupted.is_some() {
+            let sent = self.slot(task, r).deliver.contains(sig);
+            let nr = self.tasks[task].interrupted.as_ref().map(|i| i.nr).unwrap_or(u64::MAX);
+            let tgid = self.slot(task, r).tgid;
+            if (sent || self.disposition(tgid, sig) == SignalFate::Handled) && self.followers_parked_at(task, nr) {
+                self.slot_mut(task, r).deliver.take(sig);
+                return self.deliver_interrupted(task, sig);
+            }
+            // Not deliverable as an interruption: the leader, already rewound, runs its
+            // call again and the signal waits for the next rendezvous like any other.
+            self.tasks[task].interrupted = None;
+            if self.slot_mut(task, r).deliver.take(sig) {
+                self.async_signal(task, sig);
+                self.resume_same(task, r);
+                return Ok(());
+            }
+        }
+        if self.slot_mut(task, r).deliver.take(sig) {
+            let _ = self.be.resume(tid, Resume::Signal(sig));
+            return Ok(());
+        }
+        let info = self.be.siginfo(tid).ok();
+        let code = info.map(|i| i.si_code).unwrap_or(0);
+        let synchronous = matches!(
+            sig,
+            libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP
+        ) && code > 0;
+        if synchronous {
+            let regs = self.be.regs(tid).ok();
+            if let Some(regs) = regs {
+                if sig == libc::SIGSEGV {
+                    match self.trapped_insn(tid, regs.rip) {
+                        Some(TrappedInsn::Rdtsc(len)) => return self.arrive(task, r, regs, Arrival::Rdtsc { len }),
+                        Some(TrappedInsn::Cpuid) => {
+                            let arrival = Arrival::Cpuid {
+                                leaf: regs.rax as u32,
+                                subleaf: regs.rcx as u32,
+                            };
+                            return self.arrive(task, r, regs, arrival);
+                        }
+                        None => {}
+                    }
+                }
+                // SAFETY: si_addr is valid for these fault signals.
+                let addr = info.map(|i| unsafe { i.si_addr() } as u64).unwrap_or(0);
+                return self.arrive(task, r, regs, Arrival::Fault { sig, addr });
+            }
+        }
+        // Asynchronous: suppressed now, delivered at the same point in every replica.
+        // The leader's copy stands for all replicas (each replica generates its own).
+        if r == self.leader {
+            self.async_signal(task, sig);
+        }
+        self.resume_same(task, r);
+        Ok(())
+    }
+
+
+
+    /// What the program's process does with `sig`, read from /proc.
+    fn disposition(&self, tgid: Tid, sig: i32) -> SignalFate {
+        let status = std::fs::read_to_string(format!("/proc/{tgid}/status")).unwrap_or_default();
+        let mask = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+                .unwrap_or(0)
+        };
+        let bit = 1u64 << (sig - 1);
+        // A blocked signal never reaches a delivery stop while blocked, so only the
+        // handler and ignore masks matter here.
+        if mask("SigCgt:") & bit != 0 {
+            return SignalFate::Handled;
+        }
+        if mask("SigIgn:") & bit != 0 {
+            return SignalFate::Ignored;
+        }
+        match sig {
+            libc::SIGCHLD | libc::SIGURG | libc::SIGWINCH | libc::SIGCONT => SignalFate::Ignored,
+            // Job control is not replicated: stopping one replica would look like a hang.
+            libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU => SignalFate::Ignored,
+            _ => SignalFate::Fatal,
+        }
+    }
+
+    /// An asynchronous signal for `task` (its leader copy, or forwarded by lockstep).
+    pub(crate) fn async_signal(&mut self, task: TaskId, sig: i32) {
+        let tgid = self.slot(task, self.leader).tgid;
+        match self.disposition(tgid, sig) {
+            SignalFate::Ignored => {}
+            SignalFate::Fatal => self.kill_process(self.tasks[task].process, sig),
+            SignalFate::Handled => {
+                if !self.tasks[task].pending.contains(&sig) {
+                    self.tasks[task].pending.push(sig);
+                }
+                self.kick(task);
+            }
+        }
+    }
+
+    /// Interrupts a task that is blocked in a syscall so a pending signal can be delivered.
+    fn kick(&mut self, task: TaskId) {
+        let (nr, leader_only) = match self.tasks[task].phase {
+            Phase::Leader { nr, .. } | Phase::LeaderFirst { nr, .. } => (nr, true),
+            Phase::All { nr, .. } => (nr, false),
+            _ => return,
+        };
+        if !lockstep_trace::syscalls::describe(nr)
+            .map(|d| d.blocking)
+            .unwrap_or(false)
+        {
+            return;
+        }
+        self.tasks[task].kicked = true;
+        for r in self.live_slots(task) {
+            if (!leader_only || r == self.leader) && self.slot(task, r).state == SlotState::Executing {
+                let _ = self.be.interrupt(self.slot(task, r).tid);
+            }
+        }
+    }
+
+    /// Kills logical process `p` with `sig` in every replica, at whatever point each is:
+    /// the signal is fatal and unhandled, so no user code runs after it anyway.
+    fn kill_process(&mut self, p: ProcId, sig: i32) {
+        if self.debug {
+            eprintln!("lockstep debug: killing process {p} with signal {sig}");
+        }
+        self.processes[p].exiting = true;
+        let tasks = self.processes[p].tasks.clone();
+        for t in tasks {
+            for r in self.live_slots(t) {
+                let slot = self.slot(t, r);
+                if slot.state == SlotState::Dead {
+                    continue;
+                }
+                let (tgid, tid, state) = (slot.tgid, slot.tid, slot.state);
+                self.slot_mut(t, r).deliver.add(sig);
+                let _ = self.be.signal_thread(tgid, tid, sig);
+                if matches!(state, SlotState::Arrived | SlotState::Done) {
+                    // Parked: let it return (EINTR) so the signal is delivered.
+                    let mut regs = self.slot(t, r).regs;
+                    if state == SlotState::Arrived {
+                        ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
+                        let _ = self.be.set_regs(tid, &regs);
+                    }
+                    self.resume(t, r, Resume::Run, SlotState::Running);
+                }
+            }
+            self.tasks[t].phase = Phase::Collect;
+        }
+    }
+
+    pub(crate) fn forward_received_signals(&mut self) -> Result<(), Stopped> {
+        let got = RECEIVED.swap(0, Ordering::SeqCst);
+        if got == 0 {
+            return Ok(());
+        }
+        for sig in FORWARDED {
+            if got & (1 << sig) == 0 {
+                continue;
+            }
+            // Like timeout(1) with its process group: every process of the program gets
+            // the signal, each through its first live thread.
+            for p in 0..self.processes.len() {
+                if self.processes[p].exiting {
+                    continue;
+                }
+                let leader = self.leader as usize;
+                let target = self.processes[p].tasks.iter().copied().find(|&t| {
+                    !self.tasks[t].finished
+                        && self.tasks[t].slots[leader]
+                            .as_ref()
+                            .map(|s| s.state != SlotState::Dead)
+                            .unwrap_or(false)
+                });
+                if let Some(t) = target {
+                    self.async_signal(t, sig);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A handled signal that is due at a rendezvous, where every replica is stopped at
+    /// `nr`. A call the leader runs for everyone runs with the signal pending in the
+    /// leader: it ends early exactly as a native call does when a signal is already there
+    /// (and `deliver_interrupted` takes over), or completes, and then the signal reaches
+    /// every replica right after it. Any other call is rewound and the handler runs first.
+    pub(crate) fn deliver_at_rendezvous(&mut self, task: TaskId, nr: u64, args: [u64; 6], sig: i32) -> Result<(), Stopped> {
+        let class = syscalls::describe(nr).map(|d| syscalls::classify(d, &args));
+        let leader_runs = matches!(
+            class,
+            Some(Class::Input | Class::Output | Class::FdCreate | Class::AllAfterLeader)
+        );
+        if !leader_runs {
+            self.deliver_before(task, nr, sig);
+            return Ok(());
+        }
+        self.stats.signals_delivered += 1;
+        self.tasks[task].kicked = false;
+        if self.debug {
+            eprintln!("lockstep debug: signal {sig} pending in task {task} during {}", syscalls::name(nr));
+        }
+        let leader = self.leader;
+        self.raise(task, leader, sig);
+        self.tasks[task].mirror.add(sig);
+        self.execute(task, nr, args)
+    }
+
+    /// Sends `sig` to replica `r`'s thread of `task` and lets it through at delivery.
+    pub(crate) fn raise(&mut self, task: TaskId, r: ReplicaId, sig: i32) {
+        let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
+        self.slot_mut(task, r).deliver.add(sig);
+        let _ = self.be.signal_thread(tgid, tid, sig);
+    }
+
+    /// The signals the leader took at this call, for a follower being released from it.
+    pub(crate) fn raise_mirrored(&mut self, task: TaskId, f: ReplicaId) {
+        let mirror = self.tasks[task].mirror;
+        for sig in mirror.iter() {
+            self.raise(task, f, sig);
+        }
+    }
+
+    /// Whether every live follower is parked at the entry of the call `nr` that the leader
+    /// ran (with `--compare io`: at that very input, not behind it).
+    pub(crate) fn followers_parked_at(&self, task: TaskId, nr: u64) -> bool {
+        let produced = self.tasks[task].produced;
+        let io = self.opts.compare == CompareMode::Io;
+        self.live_slots(task).iter().all(|&f| {
+            let s = self.slot(task, f);
+            f == self.leader
+                || s.state == SlotState::Dead
+                || (s.state == SlotState::Arrived
+                    && matches!(s.arrival, Some(Arrival::Syscall { nr: n, .. }) if n == nr)
+                    && (!io || s.consumed == produced))
+        })
+    }
+
+    /// The leader's call `nr` was interrupted and `sig` is to run its handler: the leader
+    /// takes it where it is, and each follower takes it inside the same call. A follower's
+    /// own call is replaced by `ppoll(NULL, 0, NULL, mask)` (with the temporary mask its
+    /// call would install, if any), which returns at once because the signal is pending;
+    /// at its exit the follower's registers are put back with the leader's restart code,
+    /// so the kernel ends or restarts the call as it does in the leader.
+    fn deliver_interrupted(&mut self, task: TaskId, sig: i32) -> Result<(), Stopped> {
+        let it = self.tasks[task].interrupted.take().expect("an interrupted call");
+        self.stats.signals_delivered += 1;
+        let ret = it.regs.rax as i64;
+        let leader = self.leader;
+        let ltid = self.slot(task, leader).tid;
+        let lead_args = ptrace::syscall_args(&it.regs);
+        if self.debug {
+            eprintln!(
+                "lockstep debug: signal {sig} interrupts {} = {ret} in task {task}",
+                syscalls::name(it.nr)
+            );
+        }
+        let mut signals = std::mem::take(&mut self.tasks[task].mirror);
+        signals.add(sig);
+        for f in self.live_slots(task) {
+            if f == leader || self.slot(task, f).state != SlotState::Arrived {
+                continue;
+            }
+            let entry = self.slot(task, f).regs;
+            let ftid = self.slot(task, f).tid;
+            let fargs = ptrace::syscall_args(&entry);
+            copy_time_left(&self.be, ltid, ftid, it.nr, &lead_args, &fargs);
+            for s in signals.iter() {
+                self.raise(task, f, s);
+            }
+            let (mask, size) = temporary_mask(&self.be, ftid, it.nr, &fargs);
+            let mut regs = entry;
+            regs.orig_rax = libc::SYS_ppoll as u64;
+            (regs.rdi, regs.rsi, regs.rdx, regs.r10, regs.r8) = (0, 0, 0, mask, size);
+            let _ = self.be.set_regs(ftid, &regs);
+            self.slot_mut(task, f).stand_in = Some(crate::signals::StandIn {
+                restore: Some(entry),
+                ret,
+                signals: SigSet::default(),
+            });
+            self.resume(task, f, Resume::ToExit, SlotState::Executing);
+        }
+        let _ = self.be.set_regs(ltid, &it.regs);
+        self.resume(task, leader, Resume::Signal(sig), SlotState::Running);
+        Ok(())
+    }
+
+    /// A follower reached the exit of the call it ran in place of its own (see
+    /// `deliver_interrupted`, and descriptor installs that carry signals).
+    pub(crate) fn finish_stand_in(&mut self, task: TaskId, f: ReplicaId, s: StandIn) -> Result<(), Stopped> {
+        let tid = self.slot(task, f).tid;
+        if let Some(mut regs) = s.restore {
+            regs.rax = s.ret as u64;
+            let _ = self.be.set_regs(tid, &regs);
+        }
+        for sig in s.signals.iter() {
+            self.raise(task, f, sig);
+        }
+        self.resume(task, f, Resume::Run, SlotState::Running);
+        Ok(())
+    }
+
+    /// Delivers `sig` to every replica just before the syscall they are stopped at: the
+    /// call is skipped and rewound, so it runs again once the handler returns.
+    fn deliver_before(&mut self, task: TaskId, nr: u64, sig: i32) {
+        self.stats.signals_delivered += 1;
+        self.tasks[task].kicked = false;
+        if self.debug {
+            eprintln!(
+                "lockstep debug: delivering signal {sig} to task {task} before {}",
+                syscalls::name(nr)
+            );
+        }
+        for r in self.live_slots(task) {
+            let mut regs = self.slot(task, r).regs;
+            ptrace::rewind_to_syscall(&mut regs, nr);
+            let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
+            let _ = self.be.set_regs(tid, &regs);
+            self.slot_mut(task, r).deliver.add(sig);
+            let _ = self.be.signal_thread(tgid, tid, sig);
+            self.resume(task, r, Resume::Run, SlotState::Running);
+        }
+    }
+}
+
+/// The signal mask that call `nr` installs while it waits, as (pointer, size) in the
+/// calling thread: (0, 8) for calls that install none.
+fn temporary_mask(be: &dyn Backend, tid: Tid, nr: u64, args: &[u64; 6]) -> (u64, u64) {
+    const SIGSET: u64 = 8;
+    match nr as i64 {
+        libc::SYS_ppoll => (args[3], args[4]),
+        libc::SYS_epoll_pwait | libc::SYS_epoll_pwait2 => (args[4], args[5]),
+        libc::SYS_rt_sigsuspend => (args[0], args[1]),
+        // The sixth argument points at { const sigset_t *ss; size_t ss_len; }.
+        libc::SYS_pselect6 if args[5] != 0 => {
+            let mut pair = [0u8; 16];
+            match be.read(tid, args[5], &mut pair) {
+                Ok(()) => (
+                    u64::from_le_bytes(pair[..8].try_into().expect("8 bytes")),
+                    u64::from_le_bytes(pair[8..].try_into().expect("8 bytes")),
+                ),
+                Err(_) => (0, SIGSET),
+            }
+        }
+        _ => (0, SIGSET),
+    }
+}
+
+/// Copies the time left that an interrupted relative sleep wrote in the leader into the
+/// follower (the kernel writes it only when the sleep is interrupted).
+fn copy_time_left(be: &dyn Backend, leader: Tid, follower: Tid, nr: u64, lead: &[u64; 6], own: &[u64; 6]) {
+    const TIMER_ABSTIME: u64 = 1;
+    let (l, f) = match nr as i64 {
+        libc::SYS_nanosleep => (lead[1], own[1]),
+        libc::SYS_clock_nanosleep if lead[1] & TIMER_ABSTIME == 0 => (lead[3], own[3]),
+        _ => return,
+    };
+    if l == 0 || f == 0 {
+        return;
+    }
+    let mut ts = [0u8; 16];
+    if be.read(leader, l, &mut ts).is_ok() {
+        let _ = be.write(follower, f, &ts);
+    }
+}
