@@ -1,0 +1,203 @@
+//! Handled signals that arrive while the program is blocked in the kernel: the call ends
+//! (or restarts) and the handler runs exactly as natively, in every replica, for DMR and
+//! TMR. One fixture (`signal_wait.c`) per pattern, compared byte for byte with a native
+//! run; then real programs built on these patterns (`make -j2`, nginx's master).
+
+mod common;
+use common::*;
+use std::path::Path;
+use std::time::Duration;
+
+/// Runs `signal_wait PATTERN` natively and under `-r 2` and `-r 3` with each compare mode
+/// given; every run must print what the native run printed and exit 0.
+fn same_as_native(pattern: &str, modes: &[&str]) {
+    let prog = fixture("signal_wait");
+    let argv = [prog.to_str().unwrap(), pattern];
+    let want = native_stdout(&argv);
+    for r in ["2", "3"] {
+        for mode in modes {
+            let out = run(lockstep_run(&["-r", r, "--compare", mode], &argv));
+            out.assert_code(0).assert_stdout(&want);
+        }
+    }
+}
+
+const ALL_MODES: &[&str] = &["args", "io", "every"];
+
+#[test]
+fn pselect_with_sigchld_blocked_outside_the_call() {
+    same_as_native("pselect", ALL_MODES);
+}
+
+#[test]
+fn ppoll_with_sigchld_blocked_outside_the_call() {
+    same_as_native("ppoll", ALL_MODES);
+}
+
+#[test]
+fn epoll_pwait_with_sigchld_blocked_outside_the_call() {
+    same_as_native("epoll_pwait", ALL_MODES);
+}
+
+#[test]
+fn sigsuspend_with_sigchld_blocked_outside_the_call() {
+    same_as_native("sigsuspend", ALL_MODES);
+}
+
+#[test]
+fn alarm_then_pause() {
+    same_as_native("pause", ALL_MODES);
+}
+
+#[test]
+fn timer_during_sleep_with_and_without_sa_restart() {
+    same_as_native("sleep-restart", &["args"]);
+    same_as_native("sleep-norestart", &["args"]);
+}
+
+#[test]
+fn timer_during_a_pipe_read_with_and_without_sa_restart() {
+    same_as_native("read-restart", ALL_MODES);
+    same_as_native("read-norestart", ALL_MODES);
+}
+
+#[test]
+fn interval_timer_and_a_pause_loop() {
+    same_as_native("itimer", &["args", "io"]);
+}
+
+#[test]
+fn timer_during_waitpid() {
+    same_as_native("wait", ALL_MODES);
+}
+
+/// SIGUSR1 sent to lockstep while the program waits in pause(): forwarded, the handler
+/// runs, pause returns EINTR and the program exits.
+fn outside_signal_during_pause(r: &str) {
+    let prog = fixture("signal_wait");
+    let mut run = spawn(lockstep_run(&["-r", r], &[prog.to_str().unwrap(), "outside"]));
+    run.wait_for_stdout("ready\n", Duration::from_secs(30));
+    // The program is in pause() or about to be: either way the signal must end it.
+    std::thread::sleep(Duration::from_millis(300));
+    run.signal(libc::SIGUSR1);
+    let out = run.finish(RUN_TIMEOUT);
+    out.assert_code(0)
+        .assert_stdout(b"ready\npause: ret=-1 errno=EINTR handled=1\n");
+}
+
+#[test]
+fn outside_signal_during_pause_dmr() {
+    outside_signal_during_pause("2");
+}
+
+#[test]
+fn outside_signal_during_pause_tmr() {
+    outside_signal_during_pause("3");
+}
+
+/// A small C project: 13 sources and a main, built with `make -j2`, whose job loop waits
+/// for SIGCHLD in pselect with SIGCHLD blocked outside it.
+fn small_project(dir: &Path) {
+    for i in 1..=13 {
+        let src = format!("int f{i}(int x) {{ int s = 0; for (int i = 0; i < x; i++) s += i * {i}; return s; }}\n");
+        std::fs::write(dir.join(format!("f{i}.c")), src).unwrap();
+    }
+    let mut main = String::from("#include <stdio.h>\n");
+    for i in 1..=13 {
+        main.push_str(&format!("int f{i}(int);\n"));
+    }
+    main.push_str("int main(void) { long t = 0;\n");
+    for i in 1..=13 {
+        main.push_str(&format!("    t += f{i}(100);\n"));
+    }
+    main.push_str("    printf(\"%ld\\n\", t);\n    return 0;\n}\n");
+    std::fs::write(dir.join("main.c"), main).unwrap();
+    let makefile = "OBJS = $(patsubst %.c,%.o,$(sort $(wildcard *.c)))\n\
+                    prog: $(OBJS)\n\t$(CC) -o $@ $(OBJS)\n\
+                    %.o: %.c\n\t$(CC) -O1 -c -o $@ $<\n";
+    std::fs::write(dir.join("Makefile"), makefile).unwrap();
+}
+
+fn make_j2(r: &str) {
+    let dir = scratch_dir("make");
+    small_project(&dir);
+    let out = run(lockstep_run(&["-r", r], &["make", "-s", "-j2", "-C", dir.to_str().unwrap()]));
+    out.assert_code(0);
+    let built = std::process::Command::new(dir.join("prog")).output().expect("run the built program");
+    assert_eq!(String::from_utf8_lossy(&built.stdout), "450450\n", "{}", out.context());
+}
+
+#[test]
+fn make_j2_builds_a_small_project_dmr() {
+    make_j2("2");
+}
+
+#[test]
+fn make_j2_builds_a_small_project_tmr() {
+    make_j2("3");
+}
+
+/// nginx (Debian's nginx-light) as a foreground master with one worker: it serves a
+/// request, and `stop` (SIGTERM, fast) or `quit` (SIGQUIT, graceful) sent to lockstep ends
+/// it with status 0. The master waits for its worker in sigsuspend with SIGCHLD and the
+/// stop signals blocked outside it.
+fn nginx_stops_on(r: &str, sig: i32, port: u16) {
+    let dir = scratch_dir("nginx");
+    let d = dir.display();
+    let conf = format!(
+        "daemon off;\nmaster_process on;\nworker_processes 1;\npid {d}/nginx.pid;\n\
+         error_log {d}/error.log warn;\nevents {{ worker_connections 64; }}\n\
+         http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n\
+         fastcgi_temp_path {d}/fcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
+         server {{ listen 127.0.0.1:{port}; location / {{ return 200 \"replicated\\n\"; }} }}\n}}\n"
+    );
+    std::fs::write(dir.join("nginx.conf"), conf).unwrap();
+    let conf_path = dir.join("nginx.conf");
+    let mut run = spawn(lockstep_run(
+        &["-r", r],
+        &["nginx", "-c", conf_path.to_str().unwrap(), "-p", dir.to_str().unwrap()],
+    ));
+    let body = http_get_with_retry(port, Duration::from_secs(30));
+    assert_eq!(body, "replicated\n");
+    run.signal(sig);
+    let out = run.finish(RUN_TIMEOUT);
+    out.assert_code(0);
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "nginx still listens after lockstep returned\n{}",
+        out.context()
+    );
+}
+
+/// The body of `GET /` on 127.0.0.1:`port`, retried until the server answers.
+fn http_get_with_retry(port: u16, limit: Duration) -> String {
+    use std::io::{Read, Write};
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+            let mut reply = String::new();
+            s.read_to_string(&mut reply).expect("read the reply");
+            return reply.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+        }
+        assert!(std::time::Instant::now() < deadline, "nginx did not listen on {port}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn nginx_stops_on_sigterm_dmr() {
+    nginx_stops_on("2", libc::SIGTERM, 18181);
+}
+
+#[test]
+fn nginx_stops_on_sigquit_tmr() {
+    nginx_stops_on("3", libc::SIGQUIT, 18182);
+}
+
+#[test]
+fn nginx_stops_on_sigterm_tmr() {
+    nginx_stops_on("3", libc::SIGTERM, 18183);
+}
+
