@@ -121,9 +121,14 @@ fn small_project(dir: &Path) {
 fn make_j2(r: &str) {
     let dir = scratch_dir("make");
     small_project(&dir);
-    let out = run(lockstep_run(&["-r", r], &["make", "-s", "-j2", "-C", dir.to_str().unwrap()]));
+    let out = run(lockstep_run(
+        &["-r", r],
+        &["make", "-s", "-j2", "-C", dir.to_str().unwrap()],
+    ));
     out.assert_code(0);
-    let built = std::process::Command::new(dir.join("prog")).output().expect("run the built program");
+    let built = std::process::Command::new(dir.join("prog"))
+        .output()
+        .expect("run the built program");
     assert_eq!(String::from_utf8_lossy(&built.stdout), "450450\n", "{}", out.context());
 }
 
@@ -201,3 +206,43 @@ fn nginx_stops_on_sigterm_tmr() {
     nginx_stops_on("3", libc::SIGTERM, 18183);
 }
 
+// --- killing one's own children -----------------------------------------------------------
+
+/// A shell kills its background job and waits for it: the child's death by the program's
+/// own signal is not a divergence, and its status reaches the parent in every replica.
+/// Repeated, because the child dies at a different point in each replica every time.
+fn shell_kills_its_child(sig: &str, status: &str) {
+    let script = format!("sleep 10 & kill -{sig} $!; wait $!; echo st=$?");
+    for r in ["2", "3"] {
+        for _ in 0..5 {
+            let out = run(lockstep_run(&["-r", r], &["sh", "-c", script.as_str()]));
+            out.assert_code(0).assert_stdout(format!("st={status}\n").as_bytes());
+        }
+    }
+}
+
+#[test]
+fn shell_kills_its_child_with_sigkill() {
+    shell_kills_its_child("9", "137");
+}
+
+#[test]
+fn shell_kills_its_child_with_sigterm() {
+    shell_kills_its_child("TERM", "143");
+}
+
+/// Python's subprocess timeouts, terminate(), kill(), a forked child killed by a signal,
+/// and pidfd_send_signal: the same output as natively.
+#[test]
+fn python_kills_its_children() {
+    let script = fixture_file("kill_children.py");
+    let argv = [
+        python3().to_str().unwrap().to_string(),
+        script.to_str().unwrap().to_string(),
+    ];
+    let want = native_stdout(&argv);
+    for r in ["2", "3"] {
+        let out = run(lockstep_run(&["-r", r], &argv));
+        out.assert_code(0).assert_stdout(&want);
+    }
+}

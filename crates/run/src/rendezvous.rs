@@ -4,11 +4,11 @@
 use crate::backend::{Backend, Resume};
 use crate::data;
 use crate::options::CompareMode;
-use crate::signals::{Interrupted, SigSet, StandIn};
 use crate::session::{
     describe_death, Arrival, Death, InputRecord, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId,
     MAX_QUEUED_INPUTS, PREVIEW,
 };
+use crate::signals::{Interrupted, SigSet, StandIn};
 use crate::Error;
 use lockstep_core::{vote, Event, Verdict};
 use lockstep_trace::syscalls::{self, Class, Desc, NewFds};
@@ -19,8 +19,20 @@ use std::time::Instant;
 /// EINTR that some blocking calls (`epoll_wait`, `epoll_pwait`, `rt_sigtimedwait`) return
 /// directly.
 fn interrupted_by_signal(nr: u64, ret: i64) -> bool {
-    ptrace::is_restart(ret)
-        || (ret == -(libc::EINTR as i64) && syscalls::describe(nr).is_some_and(|d| d.blocking))
+    ptrace::is_restart(ret) || (ret == -(libc::EINTR as i64) && syscalls::describe(nr).is_some_and(|d| d.blocking))
+}
+
+/// Whether thread `tid` is on its way out: gone, a zombie, or with SIGKILL pending.
+fn thread_is_dying(tid: Tid) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{tid}/status")) else {
+        return true;
+    };
+    let field = |key: &str| status.lines().find_map(|l| l.strip_prefix(key)).map(str::trim);
+    let sigkill = 1u64 << (libc::SIGKILL - 1);
+    let pending = |key: &str| field(key).and_then(|v| u64::from_str_radix(v, 16).ok()).unwrap_or(0) & sigkill != 0;
+    matches!(field("State:").and_then(|s| s.chars().next()), Some('Z' | 'X'))
+        || pending("SigPnd:")
+        || pending("ShdPnd:")
 }
 
 /// What the replicas are compared on at one rendezvous.
@@ -58,6 +70,7 @@ impl Session {
         if live.is_empty()
             || live.len() != self.live_replicas().len()
             || live.iter().any(|&r| self.slot(task, r).arrival.is_none())
+            || self.awaiting_program_kill(task, &live)
         {
             return Ok(());
         }
@@ -67,6 +80,23 @@ impl Session {
             return Ok(());
         }
         self.decide(task, &live)
+    }
+
+    /// A replica's thread was killed by a signal the program itself sent (SIGKILL, which
+    /// no tracer sees coming): the other replicas' copies are being killed too, wherever
+    /// they happen to be, so their last stops are not compared with the death. The vote
+    /// waits until every copy has died.
+    fn awaiting_program_kill(&self, task: TaskId, live: &[ReplicaId]) -> bool {
+        let sent = self.processes[self.tasks[task].process].sent_by_program;
+        let killed = |r: ReplicaId| matches!(self.slot(task, r).arrival, Some(Arrival::Died(Death::Killed(s))) if sent.contains(s));
+        live.iter().any(|&r| killed(r)) && !live.iter().all(|&r| killed(r))
+    }
+
+    /// Whether the program sent SIGKILL to this task's process and one of its copies is
+    /// already dying (a zombie, or SIGKILL pending).
+    fn dying_by_program_kill(&self, task: TaskId, members: &[ReplicaId]) -> bool {
+        let sent = self.processes[self.tasks[task].process].sent_by_program;
+        sent.contains(libc::SIGKILL) && members.iter().any(|&r| thread_is_dying(self.slot(task, r).tid))
     }
 
     /// `--compare io` synchronises at outputs only: an input the leader reaches is run at
@@ -223,6 +253,11 @@ impl Session {
         }
         // When the first vote found a divergence: masking time is measured from here.
         let mut detected: Option<Instant> = None;
+        if vote(&keys) != Verdict::Unanimous && self.dying_by_program_kill(task, &members) {
+            // A copy that the program's own SIGKILL is taking down may already be unreadable:
+            // not a divergence. Its death is reported next, and the vote waits for all.
+            return Ok(());
+        }
         loop {
             match vote(&keys) {
                 Verdict::Unanimous => {
@@ -375,6 +410,7 @@ impl Session {
                 }
                 self.tasks[task].phase = Phase::All { nr, args };
                 self.tasks[task].spawned = None;
+                self.note_program_signal(task, nr, &args);
                 for r in self.live_slots(task) {
                     self.translate_pid_args(task, r, nr, &args);
                     self.resume(task, r, Resume::ToExit, SlotState::Executing);
@@ -594,6 +630,9 @@ impl Session {
                 }
             }
         }
+        // Followers that died on their way to a descriptor install (killed by the program
+        // itself, say): judged once the call is over.
+        let mut died = Vec::new();
         for f in self.live_slots(task) {
             if f == leader || self.slot(task, f).state != SlotState::Arrived {
                 continue;
@@ -622,7 +661,9 @@ impl Session {
                 self.raise_mirrored(task, f);
                 self.resume(task, f, Resume::Run, SlotState::Running);
             } else {
-                self.install_fds(task, f, ltgid, &fds, ret)?;
+                if let Some(death) = self.install_fds(task, f, ltgid, &fds, ret)? {
+                    died.push((f, death));
+                }
             }
         }
         if io_input {
@@ -644,34 +685,35 @@ impl Session {
         self.tasks[task].phase = Phase::Collect;
         self.tasks[task].mirror = SigSet::default();
         self.resume(task, leader, Resume::Run, SlotState::Running);
+        for (f, death) in died {
+            self.on_death(task, f, death)?;
+        }
         Ok(())
     }
 
     /// Waits for follower `ftid`'s descriptor-install notification. The follower may stop
     /// on its way there (a `PTRACE_INTERRUPT` that `lockstep inject --replica` issued and
-    /// that was still pending): such a stop is passed on and the wait goes on.
+    /// that was still pending): such a stop is passed on and the wait goes on. It may also
+    /// die on the way (`Err(death)`), for example killed by its own parent.
     fn await_install_notification(
         &mut self,
         listener: &lockstep_trace::seccomp::Listener,
         ftid: Tid,
-    ) -> Result<lockstep_trace::seccomp::Notif, Stopped> {
+    ) -> Result<Result<lockstep_trace::seccomp::Notif, Death>, Stopped> {
         const POLL_MS: i32 = 50;
         const LIMIT_MS: i32 = 5000;
         let mut waited = 0;
         loop {
             match listener.recv(POLL_MS) {
-                Ok(notif) => return Ok(notif),
+                Ok(notif) => return Ok(Ok(notif)),
                 Err(e) if e.kind() != std::io::ErrorKind::TimedOut || waited >= LIMIT_MS => {
                     return Err(Error::Io("waiting for the descriptor-install notification", e).into())
                 }
                 Err(_) => waited += POLL_MS,
             }
             match self.be.try_wait_tid(ftid) {
-                Ok(Some(lockstep_trace::Stop::Exited(_) | lockstep_trace::Stop::Killed(_))) => {
-                    return Err(Stopped::Failure(Error::Setup(
-                        "a follower died while its descriptors were installed".into(),
-                    )))
-                }
+                Ok(Some(lockstep_trace::Stop::Exited(code))) => return Ok(Err(Death::Exited(code))),
+                Ok(Some(lockstep_trace::Stop::Killed(sig))) => return Ok(Err(Death::Killed(sig))),
                 Ok(Some(_)) => {
                     let _ = self.be.resume(ftid, Resume::Run);
                 }
@@ -682,6 +724,7 @@ impl Session {
 
     /// Makes follower `f` return `ret` from its call while installing the leader's open
     /// file descriptions at the same descriptor numbers (seccomp user notification).
+    /// `Some(death)`: the follower died before it got there.
     fn install_fds(
         &mut self,
         task: TaskId,
@@ -689,11 +732,22 @@ impl Session {
         leader_tgid: Tid,
         fds: &[i32],
         ret: i64,
-    ) -> Result<(), Stopped> {
-        let pidfd = lockstep_trace::seccomp::pidfd_open(leader_tgid).map_err(|e| Error::Io("pidfd_open", e))?;
+    ) -> Result<Option<Death>, Stopped> {
+        // The leader's process died since its call returned (killed by the program, or a
+        // fault): the follower stays parked at its call, and the leader's death decides.
+        let leader_gone = |e: &std::io::Error| e.raw_os_error() == Some(libc::ESRCH);
+        let pidfd = match lockstep_trace::seccomp::pidfd_open(leader_tgid) {
+            Ok(fd) => fd,
+            Err(e) if leader_gone(&e) => return Ok(None),
+            Err(e) => return Err(Error::Io("pidfd_open", e).into()),
+        };
         let mut ours = Vec::new();
         for &fd in fds {
-            let dup = lockstep_trace::seccomp::pidfd_getfd(&pidfd, fd).map_err(|e| Error::Io("pidfd_getfd", e))?;
+            let dup = match lockstep_trace::seccomp::pidfd_getfd(&pidfd, fd) {
+                Ok(dup) => dup,
+                Err(e) if leader_gone(&e) => return Ok(None),
+                Err(e) => return Err(Error::Io("pidfd_getfd", e).into()),
+            };
             ours.push((fd, dup, fd_cloexec(leader_tgid, fd)));
         }
         let ftid = self.slot(task, f).tid;
@@ -714,23 +768,46 @@ impl Session {
             self.resume(task, f, Resume::ToExit, SlotState::Executing);
         }
         let listener = self.replicas[f as usize].listener.clone();
-        let notif = self.await_install_notification(&listener, ftid)?;
+        let notif = match self.await_install_notification(&listener, ftid)? {
+            Ok(notif) => notif,
+            Err(death) => return Ok(Some(death)),
+        };
         if notif.pid as Tid != ftid {
             return Err(Stopped::Failure(Error::Setup(format!(
                 "descriptor install: expected thread {ftid}, got {}",
                 notif.pid
             ))));
         }
+        let gone = |e: &std::io::Error| e.raw_os_error() == Some(libc::ENOENT);
         for (fd, dup, cloexec) in &ours {
             use std::os::fd::AsRawFd;
-            listener
-                .add_fd(notif.id, dup.as_raw_fd(), *fd, *cloexec)
-                .map_err(|e| Error::Io("SECCOMP_IOCTL_NOTIF_ADDFD", e))?;
+            match listener.add_fd(notif.id, dup.as_raw_fd(), *fd, *cloexec) {
+                Ok(_) => {}
+                // The follower was killed while it waited for its descriptors.
+                Err(e) if gone(&e) => return Ok(self.death_of(ftid)),
+                Err(e) => return Err(Error::Io("SECCOMP_IOCTL_NOTIF_ADDFD", e).into()),
+            }
         }
-        listener
-            .respond(notif.id, ret)
-            .map_err(|e| Error::Io("SECCOMP_IOCTL_NOTIF_SEND", e))?;
-        Ok(())
+        match listener.respond(notif.id, ret) {
+            Ok(()) => Ok(None),
+            Err(e) if gone(&e) => Ok(self.death_of(ftid)),
+            Err(e) => Err(Error::Io("SECCOMP_IOCTL_NOTIF_SEND", e).into()),
+        }
+    }
+
+    /// Waits for the death of a thread that is known to be dying (its seccomp notification
+    /// vanished); `None` if it reports something else first (it is then left stopped).
+    fn death_of(&mut self, tid: Tid) -> Option<Death> {
+        loop {
+            match self.be.wait_tid(tid) {
+                Ok(lockstep_trace::Stop::Exited(code)) => return Some(Death::Exited(code)),
+                Ok(lockstep_trace::Stop::Killed(sig)) => return Some(Death::Killed(sig)),
+                Ok(_) => {
+                    let _ = self.be.resume(tid, Resume::Run);
+                }
+                Err(_) => return None,
+            }
+        }
     }
 
     /// Every replica has finished its part of an all-replica call: compare the results.

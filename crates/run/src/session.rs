@@ -209,6 +209,9 @@ pub struct Process {
     pub tasks: Vec<TaskId>,
     /// exit_group or a fatal signal is under way: deaths are expected.
     pub exiting: bool,
+    /// Signals the program itself sent to this process (`kill`, `tgkill`, ...): a death
+    /// by one of them is the program's doing in every replica, not a fault.
+    pub sent_by_program: SigSet,
 }
 
 pub struct Replica {
@@ -541,6 +544,7 @@ impl Session {
                 parent: None,
                 tasks: vec![0],
                 exiting: false,
+                sent_by_program: SigSet::default(),
             }],
             by_tid: HashMap::new(),
             early_stops: HashSet::new(),
@@ -1333,7 +1337,7 @@ impl Session {
         self.try_decide(task)
     }
 
-    fn on_death(&mut self, task: TaskId, r: ReplicaId, death: Death) -> Result<(), Stopped> {
+    pub(crate) fn on_death(&mut self, task: TaskId, r: ReplicaId, death: Death) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
         self.by_tid.remove(&tid);
         let was_leader_executing =
@@ -1342,7 +1346,8 @@ impl Session {
         slot.state = SlotState::Dead;
         slot.arrival = Some(Arrival::Died(death));
         let process = self.tasks[task].process;
-        let expected = self.processes[process].exiting;
+        let expected = self.processes[process].exiting
+            || matches!(death, Death::Killed(sig) if self.processes[process].sent_by_program.contains(sig));
         if was_leader_executing {
             self.tasks[task].phase = Phase::Collect;
         }
@@ -1379,6 +1384,7 @@ impl Session {
                         parent: Some(parent_process),
                         tasks: Vec::new(),
                         exiting: false,
+                        sent_by_program: SigSet::default(),
                     });
                     self.processes.len() - 1
                 };
@@ -1587,7 +1593,6 @@ pub(crate) enum TrappedInsn {
     Rdtsc(u8),
     Cpuid,
 }
-
 
 pub fn describe_death(d: Death) -> String {
     match d {

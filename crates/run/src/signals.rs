@@ -146,8 +146,6 @@ impl Session {
         Ok(())
     }
 
-
-
     /// What the program's process does with `sig`, read from /proc.
     fn disposition(&self, tgid: Tid, sig: i32) -> SignalFate {
         let status = std::fs::read_to_string(format!("/proc/{tgid}/status")).unwrap_or_default();
@@ -273,12 +271,63 @@ impl Session {
         Ok(())
     }
 
+    /// The program is about to send a signal to some of its own processes, each replica
+    /// to its own copies (`kill`, `tkill`, `tgkill`, `rt_sigqueueinfo`,
+    /// `rt_tgsigqueueinfo`, `pidfd_send_signal`). Deaths by that signal are then expected;
+    /// they are voted like any other death. A pid of 0 or below (a process group, or
+    /// everyone) marks every process of the program.
+    pub(crate) fn note_program_signal(&mut self, task: TaskId, nr: u64, args: &[u64; 6]) {
+        let (target, sig) = match nr as i64 {
+            libc::SYS_kill | libc::SYS_rt_sigqueueinfo => (Some(args[0] as i32), args[1] as i32),
+            libc::SYS_tkill => (self.process_of_tid(args[0] as i32), args[1] as i32),
+            libc::SYS_tgkill | libc::SYS_rt_tgsigqueueinfo => (Some(args[0] as i32), args[2] as i32),
+            libc::SYS_pidfd_send_signal => (self.pidfd_target(task, args[0] as i32), args[1] as i32),
+            _ => return,
+        };
+        if !(1..=64).contains(&sig) {
+            return;
+        }
+        for p in 0..self.processes.len() {
+            let hit = match target {
+                Some(pid) if pid > 0 => self.processes[p].logical_pid == pid,
+                Some(_) => true,
+                // A pidfd we cannot resolve: expect the death anywhere rather than call
+                // the program's own kill a fault.
+                None => true,
+            };
+            if hit {
+                self.processes[p].sent_by_program.add(sig);
+            }
+        }
+    }
+
+    /// The logical pid of the process that has logical thread `tid`.
+    fn process_of_tid(&self, tid: i32) -> Option<i32> {
+        let task = self.tasks.iter().find(|t| t.logical_tid == tid && !t.finished)?;
+        Some(self.processes[task.process].logical_pid)
+    }
+
+    /// The logical pid a pidfd of the leader's refers to (from its fdinfo).
+    fn pidfd_target(&self, task: TaskId, fd: i32) -> Option<i32> {
+        let leader_tgid = self.slot(task, self.leader).tgid;
+        let info = std::fs::read_to_string(format!("/proc/{leader_tgid}/fdinfo/{fd}")).ok()?;
+        let real: i32 = info.lines().find_map(|l| l.strip_prefix("Pid:"))?.trim().parse().ok()?;
+        let &(task, _) = self.by_tid.get(&real)?;
+        Some(self.processes[self.tasks[task].process].logical_pid)
+    }
+
     /// A handled signal that is due at a rendezvous, where every replica is stopped at
     /// `nr`. A call the leader runs for everyone runs with the signal pending in the
     /// leader: it ends early exactly as a native call does when a signal is already there
     /// (and `deliver_interrupted` takes over), or completes, and then the signal reaches
     /// every replica right after it. Any other call is rewound and the handler runs first.
-    pub(crate) fn deliver_at_rendezvous(&mut self, task: TaskId, nr: u64, args: [u64; 6], sig: i32) -> Result<(), Stopped> {
+    pub(crate) fn deliver_at_rendezvous(
+        &mut self,
+        task: TaskId,
+        nr: u64,
+        args: [u64; 6],
+        sig: i32,
+    ) -> Result<(), Stopped> {
         let class = syscalls::describe(nr).map(|d| syscalls::classify(d, &args));
         let leader_runs = matches!(
             class,
@@ -291,7 +340,10 @@ impl Session {
         self.stats.signals_delivered += 1;
         self.tasks[task].kicked = false;
         if self.debug {
-            eprintln!("lockstep debug: signal {sig} pending in task {task} during {}", syscalls::name(nr));
+            eprintln!(
+                "lockstep debug: signal {sig} pending in task {task} during {}",
+                syscalls::name(nr)
+            );
         }
         let leader = self.leader;
         self.raise(task, leader, sig);
