@@ -158,7 +158,7 @@ fn nginx_stops_on(r: &str, sig: i32, port: u16) {
     );
     std::fs::write(dir.join("nginx.conf"), conf).unwrap();
     let conf_path = dir.join("nginx.conf");
-    let mut run = spawn(lockstep_run(
+    let run = spawn(lockstep_run(
         &["-r", r],
         &["nginx", "-c", conf_path.to_str().unwrap(), "-p", dir.to_str().unwrap()],
     ));
