@@ -152,12 +152,16 @@ pub fn main(a: RunArgs) -> i32 {
         quiet: a.quiet,
         command: a.command,
     };
+    let quiet = options.quiet;
     match lockstep_run::run(options) {
         Ok(status) => status,
         Err(e) => {
             let code = e.exit_status();
             if code == exit::USAGE {
                 return usage(&e.to_string());
+            }
+            if e.reported_as_event() && !quiet {
+                return code; // its event line is on stderr already: say it once
             }
             let msg = e.to_string();
             if msg.starts_with("lockstep run:") {

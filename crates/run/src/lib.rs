@@ -40,6 +40,11 @@ pub enum Error {
     Setup(String),
     Io(&'static str, std::io::Error),
     Unsupported(String),
+    /// The monitor failed while it replicated this syscall.
+    Internal {
+        syscall: String,
+        cause: Box<Error>,
+    },
 }
 
 impl std::fmt::Display for Error {
@@ -50,18 +55,25 @@ impl std::fmt::Display for Error {
             Error::Setup(m) => write!(f, "cannot start the replicas: {m}"),
             Error::Io(what, e) => write!(f, "{what} failed: {e}"),
             Error::Unsupported(m) => write!(f, "{m}"),
+            Error::Internal { syscall, cause } => write!(f, "internal error while replicating {syscall}: {cause}"),
         }
     }
 }
 
 impl Error {
+    /// Whether the monitor already reported this error as an event (whose human line goes
+    /// to stderr unless `--quiet`): the caller need not print it again.
+    pub fn reported_as_event(&self) -> bool {
+        matches!(self, Error::Unsupported(_) | Error::Internal { .. })
+    }
+
     /// The documented exit status for this error.
     pub fn exit_status(&self) -> i32 {
         use lockstep_core::exit;
         match self {
             Error::Usage(_) => exit::USAGE,
             Error::NotFound(_) => exit::NOT_FOUND,
-            Error::Setup(_) | Error::Io(..) | Error::Unsupported(_) => exit::LOCKSTEP_FAILURE,
+            Error::Setup(_) | Error::Io(..) | Error::Unsupported(_) | Error::Internal { .. } => exit::LOCKSTEP_FAILURE,
         }
     }
 }

@@ -99,6 +99,19 @@ impl Session {
         sent.contains(libc::SIGKILL) && members.iter().any(|&r| thread_is_dying(self.slot(task, r).tid))
     }
 
+    /// The class of the leader's call `desc(args)` of `task`: the table's, refined by its
+    /// arguments, and for `openat2` by the flags in its `open_how` (read from the leader).
+    pub(crate) fn class_of(&self, task: TaskId, desc: &Desc, args: &[u64; 6]) -> Class {
+        if desc.nr == libc::SYS_openat2 as u64 && args[2] != 0 {
+            let mut flags = [0u8; 8];
+            let tid = self.slot(task, self.leader).tid;
+            if self.be.read(tid, args[2], &mut flags).is_ok() {
+                return syscalls::open_class(u64::from_le_bytes(flags));
+            }
+        }
+        syscalls::classify(desc, args)
+    }
+
     /// `--compare io` synchronises at outputs only: an input the leader reaches is run at
     /// once, without waiting for the followers, unless a signal is to be delivered, a
     /// replica is to be re-integrated, or too many results already wait for slow followers.
@@ -111,7 +124,7 @@ impl Session {
             return false;
         };
         let input = syscalls::describe(nr)
-            .map(|d| syscalls::classify(d, &args) == Class::Input)
+            .map(|d| self.class_of(task, d, &args) == Class::Input)
             .unwrap_or(false);
         // recvmsg may carry descriptors, which are installed into followers at a rendezvous.
         input
@@ -373,7 +386,9 @@ impl Session {
 
     pub(crate) fn execute(&mut self, task: TaskId, nr: u64, args: [u64; 6]) -> Result<(), Stopped> {
         let desc = syscalls::describe(nr);
-        let class = desc.map(|d| syscalls::classify(d, &args)).unwrap_or(Class::Unsupported);
+        let class = desc
+            .map(|d| self.class_of(task, d, &args))
+            .unwrap_or(Class::Unsupported);
         self.stats.count(class);
         let leader = self.leader;
         match class {

@@ -630,8 +630,15 @@ impl Session {
                 continue;
             };
             let t0 = Instant::now();
+            let at = self.by_tid.get(&tid).copied();
             let handled = self.on_stop(tid, stop);
             self.stats.monitor_time += t0.elapsed();
+            let handled = match (handled, at) {
+                (Err(Stopped::Failure(e)), Some((task, r))) if !matches!(e, Error::Unsupported(_)) => {
+                    Err(Stopped::Failure(self.internal_failure(task, r, e)))
+                }
+                (other, _) => other,
+            };
             self.flush_events();
             handled?;
         }
@@ -639,6 +646,41 @@ impl Session {
     }
 
     /// SIGKILLs every replica process and namespace, then reaps what is left.
+    /// Names the syscall during which the monitor itself failed, in an event and in the
+    /// error lockstep exits with (125).
+    fn internal_failure(&mut self, task: TaskId, r: ReplicaId, cause: Error) -> Error {
+        let nr = match self.tasks[task].phase {
+            Phase::Leader { nr, .. }
+            | Phase::LeaderFirst { nr, .. }
+            | Phase::Followers { nr, .. }
+            | Phase::All { nr, .. } => Some(nr),
+            Phase::Collect => match self.tasks[task]
+                .slots
+                .get(r as usize)
+                .and_then(|s| s.as_ref())
+                .and_then(|s| s.arrival)
+            {
+                Some(Arrival::Syscall { nr, .. }) => Some(nr),
+                _ => None,
+            },
+        };
+        let syscall = nr
+            .map(lockstep_trace::syscalls::name)
+            .unwrap_or_else(|| "a stop".into());
+        self.emit(
+            Event::new("run", "internal", "stop")
+                .replica(r)
+                .object(syscall.clone())
+                .message(format!(
+                    "lockstep failed while replicating {syscall} (task {task}, replica {r}): {cause}"
+                )),
+        );
+        Error::Internal {
+            syscall,
+            cause: Box::new(cause),
+        }
+    }
+
     pub fn kill_everything(&mut self) {
         for (&tid, _) in self.by_tid.iter() {
             self.be.kill(tid);

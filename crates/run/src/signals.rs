@@ -328,7 +328,7 @@ impl Session {
         args: [u64; 6],
         sig: i32,
     ) -> Result<(), Stopped> {
-        let class = syscalls::describe(nr).map(|d| syscalls::classify(d, &args));
+        let class = syscalls::describe(nr).map(|d| self.class_of(task, d, &args));
         let leader_runs = matches!(
             class,
             Some(Class::Input | Class::Output | Class::FdCreate | Class::AllAfterLeader)

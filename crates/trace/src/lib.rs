@@ -5,6 +5,7 @@
 //! * [`seccomp`]: the BPF filter that decides which syscalls stop, and the user-notification
 //!   listener used to install file descriptors into a tracee.
 //! * [`syscalls`]: the one table that classifies every x86-64 syscall.
+//! * [`syscall_names`]: the kernel's names of all x86-64 syscalls, for messages.
 //! * [`regs`]: register names, for fault injection and diagnostics.
 //! * [`cpu`]: another process's CPU time (the clock of time-based injection points).
 //!
@@ -15,6 +16,7 @@ pub mod mem;
 pub mod ptrace;
 pub mod regs;
 pub mod seccomp;
+pub mod syscall_names;
 pub mod syscalls;
 
 pub use ptrace::{Regs, Stop, Tid};

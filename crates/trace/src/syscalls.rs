@@ -514,6 +514,9 @@ static ROWS: &[Desc] = &[
     row!(SYS_rt_sigqueueinfo, All, [Val, Val, Ignore]),
     row!(SYS_rt_tgsigqueueinfo, All, [Val, Val, Val, Ignore]),
     row!(SYS_rt_sigpending, All, [Out(Fixed(8)), Val]),
+    // Setting the clock changes the world: compared, then done once by the leader.
+    row!(SYS_clock_settime, Output, [Val, In(Fixed(TIMESPEC))]),
+    row!(SYS_settimeofday, Output, [In(Fixed(16)), In(Fixed(8))]),
     row!(SYS_alarm, All, [Val]),
     row!(SYS_setitimer, All, [Val, In(Fixed(ITIMERVAL)), Ignore]),
     row!(SYS_timer_create, All, [Val, Ignore, Out(Fixed(4))]),
@@ -594,11 +597,16 @@ pub fn table() -> &'static [Desc] {
     ROWS
 }
 
-/// Name of syscall `nr` for messages ("syscall 999" when unknown).
+/// Name of syscall `nr` for messages: from the table, else from the kernel's list of
+/// names ("syscall 999" only for a number the kernel does not define).
 pub fn name(nr: u64) -> String {
-    describe(nr)
-        .map(|d| d.name.to_string())
-        .unwrap_or_else(|| format!("syscall {nr}"))
+    if let Some(d) = describe(nr) {
+        return d.name.to_string();
+    }
+    match crate::syscall_names::NAMES.get(nr as usize) {
+        Some(n) if !n.is_empty() => n.to_string(),
+        _ => format!("syscall {nr}"),
+    }
 }
 
 pub const PR_SET_TSC: u64 = 26;
@@ -616,7 +624,21 @@ pub fn classify(desc: &Desc, args: &[u64; 6]) -> Class {
         },
         // The TSC must keep trapping, so the program may not change that setting.
         libc::SYS_prctl if args[0] == PR_SET_TSC || args[0] == PR_GET_TSC => Emulated,
+        libc::SYS_open => open_class(args[1]),
+        libc::SYS_openat => open_class(args[2]),
         _ => desc.class,
+    }
+}
+
+/// The class of an open with these flags (for `openat2`, the `flags` of its `open_how`).
+/// An `O_PATH` descriptor cannot be installed into another process through seccomp (the
+/// kernel refuses to pass it), so every replica opens it itself: paths and mount
+/// namespaces are identical, and the results are compared.
+pub fn open_class(flags: u64) -> Class {
+    if flags & libc::O_PATH as u64 != 0 {
+        All
+    } else {
+        FdCreate
     }
 }
 
@@ -658,6 +680,40 @@ mod tests {
         assert_eq!(describe(libc::SYS_write as u64).unwrap().name, "write");
         assert_eq!(describe(libc::SYS_write as u64).unwrap().class, Output);
         assert!(describe(9999).is_none());
+    }
+
+    #[test]
+    fn every_kernel_syscall_has_its_name() {
+        assert_eq!(name(227), "clock_settime");
+        assert_eq!(name(425), "io_uring_setup");
+        assert_eq!(name(9999), "syscall 9999");
+        for d in table() {
+            if (d.nr as usize) < crate::syscall_names::NAMES.len() {
+                assert_eq!(crate::syscall_names::NAMES[d.nr as usize], d.name);
+            }
+        }
+        // The generated list matches the installed kernel header, where there is one.
+        let Ok(header) = std::fs::read_to_string("/usr/include/x86_64-linux-gnu/asm/unistd_64.h") else {
+            return;
+        };
+        for line in header.lines() {
+            let mut words = line.split_whitespace();
+            if let (Some("#define"), Some(sym), Some(nr)) = (words.next(), words.next(), words.next()) {
+                let (Some(n), Ok(nr)) = (sym.strip_prefix("__NR_"), nr.parse::<usize>()) else {
+                    continue;
+                };
+                assert_eq!(crate::syscall_names::NAMES.get(nr).copied(), Some(n), "syscall {nr}");
+            }
+        }
+    }
+
+    #[test]
+    fn o_path_opens_run_in_every_replica() {
+        let open = describe(libc::SYS_openat as u64).unwrap();
+        let path = (libc::O_PATH | libc::O_NOFOLLOW) as u64;
+        assert_eq!(classify(open, &[0, 0, path, 0, 0, 0]), All);
+        assert_eq!(classify(open, &[0, 0, libc::O_RDONLY as u64, 0, 0, 0]), FdCreate);
+        assert_eq!(open_class(libc::O_PATH as u64), All);
     }
 
     #[test]
