@@ -19,8 +19,9 @@ pub struct CallDigest {
     pub crc: u32,
     /// Bytes of pointed-to data that went into the digest.
     pub bytes: u64,
-    /// Where in the scratch buffer the first pointed-to buffer starts (for previews).
-    pub first_buffer: Option<usize>,
+    /// Where in the scratch buffer the first pointed-to buffer is, as (start, end), for
+    /// previews and divergence messages.
+    pub first_buffer: Option<(usize, usize)>,
 }
 
 fn u64_at(b: &[u8], off: usize) -> u64 {
@@ -61,8 +62,8 @@ fn iovecs(be: &dyn Backend, tid: Tid, addr: u64, count: u64) -> Vec<(u64, usize)
 }
 
 /// The content of the input data of a call, appended to `out`.
-/// Returns the offset in `out` where the first pointed-to buffer starts, if any.
-fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &mut Vec<u8>) -> Option<usize> {
+/// Returns where in `out` the first pointed-to buffer is, if any.
+fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &mut Vec<u8>) -> Option<(usize, usize)> {
     let mut first_buffer = None;
     let mut push_mem = |out: &mut Vec<u8>, addr: u64, len: usize| {
         if addr == 0 || len == 0 {
@@ -70,13 +71,13 @@ fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &m
             return;
         }
         let start = out.len();
-        first_buffer.get_or_insert(start);
         out.resize(start + len, 0);
         if be.read(tid, addr, &mut out[start..]).is_err() {
             // An unreadable buffer is itself an observable difference.
             out.truncate(start);
             out.extend_from_slice(b"<EFAULT>");
         }
+        first_buffer.get_or_insert((start, out.len()));
     };
     for (i, arg) in desc.args.iter().enumerate() {
         let a = args[i];

@@ -184,7 +184,7 @@ impl Session {
                     data::CallDigest::default()
                 };
                 let preview = match (is_output, digest.first_buffer) {
-                    (true, Some(at)) => &self.scratch[at.min(self.scratch.len())..],
+                    (true, Some((start, end))) => self.scratch.get(start..end).unwrap_or_default(),
                     _ => &[][..],
                 };
                 let n = preview.len().min(PREVIEW);
@@ -251,6 +251,53 @@ impl Session {
         }
     }
 
+    /// Where the data two replicas pass to the same call first differ: their lengths, the
+    /// offset of the first differing byte, and up to 16 bytes from a little before it in
+    /// each (for divergence messages; empty when they are not at the same call).
+    fn first_difference(&self, task: TaskId, a: ReplicaId, b: ReplicaId) -> String {
+        const BEFORE: usize = 8;
+        const SHOWN: usize = 16;
+        let (Some(Arrival::Syscall { nr, args }), Some(Arrival::Syscall { nr: nr_b, args: args_b })) =
+            (self.slot(task, a).arrival, self.slot(task, b).arrival)
+        else {
+            return String::new();
+        };
+        if nr != nr_b {
+            return String::new();
+        }
+        let desc = syscalls::describe(nr);
+        let data = |r: ReplicaId, args: &[u64; 6]| {
+            let mut bytes = Vec::new();
+            let d = data::digest_call(&self.be, self.slot(task, r).tid, nr, desc, args, &mut bytes);
+            // Only the (first) buffer: the number and plain values are shown elsewhere.
+            match d.first_buffer {
+                Some((start, end)) => bytes.get(start..end).map(<[u8]>::to_vec).unwrap_or_default(),
+                None => Vec::new(),
+            }
+        };
+        let (da, db) = (data(a, &args), data(b, &args_b));
+        let Some(at) = da
+            .iter()
+            .zip(&db)
+            .position(|(x, y)| x != y)
+            .or_else(|| (da.len() != db.len()).then(|| da.len().min(db.len())))
+        else {
+            return format!(
+                "; {} bytes each, identical data (the difference is in the history or the arguments)",
+                da.len()
+            );
+        };
+        let from = at.saturating_sub(BEFORE);
+        let show = |d: &[u8]| data::escape_preview(&d[from.min(d.len())..(from + SHOWN).min(d.len())]);
+        format!(
+            "; replica {a} passes {} bytes, replica {b} {}; first difference at byte {at}: {} / {} (from byte {from})",
+            da.len(),
+            db.len(),
+            show(&da),
+            show(&db)
+        )
+    }
+
     fn decide(&mut self, task: TaskId, live: &[ReplicaId]) -> Result<(), Stopped> {
         let t0 = Instant::now();
         let mut members: Vec<ReplicaId> = live.to_vec();
@@ -292,7 +339,9 @@ impl Session {
                     self.stats.divergences += 1;
                     let (texts, values) = self.arrival_texts(task, &members);
                     let what = &texts[i];
+                    let other = members[if i == 0 { 1 } else { 0 }];
                     let majority = &texts[if i == 0 { 1 } else { 0 }];
+                    let diff = self.first_difference(task, r, other);
                     self.emit(
                         Event::new("run", "divergence", "vote")
                             .replica(r)
@@ -300,7 +349,7 @@ impl Session {
                             .values(values)
                             .duration_us(t0.elapsed().as_micros() as u64)
                             .message(format!(
-                                "replica {r} diverged at task {task}: {what}; the majority has {majority}"
+                                "replica {r} diverged at task {task}: {what}; the majority has {majority}{diff}"
                             )),
                     );
                     self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
@@ -310,11 +359,15 @@ impl Session {
                 Verdict::NoConsensus => {
                     self.stats.divergences += 1;
                     let (_, values) = self.arrival_texts(task, &members);
+                    let diff = self.first_difference(task, members[0], members[1]);
                     self.emit(
                         Event::new("run", "divergence", "halt")
                             .object(format!("task {task}"))
                             .values(values.clone())
-                            .message(format!("replicas disagree at task {task}: {}", values.join(" / "))),
+                            .message(format!(
+                                "replicas disagree at task {task}: {}{diff}",
+                                values.join(" / ")
+                            )),
                     );
                     return Err(self.halt("no majority agrees on the faulty replica".into()));
                 }
