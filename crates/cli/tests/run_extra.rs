@@ -458,7 +458,10 @@ fn a_leader_read_with_a_corrupted_pointer_is_not_handed_to_the_followers() {
 #[test]
 fn divergence_message_shows_the_first_difference() {
     let prog = fixture("flip_target");
-    let out = run(lockstep_run(&["-r", "2", "--test-flip", "1:7:mem:rsi+5:2"], &[prog.as_os_str()]));
+    let out = run(lockstep_run(
+        &["-r", "2", "--test-flip", "1:7:mem:rsi+5:2"],
+        &[prog.as_os_str()],
+    ));
     out.assert_code(86);
     let line = out
         .stderr
@@ -466,7 +469,10 @@ fn divergence_message_shows_the_first_difference() {
         .find(|l| l.contains("[divergence]"))
         .unwrap_or_else(|| panic!("no divergence line\n{}", out.context()));
     assert!(line.contains("first difference at byte 5"), "{line}");
-    assert!(line.contains("replica 0 passes ") && line.contains(" bytes, replica 1 "), "{line}");
+    assert!(
+        line.contains("replica 0 passes ") && line.contains(" bytes, replica 1 "),
+        "{line}"
+    );
     // The preview shows the buffer only, not the call's other arguments.
     assert!(!line.contains("\\x00"), "{line}");
 }
