@@ -299,3 +299,59 @@ fn sigterm_forwarded_dmr() {
 fn sigterm_forwarded_tmr() {
     sigterm_forwarded("3");
 }
+
+// --- process ids ------------------------------------------------------------------------
+
+/// As root, the program's pid is lockstep's own (unique on the host while it runs, the same
+/// in every replica), so two concurrent runs never share pid-named files.
+#[test]
+fn concurrent_runs_get_different_pids() {
+    if unsafe { libc::geteuid() } != 0 {
+        return; // without namespaces the pid is replica 0's real pid, unique anyway
+    }
+    let script = "echo $$; sleep 0.5";
+    let a = spawn(lockstep_run(&["-r", "2"], &["sh", "-c", script]));
+    let b = spawn(lockstep_run(&["-r", "3"], &["sh", "-c", script]));
+    let (pid_a, pid_b) = (a.pid, b.pid);
+    let (out_a, out_b) = (a.finish(RUN_TIMEOUT), b.finish(RUN_TIMEOUT));
+    out_a.assert_code(0).assert_stdout(format!("{pid_a}\n").as_bytes());
+    out_b.assert_code(0).assert_stdout(format!("{pid_b}\n").as_bytes());
+}
+
+/// git gc records its pid and host in .git/gc.pid and refuses to run while that process
+/// lives. A run halted earlier left a lock naming pid 2 (the pid every replicated program
+/// used to get): gc runs anyway, twice in a row.
+#[test]
+fn git_gc_twice_after_a_stale_lock() {
+    let dir = scratch_dir("gitgc");
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .args(["-c", "user.email=t@example.com", "-c", "user.name=t"])
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("git");
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    git(&["init", "-q"]);
+    for i in 0..3 {
+        std::fs::write(dir.join(format!("f{i}")), format!("{i}\n")).unwrap();
+        git(&["add", "."]);
+        git(&["commit", "-qm", "c"]);
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    std::fs::write(dir.join(".git/gc.pid"), format!("2 {}", host.trim())).unwrap();
+    let git_dir = dir.join(".git");
+    for _ in 0..2 {
+        let out = run(lockstep_run(
+            &["-r", "2"],
+            &["git", "-C", dir.to_str().unwrap(), "gc", "--quiet"],
+        ));
+        out.assert_code(0);
+        assert!(git_dir.join("packed-refs").exists(), "{}", out.context());
+    }
+}

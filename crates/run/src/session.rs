@@ -423,6 +423,13 @@ fn resolve(cmd: &str) -> Result<String, Error> {
     Err(Error::NotFound(format!("{cmd}: command not found")))
 }
 
+/// A process's pid in its innermost PID namespace (the last `NSpid` of its status).
+fn innermost_pid(pid: Tid) -> Option<i32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    line.split_whitespace().last()?.parse().ok()
+}
+
 fn allowed_cpus() -> Vec<usize> {
     // SAFETY: zeroed cpu_set_t filled by the kernel.
     unsafe {
@@ -487,6 +494,8 @@ impl Session {
                 envp: &envp_ptrs,
                 cpu,
                 namespaces,
+                // SAFETY: getpid has no preconditions.
+                pid: unsafe { libc::getpid() },
                 filter: &filter,
             };
             let spawned = match spawn::spawn(&plan) {
@@ -517,14 +526,18 @@ impl Session {
                 libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
             }
         }
-        // The program's pid as the program sees it: 2 inside our namespace (the stub is 1).
-        let logical_pid = if namespaces { 2 } else { mains[0] };
-        if !namespaces {
-            for (r, &m) in replicas.iter_mut().zip(&mains) {
-                if m != logical_pid {
-                    r.to_local.insert(logical_pid, m);
-                    r.to_logical.insert(m, logical_pid);
-                }
+        // The program's pid as the program sees it: inside our namespaces, the one it got
+        // there (lockstep's own pid where the kernel allowed choosing it; the stub is 1);
+        // without namespaces, replica 0's. A replica whose own differs is translated.
+        let own: Vec<i32> = mains
+            .iter()
+            .map(|&m| if namespaces { innermost_pid(m).unwrap_or(m) } else { m })
+            .collect();
+        let logical_pid = own[0];
+        for (r, &m) in replicas.iter_mut().zip(&own) {
+            if m != logical_pid {
+                r.to_local.insert(logical_pid, m);
+                r.to_logical.insert(m, logical_pid);
             }
         }
         let want = opts.replicas;

@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! lockstep ── stub (pid 1 in the replica's PID namespace: reaps orphans)
-//!                └── program (pid 2, traced; seccomp filter installed just before exec)
+//!                └── program (pid = lockstep's own pid, chosen with clone3 set_tid; traced;
+//!                             seccomp filter installed just before exec)
 //! ```
 //!
 //! The monitor seizes the stub before it forks, so the program is auto-attached and the
@@ -34,6 +35,10 @@ pub struct Plan<'a> {
     pub envp: &'a [*const libc::c_char],
     pub cpu: Option<usize>,
     pub namespaces: bool,
+    /// The pid the program asks for inside its namespace: lockstep's own, which no other
+    /// process on the host has while lockstep runs, so pid-named files (lock files, temp
+    /// directories) never collide between runs. 0: the kernel's choice.
+    pub pid: libc::pid_t,
     pub filter: &'a [libc::sock_filter],
 }
 
@@ -72,6 +77,50 @@ unsafe fn become_program(plan: &Plan, argv: &[*const libc::c_char], envp: &[*con
     }
     libc::execve(plan.path.as_ptr(), argv.as_ptr(), envp.as_ptr());
     libc::_exit(lockstep_core::exit::CANNOT_EXECUTE);
+}
+
+/// `struct clone_args` of clone3(2), up to `set_tid_size` (CLONE_ARGS_SIZE_VER1).
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+}
+
+/// fork(2), with the child's pid in the caller's (new) PID namespace set to `pid` when it
+/// is above 1 (clone3 with `set_tid`, which needs CAP_SYS_ADMIN there); a plain fork when
+/// the kernel refuses. Async-signal-safe.
+unsafe fn fork_with_pid(pid: libc::pid_t) -> libc::pid_t {
+    if pid > 1 {
+        let tids = [pid];
+        let args = CloneArgs {
+            exit_signal: libc::SIGCHLD as u64,
+            set_tid: tids.as_ptr() as u64,
+            set_tid_size: 1,
+            ..CloneArgs::default()
+        };
+        // SAFETY: args and tids outlive the call; no shared VM, so this is a fork.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_clone3,
+                &args as *const CloneArgs,
+                std::mem::size_of::<CloneArgs>(),
+            )
+        };
+        if r >= 0 {
+            return r as libc::pid_t;
+        }
+    }
+    // SAFETY: as above.
+    unsafe { libc::fork() }
 }
 
 pub fn ptrs(v: &[CString]) -> Vec<*const libc::c_char> {
@@ -134,7 +183,7 @@ pub fn spawn(plan: &Plan) -> Result<Spawned, Error> {
                 libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
                 std::ptr::null(),
             );
-            let child = libc::fork();
+            let child = fork_with_pid(plan.pid);
             if child == 0 {
                 become_program(plan, argv, envp);
             }
