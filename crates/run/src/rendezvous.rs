@@ -577,6 +577,7 @@ impl Session {
                 self.slot_mut(task, r).result = ret;
                 self.slot_mut(task, r).state = SlotState::Done;
                 self.tasks[task].phase = Phase::Followers { nr, args };
+                self.tasks[task].first_arrival = Some(Instant::now());
                 let reaped = self.reaped_child(task, nr, &args, ret);
                 for f in self.live_slots(task) {
                     if f == self.leader || self.slot(task, f).state != SlotState::Arrived {
@@ -616,6 +617,7 @@ impl Session {
             Phase::Followers { .. } => {
                 self.slot_mut(task, r).result = ret;
                 self.slot_mut(task, r).state = SlotState::Done;
+                self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
                 self.maybe_complete_all(task)
             }
             Phase::All { nr, .. } => {
@@ -627,6 +629,7 @@ impl Session {
                 }
                 self.slot_mut(task, r).result = ret;
                 self.slot_mut(task, r).state = SlotState::Done;
+                self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
                 self.maybe_complete_all(task)
             }
             Phase::Collect => {
@@ -964,6 +967,7 @@ impl Session {
         }
         self.tasks[task].phase = Phase::Collect;
         self.tasks[task].kicked = false;
+        self.tasks[task].first_arrival = None;
         // Vote on the results: the call ran in every replica.
         let mut members = live;
         loop {

@@ -1499,7 +1499,13 @@ impl Session {
         let now = Instant::now();
         for task in 0..self.tasks.len() {
             let t = &self.tasks[task];
-            if t.finished || t.phase != Phase::Collect {
+            // Waiting for arrivals, or for the replicas that have not finished their part of
+            // a call every replica runs (a follower's wait4 for a child that never exits).
+            // The leader alone in the kernel (Leader, LeaderFirst) is the program waiting,
+            // not a straggler.
+            let collecting = t.phase == Phase::Collect;
+            let finishing = matches!(t.phase, Phase::All { .. } | Phase::Followers { .. });
+            if t.finished || !(collecting || finishing) {
                 continue;
             }
             let Some(first) = t.first_arrival else {
@@ -1512,7 +1518,14 @@ impl Session {
             let missing: Vec<ReplicaId> = live
                 .iter()
                 .copied()
-                .filter(|&r| self.slot(task, r).arrival.is_none())
+                .filter(|&r| {
+                    let slot = self.slot(task, r);
+                    if collecting {
+                        slot.arrival.is_none()
+                    } else {
+                        !matches!(slot.state, SlotState::Done | SlotState::Dead)
+                    }
+                })
                 .collect();
             if missing.is_empty() {
                 continue;
@@ -1531,7 +1544,11 @@ impl Session {
             if missing.len() == 1 && arrived * 2 > live.len() {
                 let r = missing[0];
                 self.vote_out(r, format!("replica {r} is a straggler"))?;
-                self.try_decide(task)?;
+                if collecting {
+                    self.try_decide(task)?;
+                } else {
+                    self.maybe_complete_all(task)?;
+                }
             } else {
                 return Err(self.halt(format!("no majority reached the rendezvous of task {task} in time")));
             }
