@@ -3,9 +3,9 @@
 # Usage: scripts/deps.sh [test|bench]
 set -euo pipefail
 # protobuf-compiler: raft-rs generates its message types with protoc at build time.
-want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio nginx-light)
+want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio nginx-light redis-server redis-tools)
 if [ "${1:-test}" = bench ]; then
-    want+=(redis-server redis-tools xz-utils bc bindfs)
+    want+=(xz-utils bc bindfs)
 fi
 missing=()
 for p in "${want[@]}"; do
@@ -24,6 +24,9 @@ if [ ${#missing[@]} -gt 0 ]; then
     # Likewise nginx on port 80: the tests start their own master in the foreground.
     if [[ " ${missing[*]} " == *" nginx-light "* ]]; then
         $SUDO service nginx stop >/dev/null 2>&1 || true
+    fi
+    if [[ " ${missing[*]} " == *" redis-server "* ]]; then
+        $SUDO service redis-server stop >/dev/null 2>&1 || true
     fi
 fi
 if ! command -v cargo >/dev/null 2>&1; then

@@ -76,6 +76,13 @@ pub struct RunArgs {
     #[arg(short, long)]
     quiet: bool,
 
+    /// When the program's first process exits, kill its processes that outlive it
+    /// (background jobs, daemons). Default: lockstep returns with the first process's
+    /// status, as the program's caller would see it natively, and a detached monitor keeps
+    /// replicating the survivors until the last one exits.
+    #[arg(long)]
+    kill_orphans: bool,
+
     /// Test only: REPLICA:SYSCALL:TARGET:BIT flips BIT of TARGET (a register, or
     /// mem:REG+OFF) in REPLICA at its SYSCALL-th intercepted syscall; TARGET `kill` or
     /// `hang` kills the replica or makes it spin there.
@@ -150,6 +157,7 @@ pub fn main(a: RunArgs) -> i32 {
         reintegrate: !a.no_reintegrate,
         flips,
         quiet: a.quiet,
+        kill_orphans: a.kill_orphans,
         command: a.command,
     };
     let quiet = options.quiet;

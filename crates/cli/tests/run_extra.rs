@@ -161,7 +161,13 @@ fn placement(opts: &[&str]) -> (String, Vec<String>) {
         .map(|p| allowed_cpus(p.pid))
         .collect();
     cpus.sort();
-    let monitor = allowed_cpus(running.pid);
+    // The monitor is the child of the process we started (the front; see front.rs).
+    let monitor_pid = procs
+        .iter()
+        .find(|p| p.ppid == running.pid && p.argv0() == "lockstep")
+        .map(|p| p.pid)
+        .expect("the monitor process");
+    let monitor = allowed_cpus(monitor_pid);
     running.kill_everything();
     (monitor, cpus)
 }

@@ -355,3 +355,150 @@ fn git_gc_twice_after_a_stale_lock() {
         assert!(git_dir.join("packed-refs").exists(), "{}", out.context());
     }
 }
+
+// --- processes that outlive the program's first process --------------------------------
+
+/// Waits until no process carries `marker` (the detached monitor and the survivors).
+fn wait_until_gone(marker: &str, limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let left = marked_processes(marker);
+        if left.is_empty() {
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            for p in &left {
+                sigkill(p.pid);
+            }
+            panic!("still running after {limit:?}: {left:#?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A background job that writes after the main process exits: lockstep returns with the
+/// main process's status, the job is still replicated and writes once, and the detached
+/// monitor records both steps in the events file.
+fn background_job_outlives_the_program(r: &str) {
+    let dir = scratch_dir("bgjob");
+    let file = dir.join("f");
+    let ev = events_path("bgjob");
+    let script = format!("(sleep 0.5; echo done >> {}) & exit 3", file.display());
+    let run = spawn(lockstep_run(
+        &["-r", r, "--events", ev.to_str().unwrap()],
+        &["sh", "-c", script.as_str()],
+    ));
+    let out = run.finish_leaving_survivors(RUN_TIMEOUT, Duration::from_secs(10));
+    out.assert_code(3);
+    wait_until_gone(&out.marker, Duration::from_secs(30));
+    assert_eq!(
+        std::fs::read_to_string(&file).unwrap_or_default(),
+        "done\n",
+        "{}",
+        out.context()
+    );
+    let kinds: Vec<String> = read_events(&ev)
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap_or("").to_string())
+        .collect();
+    let detach = kinds.iter().position(|k| k == "detach").expect("a detach event");
+    let exit = kinds.iter().position(|k| k == "exit").expect("an exit event");
+    assert!(detach < exit, "{kinds:?}");
+}
+
+#[test]
+fn background_job_outlives_the_program_dmr() {
+    background_job_outlives_the_program("2");
+}
+
+#[test]
+fn background_job_outlives_the_program_tmr() {
+    background_job_outlives_the_program("3");
+}
+
+/// `--kill-orphans`: the background job is killed when the main process exits (it never
+/// writes), and lockstep says so once.
+#[test]
+fn kill_orphans_kills_the_background_job() {
+    let dir = scratch_dir("bgkill");
+    let file = dir.join("f");
+    let script = format!("(sleep 0.5; echo done >> {}) &", file.display());
+    let out = run(lockstep_run(
+        &["-r", "2", "--kill-orphans"],
+        &["sh", "-c", script.as_str()],
+    ));
+    out.assert_code(0);
+    assert_eq!(out.stderr.matches("outlived").count(), 1, "{}", out.context());
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!file.exists(), "the killed job wrote\n{}", out.context());
+}
+
+/// One RESP command to a redis server, its first reply line.
+fn redis_command(port: u16, cmd: &str) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to redis");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(format!("{cmd}\r\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    let _ = BufReader::new(s).read_line(&mut line);
+    line.trim_end().to_string()
+}
+
+/// `redis-server --daemonize yes`: lockstep returns 0 when the parent exits; the daemon
+/// serves, replicated, and `SHUTDOWN` ends it and the detached monitor.
+#[test]
+fn redis_daemonizes_and_shuts_down() {
+    let dir = scratch_dir("redisd");
+    let port: u16 = 16391;
+    let ev = events_path("redisd");
+    let (d, p) = (dir.to_str().unwrap(), port.to_string());
+    let log = format!("{d}/redis.log");
+    let pidfile = format!("{d}/redis.pid");
+    let run = spawn(lockstep_run(
+        &["-r", "2", "--events", ev.to_str().unwrap()],
+        &[
+            "redis-server",
+            "--port",
+            &p,
+            "--bind",
+            "127.0.0.1",
+            "--daemonize",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            d,
+            "--logfile",
+            &log,
+            "--pidfile",
+            &pidfile,
+        ],
+    ));
+    let out = run.finish_leaving_survivors(RUN_TIMEOUT, Duration::from_secs(10));
+    out.assert_code(0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "redis never listened\n{}",
+            out.context()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(redis_command(port, "PING"), "+PONG");
+    assert_eq!(redis_command(port, "SET k replicated"), "+OK");
+    assert_eq!(redis_command(port, "GET k"), "$10");
+    redis_command(port, "SHUTDOWN NOSAVE");
+    wait_until_gone(&out.marker, Duration::from_secs(30));
+    let kinds: Vec<String> = read_events(&ev)
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert!(
+        kinds.contains(&"detach".to_string()) && kinds.contains(&"exit".to_string()),
+        "{kinds:?}"
+    );
+    assert!(!kinds.contains(&"divergence".to_string()), "{kinds:?}");
+}

@@ -10,6 +10,8 @@
 //! * [`options`]: what the user asked for.
 //! * [`spawn`]: identical starts of replicas.
 //! * [`backend`]: the seam between policy and mechanism (ptrace today).
+//! * [`front`]: the process the caller waits for, split from the monitor so that processes
+//!   outliving the program's first one stay replicated after lockstep returns.
 //! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
 //! * [`rendezvous`]: what happens when all replicas of a task have arrived.
 //! * [`signals`]: asynchronous signals, delivered at the same point in every replica.
@@ -20,6 +22,7 @@
 pub mod backend;
 pub mod clock;
 pub mod data;
+pub mod front;
 pub mod options;
 pub mod rendezvous;
 pub mod session;
@@ -80,5 +83,10 @@ impl Error {
 
 /// Runs the program under the given options and returns lockstep's exit status.
 pub fn run(options: Options) -> Result<i32, Error> {
-    session::Session::start(options)?.run()
+    let front = if options.kill_orphans {
+        front::Front::none()
+    } else {
+        front::split()?
+    };
+    session::Session::start(options, front)?.run()
 }

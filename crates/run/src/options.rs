@@ -128,6 +128,9 @@ pub struct Options {
     pub flips: Vec<FlipSpec>,
     /// Print one line per event on stderr.
     pub quiet: bool,
+    /// Kill the program's processes that outlive its first process when that one exits
+    /// (instead of detaching and replicating them until they exit).
+    pub kill_orphans: bool,
     pub command: Vec<String>,
 }
 
@@ -144,6 +147,7 @@ impl Default for Options {
             reintegrate: true,
             flips: Vec::new(),
             quiet: false,
+            kill_orphans: false,
             command: Vec::new(),
         }
     }

@@ -377,6 +377,8 @@ pub struct Session {
     pub stats: Stats,
     pub started: Instant,
     pub root_death: Option<Death>,
+    /// Where the program's status goes if its processes outlive its first one.
+    pub front: crate::front::Front,
     pub want_replicas: u32,
     pub reintegration_due: bool,
     pub reintegration_note_given: bool,
@@ -448,7 +450,7 @@ fn cstring(s: &str) -> Result<CString, Error> {
 }
 
 impl Session {
-    pub fn start(opts: Options) -> Result<Session, Error> {
+    pub fn start(opts: Options, front: crate::front::Front) -> Result<Session, Error> {
         if !(2..=MAX_LIVE as u32).contains(&opts.replicas) {
             return Err(Error::Usage(format!(
                 "unsupported replica count {} (use -r 2 for DMR or -r 3 for TMR)",
@@ -494,8 +496,7 @@ impl Session {
                 envp: &envp_ptrs,
                 cpu,
                 namespaces,
-                // SAFETY: getpid has no preconditions.
-                pid: unsafe { libc::getpid() },
+                pid: front.caller_pid(),
                 filter: &filter,
             };
             let spawned = match spawn::spawn(&plan) {
@@ -565,6 +566,7 @@ impl Session {
             stats: Stats::default(),
             started: Instant::now(),
             root_death: None,
+            front,
             reintegration_due: false,
             reintegration_note_given: false,
             scratch: Vec::with_capacity(4096),
@@ -618,12 +620,16 @@ impl Session {
 
     /// Runs the event loop to the end and returns lockstep's exit status.
     pub fn run(mut self) -> Result<i32, Error> {
-        let result = self.event_loop();
+        let result = self.event_loop(false);
+        let finished = result.is_ok();
         let status = match result {
             Ok(()) => Ok(self.root_death.map(Death::exit_status).unwrap_or(0)),
             Err(Stopped::Halt) => Ok(exit::DETECTED),
             Err(Stopped::Failure(e)) => Err(e),
         };
+        if let (true, Ok(code)) = (finished, &status) {
+            self.outlived(*code);
+        }
         self.kill_everything();
         self.write_cpu_report();
         self.flush_events();
@@ -633,8 +639,14 @@ impl Session {
         status
     }
 
-    fn event_loop(&mut self) -> Result<(), Stopped> {
-        while self.root_death.is_none() {
+    /// Runs until the program's first process has exited, or with `survivors`, until
+    /// every process of the program has.
+    fn event_loop(&mut self, survivors: bool) -> Result<(), Stopped> {
+        while if survivors {
+            self.survivors() > 0
+        } else {
+            self.root_death.is_none()
+        } {
             self.forward_received_signals()?;
             self.check_timeouts()?;
             self.interrupt_for_replica_fault();
@@ -692,6 +704,52 @@ impl Session {
             syscall,
             cause: Box::new(cause),
         }
+    }
+
+    /// Processes of the program other than its first one that are still running.
+    fn survivors(&self) -> usize {
+        self.processes
+            .iter()
+            .skip(1)
+            .filter(|p| !p.exiting && p.tasks.iter().any(|&t| !self.tasks[t].finished))
+            .count()
+    }
+
+    /// The program's first process exited with `status`. Processes that outlive it stay
+    /// replicated: the caller gets the status now and the monitor detaches, then goes on
+    /// until the last of them exits. With `--kill-orphans` they are killed, and that is said.
+    fn outlived(&mut self, status: i32) {
+        let n = self.survivors();
+        if n == 0 {
+            return;
+        }
+        let (plural, verb, stay) = if n == 1 {
+            ("process", "outlives", "stays")
+        } else {
+            ("processes", "outlive", "stay")
+        };
+        if !self.front.can_detach() {
+            self.emit(Event::new("run", "orphans", "kill").message(format!(
+                "killing {n} {plural} that outlived the program's first process (--kill-orphans)"
+            )));
+            self.flush_events();
+            return;
+        }
+        self.emit(Event::new("run", "detach", "continue").message(format!(
+            "the program's first process ended with status {status}; {n} {plural} {verb} it and {stay} replicated until the last one exits (lockstep returns and detaches)"
+        )));
+        self.flush_events();
+        if self.opts.stats {
+            eprint!("{}", self.stats.render(self.started.elapsed()));
+        }
+        self.front.detach(status);
+        let result = self.event_loop(true);
+        let how = match result {
+            Ok(()) => "the last process of the program exited".to_string(),
+            Err(Stopped::Halt) => "stopped after a detection".to_string(),
+            Err(Stopped::Failure(e)) => format!("lockstep failed: {e}"),
+        };
+        self.emit(Event::new("run", "exit", "stop").message(how));
     }
 
     pub fn kill_everything(&mut self) {

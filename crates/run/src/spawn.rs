@@ -187,6 +187,14 @@ pub fn spawn(plan: &Plan) -> Result<Spawned, Error> {
             if child == 0 {
                 become_program(plan, argv, envp);
             }
+            // The stub only reaps: it must not keep the caller's terminal or pipes open
+            // after the program has let go of them (a daemon, a detached run).
+            let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+            if null >= 0 {
+                for fd in 0..3 {
+                    libc::dup2(null, fd);
+                }
+            }
             // Reap everything until the namespace is empty.
             loop {
                 let r = libc::wait(std::ptr::null_mut());

@@ -356,6 +356,8 @@ pub struct Running {
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
     reaped: Option<ExitStatus>,
+    /// Set once the run returned with survivors on purpose: dropping it leaves them.
+    keep_survivors: bool,
 }
 
 /// Starts `cmd` in its own process group, stdin from /dev/null, stdout and stderr
@@ -386,6 +388,7 @@ pub fn spawn(mut cmd: Command) -> Running {
         stdout: Vec::new(),
         stderr: Vec::new(),
         reaped: None,
+        keep_survivors: false,
     }
 }
 
@@ -559,7 +562,17 @@ impl Running {
 
     /// `finish` with a custom wait for the pipes to close after the process exited.
     #[track_caller]
-    pub fn finish_with_grace(mut self, timeout: Duration, pipe_grace: Duration) -> Output {
+    pub fn finish_with_grace(self, timeout: Duration, pipe_grace: Duration) -> Output {
+        let out = self.finish_leaving_survivors(timeout, pipe_grace);
+        if let Err(msg) = check_no_orphans(&out.marker, ORPHAN_GRACE) {
+            panic!("{msg}\n{}", out.context());
+        }
+        out
+    }
+
+    /// Like `finish_with_grace`, for a run that leaves processes behind on purpose (a
+    /// daemon that outlives the program's first process): the caller checks for them.
+    pub fn finish_leaving_survivors(mut self, timeout: Duration, pipe_grace: Duration) -> Output {
         let deadline = self.started + timeout;
         while self.is_running() {
             if Instant::now() >= deadline {
@@ -592,16 +605,15 @@ impl Running {
             stderr: String::from_utf8_lossy(&self.stderr).into_owned(),
             elapsed,
         };
-        if let Err(msg) = check_no_orphans(&out.marker, ORPHAN_GRACE) {
-            panic!("{msg}\n{}", out.context());
-        }
+        self.reaped = Some(status);
+        self.keep_survivors = true;
         out
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        if self.reaped.is_none() || !marked_processes(&self.marker).is_empty() {
+        if self.reaped.is_none() || (!self.keep_survivors && !marked_processes(&self.marker).is_empty()) {
             self.kill_everything();
         }
     }
