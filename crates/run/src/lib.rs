@@ -15,6 +15,7 @@
 //! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
 //! * [`rendezvous`]: what happens when all replicas of a task have arrived.
 //! * [`signals`]: asynchronous signals, delivered at the same point in every replica.
+//! * [`shared_map`]: shared file mappings, written by the leader only and compared.
 //! * [`data`]: reading syscall arguments and copying results between replicas.
 //! * [`clock`]: clock reads, answered from per-task value sequences without a rendezvous.
 //! * [`stats`]: counters printed by `--stats`.
@@ -26,6 +27,7 @@ pub mod front;
 pub mod options;
 pub mod rendezvous;
 pub mod session;
+pub mod shared_map;
 pub mod signals;
 pub mod spawn;
 pub mod stats;

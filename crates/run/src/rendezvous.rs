@@ -176,13 +176,17 @@ impl Session {
                 let desc = syscalls::describe(nr);
                 let is_output = is_output(nr, desc, &args);
                 let mode = self.opts.compare;
-                let digest = if mode != CompareMode::Io || is_output {
+                let mut digest = if mode != CompareMode::Io || is_output {
                     let d = data::digest_call(&self.be, tid, nr, desc, &args, &mut self.scratch);
                     self.stats.bytes_compared += d.bytes;
                     d
                 } else {
                     data::CallDigest::default()
                 };
+                // Shared file mappings this call concerns: their contents are part of it.
+                if let Some(maps) = self.shared_maps_crc(task, r, nr, &args) {
+                    digest.crc = lockstep_core::checksum::crc32c_append(digest.crc, &maps.to_le_bytes());
+                }
                 let preview = match (is_output, digest.first_buffer) {
                     (true, Some((start, end))) => self.scratch.get(start..end).unwrap_or_default(),
                     _ => &[][..],
@@ -376,6 +380,9 @@ impl Session {
         let leader = self.leader;
         let arrival = self.slot(task, leader).arrival.expect("arrived");
         self.tasks[task].first_arrival = None;
+        if let Arrival::Syscall { nr, args } = arrival {
+            self.agreed_on_maps(task, nr, &args);
+        }
         // A rendezvous is a barrier for this task: clock reads start a fresh sequence, so
         // extra reads before it (a timing-dependent poll) cannot shift later values.
         self.tasks[task].clocks.clear();
@@ -456,6 +463,13 @@ impl Session {
                 );
                 self.kill_everything();
                 Err(Stopped::Failure(Error::Unsupported(format!("lockstep run: {msg}"))))
+            }
+            // A shared file mapping (the only mmap that stops): the leader maps the file,
+            // then the followers get private copies (shared_map.rs).
+            Class::All if is_nr(nr, libc::SYS_mmap) => {
+                self.tasks[task].phase = Phase::Leader { nr, args, class };
+                self.resume(task, leader, Resume::ToExit, SlotState::Executing);
+                Ok(())
             }
             Class::Input | Class::Output | Class::FdCreate => {
                 self.tasks[task].phase = Phase::Leader { nr, args, class };
@@ -680,6 +694,9 @@ impl Session {
         class: Class,
         ret: i64,
     ) -> Result<(), Stopped> {
+        if is_nr(nr, libc::SYS_mmap) {
+            return self.finish_shared_map(task, args, ret);
+        }
         let leader = self.leader;
         let (ltid, ltgid) = (self.slot(task, leader).tid, self.slot(task, leader).tgid);
         let desc = syscalls::describe(nr).expect("executed calls are in the table");
@@ -835,6 +852,7 @@ impl Session {
                 restore: None,
                 ret,
                 signals,
+                copy: None,
             });
             self.resume(task, f, Resume::ToExit, SlotState::Executing);
         }
@@ -962,6 +980,9 @@ impl Session {
             }
         }
         let succeeded_exec = (is_nr(nr, libc::SYS_execve) || is_nr(nr, libc::SYS_execveat)) && lead_ret == 0;
+        if is_nr(nr, libc::SYS_munmap) && lead_ret == 0 {
+            self.forget_unmapped(task, &args);
+        }
         if succeeded_exec {
             self.after_exec(task, &live);
         }

@@ -212,6 +212,9 @@ pub struct Process {
     /// Signals the program itself sent to this process (`kill`, `tgkill`, ...): a death
     /// by one of them is the program's doing in every replica, not a fault.
     pub sent_by_program: SigSet,
+    /// Shared file mappings: the leader's maps the file, each follower's is a private copy
+    /// (see `shared_map.rs`). Compared at msync, munmap, fsync and exit.
+    pub shared_maps: Vec<crate::shared_map::SharedMap>,
 }
 
 pub struct Replica {
@@ -559,6 +562,7 @@ impl Session {
                 tasks: vec![0],
                 exiting: false,
                 sent_by_program: SigSet::default(),
+                shared_maps: Vec::new(),
             }],
             by_tid: HashMap::new(),
             early_stops: HashSet::new(),
@@ -964,6 +968,11 @@ impl Session {
             // a rendezvous; let it return so the signal is delivered.
             ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
             let _ = self.be.set_regs(tid, &regs);
+            let _ = self.be.resume(tid, Resume::Run);
+            return Ok(());
+        }
+        if nr == libc::SYS_munmap as u64 && !self.unmaps_shared(task, &args) {
+            // Nothing of ours goes away: a local effect, no meeting.
             let _ = self.be.resume(tid, Resume::Run);
             return Ok(());
         }
@@ -1498,6 +1507,8 @@ impl Session {
                         tasks: Vec::new(),
                         exiting: false,
                         sent_by_program: SigSet::default(),
+                        // A forked child has the same mappings (and private copies).
+                        shared_maps: self.processes[parent_process].shared_maps.clone(),
                     });
                     self.processes.len() - 1
                 };
@@ -1617,7 +1628,13 @@ impl Session {
     // ----- failures -----
 
     /// A replica failed outside a vote (it died alone).
-    fn replica_failed(&mut self, task: TaskId, r: ReplicaId, kind: &'static str, msg: String) -> Result<(), Stopped> {
+    pub(crate) fn replica_failed(
+        &mut self,
+        task: TaskId,
+        r: ReplicaId,
+        kind: &'static str,
+        msg: String,
+    ) -> Result<(), Stopped> {
         self.stats.divergences += 1;
         self.emit(
             Event::new("run", kind, "vote")
@@ -1670,6 +1687,7 @@ impl Session {
                     .replica(new)
                     .message(format!("replica {new} is the new leader")),
             );
+            self.leader_replaced_for_maps();
             // The faulty leader may have run inputs ahead that the others have not consumed:
             // those inputs were taken from the outside world and cannot be replayed.
             let lost = self.tasks.iter().any(|t| {

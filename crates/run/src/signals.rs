@@ -76,6 +76,8 @@ pub struct StandIn {
     pub ret: i64,
     /// Signals to raise in the follower now, before it returns to the program.
     pub signals: SigSet,
+    /// A shared file mapping's contents to copy in (its stand-in was an anonymous mmap).
+    pub copy: Option<crate::shared_map::MapCopy>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -422,6 +424,7 @@ impl Session {
                 restore: Some(entry),
                 ret,
                 signals: SigSet::default(),
+                copy: None,
             });
             self.resume(task, f, Resume::ToExit, SlotState::Executing);
         }
@@ -437,6 +440,13 @@ impl Session {
         if let Some(mut regs) = s.restore {
             regs.rax = s.ret as u64;
             let _ = self.be.set_regs(tid, &regs);
+        }
+        if let Some(copy) = &s.copy {
+            let got = self.be.regs(tid).map(|r| r.rax as i64).unwrap_or(-1);
+            self.fill_map_copy(task, f, got, copy)?;
+            if !self.replicas[f as usize].alive {
+                return Ok(());
+            }
         }
         for sig in s.signals.iter() {
             self.raise(task, f, sig);

@@ -21,6 +21,7 @@ const X32_SYSCALL_BIT: u32 = 0x4000_0000;
 const BPF_LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
 const BPF_JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
 const BPF_JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+const BPF_JSET_K: u16 = 0x45; // BPF_JMP | BPF_JSET | BPF_K
 const BPF_RET_K: u16 = 0x06; // BPF_RET | BPF_K
 
 fn stmt(code: u16, k: u32) -> libc::sock_filter {
@@ -32,6 +33,11 @@ fn jump(code: u16, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
 
 /// The filter program. Built before fork so that the child only has to install it.
 pub fn build_filter() -> Vec<libc::sock_filter> {
+    // mmap stops only for shared file mappings: MAP_SHARED (or MAP_SHARED_VALIDATE)
+    // without MAP_ANONYMOUS. Everything else (the loader's and malloc's maps) never stops.
+    const MAP_SHARED: u32 = libc::MAP_SHARED as u32;
+    const MAP_ANONYMOUS: u32 = libc::MAP_ANONYMOUS as u32;
+    const FLAGS_LOW: u32 = 16 + 3 * 8; // seccomp_data.args[3], low 32 bits
     let allowed: Vec<u32> = syscalls::table()
         .iter()
         .filter(|d| d.class == Class::Passthrough)
@@ -47,6 +53,13 @@ pub fn build_filter() -> Vec<libc::sock_filter> {
         stmt(BPF_RET_K, SECCOMP_RET_TRACE),
         jump(BPF_JEQ_K, crate::SYS_LOCKSTEP_INSTALL as u32, 0, 1),
         stmt(BPF_RET_K, SECCOMP_RET_USER_NOTIF),
+        // Not mmap: on to the allow list (the accumulator still holds the number).
+        jump(BPF_JEQ_K, libc::SYS_mmap as u32, 0, 5),
+        stmt(BPF_LD_W_ABS, FLAGS_LOW),
+        jump(BPF_JSET_K, MAP_SHARED, 0, 2),
+        jump(BPF_JSET_K, MAP_ANONYMOUS, 1, 0),
+        stmt(BPF_RET_K, SECCOMP_RET_TRACE),
+        stmt(BPF_RET_K, SECCOMP_RET_ALLOW),
     ];
     for nr in allowed {
         prog.push(jump(BPF_JEQ_K, nr, 0, 1));

@@ -146,13 +146,16 @@ macro_rules! row {
 
 static ROWS: &[Desc] = &[
     // --- purely local: never stop ---
-    row!(SYS_mmap, Passthrough, []),
-    row!(SYS_munmap, Passthrough, []),
+    // mmap stops only for shared file mappings (the filter looks at its flags; see
+    // seccomp.rs): those are written once, by the leader. munmap stops so that such a
+    // mapping's contents are compared before it goes; others are let go at once.
+    row!(SYS_mmap, All, [Val, Val, Val, Val, Fd, Val]),
+    row!(SYS_munmap, All, [Val, Val]),
     row!(SYS_mprotect, Passthrough, []),
     row!(SYS_brk, Passthrough, []),
     row!(SYS_mremap, Passthrough, []),
     row!(SYS_madvise, Passthrough, []),
-    row!(SYS_msync, Passthrough, []),
+    row!(SYS_msync, Output, [Val, Val, Val]),
     row!(SYS_mincore, Passthrough, []),
     row!(SYS_mlock, Passthrough, []),
     row!(SYS_munlock, Passthrough, []),

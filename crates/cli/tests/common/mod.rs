@@ -129,6 +129,8 @@ pub fn fixture_flags(name: &str) -> &'static [&'static str] {
             "-no-pie",
         ],
         "threads" => &["-pthread"],
+        // Static: a short, fixed list of intercepted syscalls (msync is stop 9).
+        "shared_counter" => &["-static"],
         "trace_user" | "io_copy" | "outcome" | "step_target" => &[
             "-static",
             "-nostdlib",
