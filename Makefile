@@ -5,7 +5,7 @@ CARGO ?= cargo
 BUILD := build
 CFLAGS_STRICT := -O2 -Wall -Wextra -Werror
 
-.PHONY: all deps build clib demo test bench lint clean
+.PHONY: all deps build clib demo test bench cpython-suite lint clean
 
 all: build
 
@@ -35,6 +35,10 @@ test: deps clib
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) test --workspace --locked -- --test-threads=2
 
+# CPython's regression suite under lockstep run (a fast subset is in `make test`).
+cpython-suite: build
+	scripts/cpython_suite.sh
+
 bench: build
 	@scripts/deps.sh bench
 	python3 bench/run.py
@@ -47,6 +51,7 @@ bench: build
 	python3 bench/fs_bench.py 5 3
 	python3 bench/fs_vs_bindfs.py 5 3
 	python3 bench/kv_audit_cost.py
+	scripts/cpython_suite.sh
 
 lint:
 	$(CARGO) fmt --all

@@ -3,7 +3,7 @@
 # Usage: scripts/deps.sh [test|bench]
 set -euo pipefail
 # protobuf-compiler: raft-rs generates its message types with protoc at build time.
-want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio nginx-light redis-server redis-tools)
+want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio nginx-light redis-server redis-tools libpython3.11-testsuite)
 if [ "${1:-test}" = bench ]; then
     want+=(xz-utils bc bindfs)
 fi

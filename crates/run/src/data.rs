@@ -246,6 +246,19 @@ fn locations(
         if let Some(n) = lockstep_trace::syscalls::ioctl_out_len(args[1]) {
             piece(&mut locs, args[2], n);
         }
+        if args[1] == lockstep_trace::syscalls::SIOCGIFCONF && args[2] != 0 {
+            // struct ifconf { int ifc_len; (pad) char *ifc_buf; }: the length, then the
+            // interfaces at this replica's own ifc_buf.
+            if let Ok(head) = be.read_vec(tid, args[2], 16) {
+                let filled = if lens.is_none() {
+                    (u32_at(&head, 0) as usize).min(MAX_BUFFER)
+                } else {
+                    0
+                };
+                piece(&mut locs, args[2], 4);
+                piece(&mut locs, u64_at(&head, 8), filled);
+            }
+        }
     }
     if desc.nr == libc::SYS_fcntl as u64 && matches!(args[1] as i32, libc::F_GETLK | libc::F_OFD_GETLK) {
         piece(&mut locs, args[2], lockstep_trace::syscalls::FLOCK_SIZE);

@@ -1293,6 +1293,9 @@ fn is_output(nr: u64, desc: Option<&Desc>, args: &[u64; 6]) -> bool {
 
 /// The descriptors a descriptor-creating call produced in the leader.
 fn new_fds(desc: &Desc, args: &[u64; 6], ret: i64, outputs: &data::Outputs) -> Vec<i32> {
+    if desc.nr == libc::SYS_ioctl as u64 && args[1] == syscalls::TIOCGPTPEER {
+        return vec![ret as i32];
+    }
     match desc.new_fds {
         NewFds::None => Vec::new(),
         NewFds::Ret => vec![ret as i32],

@@ -612,6 +612,11 @@ pub fn name(nr: u64) -> String {
     }
 }
 
+const FIONCLEX: u64 = 0x5450;
+const FIOCLEX: u64 = 0x5451;
+/// `ioctl(master, TIOCGPTPEER, flags)`: opens a pseudo-terminal's peer; returns its fd.
+pub const TIOCGPTPEER: u64 = 0x5441;
+
 pub const PR_SET_TSC: u64 = 26;
 pub const PR_GET_TSC: u64 = 25;
 
@@ -627,6 +632,11 @@ pub fn classify(desc: &Desc, args: &[u64; 6]) -> Class {
         },
         // The TSC must keep trapping, so the program may not change that setting.
         libc::SYS_prctl if args[0] == PR_SET_TSC || args[0] == PR_GET_TSC => Emulated,
+        // The close-on-exec flag belongs to each process's descriptor table (CPython's
+        // os.set_inheritable uses these).
+        libc::SYS_ioctl if matches!(args[1], FIONCLEX | FIOCLEX) => All,
+        // Opens the terminal's peer and returns the new descriptor (glibc's openpty).
+        libc::SYS_ioctl if args[1] == TIOCGPTPEER => FdCreate,
         libc::SYS_open => open_class(args[1]),
         libc::SYS_openat => open_class(args[2]),
         _ => desc.class,
@@ -652,6 +662,9 @@ pub fn ioctl_out_len(request: u64) -> Option<usize> {
         0x5401 => Some(36),                  // TCGETS: struct termios (kernel layout)
         0x5413 => Some(8),                   // TIOCGWINSZ
         0x541B | 0x540F | 0x5429 => Some(4), // FIONREAD, TIOCGPGRP, TIOCGSID
+        // The SIOCGIF* requests (network interfaces, ifconfig) fill a struct ifreq.
+        0x8910 | 0x8913 | 0x8915 | 0x8917 | 0x8919 | 0x891b | 0x891d | 0x891f | 0x8921 | 0x8925 | 0x8927 | 0x8929
+        | 0x8933 | 0x8935 | 0x8938 | 0x8942 | 0x8970 => Some(IFREQ),
         r => {
             let dir = r >> 30;
             let size = ((r >> 16) & 0x3fff) as usize;
@@ -660,6 +673,11 @@ pub fn ioctl_out_len(request: u64) -> Option<usize> {
         }
     }
 }
+
+/// `ioctl(fd, SIOCGIFCONF, struct ifconf *)`: the kernel writes `ifc_len` and that many
+/// bytes at `ifc_buf` (a pointer inside the struct).
+pub const SIOCGIFCONF: u64 = 0x8912;
+const IFREQ: usize = 40;
 
 /// Maximum socket address we copy for `SockLen` buffers.
 pub const SOCKADDR_LIMIT: usize = SOCKADDR_MAX;
@@ -725,5 +743,8 @@ mod tests {
         assert_eq!(classify(d, &[3, libc::F_DUPFD_CLOEXEC as u64, 0, 0, 0, 0]), All);
         assert_eq!(classify(d, &[3, libc::F_GETFL as u64, 0, 0, 0, 0]), Input);
         assert_eq!(classify(d, &[3, libc::F_SETFL as u64, 0, 0, 0, 0]), Output);
+        let ioctl = describe(libc::SYS_ioctl as u64).unwrap();
+        assert_eq!(classify(ioctl, &[3, FIOCLEX, 0, 0, 0, 0]), All);
+        assert_eq!(classify(ioctl, &[3, 0x5401, 0, 0, 0, 0]), Input);
     }
 }

@@ -1,0 +1,61 @@
+//! CPython's own regression tests (Debian's libpython3.11-testsuite) under `lockstep run`:
+//! a fast subset here, the whole fixed list in `make cpython-suite`
+//! (scripts/cpython_suite.sh). Each module must end as it does natively: "Tests result:
+//! SUCCESS" and exit 0, with no divergence.
+
+mod common;
+use common::*;
+
+/// Debian's interpreter, whose test package the suite is (`/usr/lib/python3.11/test`).
+const PYTHON: &str = "/usr/bin/python3";
+
+fn passes_under_lockstep(module: &str, exclude: &[&str]) {
+    let mut argv = vec![PYTHON, "-m", "test", module];
+    for pattern in exclude {
+        argv.extend(["-i", pattern]);
+    }
+    let native = run(native_cmd(&argv));
+    native.assert_code(0);
+    assert!(
+        native.stdout_str().contains("Tests result: SUCCESS"),
+        "{}",
+        native.context()
+    );
+    for r in ["2", "3"] {
+        let out = run(lockstep_run(&["-r", r], &argv));
+        out.assert_code(0);
+        assert!(out.stdout_str().contains("Tests result: SUCCESS"), "{}", out.context());
+        assert!(!out.stderr.contains("[divergence]"), "{}", out.context());
+    }
+}
+
+#[test]
+fn cpython_test_os() {
+    passes_under_lockstep("test_os", &[]);
+}
+
+#[test]
+fn cpython_test_tempfile() {
+    passes_under_lockstep("test_tempfile", &[]);
+}
+
+#[test]
+fn cpython_test_shutil() {
+    passes_under_lockstep("test_shutil", &[]);
+}
+
+#[test]
+fn cpython_test_time() {
+    passes_under_lockstep("test_time", &[]);
+}
+
+#[test]
+fn cpython_test_uuid() {
+    passes_under_lockstep("test_uuid", &[]);
+}
+
+#[test]
+fn cpython_test_posixpath_and_fnmatch() {
+    passes_under_lockstep("test_posixpath", &[]);
+    passes_under_lockstep("test_fnmatch", &[]);
+}
