@@ -102,9 +102,21 @@ impl Session {
     /// The class of the leader's call `desc(args)` of `task`: the table's, refined by its
     /// arguments, and for `openat2` by the flags in its `open_how` (read from the leader).
     pub(crate) fn class_of(&self, task: TaskId, desc: &Desc, args: &[u64; 6]) -> Class {
+        let tid = self.slot(task, self.leader).tid;
+        let path_arg = match desc.nr as i64 {
+            libc::SYS_open => Some(args[0]),
+            libc::SYS_openat | libc::SYS_openat2 => Some(args[1]),
+            _ => None,
+        };
+        // Every replica has its own /proc (its own PID namespace, the same pids): an open
+        // below it is each replica's own (`/proc/self`, `/proc/<pid>` used as a pidfd...).
+        if let Some(path) = path_arg.filter(|&p| p != 0) {
+            if lockstep_trace::mem::read_cstr(tid, path, 8).is_ok_and(|p| p.starts_with(b"/proc/")) {
+                return Class::All;
+            }
+        }
         if desc.nr == libc::SYS_openat2 as u64 && args[2] != 0 {
             let mut flags = [0u8; 8];
-            let tid = self.slot(task, self.leader).tid;
             if self.be.read(tid, args[2], &mut flags).is_ok() {
                 return syscalls::open_class(u64::from_le_bytes(flags));
             }
@@ -696,6 +708,13 @@ impl Session {
     ) -> Result<(), Stopped> {
         if is_nr(nr, libc::SYS_mmap) {
             return self.finish_shared_map(task, args, ret);
+        }
+        if is_nr(nr, libc::SYS_rt_sigtimedwait) && (1..=64).contains(&ret) {
+            // The leader took signal `ret` synchronously; the followers' own copies of it
+            // stay pending and must not run a handler later (`signals.rs`, raise to self).
+            for r in self.live_slots(task) {
+                self.slot_mut(task, r).deliver.take(ret as i32);
+            }
         }
         let leader = self.leader;
         let (ltid, ltgid) = (self.slot(task, leader).tid, self.slot(task, leader).tgid);

@@ -289,6 +289,20 @@ impl Session {
         if !(1..=64).contains(&sig) {
             return;
         }
+        // A signal to itself reaches each replica right after this very call, at the same
+        // point in all of them: each replica's own copy is let through there, as natively
+        // (a handler runs before the next instruction, `raise` works).
+        let me = self.processes[self.tasks[task].process].logical_pid;
+        let to_self = match nr as i64 {
+            libc::SYS_tkill => args[0] as i32 == self.tasks[task].logical_tid,
+            libc::SYS_tgkill | libc::SYS_rt_tgsigqueueinfo => args[1] as i32 == self.tasks[task].logical_tid,
+            _ => matches!(target, Some(pid) if pid == me || pid <= 0),
+        };
+        if to_self {
+            for r in self.live_slots(task) {
+                self.slot_mut(task, r).deliver.add(sig);
+            }
+        }
         for p in 0..self.processes.len() {
             let hit = match target {
                 Some(pid) if pid > 0 => self.processes[p].logical_pid == pid,
@@ -309,13 +323,18 @@ impl Session {
         Some(self.processes[task.process].logical_pid)
     }
 
-    /// The logical pid a pidfd of the leader's refers to (from its fdinfo).
+    /// The logical pid a pidfd of the leader's refers to: from its fdinfo for a pidfd, or
+    /// from its path for a `/proc/<pid>` directory (each replica's own /proc shows the
+    /// program's pids).
     fn pidfd_target(&self, task: TaskId, fd: i32) -> Option<i32> {
         let leader_tgid = self.slot(task, self.leader).tgid;
         let info = std::fs::read_to_string(format!("/proc/{leader_tgid}/fdinfo/{fd}")).ok()?;
-        let real: i32 = info.lines().find_map(|l| l.strip_prefix("Pid:"))?.trim().parse().ok()?;
-        let &(task, _) = self.by_tid.get(&real)?;
-        Some(self.processes[self.tasks[task].process].logical_pid)
+        if let Some(real) = info.lines().find_map(|l| l.strip_prefix("Pid:")) {
+            let &(task, _) = self.by_tid.get(&real.trim().parse().ok()?)?;
+            return Some(self.processes[self.tasks[task].process].logical_pid);
+        }
+        let path = std::fs::read_link(format!("/proc/{leader_tgid}/fd/{fd}")).ok()?;
+        path.to_str()?.strip_prefix("/proc/")?.parse().ok()
     }
 
     /// A handled signal that is due at a rendezvous, where every replica is stopped at
