@@ -300,6 +300,9 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
         }
     };
     let class = classify(&reference.golden, &o, &cfg.compare);
+    if matches!(class, Class::Hang | Class::Crash | Class::ProgramError | Class::Sdc) {
+        keep_workspace(cfg, &ws, run);
+    }
     Ok(Record {
         run,
         seed,
@@ -310,6 +313,31 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
         ending: o.ending,
         wall_ms: o.wall.as_secs_f64() * 1e3,
     })
+}
+
+/// Runs whose workspace (their output, the server's stderr, what was applied) is kept.
+const KEPT_RUNS_MAX: usize = 50;
+
+/// Copies the workspace of a run that ended badly to `work/kept/run-N` (at most
+/// `KEPT_RUNS_MAX` of them), so that it survives the worker's next run for diagnosis.
+fn keep_workspace(cfg: &Config, ws: &Workspace, run: u64) {
+    let kept = cfg.out.join("work").join("kept");
+    let count = std::fs::read_dir(&kept).map(|d| d.count()).unwrap_or(0);
+    if count >= KEPT_RUNS_MAX {
+        return;
+    }
+    let dest = kept.join(format!("run-{run}"));
+    if std::fs::create_dir_all(&dest).is_err() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(&ws.dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::copy(e.path(), dest.join(e.file_name()));
+        }
+    }
 }
 
 /// The fault the run monitor applies to one replica (`--replica`), fresh or (`replay`) as

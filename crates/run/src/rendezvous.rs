@@ -714,6 +714,7 @@ impl Session {
             // stay pending and must not run a handler later (`signals.rs`, raise to self).
             for r in self.live_slots(task) {
                 self.slot_mut(task, r).deliver.take(ret as i32);
+                self.slot_mut(task, r).own_signals.take(ret as i32);
             }
         }
         let leader = self.leader;

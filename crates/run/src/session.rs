@@ -102,6 +102,9 @@ pub struct Slot {
     pub deliver: SigSet,
     /// The call this follower runs in place of its own, and what to do at its exit.
     pub stand_in: Option<StandIn>,
+    /// Signals the thread sent itself at its current call: its own copy is let through if
+    /// it is delivered before the thread's next intercepted syscall (right after the call).
+    pub own_signals: SigSet,
     /// Result of this slot's execution in an all-replica phase.
     pub result: i64,
     /// The first bytes of the buffer of the output call it arrived at (for messages),
@@ -128,6 +131,7 @@ impl Slot {
             stops: 0,
             deliver: SigSet::default(),
             stand_in: None,
+            own_signals: SigSet::default(),
             result: 0,
             preview: [0; PREVIEW],
             preview_len: 0,
@@ -923,6 +927,9 @@ impl Session {
             return Ok(());
         }
         self.slot_mut(task, r).stops += 1;
+        // A signal sent to itself that was not delivered right after its call (it was
+        // blocked) is an ordinary signal from now on.
+        self.slot_mut(task, r).own_signals = SigSet::default();
         if r == self.leader {
             // A call the kernel restarted without a delivery stop (another thread took the
             // signal): whatever interrupted it is over.

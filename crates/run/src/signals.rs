@@ -108,7 +108,7 @@ impl Session {
                 return Ok(());
             }
         }
-        if self.slot_mut(task, r).deliver.take(sig) {
+        if self.slot_mut(task, r).deliver.take(sig) || self.slot_mut(task, r).own_signals.take(sig) {
             let _ = self.be.resume(tid, Resume::Signal(sig));
             return Ok(());
         }
@@ -300,7 +300,7 @@ impl Session {
         };
         if to_self {
             for r in self.live_slots(task) {
-                self.slot_mut(task, r).deliver.add(sig);
+                self.slot_mut(task, r).own_signals.add(sig);
             }
         }
         for p in 0..self.processes.len() {
