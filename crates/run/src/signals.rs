@@ -300,7 +300,13 @@ impl Session {
         };
         if to_self {
             for r in self.live_slots(task) {
-                self.slot_mut(task, r).own_signals.add(sig);
+                // Blocked, it stays pending in every replica and is delivered where the
+                // program unblocks it (the same point everywhere): let it through then.
+                if signal_blocked(self.slot(task, r).tid, sig) {
+                    self.slot_mut(task, r).deliver.add(sig);
+                } else {
+                    self.slot_mut(task, r).own_signals.add(sig);
+                }
             }
         }
         for p in 0..self.processes.len() {
@@ -495,6 +501,18 @@ impl Session {
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
     }
+}
+
+/// Whether thread `tid` blocks `sig` (its `SigBlk` in /proc).
+fn signal_blocked(tid: Tid, sig: i32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{tid}/status")) else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigBlk:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|mask| mask & (1u64 << (sig - 1)) != 0)
 }
 
 /// The signal mask that call `nr` installs while it waits, as (pointer, size) in the
