@@ -814,7 +814,10 @@ impl Session {
         loop {
             match listener.recv(POLL_MS) {
                 Ok(notif) => return Ok(Ok(notif)),
-                Err(e) if e.kind() != std::io::ErrorKind::TimedOut || waited >= LIMIT_MS => {
+                // ENOENT: the follower's call was interrupted (a signal, a pending
+                // PTRACE_INTERRUPT) before we took the notification; it restarts the call,
+                // which notifies again.
+                Err(e) if e.kind() != std::io::ErrorKind::TimedOut && e.raw_os_error() != Some(libc::ENOENT) => {
                     return Err(Error::Io("waiting for the descriptor-install notification", e).into())
                 }
                 Err(_) => waited += POLL_MS,
@@ -822,12 +825,27 @@ impl Session {
             match self.be.try_wait_tid(ftid) {
                 Ok(Some(lockstep_trace::Stop::Exited(code))) => return Ok(Err(Death::Exited(code))),
                 Ok(Some(lockstep_trace::Stop::Killed(sig))) => return Ok(Err(Death::Killed(sig))),
+                // Another syscall instead of the install: its registers were corrupted (it
+                // did not restart the call). Faulty; it must not run anything unsupervised.
+                Ok(Some(lockstep_trace::Stop::Seccomp | lockstep_trace::Stop::SyscallExit)) => {
+                    return Ok(Err(self.kill_stray(ftid)))
+                }
                 Ok(Some(_)) => {
                     let _ = self.be.resume(ftid, Resume::Run);
                 }
                 _ => {}
             }
+            if waited >= LIMIT_MS {
+                return Ok(Err(self.kill_stray(ftid)));
+            }
         }
+    }
+
+    /// Kills a follower thread that went astray during a descriptor install and returns
+    /// its death, which is then judged like any replica dying alone.
+    fn kill_stray(&mut self, tid: Tid) -> Death {
+        self.be.kill(tid);
+        self.death_of(tid).unwrap_or(Death::Killed(libc::SIGKILL))
     }
 
     /// Makes follower `f` return `ret` from its call while installing the leader's open
