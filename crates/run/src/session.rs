@@ -388,6 +388,9 @@ pub struct Session {
     pub front: crate::front::Front,
     pub want_replicas: u32,
     pub reintegration_due: bool,
+    /// Tasks to settle again after a vote-out: a call the voted-out leader was executing
+    /// for them (their followers are parked at it), or a meeting that may now be complete.
+    pub unsettled: Vec<TaskId>,
     pub reintegration_note_given: bool,
     pub scratch: Vec<u8>,
     /// LOCKSTEP_DEBUG set: trace every stop on stderr.
@@ -576,6 +579,7 @@ impl Session {
             root_death: None,
             front,
             reintegration_due: false,
+            unsettled: Vec::new(),
             reintegration_note_given: false,
             scratch: Vec::with_capacity(4096),
             debug: std::env::var_os("LOCKSTEP_DEBUG").is_some(),
@@ -666,6 +670,7 @@ impl Session {
             let at = self.by_tid.get(&tid).copied();
             let handled = self.on_stop(tid, stop);
             self.stats.monitor_time += t0.elapsed();
+            let handled = handled.and_then(|()| self.settle_after_vote_out());
             let handled = match (handled, at) {
                 (Err(Stopped::Failure(e)), Some((task, r))) if !matches!(e, Error::Unsupported(_)) => {
                     Err(Stopped::Failure(self.internal_failure(task, r, e)))
@@ -1684,6 +1689,17 @@ impl Session {
                 .duration_us(us)
                 .message(format!("{why}: replica {r} voted out")),
         );
+        // Every other task may have been waiting on the voted-out replica.
+        for t in 0..self.tasks.len() {
+            if !self.tasks[t].finished {
+                if r == self.leader && matches!(self.tasks[t].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. }) {
+                    // The dead leader was executing this call: the new one runs it again.
+                    self.tasks[t].phase = Phase::Collect;
+                    self.tasks[t].interrupted = None;
+                }
+                self.unsettled.push(t);
+            }
+        }
         if r == self.leader {
             let Some(&new) = self.live_replicas().first() else {
                 return Err(self.halt("no replica left".into()));
@@ -1711,6 +1727,19 @@ impl Session {
         }
         if self.opts.reintegrate && self.live_replicas().len() < self.want_replicas as usize {
             self.reintegration_due = true;
+        }
+        Ok(())
+    }
+
+    /// After a vote-out: meetings that were waiting for the voted-out replica decide, and
+    /// calls its dead leader was executing run again with the new leader.
+    fn settle_after_vote_out(&mut self) -> Result<(), Stopped> {
+        while let Some(t) = self.unsettled.pop() {
+            match self.tasks[t].phase {
+                Phase::All { .. } | Phase::Followers { .. } => self.maybe_complete_all(t)?,
+                Phase::Collect => self.try_decide(t)?,
+                Phase::Leader { .. } | Phase::LeaderFirst { .. } => {}
+            }
         }
         Ok(())
     }
