@@ -291,3 +291,20 @@ fn events_file_schema() {
         );
     }
 }
+
+/// TMR: while a second thread is blocked in a read that the leader runs for everyone, the
+/// leader's output is corrupted and the leader is voted out. The blocked read runs again
+/// with the new leader (before, its followers waited for the dead leader forever), and the
+/// output is the native one.
+#[test]
+fn a_call_the_voted_out_leader_was_running_runs_again() {
+    let prog = fixture("leader_dies_mid_call");
+    for _ in 0..3 {
+        let out = run(lockstep_run(
+            &["-r", "3", "--test-flip", "0:9:mem:rsi+0:2"],
+            &[prog.as_os_str()],
+        ));
+        out.assert_code(0).assert_stdout(b"main\nreader\n");
+        assert!(out.stderr.contains("replica 0 voted out"), "{}", out.context());
+    }
+}

@@ -131,6 +131,8 @@ pub fn fixture_flags(name: &str) -> &'static [&'static str] {
         "threads" => &["-pthread"],
         // Static: a short, fixed list of intercepted syscalls (msync is stop 9).
         "shared_counter" => &["-static"],
+        // Static: the main thread's write of "main\n" is its 9th intercepted stop.
+        "leader_dies_mid_call" => &["-static", "-pthread"],
         "trace_user" | "io_copy" | "outcome" | "step_target" => &[
             "-static",
             "-nostdlib",
