@@ -541,6 +541,51 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
     assert_event(&events, "mask", Some("continue"), &out);
 }
 
+/// Time-based `ip` faults in a follower that spends its time in descriptor-creating
+/// calls: the fault often lands at the call's stop while the monitor's interrupt is still
+/// pending, the interrupt cuts the follower's descriptor install short, and the follower
+/// restarts its call at the corrupted address and faults there. Such a follower is voted
+/// out at once; it used to be resumed past its own fault until a fixed 5 s limit, longer
+/// than the hang bound below (about 1 run in 20 hung).
+#[test]
+fn a_follower_that_faults_during_a_descriptor_install_is_voted_out_without_a_hang() {
+    let out = scratch_dir("install-fault");
+    let mut target = vec![
+        env!("CARGO_BIN_EXE_lockstep").to_string(),
+        "run".into(),
+        "-r".into(),
+        "3".into(),
+        "-q".into(),
+        "--timeout".into(),
+        "1".into(),
+        "--".into(),
+    ];
+    target.extend(argv("open_loop", &[]));
+    let opts = [
+        "--fault",
+        "ip",
+        "--replica",
+        "follower",
+        "--runs",
+        "60",
+        "-j",
+        "2",
+        "--seed",
+        "5",
+        "--golden",
+        "1",
+        "--timeout",
+        "4",
+    ];
+    run(inject_cmd(&out, &opts, &target)).assert_code(0);
+    let counts = summary_counts(&out);
+    let count = |class: &str| counts.iter().find(|(c, _)| c == class).map_or(0, |(_, n)| *n);
+    for class in ["hang", "crash", "program-error", "sdc"] {
+        assert_eq!(count(class), 0, "{class}: {counts:?}");
+    }
+    assert!(count("detected") >= 30, "{counts:?}");
+}
+
 #[test]
 fn ctrl_c_kills_running_targets_and_keeps_results() {
     let out = scratch_dir("ctrlc");

@@ -71,6 +71,26 @@ fn timer_during_waitpid() {
     same_as_native("wait", ALL_MODES);
 }
 
+/// The handler's siginfo is the leader's in every replica: a POSIX timer's value (the
+/// followers used to see 0, a false divergence under -r 2 and a healthy leader voted out
+/// under -r 3).
+#[test]
+fn posix_timer_signals_carry_their_value() {
+    same_as_native("posix-timer", ALL_MODES);
+}
+
+/// SIGCHLD's pid, code and status as an SA_SIGINFO handler sees them (under -r 3 the
+/// followers' empty siginfo used to win the vote and reach the output).
+#[test]
+fn sigchld_handler_sees_the_childs_pid_and_status() {
+    same_as_native("sigchld-info", ALL_MODES);
+}
+
+#[test]
+fn timerfd_reads() {
+    same_as_native("timerfd", &["args", "io"]);
+}
+
 /// SIGUSR1 sent to lockstep while the program waits in pause(): forwarded, the handler
 /// runs, pause returns EINTR and the program exits.
 fn outside_signal_during_pause(r: &str) {

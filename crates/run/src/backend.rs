@@ -39,6 +39,8 @@ pub trait Backend {
     fn event_msg(&self, tid: Tid) -> io::Result<u64>;
     /// The signal the thread is about to receive.
     fn siginfo(&self, tid: Tid) -> io::Result<libc::siginfo_t>;
+    /// Replaces the siginfo of the signal the thread is stopped to receive.
+    fn set_siginfo(&self, tid: Tid, info: &libc::siginfo_t) -> io::Result<()>;
     /// Sends `sig` to one thread.
     fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()>;
     /// SIGKILLs a thread or process; it may already be gone.
@@ -111,6 +113,9 @@ impl Backend for Ptrace {
     }
     fn siginfo(&self, tid: Tid) -> io::Result<libc::siginfo_t> {
         ptrace::siginfo(tid)
+    }
+    fn set_siginfo(&self, tid: Tid, info: &libc::siginfo_t) -> io::Result<()> {
+        ptrace::set_siginfo(tid, info)
     }
     fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
         ptrace::tgkill(tgid, tid, sig)

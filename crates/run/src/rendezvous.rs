@@ -802,14 +802,16 @@ impl Session {
     /// Waits for follower `ftid`'s descriptor-install notification. The follower may stop
     /// on its way there (a `PTRACE_INTERRUPT` that `lockstep inject --replica` issued and
     /// that was still pending): such a stop is passed on and the wait goes on. It may also
-    /// die on the way (`Err(death)`), for example killed by its own parent.
+    /// die on the way (`Err(death)`), for example killed by its own parent. A follower
+    /// that faults on the way (it restarted its interrupted call at a corrupted address) or
+    /// that does not arrive within the straggler timeout has gone astray and is killed.
     fn await_install_notification(
         &mut self,
         listener: &lockstep_trace::seccomp::Listener,
         ftid: Tid,
     ) -> Result<Result<lockstep_trace::seccomp::Notif, Death>, Stopped> {
         const POLL_MS: i32 = 50;
-        const LIMIT_MS: i32 = 5000;
+        let limit_ms = i32::try_from(self.opts.timeout.as_millis()).unwrap_or(i32::MAX);
         let mut waited = 0;
         loop {
             match listener.recv(POLL_MS) {
@@ -830,12 +832,21 @@ impl Session {
                 Ok(Some(lockstep_trace::Stop::Seccomp | lockstep_trace::Stop::SyscallExit)) => {
                     return Ok(Err(self.kill_stray(ftid)))
                 }
+                // Its own fault: passing over it would only make the same instruction fault
+                // again until the limit, as a busy loop.
+                Ok(Some(lockstep_trace::Stop::Signal(sig)))
+                    if crate::signals::is_synchronous_fault(sig, self.be.siginfo(ftid).ok().as_ref()) =>
+                {
+                    return Ok(Err(self.kill_stray(ftid)))
+                }
+                // An asynchronous signal is suppressed here as everywhere in a follower: the
+                // leader's copy is delivered to every replica at the same point.
                 Ok(Some(_)) => {
                     let _ = self.be.resume(ftid, Resume::Run);
                 }
                 _ => {}
             }
-            if waited >= LIMIT_MS {
+            if waited >= limit_ms {
                 return Ok(Err(self.kill_stray(ftid)));
             }
         }

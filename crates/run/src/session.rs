@@ -183,6 +183,9 @@ pub struct Task {
     /// Signals the leader takes at the current call, for the followers when they are
     /// released from it.
     pub mirror: SigSet,
+    /// What the leader's own copy of each signal carried (sender, code, timer value,
+    /// child status), for the copies lockstep raises in every replica (see `signals.rs`).
+    pub leader_siginfo: Vec<(i32, libc::siginfo_t)>,
     /// The logical child created by the clone/fork rendezvous in progress.
     pub spawned: Option<TaskId>,
     /// The logical thread id the program sees.
@@ -621,6 +624,7 @@ impl Session {
             kicked: false,
             interrupted: None,
             mirror: SigSet::default(),
+            leader_siginfo: Vec::new(),
             spawned: None,
             logical_tid,
             finished: false,

@@ -80,6 +80,17 @@ pub struct StandIn {
     pub copy: Option<crate::shared_map::MapCopy>,
 }
 
+/// Whether a signal-delivery stop is the thread's own fault (a bad access, an illegal
+/// instruction, a trap) rather than a signal sent to it: the kernel marks those with a
+/// positive `si_code`.
+pub(crate) fn is_synchronous_fault(sig: i32, info: Option<&libc::siginfo_t>) -> bool {
+    let code = info.map_or(0, |i| i.si_code);
+    matches!(
+        sig,
+        libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP
+    ) && code > 0
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SignalFate {
     Handled,
@@ -91,6 +102,12 @@ impl Session {
     /// A signal-delivery stop of replica `r`'s thread of `task`.
     pub(crate) fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
+        let info = self.be.siginfo(tid).ok();
+        if r == self.leader {
+            if let Some(native) = info.filter(|i| !raised_by_lockstep(i) && !is_synchronous_fault(sig, Some(i))) {
+                self.remember_leader_siginfo(task, sig, native);
+            }
+        }
         if r == self.leader && self.tasks[task].interrupted.is_some() {
             let sent = self.slot(task, r).deliver.contains(sig);
             let nr = self.tasks[task].interrupted.as_ref().map(|i| i.nr).unwrap_or(u64::MAX);
@@ -108,17 +125,23 @@ impl Session {
                 return Ok(());
             }
         }
-        if self.slot_mut(task, r).deliver.take(sig) || self.slot_mut(task, r).own_signals.take(sig) {
+        if self.slot_mut(task, r).own_signals.take(sig) {
             let _ = self.be.resume(tid, Resume::Signal(sig));
             return Ok(());
         }
-        let info = self.be.siginfo(tid).ok();
-        let code = info.map(|i| i.si_code).unwrap_or(0);
-        let synchronous = matches!(
-            sig,
-            libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP
-        ) && code > 0;
-        if synchronous {
+        if self.slot_mut(task, r).deliver.take(sig) {
+            // Lockstep's own copy (tgkill) stands in for the leader's: the handler sees
+            // what the leader's copy carried, in every replica.
+            if let Some(leader_info) = self
+                .leader_siginfo(task, sig)
+                .filter(|_| info.is_some_and(|i| raised_by_lockstep(&i)))
+            {
+                let _ = self.be.set_siginfo(tid, &leader_info);
+            }
+            let _ = self.be.resume(tid, Resume::Signal(sig));
+            return Ok(());
+        }
+        if is_synchronous_fault(sig, info.as_ref()) {
             let regs = self.be.regs(tid).ok();
             if let Some(regs) = regs {
                 if sig == libc::SIGSEGV {
@@ -146,6 +169,26 @@ impl Session {
         }
         self.resume_same(task, r);
         Ok(())
+    }
+
+    fn remember_leader_siginfo(&mut self, task: TaskId, sig: i32, info: libc::siginfo_t) {
+        let kept = &mut self.tasks[task].leader_siginfo;
+        match kept.iter_mut().find(|(s, _)| *s == sig) {
+            Some(entry) => entry.1 = info,
+            None => kept.push((sig, info)),
+        }
+    }
+
+    fn forget_leader_siginfo(&mut self, task: TaskId, sig: i32) {
+        self.tasks[task].leader_siginfo.retain(|(s, _)| *s != sig);
+    }
+
+    fn leader_siginfo(&self, task: TaskId, sig: i32) -> Option<libc::siginfo_t> {
+        self.tasks[task]
+            .leader_siginfo
+            .iter()
+            .find(|(s, _)| *s == sig)
+            .map(|(_, info)| *info)
     }
 
     /// What the program's process does with `sig`, read from /proc.
@@ -266,6 +309,9 @@ impl Session {
                             .unwrap_or(false)
                 });
                 if let Some(t) = target {
+                    // It comes from outside, the same in every replica: no leader's copy
+                    // speaks for it.
+                    self.forget_leader_siginfo(t, sig);
                     self.async_signal(t, sig);
                 }
             }
@@ -501,6 +547,13 @@ impl Session {
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
     }
+}
+
+/// Whether a pending signal is one lockstep raised itself with `tgkill`: the replicas run
+/// in their own pid namespaces, where a sender outside (the monitor) shows as pid 0.
+fn raised_by_lockstep(info: &libc::siginfo_t) -> bool {
+    // SAFETY: si_pid is valid for SI_TKILL signals, which is checked first.
+    info.si_code == libc::SI_TKILL && unsafe { info.si_pid() } == 0
 }
 
 /// Whether thread `tid` blocks `sig` (its `SigBlk` in /proc).

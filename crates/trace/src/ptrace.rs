@@ -113,6 +113,12 @@ pub fn siginfo(tid: Tid) -> io::Result<libc::siginfo_t> {
     Ok(info)
 }
 
+/// Replaces the siginfo of the signal that thread `tid` is stopped to receive.
+pub fn set_siginfo(tid: Tid, info: &libc::siginfo_t) -> io::Result<()> {
+    req(libc::PTRACE_SETSIGINFO, tid, 0, info as *const libc::siginfo_t as usize)?;
+    Ok(())
+}
+
 /// Sends `sig` to exactly thread `tid` of process `tgid`.
 pub fn tgkill(tgid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
     // SAFETY: plain syscall with integer arguments.
