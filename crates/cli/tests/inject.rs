@@ -546,7 +546,8 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
 /// pending, the interrupt cuts the follower's descriptor install short, and the follower
 /// restarts its call at the corrupted address and faults there. Such a follower is voted
 /// out at once; it used to be resumed past its own fault until a fixed 5 s limit, longer
-/// than the hang bound below (about 1 run in 20 hung).
+/// than the hang bound below (about 1 run in 20 hung). The same campaign covers the
+/// install whose notification the interrupt cut short (once an exit 125).
 #[test]
 fn a_follower_that_faults_during_a_descriptor_install_is_voted_out_without_a_hang() {
     let out = scratch_dir("install-fault");
