@@ -3,7 +3,7 @@
 # Usage: scripts/deps.sh [test|bench]
 set -euo pipefail
 # protobuf-compiler: raft-rs generates its message types with protoc at build time.
-want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio nginx-light redis-server redis-tools libpython3.11-testsuite)
+want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio nginx-light redis-server redis-tools libpython3.11-testsuite parallel munge slurmctld slurmd slurm-client)
 if [ "${1:-test}" = bench ]; then
     want+=(xz-utils bc bindfs)
 fi
@@ -28,6 +28,12 @@ if [ ${#missing[@]} -gt 0 ]; then
     if [[ " ${missing[*]} " == *" redis-server "* ]]; then
         $SUDO service redis-server stop >/dev/null 2>&1 || true
     fi
+    # The Slurm test starts its own munged, slurmctld and slurmd (own key, socket, ports).
+    for service in slurmctld slurmd munge; do
+        if [[ " ${missing[*]} " == *" $service "* ]]; then
+            $SUDO service $service stop >/dev/null 2>&1 || true
+        fi
+    done
 fi
 if ! command -v cargo >/dev/null 2>&1; then
     if [ -x "$HOME/.cargo/bin/cargo" ]; then

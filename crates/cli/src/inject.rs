@@ -5,6 +5,7 @@ use lockstep_core::exit;
 use lockstep_inject::campaign::{self, Config};
 use lockstep_inject::classify::{classify, Compare};
 use lockstep_inject::fault::{Model, Region, Scope, Width};
+use lockstep_inject::shard::{self, CampaignFile, Shard};
 use lockstep_inject::target::{Plan, Point};
 use lockstep_inject::{report, stats};
 use std::io::IsTerminal;
@@ -36,7 +37,8 @@ Injection points:
   --at syscall:K+steps:D   ... then D single-steps further
 
 Outputs in --out DIR: results.jsonl (one line per run, appended as runs finish; run the
-same command again to resume), summary.json, summary.md, summary.svg.
+same command again to resume), summary.json, summary.md, summary.svg, and campaign.json
+(the campaign's id, which `merge` checks when it joins the shards of a campaign).
 
 Examples:
   lockstep inject --fault reg --runs 1000 -- ./md5job input.bin
@@ -45,12 +47,16 @@ Examples:
   lockstep inject --fault mem -j 2 --server --port 7000 \\
       --client 'redis-cli -p {port} get k' -- redis-server --port {port} --save ''
   lockstep inject --compare file:{dir}/out.txt -- ./job -o {dir}/out.txt
-  lockstep inject --replay out/results.jsonl:17 -- ./md5job input.bin";
+  lockstep inject --replay out/results.jsonl:17 -- ./md5job input.bin
+  parallel lockstep inject --shard {}/4 -j 1 --out camp/s{} -- ./md5job input.bin ::: 0 1 2 3
+  lockstep inject merge --out camp/all camp/s0 camp/s1 camp/s2 camp/s3";
 
 /// Inject faults into a program and classify every outcome, with confidence intervals.
 #[derive(Args)]
-#[command(after_help = AFTER_HELP)]
+#[command(after_help = AFTER_HELP, args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct InjectArgs {
+    #[command(subcommand)]
+    action: Option<InjectAction>,
     /// Fault model: reg, dest, addr, mem, ip, text or mixed (see below).
     #[arg(long, default_value = "reg", value_name = "MODEL")]
     fault: String,
@@ -122,9 +128,36 @@ pub struct InjectArgs {
     /// Re-run one recorded injection: RESULTS.jsonl:RUN.
     #[arg(long, value_name = "FILE:RUN")]
     replay: Option<String>,
+    /// Run only the K-th of N disjoint slices of the campaign (runs r with r mod N = K),
+    /// with the seeds and points of the whole campaign; join the slices' --out
+    /// directories with `lockstep inject merge` (see docs/inject.md for GNU parallel and
+    /// Slurm).
+    #[arg(long, value_name = "K/N")]
+    shard: Option<String>,
     /// The program and its arguments.
     #[arg(last = true, value_name = "CMD", required = true)]
     command: Vec<String>,
+}
+
+#[derive(clap::Subcommand)]
+enum InjectAction {
+    /// Join the --out directories of a campaign's shards (--shard K/N) into one: its
+    /// results.jsonl, summary.json, summary.md and summary.svg. Refuses directories of
+    /// different campaigns (their campaign.json ids differ) and the same shard twice.
+    Merge(MergeArgs),
+}
+
+#[derive(Args)]
+struct MergeArgs {
+    /// Where the merged campaign goes (created; must not hold another campaign).
+    #[arg(long, default_value = "inject-merged", value_name = "DIR")]
+    out: PathBuf,
+    /// Merge even if some shards are missing (the summary then covers fewer runs).
+    #[arg(long)]
+    partial: bool,
+    /// The shards' --out directories.
+    #[arg(value_name = "SHARD_DIR", required = true)]
+    shards: Vec<PathBuf>,
 }
 
 fn usage(msg: &str) -> i32 {
@@ -139,6 +172,9 @@ fn fail(msg: &str) -> i32 {
 }
 
 pub fn main(a: InjectArgs) -> i32 {
+    if let Some(InjectAction::Merge(m)) = &a.action {
+        return merge(m);
+    }
     let model: Model = match a.fault.parse() {
         Ok(m) => m,
         Err(e) => return usage(&e),
@@ -186,6 +222,13 @@ pub fn main(a: InjectArgs) -> i32 {
     };
     if runs == 0 {
         return usage("--runs must be at least 1");
+    }
+    let shard = match a.shard.as_deref().map(str::parse::<Shard>).transpose() {
+        Ok(s) => s,
+        Err(e) => return usage(&e),
+    };
+    if shard.is_some() && a.replay.is_some() {
+        return usage("--replay re-runs one recorded run; it takes no --shard");
     }
     let replica = match a
         .replica
@@ -264,6 +307,7 @@ pub fn main(a: InjectArgs) -> i32 {
         live_progress: std::io::stderr().is_terminal(),
         replica,
         server,
+        shard,
     };
     if let Some(spec) = a.replay.as_deref() {
         return replay(&cfg, spec);
@@ -272,8 +316,30 @@ pub fn main(a: InjectArgs) -> i32 {
         Ok(r) => r,
         Err(e) => return fail(&e),
     };
+    let campaign_file = CampaignFile {
+        id: shard::campaign_id(&cfg, &a.fault, &reference.golden),
+        command: cfg.argv.clone(),
+        fault: a.fault.clone(),
+        runs,
+        seed: cfg.seed,
+        confidence,
+        shard,
+    };
+    if let Err(e) = claim_out_dir(&cfg.out, &campaign_file) {
+        return e;
+    }
+    let slice = match shard {
+        Some(s) => format!(
+            "shard {}/{} of campaign {}: {} of {runs} runs",
+            s.index,
+            s.count,
+            campaign_file.id,
+            s.runs_of(runs)
+        ),
+        None => format!("{runs} runs"),
+    };
     eprintln!(
-        "lockstep inject: golden runtime {:.1} ms ({:.1} ms CPU), hang timeout {:.1} s, {runs} runs on {} workers",
+        "lockstep inject: golden runtime {:.1} ms ({:.1} ms CPU), hang timeout {:.1} s, {slice} on {} workers",
         reference.runtime.as_secs_f64() * 1e3,
         reference.cpu.as_secs_f64() * 1e3,
         reference.timeout.as_secs_f64(),
@@ -295,6 +361,89 @@ pub fn main(a: InjectArgs) -> i32 {
     }
     print!("{}", report::markdown(&summary));
     0
+}
+
+/// Records which campaign `out` holds, refusing a directory that holds results of another
+/// one (resuming appends to results.jsonl, which must not mix campaigns or shards).
+fn claim_out_dir(out: &std::path::Path, campaign: &CampaignFile) -> Result<(), i32> {
+    if let Err(e) = std::fs::create_dir_all(out) {
+        return Err(fail(&format!("cannot create {}: {e}", out.display())));
+    }
+    let has_results = out.join("results.jsonl").exists();
+    match CampaignFile::read(out) {
+        Ok(old) if old.id != campaign.id || old.shard != campaign.shard => {
+            return Err(usage(&format!(
+                "{} holds results of another campaign or shard (campaign {}{}); give another --out",
+                out.display(),
+                old.id,
+                old.shard
+                    .map(|s| format!(", shard {}/{}", s.index, s.count))
+                    .unwrap_or_default()
+            )))
+        }
+        Ok(_) => {}
+        Err(_) if has_results && campaign.shard.is_some() => {
+            return Err(usage(&format!(
+                "{} holds results of a campaign without a campaign.json; a shard needs its own --out",
+                out.display()
+            )))
+        }
+        Err(_) => {}
+    }
+    campaign
+        .write(out)
+        .map_err(|e| fail(&format!("cannot write {}: {e}", out.join(CampaignFile::NAME).display())))
+}
+
+/// `lockstep inject merge`.
+fn merge(m: &MergeArgs) -> i32 {
+    let merged = match shard::merge(&m.shards) {
+        Ok(merged) => merged,
+        Err(e) => return usage(&e),
+    };
+    if !merged.missing_shards.is_empty() && !m.partial {
+        return usage(&format!(
+            "shard(s) {:?} are missing: merge them too, or give --partial to summarise the runs present",
+            merged.missing_shards
+        ));
+    }
+    if m.shards.iter().any(|d| same_dir(d, &m.out)) {
+        return usage("--out must not be one of the shard directories");
+    }
+    if let Err(e) = claim_out_dir(&m.out, &merged.campaign) {
+        return e;
+    }
+    let results = m.out.join("results.jsonl");
+    if let Err(e) = campaign::save_results(&results, &merged.records) {
+        return fail(&format!("cannot write {}: {e}", results.display()));
+    }
+    let c = &merged.campaign;
+    let summary = report::summarise(&c.command, &c.fault, &merged.records, c.confidence);
+    if let Err(e) = report::write_all(&m.out, &summary) {
+        return fail(&format!("cannot write the reports: {e}"));
+    }
+    eprintln!(
+        "lockstep inject: merged {} shard director{} of campaign {}: {} of {} runs{}",
+        m.shards.len(),
+        if m.shards.len() == 1 { "y" } else { "ies" },
+        c.id,
+        merged.records.len(),
+        c.runs,
+        if merged.missing_shards.is_empty() {
+            String::new()
+        } else {
+            format!(" (missing shards {:?})", merged.missing_shards)
+        }
+    );
+    print!("{}", report::markdown(&summary));
+    0
+}
+
+fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }
 
 /// The kernel's range of ports for outgoing connections.

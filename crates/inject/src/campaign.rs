@@ -36,6 +36,8 @@ pub struct Config {
     pub replica: Option<crate::fault::ReplicaChoice>,
     /// Server mode: the base port (worker w uses base + w, as `{port}`) and the client.
     pub server: Option<crate::server::Server>,
+    /// Run only this slice of the campaign (`--shard K/N`).
+    pub shard: Option<crate::shard::Shard>,
 }
 
 /// Resolves a command name through PATH once, so that runs do not search it again.
@@ -274,6 +276,16 @@ pub fn load_results(path: &std::path::Path) -> Vec<Record> {
         .collect()
 }
 
+/// Writes `records` as a whole results.jsonl (a merge's output).
+pub fn save_results(path: &std::path::Path, records: &[Record]) -> std::io::Result<()> {
+    let mut text = String::new();
+    for rec in records {
+        text.push_str(&serde_json::to_string(rec).expect("records serialise"));
+        text.push('\n');
+    }
+    std::fs::write(path, text)
+}
+
 /// Runs one injection.
 pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize) -> std::io::Result<Record> {
     let seed = run_seed(cfg.seed, run);
@@ -421,7 +433,9 @@ pub fn run(cfg: &Config, reference: &Reference) -> Result<(Vec<Record>, Throughp
     let path = cfg.out.join("results.jsonl");
     let mut records = load_results(&path);
     let done: HashSet<u64> = records.iter().map(|r| r.run).collect();
-    let todo: Vec<u64> = (0..cfg.runs).filter(|r| !done.contains(r)).collect();
+    let todo: Vec<u64> = (0..cfg.runs)
+        .filter(|r| !done.contains(r) && cfg.shard.is_none_or(|s| s.owns(*r)))
+        .collect();
     let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

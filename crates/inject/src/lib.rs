@@ -7,6 +7,7 @@
 //! * [`tree`]: the traced process tree at time-based points (victim choice).
 //! * [`classify`]: outcome classes against the golden runs.
 //! * [`campaign`]: golden runs, parallel workers, resumable results.
+//! * [`shard`]: `--shard K/N` slices of a campaign, their identity, and merging them.
 //! * [`stats`]: Wilson intervals, zero-event bounds, Leveugle sample sizes.
 //! * [`report`]: summary.json, summary.md and the SVG chart.
 
@@ -15,6 +16,7 @@ pub mod classify;
 pub mod fault;
 pub mod report;
 pub mod server;
+pub mod shard;
 pub mod stats;
 pub mod step;
 pub mod target;

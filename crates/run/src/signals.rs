@@ -125,10 +125,7 @@ impl Session {
                 return Ok(());
             }
         }
-        if self.slot_mut(task, r).own_signals.take(sig) {
-            let _ = self.be.resume(tid, Resume::Signal(sig));
-            return Ok(());
-        }
+        // `deliver` before `own_signals`: one delivery consumes one mark, in this order.
         if self.slot_mut(task, r).deliver.take(sig) {
             // Lockstep's own copy (tgkill) stands in for the leader's: the handler sees
             // what the leader's copy carried, in every replica.
@@ -138,6 +135,10 @@ impl Session {
             {
                 let _ = self.be.set_siginfo(tid, &leader_info);
             }
+            let _ = self.be.resume(tid, Resume::Signal(sig));
+            return Ok(());
+        }
+        if self.slot_mut(task, r).own_signals.take(sig) {
             let _ = self.be.resume(tid, Resume::Signal(sig));
             return Ok(());
         }
