@@ -101,6 +101,10 @@ pub struct InjectArgs {
     /// Server mode: the client workload (run with sh -c; `{port}` and `{dir}` expand).
     #[arg(long, value_name = "CMD", requires = "server")]
     client: Option<String>,
+    /// Server mode: the client's exit status that means its own check rejected a wrong
+    /// reply (a CRC, a checksum): such a run counts as detected, not sdc.
+    #[arg(long, value_name = "CODE", requires = "server", default_value_t = lockstep_core::exit::DETECTED)]
+    client_detected: i32,
     /// Exact injection point: syscall:K or syscall:K+steps:D.
     #[arg(long, value_name = "POINT")]
     at: Option<String>,
@@ -258,11 +262,10 @@ pub fn main(a: InjectArgs) -> i32 {
     }
     let server = match (a.server, a.port, a.client.clone()) {
         (true, Some(port), Some(client)) => {
-            if at.is_some() {
-                return usage(
-                    "--server injects at time-based points only (they count from the client's start); drop --at",
-                );
+            if !(1..=255).contains(&a.client_detected) {
+                return usage("--client-detected must be an exit status from 1 to 255");
             }
+            compare.client_detected = Some(a.client_detected);
             if jobs > 1 && !(uses("{port}") && client.contains("{port}")) {
                 return usage("with -j 2 or more each worker's server needs its own port: write {port} in the server command and in --client, or use -j 1");
             }

@@ -94,7 +94,11 @@ fn server_mode_refuses_bad_combinations_and_a_busy_port() {
     };
     let fixed_port = vec![fixture("echo_server").to_string_lossy().into_owned(), port.to_string()];
     for (args, prog, text) in [
-        (with(&["--at", "syscall:3"]), server.clone(), "time-based points only"),
+        (
+            with(&["--client-detected", "0"]),
+            server.clone(),
+            "--client-detected must be",
+        ),
         (with(&["-j", "2"]), fixed_port.clone(), "write {port}"),
         (
             vec!["--server".to_string(), "--port".to_string(), "1".to_string()],
@@ -117,6 +121,124 @@ fn server_mode_refuses_bad_combinations_and_a_busy_port() {
     let o = run(inject_cmd(&out, &a, &server));
     o.assert_code(125);
     assert!(o.stderr.contains("already in use"), "{}", o.context());
+}
+
+/// An exact-point server campaign (`--at syscall:149`, register faults as one of the echo
+/// server's reads returns, mid-workload), ASLR off so that each run's outcome depends only on
+/// its seed. `check`: the client compares every reply and exits 3 at a wrong one.
+fn echo_campaign(out: &std::path::Path, check: bool) -> Vec<serde_json::Value> {
+    let port = free_port_pair();
+    let check = if check { " --check 3" } else { "" };
+    let client = format!(
+        "{} {} {{port}} 100{check}",
+        python3().display(),
+        fixture_file("echo_client.py").display()
+    );
+    let mut cmd = std::process::Command::new("setarch");
+    cmd.args(["x86_64", "-R"]).arg(env!("CARGO_BIN_EXE_lockstep"));
+    cmd.args(["inject", "--out"]).arg(out);
+    cmd.args([
+        "--fault",
+        "reg",
+        "--at",
+        "syscall:149",
+        "--runs",
+        "120",
+        "-j",
+        "2",
+        "--seed",
+        "4",
+    ]);
+    cmd.args([
+        "--golden",
+        "1",
+        "--server",
+        "--port",
+        &port.to_string(),
+        "--client",
+        &client,
+    ]);
+    cmd.args(["--client-detected", "3", "--"]);
+    cmd.arg(fixture("echo_server")).args(["{port}", "1000"]);
+    run(cmd).assert_code(0);
+    std::fs::read_to_string(out.join("results.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A client whose own check rejects a wrong reply makes the run `detected`
+/// (`--client-detected`); the same faults with a client that only prints are `sdc`. Every
+/// record says which worker and port ran it, how the client ended, and where its output
+/// first differed from the golden one; replays of exact server points reproduce them.
+#[test]
+fn server_runs_tell_a_client_detection_from_an_sdc_and_replay_exactly() {
+    let checked_dir = scratch_dir("echo-checked");
+    let checked = echo_campaign(&checked_dir, true);
+    let plain = echo_campaign(&scratch_dir("echo-plain"), false);
+    let class = |recs: &[serde_json::Value], c: &str| recs.iter().filter(|r| r["class"] == c).count();
+    assert!(class(&checked, "detected") >= 1, "{:?}", summary_counts(&checked_dir));
+    assert_eq!(class(&checked, "sdc"), 0, "the check catches every wrong reply");
+    assert!(class(&plain, "sdc") >= 1, "the same faults reach an unchecking client");
+    for r in checked.iter().filter(|r| r["class"] == "detected") {
+        assert_eq!(r["client"], serde_json::json!({"exited": 3}), "{r}");
+        assert!(r["stdout"]["first_diff"].is_u64(), "{r}");
+        let run = r["run"].as_u64().unwrap() as usize;
+        // The same fault without the check: the wrong reply goes through (sdc), or the
+        // client goes on and the damaged server fails later; never without effect.
+        let twin = plain.iter().find(|p| p["run"].as_u64() == Some(run as u64)).unwrap();
+        assert_ne!(twin["class"], "masked", "run {run}: {twin}");
+        assert!(
+            twin["stdout"]["golden"].is_string() && twin["stdout"]["got"].is_string(),
+            "{twin}"
+        );
+    }
+    for r in &checked {
+        assert!(r["worker"].as_u64().unwrap() < 2, "{r}");
+        let port = r["port"].as_u64().unwrap();
+        assert!(port > 0, "{r}");
+    }
+    // Replays of exact server points give the recorded class.
+    let replays: Vec<&serde_json::Value> = checked
+        .iter()
+        .filter(|r| r["class"] == "detected" || r["class"] == "crash")
+        .take(3)
+        .collect();
+    assert!(!replays.is_empty());
+    for r in replays {
+        let spec = format!("{}:{}", checked_dir.join("results.jsonl").display(), r["run"]);
+        let port = free_port_pair().to_string();
+        let client = format!(
+            "{} {} {{port}} 100 --check 3",
+            python3().display(),
+            fixture_file("echo_client.py").display()
+        );
+        let mut cmd = std::process::Command::new("setarch");
+        cmd.args(["x86_64", "-R"]).arg(env!("CARGO_BIN_EXE_lockstep"));
+        cmd.args(["inject", "--out"]).arg(scratch_dir("echo-replay"));
+        cmd.args([
+            "--fault",
+            "reg",
+            "--at",
+            "syscall:149",
+            "--seed",
+            "4",
+            "--server",
+            "--port",
+            &port,
+        ]);
+        cmd.args(["--client", &client, "--client-detected", "3", "--replay", &spec, "--"]);
+        cmd.arg(fixture("echo_server")).args(["{port}", "1000"]);
+        let o = run(cmd);
+        o.assert_code(0);
+        let c = r["class"].as_str().unwrap();
+        assert!(
+            o.stdout_str().contains(&format!("recorded {c}, replayed {c}")),
+            "{r}\n{}",
+            o.context()
+        );
+    }
 }
 
 fn sh(script: &str) -> Vec<String> {

@@ -62,8 +62,8 @@ fn whole_campaign(tag: &str) -> PathBuf {
     whole
 }
 
-/// A campaign's records in run order, without their wall times and the registers' old and
-/// new values: with ASLR off, stack addresses still move with the size of the environment,
+/// A campaign's records in run order, without their wall times, workers and the
+/// registers' old and new values: with ASLR off, stack addresses still move with the size of the environment,
 /// which differs between a shard and the unsharded campaign.
 fn records(dir: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(dir.join("results.jsonl")).unwrap();
@@ -72,6 +72,7 @@ fn records(dir: &Path) -> Vec<Value> {
         .map(|l| {
             let mut r: Value = serde_json::from_str(l).unwrap();
             r.as_object_mut().unwrap().remove("wall_ms");
+            r.as_object_mut().unwrap().remove("worker");
             if let Some(applied) = r["applied"].as_object_mut() {
                 applied.remove("old");
                 applied.remove("new");

@@ -108,7 +108,8 @@ pub fn run_target(
     Ok(o)
 }
 
-/// One injection, as stored in results.jsonl.
+/// One injection, as stored in results.jsonl. Fields added later are optional, so that
+/// older results files still load (resume, merge, replay).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Record {
     pub run: u64,
@@ -119,6 +120,60 @@ pub struct Record {
     pub class: Class,
     pub ending: Ending,
     pub wall_ms: f64,
+    /// The compared output (the client's in server mode) against the golden one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout: Option<OutputDigest>,
+    /// Server mode: how the client ended (its exit status, 128+N for signal N, or
+    /// timedout); `ending` puts the server's own fate first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<Ending>,
+    /// The worker that ran it, and its port in server mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+}
+
+/// A run's output told apart from the golden one without storing it: its length, its
+/// CRC32C, and where it first differs, with a few bytes of each side from there.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutputDigest {
+    pub len: usize,
+    pub crc32c: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_diff: Option<usize>,
+    /// Up to [`DIFF_BYTES`] bytes of the golden output from `first_diff`, escaped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub golden: Option<String>,
+    /// The same bytes of this run's output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub got: Option<String>,
+}
+
+/// How many bytes of each side an [`OutputDigest`] shows.
+pub const DIFF_BYTES: usize = 24;
+
+impl OutputDigest {
+    pub fn of(golden: &[u8], run: &[u8]) -> OutputDigest {
+        let first_diff = (golden != run).then(|| {
+            golden
+                .iter()
+                .zip(run)
+                .position(|(a, b)| a != b)
+                .unwrap_or(golden.len().min(run.len()))
+        });
+        let window = |bytes: &[u8], at: usize| {
+            let end = (at + DIFF_BYTES).min(bytes.len());
+            bytes[at.min(end)..end].escape_ascii().to_string()
+        };
+        OutputDigest {
+            len: run.len(),
+            crc32c: format!("{:08x}", lockstep_core::crc32c(run)),
+            first_diff,
+            golden: first_diff.map(|at| window(golden, at)),
+            got: first_diff.map(|at| window(run, at)),
+        }
+    }
 }
 
 /// What the golden runs established.
@@ -218,6 +273,14 @@ pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
                 return Err(format!("the server was killed by signal {s} in golden run {}", i + 1))
             }
             _ => {}
+        }
+        if let (Some(code), Some(Ending::Exited(c))) = (cfg.compare.client_detected, o.client_ending) {
+            if c == code {
+                return Err(format!(
+                    "the client exited {c} in golden run {}, the status that --client-detected says means a detection (the golden run must pass its own checks)",
+                    i + 1
+                ));
+            }
         }
         total += o.wall;
         startup += o.startup.unwrap_or_default();
@@ -320,10 +383,14 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
         seed,
         point,
         model,
-        applied: o.applied,
         class,
         ending: o.ending,
         wall_ms: o.wall.as_secs_f64() * 1e3,
+        stdout: Some(OutputDigest::of(&reference.golden.stdout, &o.stdout)),
+        client: o.client_ending,
+        worker: Some(worker),
+        port: cfg.server.is_some().then_some(ws.port),
+        applied: o.applied,
     })
 }
 

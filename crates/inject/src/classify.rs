@@ -59,6 +59,9 @@ pub struct Compare {
     /// A shell command that decides whether two differing outputs are equivalent: it gets
     /// the golden and the run's copy as its last two arguments and exits 0 when they are.
     pub diff_cmd: Option<String>,
+    /// Server mode: the client's exit status that means "the client's own check caught a
+    /// wrong reply" (`--client-detected`): such a run is detected, not sdc.
+    pub client_detected: Option<i32>,
 }
 
 impl std::str::FromStr for Compare {
@@ -182,6 +185,9 @@ pub fn classify(golden: &Golden, run: &Outcome, compare: &Compare) -> Class {
         Ending::TimedOut => Class::Hang,
         Ending::Signaled(_) => Class::Crash,
         Ending::Exited(lockstep_core::exit::DETECTED) | Ending::ServerExited(lockstep_core::exit::DETECTED) => {
+            Class::Detected
+        }
+        Ending::Exited(c) if compare.client_detected == Some(c) && run.client_ending == Some(Ending::Exited(c)) => {
             Class::Detected
         }
         Ending::ServerExited(_) => Class::ProgramError,

@@ -8,8 +8,10 @@
 //! * the client does not finish in time: hang;
 //! * otherwise the client's output and exit status decide between masked and sdc.
 //!
-//! The injection point (time-based only) counts the server's CPU time from its start; the
-//! golden runs measure it from the start to the end of the client workload.
+//! A time-based injection point counts the server's CPU time from its start; the golden
+//! runs measure it from the start to the end of the client workload. An exact point
+//! (`--at syscall:K`) counts the server's main thread's syscalls from its exec; the client
+//! starts as soon as the port is open, wherever the point is.
 
 use crate::target::{drive_to_injection, ending_of, Child, Driven, Ending, Outcome, Plan};
 use crate::tree::{idle, Tree};
@@ -194,6 +196,7 @@ fn serve(
             files: Vec::new(),
             cpu: Duration::ZERO,
             lockstep_detections: 0,
+            client_ending: None,
         });
     };
     let client_end = watch.wait_child(client.pid, deadline)?;
@@ -236,6 +239,11 @@ fn serve(
         files: Vec::new(),
         cpu,
         lockstep_detections: 0,
+        client_ending: Some(match client_end {
+            Some(Ending::Signaled(s)) => Ending::Exited(128 + s),
+            Some(e) => e,
+            None => Ending::TimedOut,
+        }),
     })
 }
 

@@ -86,6 +86,9 @@ pub struct Outcome {
     pub cpu: Duration,
     /// `--replica`: detection events (divergence, timeout, halt) the run monitor emitted.
     pub lockstep_detections: u64,
+    /// Server mode: how the client ended (`ending` is the run's, where the server's fate
+    /// comes first).
+    pub client_ending: Option<Ending>,
 }
 
 /// What to inject, if anything.
@@ -267,6 +270,7 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> 
         files: Vec::new(),
         cpu,
         lockstep_detections: 0,
+        client_ending: None,
     })
 }
 
@@ -337,7 +341,7 @@ pub(crate) fn drive_to_injection(
     };
     let victim = match point {
         Point::Syscall { k, steps } => {
-            if let Some(ending) = run_to_syscall(pid, k, steps)? {
+            if let Some(ending) = run_to_syscall(pid, k, steps, deadline, on_idle)? {
                 return Ok(Driven::Ended(ending));
             }
             pid
@@ -415,14 +419,24 @@ fn release(victim: Tid, tree: bool, sig: i32) -> io::Result<()> {
 }
 
 /// Steps syscall by syscall until the k-th syscall after exec has returned, then `steps`
-/// instructions further. Some(ending) when the process ended first.
-fn run_to_syscall(pid: Tid, k: u64, steps: u64) -> io::Result<Option<Ending>> {
+/// instructions further. Some(ending) when the process ended first (or the deadline
+/// passed: a server waiting for a client that `on_idle` starts).
+fn run_to_syscall(
+    pid: Tid,
+    k: u64,
+    steps: u64,
+    deadline: Instant,
+    on_idle: &mut dyn FnMut() -> io::Result<()>,
+) -> io::Result<Option<Ending>> {
     let mut after_exec = false;
     let mut entries = 0u64;
     let mut in_syscall = false;
     ptrace::cont_syscall(pid, 0)?;
     loop {
-        match ptrace::wait_tid(pid)? {
+        let Some(stop) = wait_tid_or_idle(pid, deadline, on_idle)? else {
+            return Ok(Some(Ending::TimedOut));
+        };
+        match stop {
             stop @ (Stop::Exited(_) | Stop::Killed(_)) => return Ok(ending_of(stop)),
             Stop::Event(libc::PTRACE_EVENT_EXEC) => {
                 after_exec = true;
@@ -457,6 +471,41 @@ fn run_to_syscall(pid: Tid, k: u64, steps: u64) -> io::Result<Option<Ending>> {
         }
     }
     Ok(None)
+}
+
+/// The next stop of `pid`, calling `on_idle` while it has none to report; None when the
+/// deadline passed first. Most stops are already there (a syscall stop comes back within
+/// microseconds), so a run that needs no `on_idle` work rarely sleeps.
+fn wait_tid_or_idle(
+    pid: Tid,
+    deadline: Instant,
+    on_idle: &mut dyn FnMut() -> io::Result<()>,
+) -> io::Result<Option<Stop>> {
+    let mut spins = 0u32;
+    loop {
+        let mut status = 0;
+        // SAFETY: non-blocking waitpid on our own tracee.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
+        if r == pid {
+            return Ok(Some(ptrace::decode(status)));
+        }
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(e);
+            }
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
+        }
+        spins += 1;
+        if spins < 64 {
+            std::thread::yield_now();
+        } else {
+            on_idle()?;
+            crate::tree::idle();
+        }
+    }
 }
 
 enum Stepped {
