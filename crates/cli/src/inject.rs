@@ -498,6 +498,24 @@ fn replay(cfg: &Config, spec: &str) -> i32 {
     };
     let class = classify(&reference.golden, &outcome, &cfg.compare);
     println!("run {run}: recorded {}, replayed {}", rec.class.name(), class.name());
+    // What the fault found there: the same old value means the same point in the program
+    // (unless the value itself varies from run to run, as addresses do with ASLR).
+    if let (Some(now), Some(then)) = (&outcome.applied, &rec.applied) {
+        let place = |a: &lockstep_inject::fault::Applied| match (&a.register, a.address) {
+            (Some(r), _) => r.clone(),
+            (None, Some(addr)) => format!("{addr:#x}"),
+            (None, None) => "?".into(),
+        };
+        println!(
+            "applied: {} {:#x} ^ {:#x}, recorded: {} {:#x} ^ {:#x}",
+            place(now),
+            now.old,
+            now.mask,
+            place(then),
+            then.old,
+            then.mask
+        );
+    }
     if matches!(rec.point, Point::Time { .. }) {
         println!("note: the point is time-based, so the replay hits a nearby instruction, not the same one");
     }
