@@ -13,7 +13,7 @@
 //! (`--at syscall:K`) counts the server's main thread's syscalls from its exec; the client
 //! starts as soon as the port is open, wherever the point is.
 
-use crate::target::{drive_to_injection, ending_of, Child, Driven, Ending, Outcome, Plan};
+use crate::target::{detach_after_exec, drive_to_injection, ending_of, Child, Driven, Ending, Outcome, Plan};
 use crate::tree::{idle, Tree};
 use lockstep_trace::{ptrace, Tid};
 use std::io;
@@ -125,7 +125,9 @@ pub fn run(
         std::thread::sleep(Duration::from_millis(10));
     }
     let traced = !matches!(plan, Plan::None);
-    let srv = Child::spawn(argv, traced, scratch, "server-", env)?;
+    // A golden run's server is followed to its exec too, where its CPU time starts to
+    // count (as an injection point's does), and then runs untraced.
+    let srv = Child::spawn(argv, true, scratch, "server-", env)?;
     let result = serve(&srv, server, plan, timeout, scratch, traced);
     // Whatever happened, nothing of this run may outlive it.
     crate::tree::kill_and_reap_all(srv.pid);
@@ -156,14 +158,23 @@ fn serve(
     };
     let mut applied = None;
     let mut early_end = None;
+    let mut exec_cpu = Duration::ZERO;
+    if !traced {
+        match detach_after_exec(srv.pid)? {
+            Ok(at_exec) => exec_cpu = at_exec,
+            Err(ending) => early_end = Some(ending),
+        }
+    }
     if traced {
         // The point counts the server's CPU time from its start: the client starts as soon
         // as the port is open, whether or not the fault is in by then.
+        // Once the client is done, the point will not come: the fault is not applied (and
+        // the run does not wait for the deadline).
         let driven = drive_to_injection(srv.pid, plan, deadline, &mut tree, &mut || {
             if client.is_none() && port_open(server.port) {
                 start_client(&mut client)?;
             }
-            Ok(())
+            Ok(client.as_ref().is_none_or(|(c, _)| !has_exited(c.pid)))
         })?;
         match driven {
             Driven::Injected(a) => applied = Some(a),
@@ -201,7 +212,9 @@ fn serve(
     };
     let client_end = watch.wait_child(client.pid, deadline)?;
     let client_wall = client_started.elapsed();
-    let cpu = lockstep_trace::cpu::process_cpu(srv.pid).unwrap_or_default();
+    let cpu = lockstep_trace::cpu::process_cpu(srv.pid)
+        .unwrap_or_default()
+        .saturating_sub(exec_cpu);
     if client_end.is_none() {
         // SAFETY: the client overran the deadline: kill its process group and reap it.
         unsafe {
@@ -245,6 +258,24 @@ fn serve(
             None => Ending::TimedOut,
         }),
     })
+}
+
+/// Whether our untraced child `pid` has exited, without reaping it (its status is read
+/// later by the wait for the client).
+fn has_exited(pid: Tid) -> bool {
+    // SAFETY: all-zero is a valid siginfo_t; waitid writes at most one.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid on our own child with WNOWAIT leaves it to be reaped.
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // SAFETY: si_pid is set by waitid when a child was found.
+    r == 0 && unsafe { info.si_pid() } == pid
 }
 
 /// The run's ending when the server ended by itself.

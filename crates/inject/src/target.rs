@@ -3,7 +3,7 @@
 
 use crate::fault::{self, Applied, Model, Rng, Scope, Width};
 use crate::step::{Progress, StepFault};
-use crate::tree::{Tree, Victim};
+use crate::tree::{OnIdle, Tree, Until, Victim};
 use lockstep_trace::{ptrace, Stop, Tid};
 use serde::{Deserialize, Serialize};
 use std::ffi::CString;
@@ -143,11 +143,25 @@ pub fn run_with_env(
     scratch: &Path,
     env: &[(String, String)],
 ) -> io::Result<Outcome> {
-    let traced = !matches!(plan, Plan::None);
-    let child = Child::spawn(argv, traced, scratch, "", env)?;
+    // Traced even without a plan: a golden run is followed to its exec, where its CPU
+    // time starts to count (see `detach_after_exec`).
+    let child = Child::spawn(argv, true, scratch, "", env)?;
     let result = supervise(&child, plan, limits.into());
     child.forget();
     result
+}
+
+/// Makes the calling worker thread preempt its targets as soon as it wakes up: a worker
+/// that checks a time-based point every few hundred microseconds must get the CPU then,
+/// not after the target's time slice, or a program of a few milliseconds ends before its
+/// point is seen. The lowest real-time priority, reset for every child it forks (the
+/// targets run as normal processes). Without the privilege, nothing changes.
+pub fn prefer_worker_thread() {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: plain sched_setscheduler on the calling thread.
+    unsafe {
+        libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param);
+    }
 }
 
 /// A target process, started in its own process group with its stdout and stderr in
@@ -237,9 +251,16 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> 
     let pid = child.pid;
     let mut tree = Tree::new(pid);
     let deadline = child.started + limits.wall;
+    let mut exec_cpu = Duration::ZERO;
     let (applied, ended) = match plan {
-        Plan::None => (None, None),
-        _ => match drive_to_injection(pid, plan, deadline, &mut tree, &mut || Ok(()))? {
+        Plan::None => match detach_after_exec(pid)? {
+            Ok(at_exec) => {
+                exec_cpu = at_exec;
+                (None, None)
+            }
+            Err(ending) => (None, Some(ending)),
+        },
+        _ => match drive_to_injection(pid, plan, deadline, &mut tree, &mut || Ok(true))? {
             Driven::Injected(a) => (Some(a), None),
             Driven::NotApplied => (None, None),
             Driven::Ended(e) => (None, Some(e)),
@@ -251,7 +272,7 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> 
         None if traced_tree(plan) => tree.finish(deadline, limits.cpu)?,
         None => {
             let (ending, used) = wait_until(pid, deadline, limits.cpu)?;
-            cpu = used;
+            cpu = used.saturating_sub(exec_cpu);
             ending
         }
     };
@@ -272,6 +293,36 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> 
         lockstep_detections: 0,
         client_ending: None,
     })
+}
+
+/// Takes a traced child that stopped itself before its exec through the exec, reads its
+/// CPU time there and lets it go untraced. A golden run's CPU time then counts from the
+/// same moment as an injection run's time-based point: what the forked child spends
+/// before (its copy of inject's address space, torn down by the exec) is not the
+/// program's. Err(ending): it ended before its exec (command not found).
+pub(crate) fn detach_after_exec(pid: Tid) -> io::Result<Result<Duration, Ending>> {
+    match ptrace::wait_tid(pid)? {
+        Stop::Signal(libc::SIGSTOP) => {}
+        other => return Ok(Err(ending_of(other).unwrap_or(Ending::Exited(127)))),
+    }
+    // SAFETY: plain ptrace on our stopped child.
+    unsafe {
+        libc::ptrace(libc::PTRACE_SETOPTIONS, pid, 0, libc::PTRACE_O_TRACEEXEC);
+    }
+    ptrace::cont(pid, 0)?;
+    loop {
+        match ptrace::wait_tid(pid)? {
+            Stop::Event(libc::PTRACE_EVENT_EXEC) => break,
+            stop @ (Stop::Exited(_) | Stop::Killed(_)) => {
+                return Ok(Err(ending_of(stop).unwrap_or(Ending::Exited(127))))
+            }
+            Stop::Signal(sig) => ptrace::cont(pid, sig)?,
+            _ => ptrace::cont(pid, 0)?,
+        }
+    }
+    let at_exec = lockstep_trace::cpu::process_cpu(pid).unwrap_or_default();
+    ptrace::detach_with(pid, 0)?;
+    Ok(Ok(at_exec))
 }
 
 /// Time-based points trace the whole process tree (any thread or child can be the
@@ -316,7 +367,7 @@ pub(crate) fn drive_to_injection(
     plan: &Plan,
     deadline: Instant,
     t: &mut Tree,
-    on_idle: &mut dyn FnMut() -> io::Result<()>,
+    on_idle: OnIdle,
 ) -> io::Result<Driven> {
     // The child stopped itself before exec.
     match ptrace::wait_tid(pid)? {
@@ -340,16 +391,17 @@ pub(crate) fn drive_to_injection(
         Plan::None => unreachable!("traced only with a plan"),
     };
     let victim = match point {
-        Point::Syscall { k, steps } => {
-            if let Some(ending) = run_to_syscall(pid, k, steps, deadline, on_idle)? {
-                return Ok(Driven::Ended(ending));
-            }
-            pid
-        }
+        Point::Syscall { k, steps } => match run_to_syscall(pid, k, steps, deadline, on_idle)? {
+            Until::Reached => pid,
+            Until::Ended(ending) => return Ok(Driven::Ended(ending)),
+            Until::GaveUp => return Ok(Driven::NotApplied),
+        },
         Point::Time { at_us } => {
             ptrace::cont(pid, 0)?;
-            if let Some(ending) = t.run_until_cpu(Duration::from_micros(at_us), deadline, on_idle)? {
-                return Ok(Driven::Ended(ending));
+            match t.run_until_cpu(Duration::from_micros(at_us), deadline, on_idle)? {
+                Until::Reached => {}
+                Until::Ended(ending) => return Ok(Driven::Ended(ending)),
+                Until::GaveUp => return Ok(Driven::NotApplied),
             }
             let mut rng = match plan {
                 Plan::Fresh { rng, .. } => Some(Rng::new(rng.clone().next_u64() ^ 0x7468_7264)),
@@ -419,25 +471,23 @@ fn release(victim: Tid, tree: bool, sig: i32) -> io::Result<()> {
 }
 
 /// Steps syscall by syscall until the k-th syscall after exec has returned, then `steps`
-/// instructions further. Some(ending) when the process ended first (or the deadline
-/// passed: a server waiting for a client that `on_idle` starts).
-fn run_to_syscall(
-    pid: Tid,
-    k: u64,
-    steps: u64,
-    deadline: Instant,
-    on_idle: &mut dyn FnMut() -> io::Result<()>,
-) -> io::Result<Option<Ending>> {
+/// instructions further. A server's main thread that does not get there while its client
+/// runs (`on_idle` gives up) is left running, its syscall stops passed on by the tree.
+fn run_to_syscall(pid: Tid, k: u64, steps: u64, deadline: Instant, on_idle: OnIdle) -> io::Result<Until> {
     let mut after_exec = false;
     let mut entries = 0u64;
     let mut in_syscall = false;
     ptrace::cont_syscall(pid, 0)?;
     loop {
-        let Some(stop) = wait_tid_or_idle(pid, deadline, on_idle)? else {
-            return Ok(Some(Ending::TimedOut));
+        let stop = match wait_tid_or_idle(pid, deadline, on_idle)? {
+            Waited::Stop(stop) => stop,
+            Waited::Deadline => return Ok(Until::Ended(Ending::TimedOut)),
+            Waited::GaveUp => return Ok(Until::GaveUp),
         };
         match stop {
-            stop @ (Stop::Exited(_) | Stop::Killed(_)) => return Ok(ending_of(stop)),
+            stop @ (Stop::Exited(_) | Stop::Killed(_)) => {
+                return Ok(ending_of(stop).map_or(Until::Reached, Until::Ended))
+            }
             Stop::Event(libc::PTRACE_EVENT_EXEC) => {
                 after_exec = true;
                 in_syscall = true; // the execve's own exit stop follows
@@ -467,27 +517,29 @@ fn run_to_syscall(
     for _ in 0..steps {
         ptrace::step(pid, 0)?;
         if let stop @ (Stop::Exited(_) | Stop::Killed(_)) = ptrace::wait_tid(pid)? {
-            return Ok(ending_of(stop));
+            return Ok(ending_of(stop).map_or(Until::Reached, Until::Ended));
         }
     }
-    Ok(None)
+    Ok(Until::Reached)
 }
 
-/// The next stop of `pid`, calling `on_idle` while it has none to report; None when the
-/// deadline passed first. Most stops are already there (a syscall stop comes back within
-/// microseconds), so a run that needs no `on_idle` work rarely sleeps.
-fn wait_tid_or_idle(
-    pid: Tid,
-    deadline: Instant,
-    on_idle: &mut dyn FnMut() -> io::Result<()>,
-) -> io::Result<Option<Stop>> {
+enum Waited {
+    Stop(Stop),
+    Deadline,
+    GaveUp,
+}
+
+/// The next stop of `pid`, calling `on_idle` while it has none to report. Most stops are
+/// already there (a syscall stop comes back within microseconds), so a run that needs no
+/// `on_idle` work rarely sleeps.
+fn wait_tid_or_idle(pid: Tid, deadline: Instant, on_idle: OnIdle) -> io::Result<Waited> {
     let mut spins = 0u32;
     loop {
         let mut status = 0;
         // SAFETY: non-blocking waitpid on our own tracee.
         let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
         if r == pid {
-            return Ok(Some(ptrace::decode(status)));
+            return Ok(Waited::Stop(ptrace::decode(status)));
         }
         if r < 0 {
             let e = io::Error::last_os_error();
@@ -496,13 +548,14 @@ fn wait_tid_or_idle(
             }
         }
         if Instant::now() >= deadline {
-            return Ok(None);
+            return Ok(Waited::Deadline);
         }
         spins += 1;
         if spins < 64 {
             std::thread::yield_now();
+        } else if !on_idle()? {
+            return Ok(Waited::GaveUp);
         } else {
-            on_idle()?;
             crate::tree::idle();
         }
     }

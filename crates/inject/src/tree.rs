@@ -59,8 +59,29 @@ pub fn poll() -> io::Result<Option<(Tid, Stop)>> {
     }
 }
 
+/// Called while a target runs towards its injection point with nothing else to do; false
+/// when the point can no longer come (a server's client workload is over).
+pub type OnIdle<'a> = &'a mut dyn FnMut() -> io::Result<bool>;
+
+/// How a run towards an injection point ended.
+pub enum Until {
+    /// The point (or the deadline) came.
+    Reached,
+    /// The target ended first.
+    Ended(Ending),
+    /// `on_idle` gave up: the fault is not applied.
+    GaveUp,
+}
+
+/// How long a worker sleeps when its tree has nothing to report.
+const IDLE: Duration = Duration::from_micros(200);
+
+/// The shortest sleep before a time-based point (shorter ones are dominated by the
+/// wake-up itself).
+const MIN_NAP: Duration = Duration::from_micros(20);
+
 pub fn idle() {
-    std::thread::sleep(Duration::from_micros(200));
+    std::thread::sleep(IDLE);
 }
 
 impl Tree {
@@ -136,27 +157,32 @@ impl Tree {
         self.procs.iter().map(|p| p.1).sum()
     }
 
-    /// Passes stops on until the tree has used `cpu` of CPU time, or until `deadline`,
-    /// calling `on_idle` whenever there is nothing to pass on. Some(ending) when the root
-    /// ended first.
-    pub fn run_until_cpu(
-        &mut self,
-        cpu: Duration,
-        deadline: Instant,
-        on_idle: &mut dyn FnMut() -> io::Result<()>,
-    ) -> io::Result<Option<Ending>> {
+    /// Passes stops on until the tree has used `cpu` of CPU time since its exec, or until
+    /// `deadline`, calling `on_idle` whenever there is nothing to pass on.
+    pub fn run_until_cpu(&mut self, cpu: Duration, deadline: Instant, on_idle: OnIdle) -> io::Result<Until> {
         loop {
             match poll()? {
                 Some((tid, stop)) => {
                     if let Some(ending) = self.handle(tid, stop)? {
-                        return Ok(Some(ending));
+                        return Ok(Until::Ended(ending));
                     }
                 }
-                None if Instant::now() >= deadline => return Ok(None),
-                None if self.exec_cpu.is_some_and(|base| self.cpu() >= base + cpu) => return Ok(None),
+                None if Instant::now() >= deadline => return Ok(Until::Reached),
                 None => {
-                    on_idle()?;
-                    idle();
+                    let left = self.exec_cpu.map(|base| (base + cpu).saturating_sub(self.cpu()));
+                    if left == Some(Duration::ZERO) {
+                        return Ok(Until::Reached);
+                    }
+                    if !on_idle()? {
+                        return Ok(Until::GaveUp);
+                    }
+                    // The tree cannot use CPU time faster than wall time per running thread,
+                    // so sleeping what is left (at most one idle period) does not overshoot
+                    // the point by more than a wake-up.
+                    match left {
+                        Some(left) if left < IDLE => std::thread::sleep(left.max(MIN_NAP)),
+                        _ => idle(),
+                    }
                 }
             }
         }
