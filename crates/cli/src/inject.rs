@@ -31,8 +31,9 @@ Fault models (--fault):
   mixed  each run draws one of reg, dest, addr, mem, ip
 
 Injection points:
-  default           uniform over the CPU time the target uses in a golden run (a replica's
-                    own CPU time with --replica); time-based: no hardware counters here
+  default           uniform over the least CPU time a golden run used, counted from the
+                    target's exec (a replica's own CPU time with --replica); time-based:
+                    no hardware counters here
   --at syscall:K    after the K-th syscall of the program returns (exact, replayable)
   --at syscall:K+steps:D   ... then D single-steps further
 
