@@ -360,7 +360,7 @@ fn time_points_activate_in_a_short_program() {
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     let activated = summary["activated"].as_u64().unwrap();
-    // Alone, 190-198 of 200 activate; beside another campaign on two cores (the suite
-    // runs two tests at a time) about 170. Before, 76 activated.
+    // Alone, 180 or more of 200 activate (197 and 198 in release builds); beside another
+    // campaign on two cores (the suite runs two tests at a time) about 170. Before, 76.
     assert!(activated >= 160, "{activated} of 200 points activated\n{}", o.context());
 }
