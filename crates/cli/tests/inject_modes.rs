@@ -123,17 +123,16 @@ fn server_mode_refuses_bad_combinations_and_a_busy_port() {
     assert!(o.stderr.contains("already in use"), "{}", o.context());
 }
 
-/// An exact-point server campaign (`--at syscall:149`, register faults as one of the echo
-/// server's reads returns, mid-workload), ASLR off so that each run's outcome depends only on
-/// its seed. `check`: the client compares every reply and exits 3 at a wrong one.
-fn echo_campaign(out: &std::path::Path, check: bool) -> Vec<serde_json::Value> {
-    let port = free_port_pair();
+/// `lockstep inject` (ASLR off) on the echo server at its 149th syscall, with a client that
+/// checks each reply (`check`) or only prints it, and `extra` options.
+fn echo_inject(out: &std::path::Path, check: bool, extra: &[&str]) -> std::process::Command {
     let check = if check { " --check 3" } else { "" };
     let client = format!(
         "{} {} {{port}} 100{check}",
         python3().display(),
         fixture_file("echo_client.py").display()
     );
+    let port = free_port_pair().to_string();
     let mut cmd = std::process::Command::new("setarch");
     cmd.args(["x86_64", "-R"]).arg(env!("CARGO_BIN_EXE_lockstep"));
     cmd.args(["inject", "--out"]).arg(out);
@@ -142,25 +141,24 @@ fn echo_campaign(out: &std::path::Path, check: bool) -> Vec<serde_json::Value> {
         "reg",
         "--at",
         "syscall:149",
-        "--runs",
-        "120",
-        "-j",
-        "2",
         "--seed",
         "4",
-    ]);
-    cmd.args([
-        "--golden",
-        "1",
         "--server",
         "--port",
-        &port.to_string(),
-        "--client",
-        &client,
+        &port,
     ]);
-    cmd.args(["--client-detected", "3", "--"]);
+    cmd.args(["--client", &client, "--client-detected", "3"])
+        .args(extra)
+        .arg("--");
     cmd.arg(fixture("echo_server")).args(["{port}", "1000"]);
-    run(cmd).assert_code(0);
+    cmd
+}
+
+/// An exact-point server campaign (`--at syscall:149`, register faults as one of the echo
+/// server's reads returns, mid-workload), ASLR off so that each run's outcome depends only on
+/// its seed. `check`: the client compares every reply and exits 3 at a wrong one.
+fn echo_campaign(out: &std::path::Path, check: bool) -> Vec<serde_json::Value> {
+    run(echo_inject(out, check, &["--runs", "120", "-j", "2", "--golden", "1"])).assert_code(0);
     std::fs::read_to_string(out.join("results.jsonl"))
         .unwrap()
         .lines()
@@ -207,28 +205,7 @@ fn server_runs_tell_a_client_detection_from_an_sdc_and_replay_exactly() {
     assert!(!replays.is_empty());
     for r in replays {
         let spec = format!("{}:{}", checked_dir.join("results.jsonl").display(), r["run"]);
-        let port = free_port_pair().to_string();
-        let client = format!(
-            "{} {} {{port}} 100 --check 3",
-            python3().display(),
-            fixture_file("echo_client.py").display()
-        );
-        let mut cmd = std::process::Command::new("setarch");
-        cmd.args(["x86_64", "-R"]).arg(env!("CARGO_BIN_EXE_lockstep"));
-        cmd.args(["inject", "--out"]).arg(scratch_dir("echo-replay"));
-        cmd.args([
-            "--fault",
-            "reg",
-            "--at",
-            "syscall:149",
-            "--seed",
-            "4",
-            "--server",
-            "--port",
-            &port,
-        ]);
-        cmd.args(["--client", &client, "--client-detected", "3", "--replay", &spec, "--"]);
-        cmd.arg(fixture("echo_server")).args(["{port}", "1000"]);
+        let cmd = echo_inject(&scratch_dir("echo-replay"), true, &["--replay", &spec]);
         let o = run(cmd);
         o.assert_code(0);
         let out = o.stdout_str();
