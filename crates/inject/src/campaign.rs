@@ -194,12 +194,18 @@ pub struct Reference {
     pub whole: Duration,
     pub timeout: Duration,
     /// With `--timeout auto` (plain targets): the CPU time after which a run counts as
-    /// hung, 10x the golden CPU time and at least [`MIN_CPU_LIMIT`].
+    /// hung, [`CPU_LIMIT_FACTOR`] times the most CPU time of a golden run and at least
+    /// [`MIN_CPU_LIMIT`].
     pub cpu_limit: Option<Duration>,
 }
 
+/// With `--timeout auto`, a plain target that uses this many times the most CPU time of a
+/// golden run has hung: a deterministic program's CPU time varies by a few percent from
+/// run to run, and every hung run costs this many runs' worth of the campaign's time.
+pub const CPU_LIMIT_FACTOR: u32 = 3;
+
 /// The least CPU time a run may use before it counts as hung (`--timeout auto`).
-pub const MIN_CPU_LIMIT: Duration = Duration::from_millis(250);
+pub const MIN_CPU_LIMIT: Duration = Duration::from_millis(50);
 
 impl Reference {
     /// The hang limits of an injection run.
@@ -223,7 +229,7 @@ pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
     let ws = Workspace::of(cfg, "golden", 0);
     let mut first: Option<Golden> = None;
     let (mut total, mut startup, mut whole, mut cpu) = (Duration::ZERO, Duration::ZERO, Duration::ZERO, Duration::ZERO);
-    let mut least_cpu = Duration::MAX;
+    let (mut least_cpu, mut most_cpu) = (Duration::MAX, Duration::ZERO);
     // In --replica mode the run monitor reports its replicas' CPU time.
     let report = ws.dir.join("replica-cpu.json");
     let env = match cfg.replica {
@@ -252,6 +258,7 @@ pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
         };
         cpu += run_cpu;
         least_cpu = least_cpu.min(run_cpu);
+        most_cpu = most_cpu.max(run_cpu);
         match o.ending {
             Ending::TimedOut => {
                 return Err(format!(
@@ -319,7 +326,7 @@ pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
         timeout,
         // A monitor's or a server's own CPU time says nothing about a hang in the program.
         cpu_limit: (cfg.timeout.is_none() && cfg.replica.is_none() && cfg.server.is_none())
-            .then(|| (cpu / k * 10).max(MIN_CPU_LIMIT)),
+            .then(|| (most_cpu * CPU_LIMIT_FACTOR).max(MIN_CPU_LIMIT)),
     })
 }
 

@@ -76,6 +76,10 @@ pub enum Until {
 /// How long a worker sleeps when its tree has nothing to report.
 const IDLE: Duration = Duration::from_micros(200);
 
+/// The longest nap of a worker whose tree is quiet after its injection: how late, at
+/// most, it notices the end of a run.
+const QUIET_NAP_MAX: Duration = Duration::from_millis(1);
+
 /// The shortest sleep before a time-based point (shorter ones are dominated by the
 /// wake-up itself).
 const MIN_NAP: Duration = Duration::from_micros(20);
@@ -264,6 +268,10 @@ impl Tree {
     /// the tree has used more than `cpu_limit`.
     pub fn finish(&mut self, deadline: Instant, cpu_limit: Option<Duration>) -> io::Result<Ending> {
         let root = self.root;
+        // Nothing is due at a precise moment any more: the naps grow while the tree is
+        // quiet (each wake-up of a worker takes the CPU from a target), and shrink again
+        // when it stops.
+        let mut nap = IDLE;
         let ending = loop {
             if let Some(ending) = self.root_end {
                 break ending;
@@ -271,12 +279,16 @@ impl Tree {
             match poll()? {
                 Some((tid, stop)) => {
                     self.handle(tid, stop)?;
+                    nap = IDLE;
                 }
                 None if Instant::now() >= deadline || cpu_limit.is_some_and(|l| self.cpu() > l) => {
                     kill_and_reap_all(root);
                     return Ok(Ending::TimedOut);
                 }
-                None => idle(),
+                None => {
+                    std::thread::sleep(nap);
+                    nap = (nap * 2).min(QUIET_NAP_MAX);
+                }
             }
         };
         kill_and_reap_all(root);
