@@ -334,9 +334,7 @@ pub fn main(a: InjectArgs) -> i32 {
     }
     let slice = match shard {
         Some(s) => format!(
-            "shard {}/{} of campaign {}: {} of {runs} runs",
-            s.index,
-            s.count,
+            "shard {s} of campaign {}: {} of {runs} runs",
             campaign_file.id,
             s.runs_of(runs)
         ),
@@ -380,9 +378,7 @@ fn claim_out_dir(out: &std::path::Path, campaign: &CampaignFile) -> Result<(), i
                 "{} holds results of another campaign or shard (campaign {}{}); give another --out",
                 out.display(),
                 old.id,
-                old.shard
-                    .map(|s| format!(", shard {}/{}", s.index, s.count))
-                    .unwrap_or_default()
+                old.shard.map(|s| format!(", shard {s}")).unwrap_or_default()
             )))
         }
         Ok(_) => {}

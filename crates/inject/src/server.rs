@@ -227,18 +227,20 @@ fn serve(
         Some(e) => Some(e),
         None => watch.server_end()?,
     };
-    let ending = match (before_stop, client_end) {
+    // The client's end as its exit status (128+N for signal N, as a shell reports it).
+    let client_status = client_end.map(|e| match e {
+        Ending::Signaled(s) => Ending::Exited(128 + s),
+        e => e,
+    });
+    let ending = match (before_stop, client_status) {
         (Some(end), _) => server_ending(end),
         (None, None) => {
             stop_server(&mut watch, srv.pid)?;
             Ending::TimedOut
         }
-        (None, Some(client_end)) => match stop_server(&mut watch, srv.pid)? {
+        (None, Some(client_status)) => match stop_server(&mut watch, srv.pid)? {
             Some(Ending::Exited(lockstep_core::exit::DETECTED)) => Ending::Exited(lockstep_core::exit::DETECTED),
-            _ => match client_end {
-                Ending::Signaled(s) => Ending::Exited(128 + s),
-                e => e,
-            },
+            _ => client_status,
         },
     };
     let (stdout, stderr) = client.outputs();
@@ -252,11 +254,7 @@ fn serve(
         files: Vec::new(),
         cpu,
         lockstep_detections: 0,
-        client_ending: Some(match client_end {
-            Some(Ending::Signaled(s)) => Ending::Exited(128 + s),
-            Some(e) => e,
-            None => Ending::TimedOut,
-        }),
+        client_ending: Some(client_status.unwrap_or(Ending::TimedOut)),
     })
 }
 

@@ -37,6 +37,12 @@ impl Shard {
     }
 }
 
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
 impl std::str::FromStr for Shard {
     type Err = String;
     fn from_str(s: &str) -> Result<Shard, String> {
@@ -196,31 +202,25 @@ pub fn merge(dirs: &[PathBuf]) -> Result<Merged, String> {
             None => count = Some(shard.count),
             Some(n) if n != shard.count => {
                 return Err(format!(
-                    "{} is shard {}/{}, but an earlier directory belongs to a split into {n}",
-                    dir.display(),
-                    shard.index,
-                    shard.count
+                    "{} is shard {shard}, but an earlier directory belongs to a split into {n}",
+                    dir.display()
                 ))
             }
             Some(_) => {}
         }
         if let Some(other) = seen.insert(shard.index, dir) {
             return Err(format!(
-                "{} and {} are both shard {}/{}",
+                "{} and {} are both shard {shard}",
                 other.display(),
-                dir.display(),
-                shard.index,
-                shard.count
+                dir.display()
             ));
         }
         for rec in crate::campaign::load_results(&dir.join("results.jsonl")) {
             if !shard.owns(rec.run) || rec.run >= c.runs {
                 return Err(format!(
-                    "{}: run {} does not belong to shard {}/{} of a {}-run campaign",
+                    "{}: run {} does not belong to shard {shard} of a {}-run campaign",
                     dir.display(),
                     rec.run,
-                    shard.index,
-                    shard.count,
                     c.runs
                 ));
             }

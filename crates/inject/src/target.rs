@@ -301,9 +301,8 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> 
 /// before (its copy of inject's address space, torn down by the exec) is not the
 /// program's. Err(ending): it ended before its exec (command not found).
 pub(crate) fn detach_after_exec(pid: Tid) -> io::Result<Result<Duration, Ending>> {
-    match ptrace::wait_tid(pid)? {
-        Stop::Signal(libc::SIGSTOP) => {}
-        other => return Ok(Err(ending_of(other).unwrap_or(Ending::Exited(127)))),
+    if let Err(ending) = await_pre_exec_stop(pid)? {
+        return Ok(Err(ending));
     }
     // SAFETY: plain ptrace on our stopped child.
     unsafe {
@@ -313,9 +312,7 @@ pub(crate) fn detach_after_exec(pid: Tid) -> io::Result<Result<Duration, Ending>
     loop {
         match ptrace::wait_tid(pid)? {
             Stop::Event(libc::PTRACE_EVENT_EXEC) => break,
-            stop @ (Stop::Exited(_) | Stop::Killed(_)) => {
-                return Ok(Err(ending_of(stop).unwrap_or(Ending::Exited(127))))
-            }
+            stop @ (Stop::Exited(_) | Stop::Killed(_)) => return Ok(Err(ended(stop))),
             Stop::Signal(sig) => ptrace::cont(pid, sig)?,
             _ => ptrace::cont(pid, 0)?,
         }
@@ -323,6 +320,20 @@ pub(crate) fn detach_after_exec(pid: Tid) -> io::Result<Result<Duration, Ending>
     let at_exec = lockstep_trace::cpu::process_cpu(pid).unwrap_or_default();
     ptrace::detach_with(pid, 0)?;
     Ok(Ok(at_exec))
+}
+
+/// Waits for the stop a traced child makes itself before its exec (`Child::spawn`);
+/// Err(ending) if it ended instead.
+fn await_pre_exec_stop(pid: Tid) -> io::Result<Result<(), Ending>> {
+    Ok(match ptrace::wait_tid(pid)? {
+        Stop::Signal(libc::SIGSTOP) => Ok(()),
+        other => Err(ending_of(other).unwrap_or(Ending::Exited(127))),
+    })
+}
+
+/// The ending of a process whose stop says it exited or was killed.
+fn ended(stop: Stop) -> Ending {
+    ending_of(stop).expect("an exit or a kill is an ending")
 }
 
 /// Time-based points trace the whole process tree (any thread or child can be the
@@ -369,12 +380,8 @@ pub(crate) fn drive_to_injection(
     t: &mut Tree,
     on_idle: OnIdle,
 ) -> io::Result<Driven> {
-    // The child stopped itself before exec.
-    match ptrace::wait_tid(pid)? {
-        Stop::Signal(libc::SIGSTOP) => {}
-        other => {
-            return Ok(Driven::Ended(ending_of(other).unwrap_or(Ending::Exited(127))));
-        }
+    if let Err(ending) = await_pre_exec_stop(pid)? {
+        return Ok(Driven::Ended(ending));
     }
     let tree = traced_tree(plan);
     let mut options = libc::PTRACE_O_TRACESYSGOOD | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_EXITKILL;
@@ -485,9 +492,7 @@ fn run_to_syscall(pid: Tid, k: u64, steps: u64, deadline: Instant, on_idle: OnId
             Waited::GaveUp => return Ok(Until::GaveUp),
         };
         match stop {
-            stop @ (Stop::Exited(_) | Stop::Killed(_)) => {
-                return Ok(ending_of(stop).map_or(Until::Reached, Until::Ended))
-            }
+            stop @ (Stop::Exited(_) | Stop::Killed(_)) => return Ok(Until::Ended(ended(stop))),
             Stop::Event(libc::PTRACE_EVENT_EXEC) => {
                 after_exec = true;
                 in_syscall = true; // the execve's own exit stop follows
@@ -517,7 +522,7 @@ fn run_to_syscall(pid: Tid, k: u64, steps: u64, deadline: Instant, on_idle: OnId
     for _ in 0..steps {
         ptrace::step(pid, 0)?;
         if let stop @ (Stop::Exited(_) | Stop::Killed(_)) = ptrace::wait_tid(pid)? {
-            return Ok(ending_of(stop).map_or(Until::Reached, Until::Ended));
+            return Ok(Until::Ended(ended(stop)));
         }
     }
     Ok(Until::Reached)
