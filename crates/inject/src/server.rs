@@ -8,8 +8,8 @@
 //! * the client does not finish in time: hang;
 //! * otherwise the client's output and exit status decide between masked and sdc.
 //!
-//! A time-based injection point counts the server's CPU time from its start; the golden
-//! runs measure it from the start to the end of the client workload. An exact point
+//! A time-based injection point counts the server's CPU time from its exec; the golden
+//! runs measure it from the exec to the end of the client workload. An exact point
 //! (`--at syscall:K`) counts the server's main thread's syscalls from its exec; the client
 //! starts as soon as the port is open, wherever the point is.
 
@@ -166,7 +166,7 @@ fn serve(
         }
     }
     if traced {
-        // The point counts the server's CPU time from its start: the client starts as soon
+        // The point counts the server's CPU time from its exec: the client starts as soon
         // as the port is open, whether or not the fault is in by then.
         // Once the client is done, the point will not come: the fault is not applied (and
         // the run does not wait for the deadline).
