@@ -301,7 +301,7 @@ fn a_call_the_voted_out_leader_was_running_runs_again() {
     let prog = fixture("leader_dies_mid_call");
     for _ in 0..3 {
         let out = run(lockstep_run(
-            &["-r", "3", "--test-flip", "0:9:mem:rsi+0:2"],
+            &["-r", "3", "--test-flip", "0:10:mem:rsi+0:2"],
             &[prog.as_os_str()],
         ));
         out.assert_code(0).assert_stdout(b"main\nreader\n");

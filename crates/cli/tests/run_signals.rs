@@ -87,6 +87,28 @@ fn sigchld_handler_sees_the_childs_pid_and_status() {
 }
 
 #[test]
+fn timer_during_a_computation_without_system_calls() {
+    same_as_native("busy", &["args"]);
+}
+
+#[test]
+fn a_signal_that_arrived_under_the_old_handler_runs_it_before_the_disposition_changes() {
+    same_as_native("handler-swap", &["args"]);
+}
+
+#[test]
+fn python_alarm_ends_a_busy_loop() {
+    let script = "import signal, sys\n\
+def on_alarm(*_):\n    print('handler ran'); sys.exit(3)\n\
+signal.signal(signal.SIGALRM, on_alarm)\nsignal.setitimer(signal.ITIMER_REAL, 0.1)\n\
+while True:\n    pass\n";
+    for r in ["2", "3"] {
+        let out = run(lockstep_run(&["-r", r], &["python3", "-c", script]));
+        out.assert_code(3).assert_stdout(b"handler ran\n");
+    }
+}
+
+#[test]
 fn timerfd_reads() {
     same_as_native("timerfd", &["args", "io"]);
 }

@@ -45,6 +45,8 @@ pub trait Backend {
     fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()>;
     /// SIGKILLs a thread or process; it may already be gone.
     fn kill(&self, pid: Tid);
+    /// Arms or disarms the execution breakpoint of a stopped thread (see `catch_up.rs`).
+    fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()>;
     /// From now on, resume `tid` (if any) one instruction at a time, except into a
     /// syscall exit (`Resume::ToExit`): its next stops are single-step SIGTRAPs.
     fn single_step(&self, tid: Option<Tid>);
@@ -125,5 +127,8 @@ impl Backend for Ptrace {
     }
     fn single_step(&self, tid: Option<Tid>) {
         self.stepping.set(tid.unwrap_or(0));
+    }
+    fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()> {
+        ptrace::set_breakpoint(tid, at)
     }
 }

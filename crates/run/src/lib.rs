@@ -21,6 +21,7 @@
 //! * [`stats`]: counters printed by `--stats`.
 
 pub mod backend;
+pub mod catch_up;
 pub mod clock;
 pub mod data;
 pub mod front;
@@ -90,5 +91,18 @@ pub fn run(options: Options) -> Result<i32, Error> {
     } else {
         front::split()?
     };
-    session::Session::start(options, front)?.run()
+    SIGDBG_ON.store(
+        std::env::var_os("SIGDBG").is_some(),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    let r = session::Session::start(options, front)?.run();
+    for l in SIGLOG.lock().unwrap().iter() {
+        eprintln!("{l}");
+    }
+    r
+}
+pub(crate) static SIGDBG_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+pub(crate) static SIGLOG: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+pub(crate) fn siglog(s: String) {
+    SIGLOG.lock().unwrap().push(s);
 }

@@ -444,8 +444,8 @@ impl Session {
                 Ok(())
             }
             Arrival::Syscall { nr, args } => {
-                if let Some(sig) = self.tasks[task].pending.first().copied() {
-                    self.tasks[task].pending.remove(0);
+                if !self.tasks[task].pending.is_empty() {
+                    let sig = self.take_pending(task, 0);
                     return self.deliver_at_rendezvous(task, nr, args, sig);
                 }
                 if self.reintegration_due && self.reintegrate(task)? {

@@ -113,6 +113,8 @@ pub struct Slot {
     pub preview_len: u8,
     /// `--compare io`: inputs of this task this replica has executed or been given.
     pub consumed: u64,
+    /// A catch-up left an execution breakpoint in the thread (see `catch_up.rs`).
+    pub breakpoint_armed: bool,
 }
 
 /// Bytes of an output buffer kept for messages.
@@ -136,6 +138,7 @@ impl Slot {
             preview: [0; PREVIEW],
             preview_len: 0,
             consumed: 0,
+            breakpoint_armed: false,
         }
     }
 }
@@ -176,6 +179,10 @@ pub struct Task {
     pub first_arrival: Option<Instant>,
     /// Asynchronous signals waiting to be delivered at this task's next rendezvous.
     pub pending: Vec<i32>,
+    /// Since when the first of `pending` has waited (see `catch_up.rs`).
+    pub pending_since: Option<Instant>,
+    /// Replicas being brought to a common state to take a signal (see `catch_up.rs`).
+    pub catch_up: Option<crate::catch_up::CatchUp>,
     /// We interrupted the current execution to deliver a pending signal.
     pub kicked: bool,
     /// The leader's call that a signal interrupted, until the signal's delivery stop.
@@ -402,6 +409,8 @@ pub struct Session {
     pub replica_fault: Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>,
     /// A dest/addr replica fault in progress: its thread is single-stepped.
     pub stepping: Option<Stepping>,
+    /// A signal was delivered without a common state (said once; see `catch_up.rs`).
+    pub said_loose_signal: bool,
     /// Divergences, timeouts and halts so far: what `lockstep inject --replica` counts as
     /// a detection even when TMR masked the fault.
     pub detections: u64,
@@ -560,6 +569,7 @@ impl Session {
             opts,
             be: Ptrace::default(),
             stepping: None,
+            said_loose_signal: false,
             detections: 0,
             fault_record: None,
             replica_cpu: vec![None; want as usize],
@@ -621,6 +631,8 @@ impl Session {
             phase: Phase::Collect,
             first_arrival: None,
             pending: Vec::new(),
+            pending_since: None,
+            catch_up: None,
             kicked: false,
             interrupted: None,
             mirror: SigSet::default(),
@@ -665,6 +677,7 @@ impl Session {
         } {
             self.forward_received_signals()?;
             self.check_timeouts()?;
+            self.catch_up_signals();
             self.interrupt_for_replica_fault();
             self.flush_events();
             let Some((tid, stop)) = self.be.wait_any().map_err(|e| Error::Io("waitpid", e))? else {
@@ -877,6 +890,10 @@ impl Session {
             } else {
                 let _ = self.be.resume(tid, Resume::Run);
             }
+            return Ok(());
+        }
+        let catching_up = self.tasks[task].catch_up.is_some() || self.slot(task, r).breakpoint_armed;
+        if catching_up && self.on_catch_up_stop(task, r, &stop) {
             return Ok(());
         }
         match stop {

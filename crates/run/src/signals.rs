@@ -103,6 +103,20 @@ impl Session {
     pub(crate) fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
         let info = self.be.siginfo(tid).ok();
+        if crate::SIGDBG_ON.load(std::sync::atomic::Ordering::Relaxed) {
+            let s = self.slot(task, r);
+            crate::siglog(format!(
+                "SIGDBG r{r} sig{sig} code{:?} deliver{:?} own{:?} intr{} state{:?} phase{:?} pending{:?} mirror{:?}",
+                info.map(|i| i.si_code),
+                s.deliver,
+                s.own_signals,
+                self.tasks[task].interrupted.is_some(),
+                s.state,
+                self.tasks[task].phase,
+                self.tasks[task].pending,
+                self.tasks[task].mirror
+            ));
+        }
         if r == self.leader {
             if let Some(native) = info.filter(|i| !raised_by_lockstep(i) && !is_synchronous_fault(sig, Some(i))) {
                 self.remember_leader_siginfo(task, sig, native);
@@ -229,9 +243,20 @@ impl Session {
                 if !self.tasks[task].pending.contains(&sig) {
                     self.tasks[task].pending.push(sig);
                 }
+                self.tasks[task]
+                    .pending_since
+                    .get_or_insert_with(std::time::Instant::now);
                 self.kick(task);
             }
         }
+    }
+
+    /// Removes the `i`th pending signal of `task`; the next one, if any, waits from now.
+    pub(crate) fn take_pending(&mut self, task: TaskId, i: usize) -> i32 {
+        let t = &mut self.tasks[task];
+        let sig = t.pending.remove(i);
+        t.pending_since = (!t.pending.is_empty()).then(std::time::Instant::now);
+        sig
     }
 
     /// Interrupts a task that is blocked in a syscall so a pending signal can be delivered.
@@ -263,6 +288,9 @@ impl Session {
         }
         self.processes[p].exiting = true;
         let tasks = self.processes[p].tasks.clone();
+        for &t in &tasks {
+            self.abandon_catch_up(t);
+        }
         for t in tasks {
             for r in self.live_slots(t) {
                 let slot = self.slot(t, r);
@@ -428,6 +456,9 @@ impl Session {
     /// Sends `sig` to replica `r`'s thread of `task` and lets it through at delivery.
     pub(crate) fn raise(&mut self, task: TaskId, r: ReplicaId, sig: i32) {
         let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
+        if crate::SIGDBG_ON.load(std::sync::atomic::Ordering::Relaxed) {
+            crate::siglog(format!("SIGDBG raise r{r} sig{sig}"));
+        }
         self.slot_mut(task, r).deliver.add(sig);
         let _ = self.be.signal_thread(tgid, tid, sig);
     }
@@ -537,6 +568,9 @@ impl Session {
                 "lockstep debug: delivering signal {sig} to task {task} before {}",
                 syscalls::name(nr)
             );
+        }
+        if crate::SIGDBG_ON.load(std::sync::atomic::Ordering::Relaxed) {
+            crate::siglog(format!("SIGDBG before {} sig{sig}", syscalls::name(nr)));
         }
         for r in self.live_slots(task) {
             let mut regs = self.slot(task, r).regs;

@@ -12,6 +12,10 @@ pub struct Stats {
     pub rdtsc: u64,
     pub clock_reads: u64,
     pub signals_delivered: u64,
+    /// Of those, delivered while the task made no system call (see `catch_up.rs`): at a
+    /// state every replica met, or where each replica was.
+    pub signals_met: u64,
+    pub signals_loose: u64,
     pub divergences: u64,
     pub reintegrations: u64,
     pub monitor_time: Duration,
@@ -63,6 +67,12 @@ impl Stats {
         s.push_str(&format!("  bytes compared:       {}\n", self.bytes_compared));
         s.push_str(&format!("  bytes copied:         {}\n", self.bytes_copied));
         s.push_str(&format!("  signals delivered:    {}\n", self.signals_delivered));
+        if self.signals_met + self.signals_loose > 0 {
+            s.push_str(&format!(
+                "    outside syscalls:   {} at a met state, {} where each replica was\n",
+                self.signals_met, self.signals_loose
+            ));
+        }
         s.push_str(&format!("  divergences:          {}\n", self.divergences));
         s.push_str(&format!("  re-integrations:      {}\n", self.reintegrations));
         let per = (self.monitor_time.as_nanos() as u64).checked_div(total).unwrap_or(0);

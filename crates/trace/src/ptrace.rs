@@ -101,6 +101,24 @@ pub fn event_msg(tid: Tid) -> io::Result<u64> {
     Ok(msg)
 }
 
+/// Arms (Some(address)) or disarms (None) an execution breakpoint in debug register 0 of
+/// a stopped thread. A hit stops the thread with SIGTRAP (`si_code` TRAP_HWBKPT) before
+/// the instruction runs; the kernel sets the resume flag, so continuing runs it.
+pub fn set_breakpoint(tid: Tid, at: Option<u64>) -> io::Result<()> {
+    const DR7_LOCAL_ENABLE_0: usize = 1;
+    let debugreg = |n: usize| std::mem::offset_of!(libc::user, u_debugreg) + n * 8;
+    match at {
+        Some(addr) => {
+            req(libc::PTRACE_POKEUSER, tid, debugreg(0), addr as usize)?;
+            req(libc::PTRACE_POKEUSER, tid, debugreg(7), DR7_LOCAL_ENABLE_0).map(drop)
+        }
+        None => req(libc::PTRACE_POKEUSER, tid, debugreg(7), 0).map(drop),
+    }
+}
+
+/// `si_code` of a SIGTRAP raised by a hardware breakpoint.
+pub const TRAP_HWBKPT: i32 = 4;
+
 pub fn siginfo(tid: Tid) -> io::Result<libc::siginfo_t> {
     // SAFETY: all-zero is a valid siginfo_t.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };

@@ -117,6 +117,8 @@ const EPOLL_EVENT: usize = 12;
 const POLLFD: usize = 8;
 const FLOCK: usize = 32;
 const ITIMERVAL: usize = 32;
+/// The kernel's `struct sigaction` on x86-64: handler, flags, restorer, 8-byte mask.
+const KERNEL_SIGACTION: usize = 32;
 const ITIMERSPEC: usize = 32;
 const SOCKADDR_MAX: usize = 128;
 
@@ -172,7 +174,9 @@ static ROWS: &[Desc] = &[
     row!(SYS_get_robust_list, Passthrough, []),
     row!(SYS_set_tid_address, Passthrough, []),
     row!(SYS_sched_yield, Passthrough, []),
-    row!(SYS_rt_sigaction, Passthrough, []),
+    // Stops, though every replica runs it itself: a signal that arrived under the old
+    // disposition must be delivered before the disposition changes (signals.rs).
+    row!(SYS_rt_sigaction, All, [Val, In(Fixed(KERNEL_SIGACTION)), Ignore, Val]),
     row!(SYS_rt_sigprocmask, Passthrough, []),
     row!(SYS_rt_sigreturn, Passthrough, []),
     row!(SYS_sigaltstack, Passthrough, []),
