@@ -86,9 +86,17 @@ fn sigchld_handler_sees_the_childs_pid_and_status() {
     same_as_native("sigchld-info", ALL_MODES);
 }
 
+/// The loop after the timer makes no system call, so only a catch-up can deliver the
+/// signal: `--stats` must count it, and the run must say so once.
 #[test]
 fn timer_during_a_computation_without_system_calls() {
     same_as_native("busy", &["args"]);
+    let prog = fixture("signal_wait");
+    let out = run(lockstep_run(&["-r", "2", "--stats"], &[prog.to_str().unwrap(), "busy"]));
+    out.assert_code(0);
+    assert!(out.stderr.contains("outside syscalls:"), "{}", out.context());
+    let said = out.stderr.lines().filter(|l| l.starts_with("lockstep run: [signal]")).count();
+    assert_eq!(said, 1, "{}", out.context());
 }
 
 #[test]
