@@ -475,6 +475,13 @@ fn replay(cfg: &Config, spec: &str) -> i32 {
         Err(e) => return fail(&e),
     };
     let ws = campaign::Workspace::of(cfg, "replay", 0);
+    // A time-based point in a server's main thread is replayed after the syscall it
+    // followed: the same place relative to the requests served, which a CPU time is not.
+    let at_syscall = match (rec.point, applied.syscalls, &cfg.server, cfg.replica) {
+        (Point::Time { .. }, Some(k), Some(_), None) => Some(k),
+        _ => None,
+    };
+    let point = at_syscall.map_or(rec.point, |k| Point::Syscall { k, steps: 0 });
     let result = match cfg.replica {
         // The monitor re-applies the record to the same replica (drawn from the same seed).
         Some(choice) => {
@@ -482,10 +489,7 @@ fn replay(cfg: &Config, spec: &str) -> i32 {
             campaign::run_replica_fault(cfg, &reference, &ws, fault)
         }
         None => {
-            let plan = Plan::Replay {
-                point: rec.point,
-                applied,
-            };
+            let plan = Plan::Replay { point, applied };
             campaign::run_target(cfg, &ws, &plan, reference.limits(), &[])
         }
     };
@@ -513,8 +517,14 @@ fn replay(cfg: &Config, spec: &str) -> i32 {
             then.mask
         );
     }
-    if matches!(rec.point, Point::Time { .. }) {
-        println!("note: the point is time-based, so the replay hits a nearby instruction, not the same one");
+    match at_syscall {
+        Some(k) => println!(
+            "note: the point was time-based, in the server's main thread after it had entered {k} syscalls; the replay faults it as syscall {k} returns (--at syscall:{k}), so the instruction may differ"
+        ),
+        None if matches!(rec.point, Point::Time { .. }) => {
+            println!("note: the point is time-based, so the replay hits a nearby instruction, not the same one")
+        }
+        None => {}
     }
     0
 }

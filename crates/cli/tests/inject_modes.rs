@@ -126,6 +126,11 @@ fn server_mode_refuses_bad_combinations_and_a_busy_port() {
 /// `lockstep inject` (ASLR off) on the echo server at its 149th syscall, with a client that
 /// checks each reply (`check`) or only prints it, and `extra` options.
 fn echo_inject(out: &std::path::Path, check: bool, extra: &[&str]) -> std::process::Command {
+    echo_inject_at(out, check, &["--at", "syscall:149"], extra)
+}
+
+/// The same, with the point options given (none: time-based points).
+fn echo_inject_at(out: &std::path::Path, check: bool, at: &[&str], extra: &[&str]) -> std::process::Command {
     let check = if check { " --check 3" } else { "" };
     let client = format!(
         "{} {} {{port}} 100{check}",
@@ -136,17 +141,8 @@ fn echo_inject(out: &std::path::Path, check: bool, extra: &[&str]) -> std::proce
     let mut cmd = std::process::Command::new("setarch");
     cmd.args(["x86_64", "-R"]).arg(env!("CARGO_BIN_EXE_lockstep"));
     cmd.args(["inject", "--out"]).arg(out);
-    cmd.args([
-        "--fault",
-        "reg",
-        "--at",
-        "syscall:149",
-        "--seed",
-        "4",
-        "--server",
-        "--port",
-        &port,
-    ]);
+    cmd.args(["--fault", "reg"]).args(at);
+    cmd.args(["--seed", "4", "--server", "--port", &port]);
     cmd.args(["--client", &client, "--client-detected", "3"])
         .args(extra)
         .arg("--");
@@ -340,4 +336,50 @@ fn time_points_activate_in_a_short_program() {
     // Alone, 180 or more of 200 activate (197 and 198 in release builds); beside another
     // campaign on two cores (the suite runs two tests at a time) about 170. Before, 76.
     assert!(activated >= 160, "{activated} of 200 points activated\n{}", o.context());
+}
+
+/// Time-based points in a server: each record of a fault in the server's main thread says
+/// how many syscalls the thread had entered, and `--replay` faults the server as that
+/// syscall returns (the echo server is single-threaded, so every fault is in it).
+#[test]
+fn time_points_in_a_server_record_their_syscall_and_replay_there() {
+    let dir = scratch_dir("echo-time");
+    run(echo_inject_at(
+        &dir,
+        true,
+        &[],
+        &["--runs", "40", "-j", "2", "--golden", "1"],
+    ))
+    .assert_code(0);
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("results.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let activated: Vec<&serde_json::Value> = recs.iter().filter(|r| r["applied"].is_object()).collect();
+    assert!(activated.len() >= 20, "{} of 40 activated", activated.len());
+    let mut counts: Vec<u64> = Vec::new();
+    for r in &activated {
+        // 0: before the first syscall after the exec (`--at syscall:0` is the exec's return).
+        let k = r["applied"]["syscalls"].as_u64();
+        assert!(k.is_some(), "a server fault without its syscall: {r}");
+        counts.extend(k);
+    }
+    counts.sort();
+    counts.dedup();
+    assert!(counts.len() >= 2, "every point after the same syscall: {counts:?}");
+    let r = activated[0];
+    let k = r["applied"]["syscalls"].as_u64().unwrap();
+    let spec = format!("{}:{}", dir.join("results.jsonl").display(), r["run"]);
+    let o = run(echo_inject_at(
+        &scratch_dir("echo-time-replay"),
+        true,
+        &[],
+        &["--replay", &spec],
+    ));
+    o.assert_code(0);
+    let out = o.stdout_str();
+    assert!(out.contains(&format!("(--at syscall:{k})")), "{r}\n{}", o.context());
+    let reg = r["applied"]["register"].as_str().unwrap();
+    assert!(out.contains(&format!("applied: {reg} ")), "{r}\n{}", o.context());
 }

@@ -95,7 +95,11 @@ fn timer_during_a_computation_without_system_calls() {
     let out = run(lockstep_run(&["-r", "2", "--stats"], &[prog.to_str().unwrap(), "busy"]));
     out.assert_code(0);
     assert!(out.stderr.contains("outside syscalls:"), "{}", out.context());
-    let said = out.stderr.lines().filter(|l| l.starts_with("lockstep run: [signal]")).count();
+    let said = out
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("lockstep run: [signal]"))
+        .count();
     assert_eq!(said, 1, "{}", out.context());
 }
 

@@ -168,6 +168,11 @@ pub struct Applied {
     /// The name of the victim's process (time-based points choose among the tree).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub process: Option<String>,
+    /// Server mode, a time-based point in the server's main thread: how many syscalls it
+    /// had entered since its exec. `--replay` faults it after that syscall returns
+    /// (`--at syscall:K`), the same place relative to the requests it served.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub syscalls: Option<u64>,
 }
 
 impl Applied {
@@ -184,6 +189,7 @@ impl Applied {
             steps: None,
             instruction: None,
             process: None,
+            syscalls: None,
         }
     }
 }

@@ -145,6 +145,7 @@ fn serve(
 ) -> io::Result<Outcome> {
     let deadline = srv.started + timeout;
     let mut tree = Tree::new(srv.pid);
+    tree.count_root_syscalls();
     let client_argv = ["sh".to_string(), "-c".to_string(), server.client.clone()];
     let mut client: Option<(Child, Instant)> = None;
     let mut startup = None;

@@ -404,7 +404,7 @@ pub(crate) fn drive_to_injection(
             Until::GaveUp => return Ok(Driven::NotApplied),
         },
         Point::Time { at_us } => {
-            ptrace::cont(pid, 0)?;
+            t.resume_root()?;
             match t.run_until_cpu(Duration::from_micros(at_us), deadline, on_idle)? {
                 Until::Reached => {}
                 Until::Ended(ending) => return Ok(Driven::Ended(ending)),
@@ -459,8 +459,10 @@ pub(crate) fn drive_to_injection(
         }
         Plan::None => unreachable!(),
     };
+    let root_syscalls = t.root_syscalls_done();
     let applied = Applied {
         process: crate::tree::process_name(victim),
+        syscalls: root_syscalls.filter(|_| victim == pid && matches!(point, Point::Time { .. })),
         ..applied
     };
     release(victim, tree, 0)?;

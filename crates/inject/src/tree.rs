@@ -29,6 +29,18 @@ pub struct Tree {
     /// The tree's CPU time when the root exec'd the target: time-based points count from
     /// there, so that inject's own child (before its exec) is never the one faulted.
     exec_cpu: Option<Duration>,
+    /// Server mode, until the injection: the root thread's syscalls, counted as
+    /// `--at syscall:K` counts them, so that a time-based point can be replayed there.
+    root_syscalls: Option<SyscallCount>,
+}
+
+/// Syscall entries of one thread since its exec (PTRACE_SYSCALL stops, entry and exit
+/// alike, told apart by alternation; the exec's own exit stop follows its event).
+#[derive(Clone, Copy, Debug, Default)]
+struct SyscallCount {
+    after_exec: bool,
+    in_syscall: bool,
+    entered: u64,
 }
 
 /// The outcome of stopping a victim.
@@ -98,6 +110,32 @@ impl Tree {
             unborn: Vec::new(),
             procs: vec![(root, Duration::ZERO)],
             exec_cpu: None,
+            root_syscalls: None,
+        }
+    }
+
+    /// Counts the root thread's syscalls from its exec until [`Tree::root_syscalls_done`]
+    /// (each costs two more stops).
+    pub fn count_root_syscalls(&mut self) {
+        self.root_syscalls = Some(SyscallCount::default());
+    }
+
+    /// Resumes the stopped root (to its next syscall stop while they are counted).
+    pub fn resume_root(&self) -> io::Result<()> {
+        self.resume(self.root, 0)
+    }
+
+    /// The root's syscall entries since its exec, and stops counting them.
+    pub fn root_syscalls_done(&mut self) -> Option<u64> {
+        let count = self.root_syscalls.take()?;
+        count.after_exec.then_some(count.entered)
+    }
+
+    fn resume(&self, tid: Tid, sig: i32) -> io::Result<()> {
+        if tid == self.root && self.root_syscalls.is_some() {
+            ptrace::cont_syscall(tid, sig)
+        } else {
+            ptrace::cont(tid, sig)
         }
     }
 
@@ -127,7 +165,7 @@ impl Tree {
                         self.procs.push((new, Duration::ZERO));
                     }
                 }
-                let _ = ptrace::cont(tid, 0);
+                let _ = self.resume(tid, 0);
             }
             Stop::Signal(libc::SIGSTOP) if self.unborn.contains(&tid) || !self.tasks.contains(&tid) => {
                 // A new task's first stop (it may arrive before its parent's event).
@@ -135,17 +173,33 @@ impl Tree {
                 if !self.tasks.contains(&tid) {
                     self.tasks.push(tid);
                 }
-                let _ = ptrace::cont(tid, 0);
+                let _ = self.resume(tid, 0);
             }
             Stop::Signal(sig) => {
-                let _ = ptrace::cont(tid, sig);
+                let _ = self.resume(tid, sig);
             }
             Stop::Event(libc::PTRACE_EVENT_EXEC) if tid == self.root && self.exec_cpu.is_none() => {
                 self.exec_cpu = Some(self.cpu());
-                let _ = ptrace::cont(tid, 0);
+                if let Some(count) = &mut self.root_syscalls {
+                    *count = SyscallCount {
+                        after_exec: true,
+                        in_syscall: true,
+                        entered: 0,
+                    };
+                }
+                let _ = self.resume(tid, 0);
+            }
+            Stop::SyscallExit if tid == self.root => {
+                if let Some(count) = &mut self.root_syscalls {
+                    count.in_syscall = !count.in_syscall;
+                    if count.in_syscall && count.after_exec {
+                        count.entered += 1;
+                    }
+                }
+                let _ = self.resume(tid, 0);
             }
             _ => {
-                let _ = ptrace::cont(tid, 0);
+                let _ = self.resume(tid, 0);
             }
         }
         Ok(None)
