@@ -77,11 +77,14 @@ fn same_state(a: &Regs, b: &Regs) -> bool {
     a.eflags &= !DEBUG_FLAGS;
     b.eflags &= !DEBUG_FLAGS;
     (a.orig_rax, b.orig_rax) = (0, 0);
-    let bytes = |r: &Regs| {
-        // SAFETY: user_regs_struct is plain u64 fields without padding.
-        unsafe { std::slice::from_raw_parts(r as *const Regs as *const u8, std::mem::size_of::<Regs>()) }.to_vec()
-    };
-    bytes(&a) == bytes(&b)
+    regs_bytes(&a) == regs_bytes(&b)
+}
+
+/// The registers as bytes, for comparing every field at once (called at each breakpoint
+/// hit, so without a copy).
+fn regs_bytes(r: &Regs) -> &[u8] {
+    // SAFETY: user_regs_struct is plain u64 fields without padding; the slice borrows `r`.
+    unsafe { std::slice::from_raw_parts(r as *const Regs as *const u8, std::mem::size_of::<Regs>()) }
 }
 
 impl Session {
@@ -163,12 +166,11 @@ impl Session {
                 }
                 if hits + 1 >= HUNT_HITS {
                     self.finish_catch_up(task, false);
-                    // This replica is stopped at the hit: let it run into the signal.
-                    let _ = self.be.resume(tid, Resume::Run);
                 } else {
                     self.catch_up_mut(task).set(r, Hunt::Hunting { hits: hits + 1 });
-                    let _ = self.be.resume(tid, Resume::Run);
                 }
+                // Stopped at the hit: on it goes, to the next hit or into the signal.
+                let _ = self.be.resume(tid, Resume::Run);
                 true
             }
             _ if hit && self.slot(task, r).breakpoint_armed => {

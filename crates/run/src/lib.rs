@@ -91,18 +91,5 @@ pub fn run(options: Options) -> Result<i32, Error> {
     } else {
         front::split()?
     };
-    SIGDBG_ON.store(
-        std::env::var_os("SIGDBG").is_some(),
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    let r = session::Session::start(options, front)?.run();
-    for l in SIGLOG.lock().unwrap().iter() {
-        eprintln!("{l}");
-    }
-    r
-}
-pub(crate) static SIGDBG_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-pub(crate) static SIGLOG: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-pub(crate) fn siglog(s: String) {
-    SIGLOG.lock().unwrap().push(s);
+    session::Session::start(options, front)?.run()
 }

@@ -103,20 +103,6 @@ impl Session {
     pub(crate) fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
         let info = self.be.siginfo(tid).ok();
-        if crate::SIGDBG_ON.load(std::sync::atomic::Ordering::Relaxed) {
-            let s = self.slot(task, r);
-            crate::siglog(format!(
-                "SIGDBG r{r} sig{sig} code{:?} deliver{:?} own{:?} intr{} state{:?} phase{:?} pending{:?} mirror{:?}",
-                info.map(|i| i.si_code),
-                s.deliver,
-                s.own_signals,
-                self.tasks[task].interrupted.is_some(),
-                s.state,
-                self.tasks[task].phase,
-                self.tasks[task].pending,
-                self.tasks[task].mirror
-            ));
-        }
         if r == self.leader {
             if let Some(native) = info.filter(|i| !raised_by_lockstep(i) && !is_synchronous_fault(sig, Some(i))) {
                 self.remember_leader_siginfo(task, sig, native);
@@ -456,9 +442,6 @@ impl Session {
     /// Sends `sig` to replica `r`'s thread of `task` and lets it through at delivery.
     pub(crate) fn raise(&mut self, task: TaskId, r: ReplicaId, sig: i32) {
         let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
-        if crate::SIGDBG_ON.load(std::sync::atomic::Ordering::Relaxed) {
-            crate::siglog(format!("SIGDBG raise r{r} sig{sig}"));
-        }
         self.slot_mut(task, r).deliver.add(sig);
         let _ = self.be.signal_thread(tgid, tid, sig);
     }
@@ -568,9 +551,6 @@ impl Session {
                 "lockstep debug: delivering signal {sig} to task {task} before {}",
                 syscalls::name(nr)
             );
-        }
-        if crate::SIGDBG_ON.load(std::sync::atomic::Ordering::Relaxed) {
-            crate::siglog(format!("SIGDBG before {} sig{sig}", syscalls::name(nr)));
         }
         for r in self.live_slots(task) {
             let mut regs = self.slot(task, r).regs;
