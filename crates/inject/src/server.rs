@@ -260,7 +260,9 @@ fn serve(
 }
 
 /// Whether our untraced child `pid` has exited, without reaping it (its status is read
-/// later by the wait for the client).
+/// later by the wait for the client). A child that is gone altogether has exited too: the
+/// traced tree's poll (`waitpid(-1)`) reaps every child of the worker, the client
+/// included, and keeps its end in `Tree::foreign`.
 fn has_exited(pid: Tid) -> bool {
     // SAFETY: all-zero is a valid siginfo_t; waitid writes at most one.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
@@ -273,8 +275,12 @@ fn has_exited(pid: Tid) -> bool {
             libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
         )
     };
+    if r < 0 {
+        return io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD);
+    }
     // SAFETY: si_pid is set by waitid when a child was found.
-    r == 0 && unsafe { info.si_pid() } == pid
+    let found = unsafe { info.si_pid() };
+    found == pid
 }
 
 /// The run's ending when the server ended by itself.
@@ -299,5 +305,33 @@ fn stop_server(watch: &mut Watch, pid: Tid) -> io::Result<Option<Ending>> {
             return Ok(None);
         }
         idle();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_exited;
+
+    fn fork_exiting_child() -> libc::pid_t {
+        // SAFETY: the child only calls _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: async-signal-safe exit of the forked child.
+            unsafe { libc::_exit(0) };
+        }
+        assert!(pid > 0, "fork failed");
+        pid
+    }
+
+    #[test]
+    fn an_exited_child_counts_as_exited_before_and_after_it_is_reaped() {
+        let pid = fork_exiting_child();
+        while !has_exited(pid) {
+            std::thread::yield_now();
+        }
+        // A traced tree's `waitpid(-1)` may reap the client before the run looks at it.
+        // SAFETY: waitpid on our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) }, pid);
+        assert!(has_exited(pid), "a reaped client must not look alive");
     }
 }
