@@ -7,6 +7,7 @@
 
 use crate::fault::Rng;
 use crate::target::{ending_of, Ending};
+use lockstep_trace::syscall_counter::SyscallCounter;
 use lockstep_trace::{ptrace, Stop, Tid};
 use std::io;
 use std::time::{Duration, Instant};
@@ -31,7 +32,15 @@ pub struct Tree {
     exec_cpu: Option<Duration>,
     /// Server mode, until the injection: the root thread's syscalls, counted as
     /// `--at syscall:K` counts them, so that a time-based point can be replayed there.
-    root_syscalls: Option<SyscallCount>,
+    root_syscalls: Option<RootSyscalls>,
+}
+
+/// How the root's syscalls are counted: by a perf counter where the kernel lets us (the
+/// root runs on), else by a ptrace stop at each entry and exit.
+enum RootSyscalls {
+    /// Opened at the root's exec.
+    Counter(Option<SyscallCounter>),
+    Stops(SyscallCount),
 }
 
 /// Syscall entries of one thread since its exec (PTRACE_SYSCALL stops, entry and exit
@@ -114,10 +123,13 @@ impl Tree {
         }
     }
 
-    /// Counts the root thread's syscalls from its exec until [`Tree::root_syscalls_done`]
-    /// (each costs two more stops).
+    /// Counts the root thread's syscalls from its exec until [`Tree::root_syscalls_done`].
     pub fn count_root_syscalls(&mut self) {
-        self.root_syscalls = Some(SyscallCount::default());
+        self.root_syscalls = Some(if SyscallCounter::available() {
+            RootSyscalls::Counter(None)
+        } else {
+            RootSyscalls::Stops(SyscallCount::default())
+        });
     }
 
     /// Resumes the stopped root (to its next syscall stop while they are counted).
@@ -127,12 +139,14 @@ impl Tree {
 
     /// The root's syscall entries since its exec, and stops counting them.
     pub fn root_syscalls_done(&mut self) -> Option<u64> {
-        let count = self.root_syscalls.take()?;
-        count.after_exec.then_some(count.entered)
+        match self.root_syscalls.take()? {
+            RootSyscalls::Counter(counter) => counter?.read().ok(),
+            RootSyscalls::Stops(count) => count.after_exec.then_some(count.entered),
+        }
     }
 
     fn resume(&self, tid: Tid, sig: i32) -> io::Result<()> {
-        if tid == self.root && self.root_syscalls.is_some() {
+        if tid == self.root && matches!(self.root_syscalls, Some(RootSyscalls::Stops(_))) {
             ptrace::cont_syscall(tid, sig)
         } else {
             ptrace::cont(tid, sig)
@@ -180,17 +194,24 @@ impl Tree {
             }
             Stop::Event(libc::PTRACE_EVENT_EXEC) if tid == self.root && self.exec_cpu.is_none() => {
                 self.exec_cpu = Some(self.cpu());
-                if let Some(count) = &mut self.root_syscalls {
-                    *count = SyscallCount {
-                        after_exec: true,
-                        in_syscall: true,
-                        entered: 0,
-                    };
+                let from_exec = SyscallCount {
+                    after_exec: true,
+                    in_syscall: true,
+                    entered: 0,
+                };
+                match &mut self.root_syscalls {
+                    // Stopped in the exec's return: the counter sees the syscalls after it.
+                    Some(RootSyscalls::Counter(counter)) => match SyscallCounter::open(tid) {
+                        Ok(opened) => *counter = Some(opened),
+                        Err(_) => self.root_syscalls = Some(RootSyscalls::Stops(from_exec)),
+                    },
+                    Some(RootSyscalls::Stops(count)) => *count = from_exec,
+                    None => {}
                 }
                 let _ = self.resume(tid, 0);
             }
             Stop::SyscallExit if tid == self.root => {
-                if let Some(count) = &mut self.root_syscalls {
+                if let Some(RootSyscalls::Stops(count)) = &mut self.root_syscalls {
                     count.in_syscall = !count.in_syscall;
                     if count.in_syscall && count.after_exec {
                         count.entered += 1;

@@ -8,6 +8,7 @@
 //! * [`syscall_names`]: the kernel's names of all x86-64 syscalls, for messages.
 //! * [`regs`]: register names, for fault injection and diagnostics.
 //! * [`cpu`]: another process's CPU time (the clock of time-based injection points).
+//! * [`syscall_counter`]: counting a thread's syscalls without stopping it.
 //!
 //! This crate knows nothing about replicas or votes.
 
@@ -16,6 +17,7 @@ pub mod mem;
 pub mod ptrace;
 pub mod regs;
 pub mod seccomp;
+pub mod syscall_counter;
 pub mod syscall_names;
 pub mod syscalls;
 
