@@ -29,6 +29,7 @@ Fault models (--fault):
   ip     flip a bit of the instruction pointer                             CF
   text   flip a bit of the program's code (--libs: and its libraries)
   mixed  each run draws one of reg, dest, addr, mem, ip
+  none   change nothing: checks the harness itself (every run must be masked)
 
 Injection points:
   default           uniform over the least CPU time a golden run used, counted from the
@@ -36,6 +37,12 @@ Injection points:
                     no hardware counters here
   --at syscall:K    after the K-th syscall of the program returns (exact, replayable)
   --at syscall:K+steps:D   ... then D single-steps further
+
+Fork server (time-based points, default): each worker keeps stopped copies of the program
+  at a few points of its CPU time and starts a run from the last copy before its point, so
+  runs skip what every run does alike. Copies are only taken while the program has done
+  nothing a copy cannot repeat (no file written, no thread, child, timer or socket, only
+  fds 0-2 open); otherwise runs start fresh. --no-fork-server: always start fresh.
 
 Outputs in --out DIR: results.jsonl (one line per run, appended as runs finish; run the
 same command again to resume), summary.json, summary.md, summary.svg, and campaign.json
@@ -58,7 +65,7 @@ Examples:
 pub struct InjectArgs {
     #[command(subcommand)]
     action: Option<InjectAction>,
-    /// Fault model: reg, dest, addr, mem, ip, text or mixed (see below).
+    /// Fault model: reg, dest, addr, mem, ip, text, mixed or none (see below).
     #[arg(long, default_value = "reg", value_name = "MODEL")]
     fault: String,
     /// Number of injections (default 100 unless --confidence/--margin is given).
@@ -139,6 +146,12 @@ pub struct InjectArgs {
     /// Slurm).
     #[arg(long, value_name = "K/N")]
     shard: Option<String>,
+    /// Start every run with a fresh exec. By default a worker keeps stopped copies of the
+    /// program at a few points of its CPU time (taken only while the program has done
+    /// nothing a copy could not repeat: see docs/inject.md) and starts a time-based run
+    /// from the last copy before its point.
+    #[arg(long)]
+    no_fork_server: bool,
     /// The program and its arguments.
     #[arg(last = true, value_name = "CMD", required = true)]
     command: Vec<String>,
@@ -312,6 +325,7 @@ pub fn main(a: InjectArgs) -> i32 {
         replica,
         server,
         shard,
+        fork_server: !a.no_fork_server,
     };
     if let Some(spec) = a.replay.as_deref() {
         return replay(&cfg, spec);

@@ -323,7 +323,7 @@ fn fresh_faults_of_every_model_are_applied_where_they_should_be() {
                 Model::Dest | Model::Addr => {
                     assert!(applied.instruction.is_some() && applied.ip.is_some() && applied.steps.is_some())
                 }
-                Model::Mixed => unreachable!(),
+                Model::Mixed | Model::None => unreachable!(),
             }
         }
     }

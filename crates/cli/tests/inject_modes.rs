@@ -155,16 +155,7 @@ fn echo_inject_at(out: &std::path::Path, check: bool, at: &[&str], extra: &[&str
 /// its seed. `check`: the client compares every reply and exits 3 at a wrong one.
 fn echo_campaign(out: &std::path::Path, check: bool) -> Vec<serde_json::Value> {
     run(echo_inject(out, check, &["--runs", "120", "-j", "2", "--golden", "1"])).assert_code(0);
-    records(out)
-}
-
-/// The records of the campaign in `out`, as JSON.
-fn records(out: &std::path::Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(out.join("results.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    campaign_records(out)
 }
 
 /// A client whose own check rejects a wrong reply makes the run `detected`
@@ -356,7 +347,7 @@ fn time_points_in_a_server_record_their_syscall_and_replay_there() {
         &["--runs", "40", "-j", "2", "--golden", "1"],
     ))
     .assert_code(0);
-    let recs = records(&dir);
+    let recs = campaign_records(&dir);
     let activated: Vec<&serde_json::Value> = recs.iter().filter(|r| r["applied"].is_object()).collect();
     assert!(activated.len() >= 20, "{} of 40 activated", activated.len());
     let mut counts: Vec<u64> = Vec::new();

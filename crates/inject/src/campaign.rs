@@ -38,6 +38,9 @@ pub struct Config {
     pub server: Option<crate::server::Server>,
     /// Run only this slice of the campaign (`--shard K/N`).
     pub shard: Option<crate::shard::Shard>,
+    /// Start time-based runs of a plain target from fork-server snapshots where that is
+    /// safe (see [`crate::fork_server`]); `--no-fork-server` turns it off.
+    pub fork_server: bool,
 }
 
 /// Resolves a command name through PATH once, so that runs do not search it again.
@@ -132,6 +135,10 @@ pub struct Record {
     pub worker: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
+    /// The run started as a fork-server copy of the program taken at this CPU time
+    /// (microseconds since its exec); absent: a fresh exec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_us: Option<u64>,
 }
 
 /// A run's output told apart from the golden one without storing it: its length, its
@@ -364,7 +371,49 @@ pub fn save_results(path: &std::path::Path, records: &[Record]) -> std::io::Resu
 }
 
 /// Runs one injection.
-pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize) -> std::io::Result<Record> {
+/// What a worker keeps from run to run: its fork server, built at its second run that can
+/// use one (so that a campaign of one run per worker does not pay for it).
+#[derive(Default)]
+pub struct WorkerState {
+    fork_server: Option<crate::fork_server::ForkServer>,
+    eligible_runs: u32,
+}
+
+impl WorkerState {
+    /// The fork server for a fresh time-based run of a plain target, if it has (or now
+    /// gets) snapshots.
+    fn fork_server(
+        &mut self,
+        cfg: &Config,
+        reference: &Reference,
+        ws: &Workspace,
+        argv: &[String],
+    ) -> std::io::Result<Option<&mut crate::fork_server::ForkServer>> {
+        let usable = cfg.fork_server
+            && cfg.at.is_none()
+            && cfg.server.is_none()
+            && cfg.replica.is_none()
+            && cfg.compare.files.is_empty();
+        if !usable {
+            return Ok(None);
+        }
+        self.eligible_runs += 1;
+        if self.fork_server.is_none() && self.eligible_runs == 2 {
+            let deadline = Instant::now() + reference.timeout;
+            let built = crate::fork_server::ForkServer::build(argv, &[], &ws.dir, reference.points_cpu, deadline)?;
+            self.fork_server = Some(built);
+        }
+        Ok(self.fork_server.as_mut().filter(|f| !f.is_empty()))
+    }
+}
+
+pub fn inject_once(
+    cfg: &Config,
+    reference: &Reference,
+    run: u64,
+    worker: usize,
+    state: &mut WorkerState,
+) -> std::io::Result<Record> {
     let seed = run_seed(cfg.seed, run);
     let mut rng = Rng::new(seed);
     let point = cfg.at.unwrap_or_else(|| Point::Time {
@@ -381,7 +430,12 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
                 point,
                 rng,
             };
-            run_target(cfg, &ws, &plan, reference.limits(), &[])?
+            std::fs::create_dir_all(&ws.dir)?;
+            let argv: Vec<String> = cfg.argv.iter().map(|a| ws.expand(a)).collect();
+            match state.fork_server(cfg, reference, &ws, &argv)? {
+                Some(server) => target::run_from_fork_server(server, &argv, &plan, reference.limits(), &ws.dir)?,
+                None => run_target(cfg, &ws, &plan, reference.limits(), &[])?,
+            }
         }
         Some(choice) => {
             let fault = replica_fault(cfg, choice, model, point, seed, None);
@@ -404,6 +458,7 @@ pub fn inject_once(cfg: &Config, reference: &Reference, run: u64, worker: usize)
         client: o.client_ending,
         worker: Some(worker),
         port: cfg.server.is_some().then_some(ws.port),
+        snapshot_us: o.from_snapshot.map(|d| d.as_micros() as u64),
         applied: o.applied,
     })
 }
@@ -605,13 +660,14 @@ fn worker_loop(
     worker: usize,
     tx: &mpsc::Sender<Result<Record, String>>,
 ) {
+    let mut state = WorkerState::default();
     loop {
         if INTERRUPTED.load(Ordering::SeqCst) {
             break;
         }
         let i = next.fetch_add(1, Ordering::SeqCst) as usize;
         let Some(&run) = todo.get(i) else { break };
-        let r = inject_once(cfg, reference, run, worker).map_err(|e| format!("run {run}: {e}"));
+        let r = inject_once(cfg, reference, run, worker, &mut state).map_err(|e| format!("run {run}: {e}"));
         if INTERRUPTED.load(Ordering::SeqCst) {
             break; // a run cut short by Ctrl-C is not a result
         }

@@ -24,6 +24,9 @@ pub enum Model {
     Addr,
     /// Each run draws one of reg, dest, addr, mem and ip.
     Mixed,
+    /// Nothing changes: the victim is stopped at the point and let go. A campaign of these
+    /// measures the harness itself (every run must be masked).
+    None,
 }
 
 impl Model {
@@ -47,6 +50,7 @@ impl Model {
             Model::Dest => "dest",
             Model::Addr => "addr",
             Model::Mixed => "mixed",
+            Model::None => "none",
         }
     }
 }
@@ -62,8 +66,9 @@ impl std::str::FromStr for Model {
             "dest" => Ok(Model::Dest),
             "addr" => Ok(Model::Addr),
             "mixed" => Ok(Model::Mixed),
+            "none" => Ok(Model::None),
             _ => Err(format!(
-                "unknown fault model '{s}' (expected reg, dest, addr, mem, ip, text or mixed)"
+                "unknown fault model '{s}' (expected reg, dest, addr, mem, ip, text, mixed or none)"
             )),
         }
     }
@@ -285,6 +290,7 @@ pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng:
     );
     let mut applied = Applied::new(model);
     match model {
+        Model::None => Ok(applied),
         Model::Reg | Model::Ip => {
             let mut r = ptrace::get_regs(tid)?;
             // rsp is left out of RREG: flipping it almost always crashes at once, which
@@ -342,6 +348,9 @@ pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng:
 
 /// Re-applies a recorded fault exactly (for `--replay`).
 pub fn reapply(tid: Tid, applied: &Applied) -> io::Result<()> {
+    if applied.model == Model::None {
+        return Ok(());
+    }
     match (&applied.register, applied.address) {
         (Some(name), _) => {
             let mut r = ptrace::get_regs(tid)?;

@@ -209,6 +209,7 @@ fn serve(
             cpu: Duration::ZERO,
             lockstep_detections: 0,
             client_ending: None,
+            from_snapshot: None,
         });
     };
     let client_end = watch.wait_child(client.pid, deadline)?;
@@ -256,6 +257,7 @@ fn serve(
         cpu,
         lockstep_detections: 0,
         client_ending: Some(client_status.unwrap_or(Ending::TimedOut)),
+        from_snapshot: None,
     })
 }
 

@@ -15,6 +15,18 @@ use std::time::{Duration, Instant};
 /// kill them all at once.
 static RUNNING: std::sync::Mutex<Vec<Tid>> = std::sync::Mutex::new(Vec::new());
 
+pub(crate) fn register_running(pid: Tid) {
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+}
+
+pub(crate) fn forget_running(pids: impl Iterator<Item = Tid>) {
+    let pids: Vec<Tid> = pids.collect();
+    RUNNING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|p| !pids.contains(p));
+}
+
 /// SIGKILLs the process group of every running target.
 pub fn kill_running_targets() {
     for &pid in RUNNING.lock().unwrap_or_else(|e| e.into_inner()).iter() {
@@ -89,6 +101,9 @@ pub struct Outcome {
     /// Server mode: how the client ended (`ending` is the run's, where the server's fate
     /// comes first).
     pub client_ending: Option<Ending>,
+    /// The run started as a fork-server copy that had done this much of the program's CPU
+    /// time (see [`crate::fork_server`]).
+    pub from_snapshot: Option<Duration>,
 }
 
 /// What to inject, if anything.
@@ -146,7 +161,35 @@ pub fn run_with_env(
     // Traced even without a plan: a golden run is followed to its exec, where its CPU
     // time starts to count (see `detach_after_exec`).
     let child = Child::spawn(argv, true, scratch, "", env)?;
-    let result = supervise(&child, plan, limits.into());
+    let result = supervise(&child, plan, limits.into(), None);
+    child.forget();
+    result
+}
+
+/// Like [`run`] for a fresh time-based plan, started from the worker's fork server when
+/// one of its snapshots comes before the point (see [`crate::fork_server`]).
+pub fn run_from_fork_server(
+    server: &mut crate::fork_server::ForkServer,
+    argv: &[String],
+    plan: &Plan,
+    limits: Limits,
+    scratch: &Path,
+) -> io::Result<Outcome> {
+    let Plan::Fresh {
+        point: Point::Time { at_us },
+        ..
+    } = plan
+    else {
+        return run(argv, plan, limits, scratch);
+    };
+    let Some((child, done)) = server.start(Duration::from_micros(*at_us), scratch)? else {
+        return run(argv, plan, limits, scratch);
+    };
+    let limits = Limits {
+        wall: limits.wall,
+        cpu: limits.cpu.map(|cpu| cpu.saturating_sub(done)),
+    };
+    let result = supervise(&child, plan, limits, Some(done));
     child.forget();
     result
 }
@@ -214,6 +257,8 @@ impl Child {
                 libc::dup2(err.as_raw_fd(), 2);
                 let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
                 libc::dup2(null, 0);
+                // Nothing else of inject's (or of whoever started it) reaches the target.
+                libc::syscall(libc::SYS_close_range, 3, u32::MAX, 0);
                 if traced {
                     libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0);
                     libc::raise(libc::SIGSTOP);
@@ -222,7 +267,7 @@ impl Child {
                 libc::_exit(127);
             }
         }
-        RUNNING.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+        register_running(pid);
         Ok(Child {
             pid,
             started,
@@ -233,10 +278,7 @@ impl Child {
 
     /// Removes the child from the Ctrl-C registry once it has been reaped.
     pub fn forget(&self) {
-        RUNNING
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|&p| p != self.pid);
+        forget_running(std::iter::once(self.pid));
     }
 
     pub fn outputs(&self) -> (Vec<u8>, Vec<u8>) {
@@ -247,9 +289,14 @@ impl Child {
     }
 }
 
-fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> {
+/// Follows a spawned child (or, `from` Some, a fork-server copy that has done that much
+/// of the program's CPU time) to its end, injecting per `plan`.
+fn supervise(child: &Child, plan: &Plan, limits: Limits, from: Option<Duration>) -> io::Result<Outcome> {
     let pid = child.pid;
-    let mut tree = Tree::new(pid);
+    let mut tree = match from {
+        Some(_) => Tree::past_exec(pid),
+        None => Tree::new(pid),
+    };
     let deadline = child.started + limits.wall;
     let mut exec_cpu = Duration::ZERO;
     let (applied, ended) = match plan {
@@ -260,7 +307,10 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> 
             }
             Err(ending) => (None, Some(ending)),
         },
-        _ => match drive_to_injection(pid, plan, deadline, &mut tree, &mut || Ok(true))? {
+        _ => match match from {
+            Some(done) => drive_stopped(pid, plan, deadline, &mut tree, &mut || Ok(true), done)?,
+            None => drive_to_injection(pid, plan, deadline, &mut tree, &mut || Ok(true))?,
+        } {
             Driven::Injected(a) => (Some(a), None),
             Driven::NotApplied => (None, None),
             Driven::Ended(e) => (None, Some(e)),
@@ -269,7 +319,7 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> 
     let mut cpu = Duration::ZERO;
     let ending = match ended {
         Some(e) => e,
-        None if traced_tree(plan) => tree.finish(deadline, limits.cpu)?,
+        None if traced_tree(plan) && !tree.detached() => tree.finish(deadline, limits.cpu)?,
         None => {
             let (ending, used) = wait_until(pid, deadline, limits.cpu)?;
             cpu = used.saturating_sub(exec_cpu);
@@ -292,6 +342,7 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits) -> io::Result<Outcome> 
         cpu,
         lockstep_detections: 0,
         client_ending: None,
+        from_snapshot: from,
     })
 }
 
@@ -392,6 +443,21 @@ pub(crate) fn drive_to_injection(
     unsafe {
         libc::ptrace(libc::PTRACE_SETOPTIONS, pid, 0, options);
     }
+    drive_stopped(pid, plan, deadline, t, on_idle, Duration::ZERO)
+}
+
+/// [`drive_to_injection`] from a stopped, traced process with its options set: a fresh
+/// child at its pre-exec stop, or a fork-server copy that has already run `done` of the
+/// program's CPU time (a time point then comes that much sooner).
+pub(crate) fn drive_stopped(
+    pid: Tid,
+    plan: &Plan,
+    deadline: Instant,
+    t: &mut Tree,
+    on_idle: OnIdle,
+    done: Duration,
+) -> io::Result<Driven> {
+    let tree = traced_tree(plan);
     let (point, scope) = match plan {
         Plan::Fresh { point, scope, .. } => (*point, Some(scope)),
         Plan::Replay { point, .. } => (*point, None),
@@ -405,7 +471,7 @@ pub(crate) fn drive_to_injection(
         },
         Point::Time { at_us } => {
             t.resume_root()?;
-            match t.run_until_cpu(Duration::from_micros(at_us), deadline, on_idle)? {
+            match t.run_until_cpu(Duration::from_micros(at_us).saturating_sub(done), deadline, on_idle)? {
                 Until::Reached => {}
                 Until::Ended(ending) => return Ok(Driven::Ended(ending)),
                 Until::GaveUp => return Ok(Driven::NotApplied),
@@ -422,6 +488,10 @@ pub(crate) fn drive_to_injection(
             }
         }
     };
+    // A lone process (no thread or child so far) is detached once its fault is in: nothing
+    // is left to pass on, and the wait for its end then needs no wake-ups (see
+    // `wait_until`). A tree stays traced: any later stop must be passed on.
+    let tree = tree && !t.detach_after_fault(victim);
     let applied = match plan {
         Plan::Fresh { model, .. }
         | Plan::Replay {
@@ -648,6 +718,7 @@ fn kill_and_reap(pid: Tid) {
 /// Waits for the (untraced) child to end, killing its process group at the deadline.
 /// Returns how it ended and the CPU time it and its waited-for children used.
 fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::Result<(Ending, Duration)> {
+    let exit_fd = pidfd(pid);
     loop {
         let mut status = 0;
         // SAFETY: zeroed rusage is a valid out-parameter.
@@ -670,11 +741,56 @@ fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::R
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
-        let over_cpu = || cpu_limit.is_some_and(|l| lockstep_trace::cpu::process_cpu(pid).is_some_and(|c| c > l));
-        if Instant::now() >= deadline || over_cpu() {
+        let now = Instant::now();
+        let cpu_left = match cpu_limit {
+            Some(limit) => {
+                let used = lockstep_trace::cpu::process_cpu(pid).unwrap_or_default();
+                Some(limit.saturating_sub(used))
+            }
+            None => None,
+        };
+        if now >= deadline || cpu_left == Some(Duration::ZERO) {
             kill_and_reap(pid);
             return Ok((Ending::TimedOut, Duration::ZERO));
         }
-        std::thread::sleep(Duration::from_millis(1));
+        // The process cannot burn CPU time faster than wall time per CPU, so a nap of what
+        // is left, shared out over the CPUs, does not pass the limit by more than a nap.
+        let cpu_nap = cpu_left.map_or(WAIT_NAP_MAX, |left| left / online_cpus());
+        let nap = cpu_nap.min(deadline - now).clamp(WAIT_NAP_MIN, WAIT_NAP_MAX);
+        match &exit_fd {
+            Some(fd) => wait_readable(fd, nap),
+            None => std::thread::sleep(WAIT_NAP_MIN),
+        }
     }
+}
+
+/// How often, at most and at least, the wait for an untraced target looks at its CPU time.
+const WAIT_NAP_MAX: Duration = Duration::from_millis(100);
+const WAIT_NAP_MIN: Duration = Duration::from_millis(1);
+
+/// A pidfd of our child: readable once it has exited. None where the kernel has no
+/// pidfd_open (the wait then polls).
+fn pidfd(pid: Tid) -> Option<std::os::fd::OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags, and returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: a descriptor pidfd_open just returned is owned by nobody else.
+    (fd >= 0).then(|| unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
+}
+
+/// Sleeps until `fd` is readable or `timeout` has passed.
+fn wait_readable(fd: &std::os::fd::OwnedFd, timeout: Duration) {
+    let mut pfd = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(fd),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+    // SAFETY: poll on one pollfd we own.
+    unsafe { libc::poll(&mut pfd, 1, ms) };
+}
+
+fn online_cpus() -> u32 {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    n.clamp(1, 1024) as u32
 }

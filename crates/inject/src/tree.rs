@@ -30,6 +30,8 @@ pub struct Tree {
     /// The tree's CPU time when the root exec'd the target: time-based points count from
     /// there, so that inject's own child (before its exec) is never the one faulted.
     exec_cpu: Option<Duration>,
+    /// The root was detached after its fault (it was alone): no stops are left to pass on.
+    detached: bool,
     /// Server mode, until the injection: the root thread's syscalls, counted as
     /// `--at syscall:K` counts them, so that a time-based point can be replayed there.
     root_syscalls: Option<RootSyscalls>,
@@ -119,8 +121,17 @@ impl Tree {
             unborn: Vec::new(),
             procs: vec![(root, Duration::ZERO)],
             exec_cpu: None,
+            detached: false,
             root_syscalls: None,
         }
+    }
+
+    /// The tree of a process that is past its exec already (a fork-server copy): its CPU
+    /// time counts from now.
+    pub fn past_exec(root: Tid) -> Self {
+        let mut tree = Tree::new(root);
+        tree.exec_cpu = Some(tree.cpu());
+        tree
     }
 
     /// Counts the root thread's syscalls from its exec until [`Tree::root_syscalls_done`].
@@ -130,6 +141,21 @@ impl Tree {
         } else {
             RootSyscalls::Stops(SyscallCount::default())
         });
+    }
+
+    /// Whether the stopped `victim` is the whole tree (no thread or child has appeared),
+    /// so that it can be detached once its fault is in; remembers the answer.
+    pub fn detach_after_fault(&mut self, victim: Tid) -> bool {
+        self.detached = victim == self.root
+            && self.tasks == [self.root]
+            && self.unborn.is_empty()
+            && self.procs.len() == 1
+            && self.root_syscalls.is_none();
+        self.detached
+    }
+
+    pub fn detached(&self) -> bool {
+        self.detached
     }
 
     /// Resumes the stopped root (to its next syscall stop while they are counted).
@@ -371,31 +397,37 @@ impl Tree {
     }
 }
 
-/// Kills the target's process group and reaps this worker's children until none is left,
-/// for at most [`REAP_GRACE`] (a task that left the group is not waited for longer).
-/// Never blocks on one pid: a traced group leader is only reported after its threads.
+/// Kills the target's process group and reaps it, for at most [`REAP_GRACE`], then
+/// reaps whatever else of this worker's has already ended (a task that left the group is
+/// not waited for). Children outside the group (the fork server's stopped snapshots) are
+/// left alone. Never blocks on one pid: a traced group leader is only reported after its
+/// threads.
 pub fn kill_and_reap_all(root: Tid) {
     // SAFETY: SIGKILL to the target's own process group.
     unsafe {
         libc::kill(-root, libc::SIGKILL);
     }
-    let until = Instant::now() + REAP_GRACE;
-    loop {
+    let reap = |pid: Tid| {
         // SAFETY: non-blocking waitpid for this thread's children.
-        let r = unsafe {
+        unsafe {
             libc::waitpid(
-                -1,
+                pid,
                 std::ptr::null_mut(),
                 libc::WNOHANG | libc::__WALL | libc::__WNOTHREAD,
             )
-        };
+        }
+    };
+    let until = Instant::now() + REAP_GRACE;
+    loop {
+        let r = reap(-root);
         if r < 0 || (r == 0 && Instant::now() >= until) {
-            break; // ECHILD: nothing left
+            break; // ECHILD: nothing of the group left
         }
         if r == 0 {
             idle();
         }
     }
+    while reap(-1) > 0 {}
 }
 
 /// utime + stime of a thread, in clock ticks.

@@ -7,6 +7,7 @@
 //! * [`syscalls`]: the one table that classifies every x86-64 syscall.
 //! * [`syscall_names`]: the kernel's names of all x86-64 syscalls, for messages.
 //! * [`regs`]: register names, for fault injection and diagnostics.
+//! * [`remote`]: making a stopped tracee run syscalls of our choosing.
 //! * [`cpu`]: another process's CPU time (the clock of time-based injection points).
 //! * [`syscall_counter`]: counting a thread's syscalls without stopping it.
 //!
@@ -16,6 +17,7 @@ pub mod cpu;
 pub mod mem;
 pub mod ptrace;
 pub mod regs;
+pub mod remote;
 pub mod seccomp;
 pub mod syscall_counter;
 pub mod syscall_names;

@@ -1175,6 +1175,15 @@ pub fn inject_cmd(out: &std::path::Path, extra: &[&str], prog: &[String]) -> std
     c
 }
 
+/// The records of the campaign in `out` (its results.jsonl), as JSON.
+pub fn campaign_records(out: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("results.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// (class, count) pairs of a campaign's summary.json.
 pub fn summary_counts(out: &std::path::Path) -> Vec<(String, u64)> {
     let s: serde_json::Value =
