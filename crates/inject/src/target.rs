@@ -718,7 +718,7 @@ fn kill_and_reap(pid: Tid) {
 /// Waits for the (untraced) child to end, killing its process group at the deadline.
 /// Returns how it ended and the CPU time it and its waited-for children used.
 fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::Result<(Ending, Duration)> {
-    let exit_fd = pidfd(pid);
+    let exit_fd = crate::tree::pidfd(pid);
     loop {
         let mut status = 0;
         // SAFETY: zeroed rusage is a valid out-parameter.
@@ -758,7 +758,7 @@ fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::R
         let cpu_nap = cpu_left.map_or(WAIT_NAP_MAX, |left| left / online_cpus());
         let nap = cpu_nap.min(deadline - now).clamp(WAIT_NAP_MIN, WAIT_NAP_MAX);
         match &exit_fd {
-            Some(fd) => wait_readable(fd, nap),
+            Some(fd) => crate::tree::wait_readable(fd, nap),
             None => std::thread::sleep(WAIT_NAP_MIN),
         }
     }
@@ -768,28 +768,7 @@ fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::R
 const WAIT_NAP_MAX: Duration = Duration::from_millis(100);
 const WAIT_NAP_MIN: Duration = Duration::from_millis(1);
 
-/// A pidfd of our child: readable once it has exited. None where the kernel has no
-/// pidfd_open (the wait then polls).
-fn pidfd(pid: Tid) -> Option<std::os::fd::OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags, and returns a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    // SAFETY: a descriptor pidfd_open just returned is owned by nobody else.
-    (fd >= 0).then(|| unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
-}
-
-/// Sleeps until `fd` is readable or `timeout` has passed.
-fn wait_readable(fd: &std::os::fd::OwnedFd, timeout: Duration) {
-    let mut pfd = libc::pollfd {
-        fd: std::os::fd::AsRawFd::as_raw_fd(fd),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
-    // SAFETY: poll on one pollfd we own.
-    unsafe { libc::poll(&mut pfd, 1, ms) };
-}
-
-fn online_cpus() -> u32 {
+pub(crate) fn online_cpus() -> u32 {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     n.clamp(1, 1024) as u32

@@ -103,6 +103,10 @@ const IDLE: Duration = Duration::from_micros(200);
 /// most, it notices the end of a run.
 const QUIET_NAP_MAX: Duration = Duration::from_millis(1);
 
+/// The longest sleep on the way to a far time-based point: how late, at most, `on_idle`
+/// runs (server mode starts its client there once the port is open).
+const FAR_NAP_MAX: Duration = Duration::from_millis(2);
+
 /// The shortest sleep before a time-based point (shorter ones are dominated by the
 /// wake-up itself).
 const MIN_NAP: Duration = Duration::from_micros(20);
@@ -281,13 +285,16 @@ impl Tree {
                     if !on_idle()? {
                         return Ok(Until::GaveUp);
                     }
-                    // The tree cannot use CPU time faster than wall time per running thread,
-                    // so sleeping what is left (at most one idle period) does not overshoot
-                    // the point by more than a wake-up.
-                    match left {
-                        Some(left) if left < IDLE => std::thread::sleep(left.max(MIN_NAP)),
-                        _ => idle(),
-                    }
+                    // The tree cannot use CPU time faster than wall time per CPU, so
+                    // sleeping what is left, shared out over the CPUs, does not overshoot the
+                    // point by more than a wake-up; far from the point the worker then
+                    // wakes (and takes a CPU from the target) less often.
+                    let nap = match left {
+                        Some(left) if left < IDLE => left.max(MIN_NAP),
+                        Some(left) => (left / crate::target::online_cpus()).clamp(IDLE, FAR_NAP_MAX),
+                        None => IDLE,
+                    };
+                    std::thread::sleep(nap);
                 }
             }
         }
@@ -349,7 +356,12 @@ impl Tree {
 
     /// Passes stops on until `pid`, a child of this worker outside the tree, ends (its
     /// ending), or until the deadline (None).
+    /// The worker sleeps until `pid` exits (its pidfd) or a nap ends; the naps grow while
+    /// the tree is quiet, as in [`Tree::finish`], so that a worker does not take the CPU
+    /// from the server and its client every few hundred microseconds.
     pub fn wait_foreign(&mut self, pid: Tid, deadline: Instant) -> io::Result<Option<Ending>> {
+        let exit_fd = pidfd(pid);
+        let mut nap = IDLE;
         loop {
             if let Some(&(_, ending)) = self.foreign.iter().find(|f| f.0 == pid) {
                 return Ok(Some(ending));
@@ -357,9 +369,16 @@ impl Tree {
             match poll()? {
                 Some((tid, stop)) => {
                     self.handle(tid, stop)?;
+                    nap = IDLE;
                 }
                 None if Instant::now() >= deadline => return Ok(None),
-                None => idle(),
+                None => {
+                    match &exit_fd {
+                        Some(fd) => wait_readable(fd, nap),
+                        None => std::thread::sleep(nap),
+                    }
+                    nap = (nap * 2).min(QUIET_NAP_MAX);
+                }
             }
         }
     }
@@ -428,6 +447,30 @@ pub fn kill_and_reap_all(root: Tid) {
         }
     }
     while reap(-1) > 0 {}
+}
+
+/// A pidfd of our child: readable once it has exited. None where the kernel has no
+/// pidfd_open (the wait then polls).
+pub(crate) fn pidfd(pid: Tid) -> Option<std::os::fd::OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags, and returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: a descriptor pidfd_open just returned is owned by nobody else.
+    (fd >= 0).then(|| unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
+}
+
+/// Sleeps until `fd` is readable or `timeout` has passed.
+pub(crate) fn wait_readable(fd: &std::os::fd::OwnedFd, timeout: Duration) {
+    let mut pfd = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(fd),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: ppoll on one pollfd we own, with a timeout and no signal mask.
+    unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
 }
 
 /// utime + stime of a thread, in clock ticks.

@@ -97,14 +97,20 @@ impl SyscallCounter {
         Ok(u64::from_ne_bytes(count))
     }
 
-    /// Whether counters can be opened here (looked up once per process).
+    /// Whether counters can be opened here (looked up once per process). The counter
+    /// opened to find out stays open for the life of the process: while one counter on the
+    /// tracepoint exists, opening and closing others is cheap, but closing the last one
+    /// unregisters the tracepoint and waits for an RCU grace period (about 10 ms here),
+    /// which inject would pay at every injection with the server stopped.
     pub fn available() -> bool {
-        static AVAILABLE: OnceLock<bool> = OnceLock::new();
-        *AVAILABLE.get_or_init(|| {
-            // SAFETY: gettid has no preconditions.
-            let me = unsafe { libc::gettid() };
-            SyscallCounter::open(me).is_ok()
-        })
+        static KEEPS_THE_TRACEPOINT: OnceLock<Option<SyscallCounter>> = OnceLock::new();
+        KEEPS_THE_TRACEPOINT
+            .get_or_init(|| {
+                // SAFETY: gettid has no preconditions.
+                let me = unsafe { libc::gettid() };
+                SyscallCounter::open(me).ok()
+            })
+            .is_some()
     }
 }
 
