@@ -11,6 +11,15 @@ fn progress_job(extra: &[&str]) -> Vec<String> {
         .collect()
 }
 
+/// Runs a campaign of `progress_job` (with `job_args`) into a fresh directory; its
+/// directory and records.
+fn campaign(tag: &str, args: &[&str], job_args: &[&str]) -> (std::path::PathBuf, Vec<serde_json::Value>) {
+    let out = scratch_dir(tag);
+    run(inject_cmd(&out, args, &progress_job(job_args))).assert_code(0);
+    let records = campaign_records(&out);
+    (out, records)
+}
+
 fn snapshot_of(record: &serde_json::Value) -> Option<u64> {
     record.get("snapshot_us").and_then(|v| v.as_u64())
 }
@@ -21,16 +30,13 @@ fn snapshot_of(record: &serde_json::Value) -> Option<u64> {
 /// run is masked. Most runs start from a snapshot, always one taken before their point.
 #[test]
 fn copies_of_a_program_end_exactly_as_fresh_runs_do() {
-    let out = scratch_dir("fork-server-none");
-    run(inject_cmd(
-        &out,
+    let (out, records) = campaign(
+        "fork-server-none",
         &[
             "--fault", "none", "--runs", "60", "-j", "2", "--golden", "2", "--seed", "4",
         ],
-        &progress_job(&[]),
-    ))
-    .assert_code(0);
-    let records = campaign_records(&out);
+        &[],
+    );
     assert_eq!(records.len(), 60);
     for r in &records {
         let class = r["class"].as_str().unwrap();
@@ -54,20 +60,16 @@ fn copies_of_a_program_end_exactly_as_fresh_runs_do() {
 /// never copied; `--no-fork-server` turns copies off for any program.
 #[test]
 fn a_program_that_writes_a_file_is_never_copied() {
-    let out = scratch_dir("fork-server-file");
-    run(inject_cmd(
-        &out,
+    let (_, records) = campaign(
+        "fork-server-file",
         &["--fault", "none", "--runs", "16", "-j", "2", "--golden", "1"],
-        &progress_job(&["{dir}/started"]),
-    ))
-    .assert_code(0);
-    let records = campaign_records(&out);
+        &["{dir}/started"],
+    );
     assert!(records.iter().all(|r| snapshot_of(r).is_none()), "copied: {records:?}");
     assert!(records.iter().any(|r| r["class"] == "masked"));
 
-    let out = scratch_dir("fork-server-off");
-    run(inject_cmd(
-        &out,
+    let (_, records) = campaign(
+        "fork-server-off",
         &[
             "--fault",
             "reg",
@@ -79,10 +81,8 @@ fn a_program_that_writes_a_file_is_never_copied() {
             "1",
             "--no-fork-server",
         ],
-        &progress_job(&[]),
-    ))
-    .assert_code(0);
-    let records = campaign_records(&out);
+        &[],
+    );
     assert!(records.iter().all(|r| snapshot_of(r).is_none()), "copied: {records:?}");
 }
 
@@ -91,16 +91,13 @@ fn a_program_that_writes_a_file_is_never_copied() {
 /// record names the program as the faulted process.
 #[test]
 fn faults_in_copies_are_classified() {
-    let out = scratch_dir("fork-server-reg");
-    run(inject_cmd(
-        &out,
+    let (_, records) = campaign(
+        "fork-server-reg",
         &[
             "--fault", "reg", "--runs", "80", "-j", "2", "--golden", "2", "--seed", "9",
         ],
-        &progress_job(&[]),
-    ))
-    .assert_code(0);
-    let records = campaign_records(&out);
+        &[],
+    );
     let copied: Vec<&serde_json::Value> = records.iter().filter(|r| snapshot_of(r).is_some()).collect();
     assert!(
         copied.len() >= 40,

@@ -159,7 +159,7 @@ impl ForkServer {
         if ptrace::get_regs(pid)?.orig_rax != u64::MAX {
             return Ok(Chain::Running); // interrupted in a syscall: not here
         }
-        if !alone_with_standard_fds(pid) {
+        if !alone_with_standard_fds(pid) || !copies_fit_in_memory(pid) {
             return Ok(Chain::Done);
         }
         let copy = fork_stopped(pid)?;
@@ -211,14 +211,8 @@ impl ForkServer {
 /// the deadline passed) with no stop pending.
 fn next_stop(pid: Tid, deadline: Instant, due: impl Fn() -> bool) -> io::Result<Option<Stop>> {
     loop {
-        let mut status = 0;
-        // SAFETY: non-blocking waitpid on our own tracee.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
-        if r == pid {
-            return Ok(Some(ptrace::decode(status)));
-        }
-        if r < 0 {
-            return Err(io::Error::last_os_error());
+        if let Some(stop) = crate::target::try_stop(pid)? {
+            return Ok(Some(stop));
         }
         if due() || Instant::now() >= deadline {
             return Ok(None);
@@ -270,6 +264,25 @@ fn become_run(child: &Child) -> io::Result<()> {
     })();
     remote.leave()?;
     result
+}
+
+/// Whether [`SNAPSHOTS`] copies of `pid`'s resident memory fit in a quarter of the memory
+/// the machine has available: each copy keeps the pages the program later writes.
+fn copies_fit_in_memory(pid: Tid) -> bool {
+    let field = |text: &str, key: &str| -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    match (field(&status, "VmRSS:"), field(&meminfo, "MemAvailable:")) {
+        (Some(rss_kib), Some(available_kib)) => rss_kib.saturating_mul(SNAPSHOTS as u64) <= available_kib / 4,
+        _ => false,
+    }
 }
 
 /// One thread, no descriptor but 0, 1 and 2, no pending signal.

@@ -612,17 +612,8 @@ enum Waited {
 fn wait_tid_or_idle(pid: Tid, deadline: Instant, on_idle: OnIdle) -> io::Result<Waited> {
     let mut spins = 0u32;
     loop {
-        let mut status = 0;
-        // SAFETY: non-blocking waitpid on our own tracee.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
-        if r == pid {
-            return Ok(Waited::Stop(ptrace::decode(status)));
-        }
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(e);
-            }
+        if let Some(stop) = try_stop(pid)? {
+            return Ok(Waited::Stop(stop));
         }
         if Instant::now() >= deadline {
             return Ok(Waited::Deadline);
@@ -678,18 +669,30 @@ fn step_until_applied(pid: Tid, mut stepper: StepFault, deadline: Instant, tree:
     }
 }
 
+/// The stop `pid` (a tracee of this thread) has to report, without waiting: None when
+/// it has none yet.
+pub(crate) fn try_stop(pid: Tid) -> io::Result<Option<Stop>> {
+    let mut status = 0;
+    // SAFETY: non-blocking waitpid on our traced child.
+    let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
+    if r == pid {
+        return Ok(Some(ptrace::decode(status)));
+    }
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+    Ok(None)
+}
+
 /// The next stop of `pid`, or None once `deadline` passed.
 fn wait_stop_until(pid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
     let mut spins = 0u32;
     loop {
-        let mut status = 0;
-        // SAFETY: non-blocking waitpid on our traced child.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG | libc::__WALL) };
-        if r == pid {
-            return Ok(Some(ptrace::decode(status)));
-        }
-        if r < 0 {
-            return Err(io::Error::last_os_error());
+        if let Some(stop) = try_stop(pid)? {
+            return Ok(Some(stop));
         }
         if Instant::now() >= deadline {
             return Ok(None); // the caller kills and reaps the whole target
