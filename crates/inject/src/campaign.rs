@@ -388,22 +388,30 @@ impl WorkerState {
         reference: &Reference,
         ws: &Workspace,
         argv: &[String],
-    ) -> std::io::Result<Option<&mut crate::fork_server::ForkServer>> {
+    ) -> Option<&mut crate::fork_server::ForkServer> {
         let usable = cfg.fork_server
             && cfg.at.is_none()
             && cfg.server.is_none()
             && cfg.replica.is_none()
             && cfg.compare.files.is_empty();
         if !usable {
-            return Ok(None);
+            return None;
         }
         self.eligible_runs += 1;
         if self.fork_server.is_none() && self.eligible_runs == 2 {
             let deadline = Instant::now() + reference.timeout;
-            let built = crate::fork_server::ForkServer::build(argv, &[], &ws.dir, reference.points_cpu, deadline)?;
+            // A fork server that cannot be built leaves the runs fresh, as without one.
+            let built = crate::fork_server::ForkServer::build(argv, &[], &ws.dir, reference.points_cpu, deadline)
+                .unwrap_or_default();
             self.fork_server = Some(built);
         }
-        Ok(self.fork_server.as_mut().filter(|f| !f.is_empty()))
+        self.fork_server.as_mut().filter(|f| !f.is_empty())
+    }
+
+    /// After a fork-server run failed (a copy that died, a fork refused): its copies are
+    /// killed and the worker's runs start fresh from now on.
+    fn give_up_fork_server(&mut self) {
+        self.fork_server = Some(crate::fork_server::ForkServer::default());
     }
 }
 
@@ -432,8 +440,15 @@ pub fn inject_once(
             };
             std::fs::create_dir_all(&ws.dir)?;
             let argv: Vec<String> = cfg.argv.iter().map(|a| ws.expand(a)).collect();
-            match state.fork_server(cfg, reference, &ws, &argv)? {
-                Some(server) => target::run_from_fork_server(server, &argv, &plan, reference.limits(), &ws.dir)?,
+            let from_copy = state
+                .fork_server(cfg, reference, &ws, &argv)
+                .map(|server| target::run_from_fork_server(server, &argv, &plan, reference.limits(), &ws.dir));
+            match from_copy {
+                Some(Ok(o)) => o,
+                Some(Err(_)) => {
+                    state.give_up_fork_server();
+                    run_target(cfg, &ws, &plan, reference.limits(), &[])?
+                }
                 None => run_target(cfg, &ws, &plan, reference.limits(), &[])?,
             }
         }

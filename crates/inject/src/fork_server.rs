@@ -41,6 +41,7 @@ struct Snapshot {
 
 /// One worker's snapshots of the program (possibly none: the program was not safe to copy
 /// early enough).
+#[derive(Default)]
 pub struct ForkServer {
     snapshots: Vec<Snapshot>,
 }
@@ -195,7 +196,10 @@ impl ForkServer {
             err_path,
         };
         if let Err(e) = become_run(&child) {
-            crate::tree::kill_and_reap_all(copy);
+            // It may not have its own process group yet.
+            ptrace::kill(copy, libc::SIGKILL);
+            // SAFETY: reaping our own child.
+            unsafe { libc::waitpid(copy, std::ptr::null_mut(), libc::__WALL) };
             child.forget();
             return Err(e);
         }
