@@ -236,10 +236,9 @@ fn serve(
     });
     let ending = match (before_stop, client_status) {
         (Some(end), _) => server_ending(end),
-        (None, None) => {
-            stop_server(&mut watch, srv.pid)?;
-            Ending::TimedOut
-        }
+        // The client hung: the run is a hang whatever the server does now, so it is not
+        // given the SIGTERM grace (a spinning server would use all of it); `run` kills it.
+        (None, None) => Ending::TimedOut,
         (None, Some(client_status)) => match stop_server(&mut watch, srv.pid)? {
             Some(Ending::Exited(lockstep_core::exit::DETECTED)) => Ending::Exited(lockstep_core::exit::DETECTED),
             _ => client_status,
