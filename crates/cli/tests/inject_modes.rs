@@ -375,3 +375,89 @@ fn time_points_in_a_server_record_their_syscall_and_replay_there() {
     let reg = r["applied"]["register"].as_str().unwrap();
     assert!(out.contains(&format!("applied: {reg} ")), "{r}\n{}", o.context());
 }
+
+/// A run whose client hangs is a hang as soon as the deadline passes: the server is killed
+/// at once, not sent SIGTERM and given the stop grace (5 s, all of which a spinning server
+/// would use). The server here logs the SIGTERM it gets; the golden run's server gets one
+/// when its client is done, the hung runs' servers never do. The client hangs from its
+/// second invocation on (the first is the golden run).
+#[test]
+fn a_hung_client_ends_the_run_without_the_stop_grace() {
+    let dir = scratch_dir("server-hang");
+    let server = dir.join("server.py");
+    std::fs::write(
+        &server,
+        "import signal, socket, sys\n\
+         def term(*_):\n    print('SIGTERM', file=sys.stderr, flush=True)\n    sys.exit(0)\n\
+         signal.signal(signal.SIGTERM, term)\n\
+         s = socket.socket()\n\
+         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+         s.bind(('127.0.0.1', int(sys.argv[1])))\n\
+         s.listen()\n\
+         while True:\n    c, _ = s.accept()\n    c.sendall(b'hello\\n')\n    c.close()\n",
+    )
+    .unwrap();
+    let client = dir.join("client.sh");
+    let count = dir.join("invocations");
+    std::fs::write(
+        &client,
+        format!(
+            "n=$(cat {count} 2>/dev/null || echo 0)\necho $((n + 1)) > {count}\n\
+             [ \"$n\" -ge 1 ] && sleep 60\n\
+             {py} -c 'import socket, sys; print(socket.create_connection((\"127.0.0.1\", int(sys.argv[1]))).recv(64))' \"$1\"\n",
+            count = count.display(),
+            py = python3().display()
+        ),
+    )
+    .unwrap();
+    let port = free_port_pair().to_string();
+    let client_cmd = format!("sh {} {{port}}", client.display());
+    let out = dir.join("out");
+    let o = run(inject_cmd(
+        &out,
+        &[
+            "--server",
+            "--port",
+            &port,
+            "--client",
+            &client_cmd,
+            "--fault",
+            "none",
+            "--at",
+            "syscall:1",
+            "--runs",
+            "2",
+            "-j",
+            "1",
+            "--golden",
+            "1",
+            "--timeout",
+            "1",
+        ],
+        &[
+            python3().to_string_lossy().into_owned(),
+            server.to_string_lossy().into_owned(),
+            "{port}".into(),
+        ],
+    ));
+    o.assert_code(0);
+    let records = campaign_records(&out);
+    assert_eq!(records.len(), 2);
+    for r in &records {
+        assert_eq!(r["class"], "hang", "{r}\n{}", o.context());
+        let kept = out
+            .join("work/kept")
+            .join(format!("run-{}", r["run"]))
+            .join("server-stderr");
+        let log = std::fs::read_to_string(&kept).unwrap_or_else(|e| panic!("{}: {e}", kept.display()));
+        assert!(
+            !log.contains("SIGTERM"),
+            "the hung run's server was sent SIGTERM: {log}"
+        );
+    }
+    let golden = std::fs::read_to_string(out.join("work/golden/server-stderr")).unwrap();
+    assert!(
+        golden.contains("SIGTERM"),
+        "the golden server was not stopped by SIGTERM: {golden}"
+    );
+}
