@@ -125,6 +125,18 @@ impl Session {
                 return Ok(());
             }
         }
+        // The process is being killed by a fatal signal lockstep sent to every replica
+        // (`kill_process`): whatever stops this thread now (its own copy of the signal,
+        // suppressed before the kill began, or the SIGSEGV the kernel forces on an exec
+        // that such a signal interrupted), it dies by that signal, as the others do.
+        let process = self.tasks[task].process;
+        if self.processes[process].exiting && !self.slot(task, r).deliver.contains(sig) {
+            if let Some(fatal) = self.slot(task, r).deliver.iter().next() {
+                self.slot_mut(task, r).deliver.take(fatal);
+                let _ = self.be.resume(tid, Resume::Signal(fatal));
+                return Ok(());
+            }
+        }
         // `deliver` before `own_signals`: one delivery consumes one mark, in this order.
         if self.slot_mut(task, r).deliver.take(sig) {
             // Lockstep's own copy (tgkill) stands in for the leader's: the handler sees
