@@ -160,7 +160,8 @@ impl ForkServer {
         if ptrace::get_regs(pid)?.orig_rax != u64::MAX {
             return Ok(Chain::Running); // interrupted in a syscall: not here
         }
-        if !alone_with_standard_fds(pid) || !copies_fit_in_memory(pid) {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        if !alone_with_standard_fds(pid, &status) || !copies_fit_in_memory(&status) {
             return Ok(Chain::Done);
         }
         let copy = fork_stopped(pid)?;
@@ -270,9 +271,10 @@ fn become_run(child: &Child) -> io::Result<()> {
     result
 }
 
-/// Whether [`SNAPSHOTS`] copies of `pid`'s resident memory fit in a quarter of the memory
-/// the machine has available: each copy keeps the pages the program later writes.
-fn copies_fit_in_memory(pid: Tid) -> bool {
+/// Whether [`SNAPSHOTS`] copies of the resident memory in `status` (/proc/PID/status) fit
+/// in a quarter of the memory the machine has available: each copy keeps the pages the
+/// program later writes.
+fn copies_fit_in_memory(status: &str) -> bool {
     let field = |text: &str, key: &str| -> Option<u64> {
         text.lines()
             .find_map(|l| l.strip_prefix(key))?
@@ -281,18 +283,17 @@ fn copies_fit_in_memory(pid: Tid) -> bool {
             .parse()
             .ok()
     };
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    match (field(&status, "VmRSS:"), field(&meminfo, "MemAvailable:")) {
+    match (field(status, "VmRSS:"), field(&meminfo, "MemAvailable:")) {
         (Some(rss_kib), Some(available_kib)) => rss_kib.saturating_mul(SNAPSHOTS as u64) <= available_kib / 4,
         _ => false,
     }
 }
 
-/// One thread, no descriptor but 0, 1 and 2, no pending signal.
-fn alone_with_standard_fds(pid: Tid) -> bool {
+/// One thread, no descriptor but 0, 1 and 2, no pending signal (`status`: its
+/// /proc/PID/status).
+fn alone_with_standard_fds(pid: Tid, status: &str) -> bool {
     let count = |dir: String| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(usize::MAX);
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let no_pending = ["SigPnd:", "ShdPnd:"].iter().all(|field| {
         status
             .lines()

@@ -307,14 +307,17 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits, from: Option<Duration>)
             }
             Err(ending) => (None, Some(ending)),
         },
-        _ => match match from {
-            Some(done) => drive_stopped(pid, plan, deadline, &mut tree, &mut || Ok(true), done)?,
-            None => drive_to_injection(pid, plan, deadline, &mut tree, &mut || Ok(true))?,
-        } {
-            Driven::Injected(a) => (Some(a), None),
-            Driven::NotApplied => (None, None),
-            Driven::Ended(e) => (None, Some(e)),
-        },
+        _ => {
+            let driven = match from {
+                Some(done) => drive_stopped(pid, plan, deadline, &mut tree, &mut || Ok(true), done)?,
+                None => drive_to_injection(pid, plan, deadline, &mut tree, &mut || Ok(true))?,
+            };
+            match driven {
+                Driven::Injected(a) => (Some(a), None),
+                Driven::NotApplied => (None, None),
+                Driven::Ended(e) => (None, Some(e)),
+            }
+        }
     };
     let mut cpu = Duration::ZERO;
     let ending = match ended {
@@ -721,7 +724,7 @@ fn kill_and_reap(pid: Tid) {
 /// Waits for the (untraced) child to end, killing its process group at the deadline.
 /// Returns how it ended and the CPU time it and its waited-for children used.
 fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::Result<(Ending, Duration)> {
-    let exit_fd = crate::tree::pidfd(pid);
+    let exit_fd = lockstep_trace::seccomp::pidfd_open(pid).ok();
     loop {
         let mut status = 0;
         // SAFETY: zeroed rusage is a valid out-parameter.

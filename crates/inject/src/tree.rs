@@ -360,7 +360,8 @@ impl Tree {
     /// the tree is quiet, as in [`Tree::finish`], so that a worker does not take the CPU
     /// from the server and its client every few hundred microseconds.
     pub fn wait_foreign(&mut self, pid: Tid, deadline: Instant) -> io::Result<Option<Ending>> {
-        let exit_fd = pidfd(pid);
+        // None where the kernel has no pidfd_open: the wait then polls.
+        let exit_fd = lockstep_trace::seccomp::pidfd_open(pid).ok();
         let mut nap = IDLE;
         loop {
             if let Some(&(_, ending)) = self.foreign.iter().find(|f| f.0 == pid) {
@@ -447,15 +448,6 @@ pub fn kill_and_reap_all(root: Tid) {
         }
     }
     while reap(-1) > 0 {}
-}
-
-/// A pidfd of our child: readable once it has exited. None where the kernel has no
-/// pidfd_open (the wait then polls).
-pub(crate) fn pidfd(pid: Tid) -> Option<std::os::fd::OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags, and returns a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    // SAFETY: a descriptor pidfd_open just returned is owned by nobody else.
-    (fd >= 0).then(|| unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
 }
 
 /// Sleeps until `fd` is readable or `timeout` has passed.

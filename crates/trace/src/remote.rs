@@ -41,12 +41,6 @@ impl Remote {
         Ok(Remote { tid, regs, saved })
     }
 
-    /// Where the patch is, and what was there: a fork made while it was in place has a copy
-    /// of it, which [`Remote::adopt`] takes over.
-    pub fn regs(&self) -> &Regs {
-        &self.regs
-    }
-
     /// Takes over the copy of the patch in `child`, a fork of this thread's process made
     /// while the patch was in place, stopped: the child returns to the same registers.
     pub fn adopt(&self, child: Tid) -> Remote {
