@@ -1,9 +1,14 @@
 //! The seam between the monitor's policy (who executes what, votes, recovery) and the
 //! mechanism that stops and steers replica threads.
 //!
-//! Today the only mechanism is ptrace + seccomp. Everything the monitor does to a replica
-//! goes through [`Backend`], so an in-process fast path (for example a syscall shim that
-//! talks to the monitor over shared memory) can replace it without touching the policy.
+//! Everything the monitor does to or learns about a replica goes through [`Backend`]:
+//! registers, memory, resumption, waiting, and what it reads from `/proc`. The mechanism
+//! is ptrace + seccomp ([`Ptrace`]); `crate::scripted` drives the same policy from
+//! hand-written syscall streams in unit tests, without any process.
+//!
+//! Errors: a call on a thread that is gone (`ESRCH`) is expected (its death arrives
+//! through `wait_any`); any other failure to steer a replica is that replica's failure,
+//! and [`Checked`] reports it to the monitor rather than letting it pass silently.
 
 use lockstep_trace::{mem, ptrace, Regs, Stop, Tid};
 use std::io;
@@ -50,6 +55,22 @@ pub trait Backend {
     /// From now on, resume `tid` (if any) one instruction at a time, except into a
     /// syscall exit (`Resume::ToExit`): its next stops are single-step SIGTRAPs.
     fn single_step(&self, tid: Option<Tid>);
+    /// A NUL-terminated string of at most `limit` bytes (without the NUL).
+    fn read_cstr(&self, tid: Tid, addr: u64, limit: usize) -> io::Result<Vec<u8>>;
+    /// The text of `/proc/PID/FILE` (`status`, `stat`, `statm`, `fdinfo/3`, ...).
+    fn proc_read(&self, pid: Tid, file: &str) -> io::Result<String>;
+    /// Where `/proc/PID/FILE` links to (`fd/3`).
+    fn proc_link(&self, pid: Tid, file: &str) -> io::Result<std::path::PathBuf>;
+    /// The size of the file behind descriptor `fd` of process `pid`.
+    fn fd_file_len(&self, pid: Tid, fd: i32) -> Option<u64>;
+    /// Whether any process (including a zombie) has `pid` as its parent.
+    fn has_children(&self, pid: Tid) -> bool;
+    /// The CPU time (all threads) process `pid` has used so far; None once it is gone.
+    fn process_cpu(&self, pid: Tid) -> Option<std::time::Duration>;
+    /// Pins thread `tid` to one CPU; a failure leaves its current placement.
+    fn pin(&self, tid: Tid, cpu: usize);
+    /// Reaps every child that is left after [`Backend::kill`], within a bounded time.
+    fn reap_all(&self);
     fn read_vec(&self, tid: Tid, addr: u64, len: usize) -> io::Result<Vec<u8>> {
         let mut v = vec![0u8; len];
         self.read(tid, addr, &mut v)?;
@@ -130,5 +151,172 @@ impl Backend for Ptrace {
     }
     fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()> {
         ptrace::set_breakpoint(tid, at)
+    }
+    fn read_cstr(&self, tid: Tid, addr: u64, limit: usize) -> io::Result<Vec<u8>> {
+        mem::read_cstr(tid, addr, limit)
+    }
+    fn proc_read(&self, pid: Tid, file: &str) -> io::Result<String> {
+        std::fs::read_to_string(format!("/proc/{pid}/{file}"))
+    }
+    fn proc_link(&self, pid: Tid, file: &str) -> io::Result<std::path::PathBuf> {
+        std::fs::read_link(format!("/proc/{pid}/{file}"))
+    }
+    fn fd_file_len(&self, pid: Tid, fd: i32) -> Option<u64> {
+        std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).ok().map(|m| m.len())
+    }
+    fn has_children(&self, pid: Tid) -> bool {
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return true;
+        };
+        dir.flatten()
+            .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+            .any(|e| {
+                std::fs::read_to_string(e.path().join("stat"))
+                    .ok()
+                    .and_then(|st| {
+                        st.rsplit_once(')')
+                            .and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string))
+                    })
+                    .and_then(|ppid| ppid.parse::<Tid>().ok())
+                    == Some(pid)
+            })
+    }
+    fn process_cpu(&self, pid: Tid) -> Option<std::time::Duration> {
+        lockstep_trace::cpu::process_cpu(pid)
+    }
+    fn pin(&self, tid: Tid, cpu: usize) {
+        // SAFETY: a zeroed set with one CPU; failure leaves the thread where it was.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+    fn reap_all(&self) {
+        // Bounded so that a kernel surprise cannot hang us.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            let mut status = 0;
+            // SAFETY: plain waitpid.
+            let r = unsafe { libc::waitpid(-1, &mut status, libc::__WALL) };
+            if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                break;
+            }
+        }
+    }
+}
+
+/// A backend that remembers every failure to steer a replica thread, other than the
+/// thread being gone (`ESRCH`: its death arrives through `wait_any`). The monitor takes
+/// them after each stop and treats each as that replica's failure: a register write or a
+/// resume that did not happen must never pass silently.
+///
+/// Reads and memory writes are not recorded: a corrupted replica's bad pointer makes them
+/// fail, and the vote (or the count `data::apply_outputs` returns) judges that.
+pub struct Checked {
+    inner: Box<dyn Backend>,
+    failures: std::cell::RefCell<Vec<(Tid, &'static str, io::Error)>>,
+}
+
+/// At most this many steering failures are kept between two looks: each names a thread,
+/// and one is enough to fail its replica.
+const MAX_FAILURES: usize = 64;
+
+impl Checked {
+    pub fn new(inner: Box<dyn Backend>) -> Self {
+        Checked {
+            inner,
+            failures: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The failures since the last call: (thread, what failed, why).
+    pub fn take_failures(&self) -> Vec<(Tid, &'static str, io::Error)> {
+        std::mem::take(&mut *self.failures.borrow_mut())
+    }
+
+    fn check<T>(&self, tid: Tid, what: &'static str, result: io::Result<T>) -> io::Result<T> {
+        if let Err(e) = &result {
+            let mut failures = self.failures.borrow_mut();
+            if e.raw_os_error() != Some(libc::ESRCH) && failures.len() < MAX_FAILURES {
+                failures.push((tid, what, io::Error::new(e.kind(), e.to_string())));
+            }
+        }
+        result
+    }
+}
+
+impl Backend for Checked {
+    fn regs(&self, tid: Tid) -> io::Result<Regs> {
+        self.inner.regs(tid)
+    }
+    fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()> {
+        self.check(tid, "setting its registers", self.inner.set_regs(tid, regs))
+    }
+    fn read(&self, tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.inner.read(tid, addr, buf)
+    }
+    fn write(&self, tid: Tid, addr: u64, data: &[u8]) -> io::Result<()> {
+        self.inner.write(tid, addr, data)
+    }
+    fn resume(&self, tid: Tid, how: Resume) -> io::Result<()> {
+        self.check(tid, "resuming it", self.inner.resume(tid, how))
+    }
+    fn interrupt(&self, tid: Tid) -> io::Result<()> {
+        self.check(tid, "interrupting it", self.inner.interrupt(tid))
+    }
+    fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>> {
+        self.inner.wait_any()
+    }
+    fn wait_tid(&self, tid: Tid) -> io::Result<Stop> {
+        self.inner.wait_tid(tid)
+    }
+    fn try_wait_tid(&self, tid: Tid) -> io::Result<Option<Stop>> {
+        self.inner.try_wait_tid(tid)
+    }
+    fn event_msg(&self, tid: Tid) -> io::Result<u64> {
+        self.inner.event_msg(tid)
+    }
+    fn siginfo(&self, tid: Tid) -> io::Result<libc::siginfo_t> {
+        self.inner.siginfo(tid)
+    }
+    fn set_siginfo(&self, tid: Tid, info: &libc::siginfo_t) -> io::Result<()> {
+        self.check(tid, "setting its siginfo", self.inner.set_siginfo(tid, info))
+    }
+    fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
+        self.inner.signal_thread(tgid, tid, sig)
+    }
+    fn kill(&self, pid: Tid) {
+        self.inner.kill(pid)
+    }
+    fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()> {
+        self.check(tid, "setting its breakpoint", self.inner.set_breakpoint(tid, at))
+    }
+    fn single_step(&self, tid: Option<Tid>) {
+        self.inner.single_step(tid)
+    }
+    fn read_cstr(&self, tid: Tid, addr: u64, limit: usize) -> io::Result<Vec<u8>> {
+        self.inner.read_cstr(tid, addr, limit)
+    }
+    fn proc_read(&self, pid: Tid, file: &str) -> io::Result<String> {
+        self.inner.proc_read(pid, file)
+    }
+    fn proc_link(&self, pid: Tid, file: &str) -> io::Result<std::path::PathBuf> {
+        self.inner.proc_link(pid, file)
+    }
+    fn fd_file_len(&self, pid: Tid, fd: i32) -> Option<u64> {
+        self.inner.fd_file_len(pid, fd)
+    }
+    fn has_children(&self, pid: Tid) -> bool {
+        self.inner.has_children(pid)
+    }
+    fn process_cpu(&self, pid: Tid) -> Option<std::time::Duration> {
+        self.inner.process_cpu(pid)
+    }
+    fn pin(&self, tid: Tid, cpu: usize) {
+        self.inner.pin(tid, cpu)
+    }
+    fn reap_all(&self) {
+        self.inner.reap_all()
     }
 }

@@ -112,10 +112,9 @@ impl Session {
             let live = self.live_slots(task);
             // A replica in a stop the event loop has not taken yet (at a syscall, most
             // likely) is about to arrive: an interrupt now would stay pending past it.
-            if live
-                .iter()
-                .any(|&r| self.slot(task, r).state != SlotState::Running || in_trace_stop(self.slot(task, r).tid))
-            {
+            if live.iter().any(|&r| {
+                self.slot(task, r).state != SlotState::Running || in_trace_stop(&self.be, self.slot(task, r).tid)
+            }) {
                 continue;
             }
             let Some(&sig) = self.tasks[task].pending.first() else {
@@ -331,8 +330,8 @@ impl Session {
 }
 
 /// Whether thread `tid` sits in a ptrace stop (state `t` in /proc).
-fn in_trace_stop(tid: lockstep_trace::Tid) -> bool {
-    std::fs::read_to_string(format!("/proc/{tid}/stat"))
+fn in_trace_stop(be: &dyn Backend, tid: lockstep_trace::Tid) -> bool {
+    be.proc_read(tid, "stat")
         .ok()
         .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| rest.starts_with('t')))
         .unwrap_or(false)

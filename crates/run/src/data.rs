@@ -83,7 +83,7 @@ fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &m
         let a = args[i];
         match *arg {
             Arg::Val | Arg::Fd => out.extend_from_slice(&a.to_le_bytes()),
-            Arg::Path => match lockstep_trace::mem::read_cstr(tid, a, MAX_PATH) {
+            Arg::Path => match be.read_cstr(tid, a, MAX_PATH) {
                 Ok(s) if a != 0 => {
                     out.extend_from_slice(&s);
                     out.push(0);

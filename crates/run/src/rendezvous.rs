@@ -23,8 +23,8 @@ fn interrupted_by_signal(nr: u64, ret: i64) -> bool {
 }
 
 /// Whether thread `tid` is on its way out: gone, a zombie, or with SIGKILL pending.
-fn thread_is_dying(tid: Tid) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{tid}/status")) else {
+fn thread_is_dying(be: &dyn Backend, tid: Tid) -> bool {
+    let Ok(status) = be.proc_read(tid, "status") else {
         return true;
     };
     let field = |key: &str| status.lines().find_map(|l| l.strip_prefix(key)).map(str::trim);
@@ -96,7 +96,10 @@ impl Session {
     /// already dying (a zombie, or SIGKILL pending).
     fn dying_by_program_kill(&self, task: TaskId, members: &[ReplicaId]) -> bool {
         let sent = self.processes[self.tasks[task].process].sent_by_program;
-        sent.contains(libc::SIGKILL) && members.iter().any(|&r| thread_is_dying(self.slot(task, r).tid))
+        sent.contains(libc::SIGKILL)
+            && members
+                .iter()
+                .any(|&r| thread_is_dying(&self.be, self.slot(task, r).tid))
     }
 
     /// The class of the leader's call `desc(args)` of `task`: the table's, refined by its
@@ -111,7 +114,7 @@ impl Session {
         // Every replica has its own /proc (its own PID namespace, the same pids): an open
         // below it is each replica's own (`/proc/self`, `/proc/<pid>` used as a pidfd...).
         if let Some(path) = path_arg.filter(|&p| p != 0) {
-            if lockstep_trace::mem::read_cstr(tid, path, 8).is_ok_and(|p| p.starts_with(b"/proc/")) {
+            if self.be.read_cstr(tid, path, 8).is_ok_and(|p| p.starts_with(b"/proc/")) {
                 return Class::All;
             }
         }
@@ -885,7 +888,7 @@ impl Session {
                 Err(e) if leader_gone(&e) => return Ok(None),
                 Err(e) => return Err(Error::Io("pidfd_getfd", e).into()),
             };
-            ours.push((fd, dup, fd_cloexec(leader_tgid, fd)));
+            ours.push((fd, dup, fd_cloexec(&self.be, leader_tgid, fd)));
         }
         let ftid = self.slot(task, f).tid;
         let mut regs = self.slot(task, f).regs;
@@ -1195,7 +1198,7 @@ impl Session {
         let source = live.iter().copied().find(|&r| r != self.leader).unwrap_or(self.leader);
         // A fork does not copy child processes: a source with children (even zombies it
         // has not reaped yet) would give the new replica a different wait() result.
-        if has_children(self.slot(task, source).tgid) {
+        if self.be.has_children(self.slot(task, source).tgid) {
             return Ok(false);
         }
         let dead = self.replicas.iter().find(|r| !r.alive).map(|r| r.cpu).unwrap_or(None);
@@ -1269,12 +1272,7 @@ impl Session {
         self.early_stops.remove(&child);
         let _ = self.be.set_regs(child, &rewound);
         if let Some(cpu) = dead {
-            // SAFETY: zeroed set with one CPU; failure leaves the inherited pin.
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(cpu, &mut set);
-                libc::sched_setaffinity(child, std::mem::size_of::<libc::cpu_set_t>(), &set);
-            }
+            self.be.pin(child, cpu);
         }
         let id = self.replicas.len() as ReplicaId;
         let listener = self.replicas[source as usize].listener.clone();
@@ -1312,7 +1310,9 @@ impl Session {
         let _ = self.be.resume(child, Resume::Run);
         self.reintegration_due = self.live_replicas().len() < self.want_replicas as usize;
         self.stats.reintegrations += 1;
-        let rss = std::fs::read_to_string(format!("/proc/{child}/statm"))
+        let rss = self
+            .be
+            .proc_read(child, "statm")
             .ok()
             .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
             .unwrap_or(0)
@@ -1361,28 +1361,9 @@ fn new_fds(desc: &Desc, args: &[u64; 6], ret: i64, outputs: &data::Outputs) -> V
     }
 }
 
-/// Whether any process (including a zombie) has `pid` as its parent.
-fn has_children(pid: Tid) -> bool {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return true;
-    };
-    dir.flatten()
-        .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
-        .any(|e| {
-            std::fs::read_to_string(e.path().join("stat"))
-                .ok()
-                .and_then(|st| {
-                    st.rsplit_once(')')
-                        .and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string))
-                })
-                .and_then(|ppid| ppid.parse::<Tid>().ok())
-                == Some(pid)
-        })
-}
-
 /// Whether descriptor `fd` of process `pid` is close-on-exec.
-fn fd_cloexec(pid: Tid, fd: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
+fn fd_cloexec(be: &dyn Backend, pid: Tid, fd: i32) -> bool {
+    be.proc_read(pid, &format!("fdinfo/{fd}"))
         .ok()
         .and_then(|s| {
             s.lines()

@@ -11,7 +11,7 @@
 //! Each task moves through [`Phase`]s: `Collect` (waiting for arrivals), then one of the
 //! execution phases, then back to `Collect`. See `rendezvous.rs` for the decisions.
 
-use crate::backend::{Backend, Ptrace, Resume};
+use crate::backend::{Backend, Checked, Ptrace, Resume};
 use crate::options::{FlipSpec, FlipTarget, Options};
 use crate::signals::{Interrupted, SigSet, StandIn};
 use crate::spawn;
@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 pub type TaskId = usize;
 pub type ProcId = usize;
@@ -382,7 +382,7 @@ impl From<Error> for Stopped {
 
 pub struct Session {
     pub opts: Options,
-    pub be: Ptrace,
+    pub be: Checked,
     pub replicas: Vec<Replica>,
     pub leader: ReplicaId,
     pub tasks: Vec<Task>,
@@ -567,7 +567,7 @@ impl Session {
         let mut session = Session {
             want_replicas: want,
             opts,
-            be: Ptrace::default(),
+            be: Checked::new(Box::new(Ptrace::default())),
             stepping: None,
             said_loose_signal: false,
             detections: 0,
@@ -687,7 +687,9 @@ impl Session {
             let at = self.by_tid.get(&tid).copied();
             let handled = self.on_stop(tid, stop);
             self.stats.monitor_time += t0.elapsed();
-            let handled = handled.and_then(|()| self.settle_after_vote_out());
+            let handled = handled
+                .and_then(|()| self.fail_unsteerable())
+                .and_then(|()| self.settle_after_vote_out());
             let handled = match (handled, at) {
                 (Err(Stopped::Failure(e)), Some((task, r))) if !matches!(e, Error::Unsupported(_)) => {
                     Err(Stopped::Failure(self.internal_failure(task, r, e)))
@@ -791,19 +793,7 @@ impl Session {
                 self.be.kill(r.stub);
             }
         }
-        // Reap until no child is left, bounded so a kernel surprise cannot hang us.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            let mut status = 0;
-            // SAFETY: plain waitpid.
-            let r = unsafe { libc::waitpid(-1, &mut status, libc::__WALL) };
-            if r < 0 {
-                if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                break;
-            }
-        }
+        self.be.reap_all();
         self.by_tid.clear();
     }
 
@@ -1255,7 +1245,7 @@ impl Session {
         self.tasks
             .first()
             .and_then(|t| t.slots[r as usize].as_ref())
-            .and_then(|slot| lockstep_trace::cpu::process_cpu(slot.tgid))
+            .and_then(|slot| self.be.process_cpu(slot.tgid))
             .unwrap_or_default()
     }
 
@@ -1688,6 +1678,22 @@ impl Session {
                     self.maybe_complete_all(t)?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Replicas the backend failed to steer (a register write or a resume that did not
+    /// happen) fail: silence would leave them running from a state nobody chose.
+    fn fail_unsteerable(&mut self) -> Result<(), Stopped> {
+        for (tid, what, cause) in self.be.take_failures() {
+            let Some(&(task, r)) = self.by_tid.get(&tid) else {
+                continue;
+            };
+            if !self.replicas[r as usize].alive {
+                continue;
+            }
+            let msg = format!("lockstep could not steer replica {r} ({what} failed: {cause})");
+            self.replica_failed(task, r, "divergence", msg)?;
         }
         Ok(())
     }

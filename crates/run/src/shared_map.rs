@@ -22,7 +22,6 @@ use crate::backend::{Backend, Resume};
 use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
 use crate::signals::StandIn;
 use crate::Error;
-use lockstep_trace::Tid;
 use std::rc::Rc;
 
 /// The largest shared file mapping lockstep copies into the followers.
@@ -58,11 +57,6 @@ pub struct MapCopy {
 
 fn page_up(n: u64) -> u64 {
     n.div_ceil(4096) * 4096
-}
-
-/// The size of the file behind descriptor `fd` of process `tgid`.
-fn file_size(tgid: Tid, fd: i32) -> Option<u64> {
-    std::fs::metadata(format!("/proc/{tgid}/fd/{fd}")).ok().map(|m| m.len())
 }
 
 impl Session {
@@ -128,7 +122,9 @@ impl Session {
             }
             let addr = ret as u64;
             // Only the part backed by the file can be read; the rest stays zero.
-            let backed = file_size(ltgid, args[4] as i32)
+            let backed = self
+                .be
+                .fd_file_len(ltgid, args[4] as i32)
                 .map(|size| size.saturating_sub(args[5]).min(len))
                 .unwrap_or(0);
             let mut bytes = self.be.read_vec(ltid, addr, backed as usize).unwrap_or_default();

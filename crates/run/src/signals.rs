@@ -206,7 +206,7 @@ impl Session {
 
     /// What the program's process does with `sig`, read from /proc.
     fn disposition(&self, tgid: Tid, sig: i32) -> SignalFate {
-        let status = std::fs::read_to_string(format!("/proc/{tgid}/status")).unwrap_or_default();
+        let status = self.be.proc_read(tgid, "status").unwrap_or_default();
         let mask = |key: &str| {
             status
                 .lines()
@@ -375,7 +375,7 @@ impl Session {
             for r in self.live_slots(task) {
                 // Blocked, it stays pending in every replica and is delivered where the
                 // program unblocks it (the same point everywhere): let it through then.
-                if signal_blocked(self.slot(task, r).tid, sig) {
+                if signal_blocked(&self.be, self.slot(task, r).tid, sig) {
                     self.slot_mut(task, r).deliver.add(sig);
                 } else {
                     self.slot_mut(task, r).own_signals.add(sig);
@@ -407,12 +407,12 @@ impl Session {
     /// program's pids).
     fn pidfd_target(&self, task: TaskId, fd: i32) -> Option<i32> {
         let leader_tgid = self.slot(task, self.leader).tgid;
-        let info = std::fs::read_to_string(format!("/proc/{leader_tgid}/fdinfo/{fd}")).ok()?;
+        let info = self.be.proc_read(leader_tgid, &format!("fdinfo/{fd}")).ok()?;
         if let Some(real) = info.lines().find_map(|l| l.strip_prefix("Pid:")) {
             let &(task, _) = self.by_tid.get(&real.trim().parse().ok()?)?;
             return Some(self.processes[self.tasks[task].process].logical_pid);
         }
-        let path = std::fs::read_link(format!("/proc/{leader_tgid}/fd/{fd}")).ok()?;
+        let path = self.be.proc_link(leader_tgid, &format!("fd/{fd}")).ok()?;
         path.to_str()?.strip_prefix("/proc/")?.parse().ok()
     }
 
@@ -584,8 +584,8 @@ fn raised_by_lockstep(info: &libc::siginfo_t) -> bool {
 }
 
 /// Whether thread `tid` blocks `sig` (its `SigBlk` in /proc).
-fn signal_blocked(tid: Tid, sig: i32) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{tid}/status")) else {
+fn signal_blocked(be: &dyn Backend, tid: Tid, sig: i32) -> bool {
+    let Ok(status) = be.proc_read(tid, "status") else {
         return false;
     };
     status
