@@ -218,6 +218,8 @@ pub struct Checked {
     failures: std::cell::RefCell<Vec<(Tid, &'static str, io::Error)>>,
 }
 
+const SET_REGS: &str = "setting its registers";
+
 /// At most this many steering failures are kept between two looks: each names a thread,
 /// and one is enough to fail its replica.
 const MAX_FAILURES: usize = 64;
@@ -251,7 +253,7 @@ impl Backend for Checked {
         self.inner.regs(tid)
     }
     fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()> {
-        self.check(tid, "setting its registers", self.inner.set_regs(tid, regs))
+        self.check(tid, SET_REGS, self.inner.set_regs(tid, regs))
     }
     fn read(&self, tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
         self.inner.read(tid, addr, buf)
@@ -260,6 +262,16 @@ impl Backend for Checked {
         self.inner.write(tid, addr, data)
     }
     fn resume(&self, tid: Tid, how: Resume) -> io::Result<()> {
+        // A thread whose registers could not be set stays stopped: resumed, it would run
+        // from a state nobody chose (an output a follower was to skip, for example).
+        if self
+            .failures
+            .borrow()
+            .iter()
+            .any(|(t, what, _)| *t == tid && *what == SET_REGS)
+        {
+            return Err(io::Error::other("its registers could not be set"));
+        }
         self.check(tid, "resuming it", self.inner.resume(tid, how))
     }
     fn interrupt(&self, tid: Tid) -> io::Result<()> {

@@ -12,16 +12,100 @@ pub const MAX_BUFFER: usize = 64 << 20;
 const MAX_PATH: usize = 4096;
 const IOVEC: usize = 16;
 const MSGHDR: usize = 56;
+/// Most iovec entries read from one array (the kernel's UIO_MAXIOV).
+const MAX_IOVECS: usize = 1024;
+/// Most bytes of ancillary data (a message's control buffer) compared or copied.
+const MAX_CONTROL: usize = 4096;
 
 /// What one replica passed to one syscall, reduced for comparison.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CallDigest {
     pub crc: u32,
-    /// Bytes of pointed-to data that went into the digest.
+    /// Bytes that went into the digest (values and pointed-to data).
     pub bytes: u64,
-    /// Where in the scratch buffer the first pointed-to buffer is, as (start, end), for
-    /// previews and divergence messages.
-    pub first_buffer: Option<(usize, usize)>,
+    /// The first pointed-to buffer, as (address, length) in the replica, for divergence
+    /// messages (see [`first_difference`]).
+    pub first_buffer: Option<(u64, usize)>,
+    /// Its first bytes, for previews in messages.
+    pub preview: [u8; PREVIEW],
+    pub preview_len: u8,
+}
+
+impl Default for CallDigest {
+    fn default() -> Self {
+        CallDigest {
+            crc: 0,
+            bytes: 0,
+            first_buffer: None,
+            preview: [0; PREVIEW],
+            preview_len: 0,
+        }
+    }
+}
+
+impl CallDigest {
+    pub fn preview(&self) -> &[u8] {
+        &self.preview[..self.preview_len as usize]
+    }
+}
+
+/// Bytes of an output buffer kept for messages.
+pub const PREVIEW: usize = 48;
+
+/// Replica memory is read and folded into a digest this many bytes at a time, so the
+/// monitor's memory does not grow with the sizes a replica passes.
+pub const CHUNK: usize = 64 << 10;
+
+/// Folds what a replica passes to a call into a CRC32C as it is read, chunk by chunk,
+/// within the call's budget of [`MAX_BUFFER`] bytes of pointed-to data.
+struct Folder<'a> {
+    be: &'a dyn Backend,
+    tid: Tid,
+    chunk: &'a mut Vec<u8>,
+    digest: CallDigest,
+    budget: usize,
+}
+
+impl Folder<'_> {
+    fn value(&mut self, bytes: &[u8]) {
+        self.digest.crc = lockstep_core::checksum::crc32c_append(self.digest.crc, bytes);
+        self.digest.bytes += bytes.len() as u64;
+    }
+
+    /// `len` bytes at `addr`; an unreadable range is itself an observable difference.
+    fn memory(&mut self, addr: u64, len: usize) {
+        if addr == 0 || len == 0 {
+            self.value(&[0xff; 4]);
+            return;
+        }
+        let len = len.min(self.budget);
+        self.budget -= len;
+        let first = self.digest.first_buffer.is_none();
+        if first {
+            self.digest.first_buffer = Some((addr, len));
+        }
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(CHUNK);
+            self.chunk.resize(n, 0);
+            if self
+                .be
+                .read(self.tid, addr + done as u64, &mut self.chunk[..n])
+                .is_err()
+            {
+                self.value(b"<EFAULT>");
+                return;
+            }
+            if first && done == 0 {
+                let kept = n.min(PREVIEW);
+                self.digest.preview[..kept].copy_from_slice(&self.chunk[..kept]);
+                self.digest.preview_len = kept as u8;
+            }
+            self.digest.crc = lockstep_core::checksum::crc32c_append(self.digest.crc, &self.chunk[..n]);
+            self.digest.bytes += n as u64;
+            done += n;
+        }
+    }
 }
 
 fn u64_at(b: &[u8], off: usize) -> u64 {
@@ -52,7 +136,7 @@ fn length(be: &dyn Backend, tid: Tid, len: Len, args: &[u64; 6], ret: Option<i64
 
 /// Reads an iovec array: (base, len) pairs.
 fn iovecs(be: &dyn Backend, tid: Tid, addr: u64, count: u64) -> Vec<(u64, usize)> {
-    let count = (count as usize).min(1024);
+    let count = (count as usize).min(MAX_IOVECS);
     let Ok(raw) = be.read_vec(tid, addr, count * IOVEC) else {
         return Vec::new();
     };
@@ -61,85 +145,90 @@ fn iovecs(be: &dyn Backend, tid: Tid, addr: u64, count: u64) -> Vec<(u64, usize)
         .collect()
 }
 
-/// The content of the input data of a call, appended to `out`.
-/// Returns where in `out` the first pointed-to buffer is, if any.
-fn input_bytes(be: &dyn Backend, tid: Tid, desc: &Desc, args: &[u64; 6], out: &mut Vec<u8>) -> Option<(usize, usize)> {
-    let mut first_buffer = None;
-    let mut push_mem = |out: &mut Vec<u8>, addr: u64, len: usize| {
-        if addr == 0 || len == 0 {
-            out.extend_from_slice(&[0xff; 4]);
-            return;
-        }
-        let start = out.len();
-        out.resize(start + len, 0);
-        if be.read(tid, addr, &mut out[start..]).is_err() {
-            // An unreadable buffer is itself an observable difference.
-            out.truncate(start);
-            out.extend_from_slice(b"<EFAULT>");
-        }
-        first_buffer.get_or_insert((start, out.len()));
-    };
+/// Folds the input data of a call (values, and the content behind pointers).
+fn fold_inputs(f: &mut Folder<'_>, desc: &Desc, args: &[u64; 6]) {
+    let (be, tid) = (f.be, f.tid);
     for (i, arg) in desc.args.iter().enumerate() {
         let a = args[i];
         match *arg {
-            Arg::Val | Arg::Fd => out.extend_from_slice(&a.to_le_bytes()),
+            Arg::Val | Arg::Fd => f.value(&a.to_le_bytes()),
             Arg::Path => match be.read_cstr(tid, a, MAX_PATH) {
-                Ok(s) if a != 0 => {
-                    out.extend_from_slice(&s);
-                    out.push(0);
+                Ok(mut s) if a != 0 => {
+                    s.push(0);
+                    f.value(&s);
                 }
-                _ => out.extend_from_slice(b"<EFAULT>"),
+                _ => f.value(b"<EFAULT>"),
             },
             Arg::In(len) | Arg::InOut(len) => {
                 let n = length(be, tid, len, args, None).unwrap_or(0);
-                push_mem(out, a, n);
+                f.memory(a, n);
             }
             Arg::IovIn(c) => {
                 for (base, len) in iovecs(be, tid, a, args[c as usize]) {
-                    push_mem(out, base, len.min(MAX_BUFFER));
+                    f.memory(base, len);
                 }
             }
             Arg::MsgIn => {
                 let Ok(h) = be.read_vec(tid, a, MSGHDR) else {
-                    out.extend_from_slice(b"<EFAULT>");
+                    f.value(b"<EFAULT>");
                     continue;
                 };
-                push_mem(out, u64_at(&h, 0), u32_at(&h, 8) as usize);
+                f.memory(u64_at(&h, 0), (u32_at(&h, 8) as usize).min(SOCKADDR_LIMIT));
                 for (base, len) in iovecs(be, tid, u64_at(&h, 16), u64_at(&h, 24)) {
-                    push_mem(out, base, len.min(MAX_BUFFER));
+                    f.memory(base, len);
                 }
-                push_mem(out, u64_at(&h, 32), (u64_at(&h, 40) as usize).min(4096));
+                f.memory(u64_at(&h, 32), (u64_at(&h, 40) as usize).min(MAX_CONTROL));
             }
             Arg::Out(_) | Arg::IovOut(_) | Arg::MsgOut | Arg::Ignore => {}
         }
     }
-    first_buffer
 }
 
 /// Digest of everything a replica passes to syscall `nr`: the number, the values, and the
-/// content behind pointer arguments. `scratch` is reused between calls.
+/// content behind pointer arguments (at most [`MAX_BUFFER`] bytes of it in all). `chunk`
+/// is reused between calls and never grows beyond [`CHUNK`].
 pub fn digest_call(
     be: &dyn Backend,
     tid: Tid,
     nr: u64,
     desc: Option<&Desc>,
     args: &[u64; 6],
-    scratch: &mut Vec<u8>,
+    chunk: &mut Vec<u8>,
 ) -> CallDigest {
-    scratch.clear();
-    scratch.extend_from_slice(&nr.to_le_bytes());
-    let first_buffer = match desc {
-        Some(d) => input_bytes(be, tid, d, args, scratch),
-        None => {
-            args.iter().for_each(|a| scratch.extend_from_slice(&a.to_le_bytes()));
-            None
-        }
+    let mut f = Folder {
+        be,
+        tid,
+        chunk,
+        digest: CallDigest::default(),
+        budget: MAX_BUFFER,
     };
-    CallDigest {
-        first_buffer,
-        crc: lockstep_core::crc32c(scratch),
-        bytes: scratch.len() as u64,
+    f.value(&nr.to_le_bytes());
+    match desc {
+        Some(d) => fold_inputs(&mut f, d, args),
+        None => args.iter().for_each(|a| f.value(&a.to_le_bytes())),
     }
+    f.digest
+}
+
+/// Where two replicas' buffers first differ: (offset, length of each), reading both in
+/// [`CHUNK`]-sized pieces. None when they are identical (as far as both are readable).
+pub fn first_difference(be: &dyn Backend, a: (Tid, u64, usize), b: (Tid, u64, usize)) -> Option<usize> {
+    let (mut ca, mut cb) = (vec![0u8; CHUNK], vec![0u8; CHUNK]);
+    let common = a.2.min(b.2);
+    let mut done = 0;
+    while done < common {
+        let n = (common - done).min(CHUNK);
+        let ra = be.read(a.0, a.1 + done as u64, &mut ca[..n]);
+        let rb = be.read(b.0, b.1 + done as u64, &mut cb[..n]);
+        if ra.is_err() || rb.is_err() {
+            return (ra.is_err() != rb.is_err()).then_some(done);
+        }
+        if let Some(at) = ca[..n].iter().zip(&cb[..n]).position(|(x, y)| x != y) {
+            return Some(done + at);
+        }
+        done += n;
+    }
+    (a.2 != b.2).then_some(common)
 }
 
 /// A printable, quoted form of the first bytes of an output buffer (for event messages).
@@ -227,7 +316,7 @@ fn locations(
                 };
                 piece(&mut locs, after(0), name_len);
                 let control_len = if lens.is_none() {
-                    (after(40) as usize).min(4096)
+                    (after(40) as usize).min(MAX_CONTROL)
                 } else {
                     0
                 };

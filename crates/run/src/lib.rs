@@ -9,7 +9,10 @@
 //! Map of this crate:
 //! * [`options`]: what the user asked for.
 //! * [`spawn`]: identical starts of replicas.
-//! * [`backend`]: the seam between policy and mechanism (ptrace today).
+//! * [`backend`]: the seam between policy and mechanism (ptrace; every steering failure
+//!   is a replica failure).
+//! * [`scripted`]: a backend that plays hand-written syscall streams, for policy tests
+//!   without processes (`tests/policy.rs`).
 //! * [`front`]: the process the caller waits for, split from the monitor so that processes
 //!   outliving the program's first one stay replicated after lockstep returns.
 //! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
@@ -27,6 +30,7 @@ pub mod data;
 pub mod front;
 pub mod options;
 pub mod rendezvous;
+pub mod scripted;
 pub mod session;
 pub mod shared_map;
 pub mod signals;

@@ -2,11 +2,11 @@
 //! syscall according to its class, deliver a fault or a signal, or emulate RDTSC.
 
 use crate::backend::{Backend, Resume};
-use crate::data;
+use crate::data::{self, PREVIEW};
 use crate::options::CompareMode;
 use crate::session::{
     describe_death, Arrival, Death, InputRecord, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId,
-    MAX_QUEUED_INPUTS, PREVIEW,
+    MAX_QUEUED_INPUTS, MAX_QUEUED_INPUT_BYTES,
 };
 use crate::signals::{Interrupted, SigSet, StandIn};
 use crate::Error;
@@ -38,11 +38,32 @@ fn thread_is_dying(be: &dyn Backend, tid: Tid) -> bool {
 /// What the replicas are compared on at one rendezvous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Key {
-    kind: u8,
-    a: u64,
-    b: u64,
+    met: Met,
     /// `--compare io`: inputs consumed so far (a replica that skipped or added one differs).
     inputs: u64,
+}
+
+/// What a replica met the others at, reduced to what is voted on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Met {
+    Died(Death),
+    Fault {
+        sig: i32,
+        addr: u64,
+    },
+    Rdtsc {
+        len: u8,
+    },
+    Cpuid {
+        leaf: u32,
+        subleaf: u32,
+    },
+    /// A syscall: its number, and the digest voted for it (its own data, or the replica's
+    /// history, depending on the compare mode and on whether it is an output).
+    Syscall {
+        nr: u64,
+        voted: u64,
+    },
 }
 
 const AT_NULL: u64 = 0;
@@ -149,6 +170,7 @@ impl Session {
             && t.pending.is_empty()
             && !self.reintegration_due
             && t.inputs.len() < MAX_QUEUED_INPUTS
+            && t.queued_bytes < MAX_QUEUED_INPUT_BYTES
             && !self.processes[t.process].exiting
     }
 
@@ -175,17 +197,11 @@ impl Session {
         } else {
             0
         };
-        let (kind, a, b) = match slot.arrival.expect("arrived") {
-            Arrival::Died(d) => {
-                let code = match d {
-                    Death::Exited(c) => c as u64,
-                    Death::Killed(s) => 0x1000 + s as u64,
-                };
-                (1, code, 0)
-            }
-            Arrival::Fault { sig, addr } => (2, sig as u64, addr),
-            Arrival::Rdtsc { len } => (3, len as u64, 0),
-            Arrival::Cpuid { leaf, subleaf } => (5, leaf as u64, subleaf as u64),
+        let met = match slot.arrival.expect("arrived") {
+            Arrival::Died(d) => Met::Died(d),
+            Arrival::Fault { sig, addr } => Met::Fault { sig, addr },
+            Arrival::Rdtsc { len } => Met::Rdtsc { len },
+            Arrival::Cpuid { leaf, subleaf } => Met::Cpuid { leaf, subleaf },
             Arrival::Syscall { nr, args } => {
                 let tid = slot.tid;
                 let desc = syscalls::describe(nr);
@@ -202,16 +218,9 @@ impl Session {
                 if let Some(maps) = self.shared_maps_crc(task, r, nr, &args) {
                     digest.crc = lockstep_core::checksum::crc32c_append(digest.crc, &maps.to_le_bytes());
                 }
-                let preview = match (is_output, digest.first_buffer) {
-                    (true, Some((start, end))) => self.scratch.get(start..end).unwrap_or_default(),
-                    _ => &[][..],
-                };
-                let n = preview.len().min(PREVIEW);
-                let mut kept = [0u8; PREVIEW];
-                kept[..n].copy_from_slice(&preview[..n]);
                 let slot = self.slot_mut(task, r);
-                slot.preview = kept;
-                slot.preview_len = n as u8;
+                slot.preview = if is_output { digest.preview } else { [0; PREVIEW] };
+                slot.preview_len = if is_output { digest.preview_len } else { 0 };
                 if mode != CompareMode::Io {
                     slot.signature.begin_event();
                     slot.signature.fold_u64(nr);
@@ -219,7 +228,7 @@ impl Session {
                 }
                 let signature = slot.signature.digest() ^ slot.signature.events.rotate_left(17);
                 let call = (digest.crc as u64) << 32 | (digest.bytes & 0xffff_ffff);
-                let b = match mode {
+                let voted = match mode {
                     CompareMode::Io if is_output => call,
                     CompareMode::Io => 0,
                     // The history (signature) is voted at outputs; every other call's own
@@ -229,10 +238,10 @@ impl Session {
                     CompareMode::Args => call,
                     CompareMode::Every => signature,
                 };
-                (4, nr, b)
+                Met::Syscall { nr, voted }
             }
         };
-        Key { kind, a, b, inputs }
+        Key { met, inputs }
     }
 
     /// Descriptions of what each member arrived with: bare, and as "replica N: ..." values.
@@ -285,35 +294,34 @@ impl Session {
             return String::new();
         }
         let desc = syscalls::describe(nr);
-        let data = |r: ReplicaId, args: &[u64; 6]| {
-            let mut bytes = Vec::new();
-            let d = data::digest_call(&self.be, self.slot(task, r).tid, nr, desc, args, &mut bytes);
+        let mut chunk = Vec::new();
+        let mut first_buffer = |r: ReplicaId, args: &[u64; 6]| {
+            let tid = self.slot(task, r).tid;
+            let d = data::digest_call(&self.be, tid, nr, desc, args, &mut chunk);
             // Only the (first) buffer: the number and plain values are shown elsewhere.
-            match d.first_buffer {
-                Some((start, end)) => bytes.get(start..end).map(<[u8]>::to_vec).unwrap_or_default(),
-                None => Vec::new(),
-            }
+            d.first_buffer
+                .map(|(addr, len)| (tid, addr, len))
+                .unwrap_or((tid, 0, 0))
         };
-        let (da, db) = (data(a, &args), data(b, &args_b));
-        let Some(at) = da
-            .iter()
-            .zip(&db)
-            .position(|(x, y)| x != y)
-            .or_else(|| (da.len() != db.len()).then(|| da.len().min(db.len())))
-        else {
+        let (fa, fb) = (first_buffer(a, &args), first_buffer(b, &args_b));
+        let Some(at) = data::first_difference(&self.be, fa, fb) else {
             return format!(
                 "; {} bytes each, identical data (the difference is in the history or the arguments)",
-                da.len()
+                fa.2
             );
         };
         let from = at.saturating_sub(BEFORE);
-        let show = |d: &[u8]| data::escape_preview(&d[from.min(d.len())..(from + SHOWN).min(d.len())]);
+        let show = |(tid, addr, len): (Tid, u64, usize)| {
+            let n = len.saturating_sub(from).min(SHOWN);
+            let bytes = self.be.read_vec(tid, addr + from as u64, n).unwrap_or_default();
+            data::escape_preview(&bytes)
+        };
         format!(
             "; replica {a} passes {} bytes, replica {b} {}; first difference at byte {at}: {} / {} (from byte {from})",
-            da.len(),
-            db.len(),
-            show(&da),
-            show(&db)
+            fa.2,
+            fb.2,
+            show(fa),
+            show(fb)
         )
     }
 
@@ -785,6 +793,7 @@ impl Session {
                 .iter()
                 .any(|&f| self.slot(task, f).state != SlotState::Dead && self.slot(task, f).consumed <= index);
             if behind {
+                self.tasks[task].queued_bytes += outputs.bytes();
                 self.tasks[task].inputs.push_back(InputRecord {
                     index,
                     nr,
@@ -876,6 +885,9 @@ impl Session {
         // The leader's process died since its call returned (killed by the program, or a
         // fault): the follower stays parked at its call, and the leader's death decides.
         let leader_gone = |e: &std::io::Error| e.raw_os_error() == Some(libc::ESRCH);
+        let Some(listener) = self.replicas[f as usize].listener.clone() else {
+            return Err(Error::Unsupported("this backend cannot install descriptors in a follower".into()).into());
+        };
         let pidfd = match lockstep_trace::seccomp::pidfd_open(leader_tgid) {
             Ok(fd) => fd,
             Err(e) if leader_gone(&e) => return Ok(None),
@@ -908,7 +920,6 @@ impl Session {
             });
             self.resume(task, f, Resume::ToExit, SlotState::Executing);
         }
-        let listener = self.replicas[f as usize].listener.clone();
         let notif = match self.await_install_notification(&listener, ftid)? {
             Ok(notif) => notif,
             Err(death) => return Ok(Some(death)),

@@ -117,8 +117,7 @@ pub struct Slot {
     pub breakpoint_armed: bool,
 }
 
-/// Bytes of an output buffer kept for messages.
-pub const PREVIEW: usize = 48;
+pub use crate::data::PREVIEW;
 
 impl Slot {
     pub fn new(tid: Tid, tgid: Tid, state: SlotState) -> Self {
@@ -204,6 +203,8 @@ pub struct Task {
     pub inputs: std::collections::VecDeque<InputRecord>,
     /// `--compare io`: number of inputs the leader has run so far (the next record's index).
     pub produced: u64,
+    /// `--compare io`: bytes of results in `inputs`.
+    pub queued_bytes: u64,
 }
 
 /// The result of an input the leader ran without waiting for the followers.
@@ -216,6 +217,8 @@ pub struct InputRecord {
 
 /// At most this many inputs may wait for slow followers; beyond it the leader waits too.
 pub const MAX_QUEUED_INPUTS: usize = 256;
+/// At most this many bytes of input results may wait for slow followers (per task).
+pub const MAX_QUEUED_INPUT_BYTES: u64 = 64 << 20;
 
 pub struct Process {
     pub logical_pid: i32,
@@ -231,11 +234,23 @@ pub struct Process {
     pub shared_maps: Vec<crate::shared_map::SharedMap>,
 }
 
+/// One replica as its mechanism started it, stopped at its first intercepted syscall.
+pub struct Started {
+    pub main: Tid,
+    /// Its pid as the program sees it (in its own PID namespace, if any).
+    pub own_pid: i32,
+    pub cpu: Option<usize>,
+    /// Where its descriptor installs are answered (ptrace backend only).
+    pub listener: Option<Rc<Listener>>,
+    /// The PID namespace's init, or 0.
+    pub stub: Tid,
+}
+
 pub struct Replica {
     pub id: ReplicaId,
     pub alive: bool,
     pub cpu: Option<usize>,
-    pub listener: Rc<Listener>,
+    pub listener: Option<Rc<Listener>>,
     pub stub: Tid,
     /// Logical pid -> this replica's own pid, where they differ.
     pub to_local: HashMap<i32, i32>,
@@ -506,8 +521,7 @@ impl Session {
         install_signal_handlers();
         let filter = lockstep_trace::seccomp::build_filter();
         let (argv_ptrs, envp_ptrs) = (spawn::ptrs(&argv), spawn::ptrs(&envp));
-        let mut replicas = Vec::new();
-        let mut mains = Vec::new();
+        let mut started = Vec::new();
         // SAFETY: geteuid has no preconditions.
         let mut namespaces = unsafe { libc::geteuid() } == 0;
         for id in 0..opts.replicas {
@@ -529,15 +543,12 @@ impl Session {
                 }
                 other => other?,
             };
-            mains.push(spawned.main);
-            replicas.push(Replica {
-                id,
-                alive: true,
+            started.push(Started {
+                main: spawned.main,
+                own_pid: 0,
                 cpu,
-                listener: Rc::new(spawned.listener),
+                listener: Some(Rc::new(spawned.listener)),
                 stub: spawned.stub,
-                to_local: HashMap::new(),
-                to_logical: HashMap::new(),
             });
         }
         if let Some(cpu) = opts.monitor_cpu {
@@ -551,23 +562,55 @@ impl Session {
         }
         // The program's pid as the program sees it: inside our namespaces, the one it got
         // there (lockstep's own pid where the kernel allowed choosing it; the stub is 1);
-        // without namespaces, replica 0's. A replica whose own differs is translated.
-        let own: Vec<i32> = mains
-            .iter()
-            .map(|&m| if namespaces { innermost_pid(m).unwrap_or(m) } else { m })
-            .collect();
-        let logical_pid = own[0];
-        for (r, &m) in replicas.iter_mut().zip(&own) {
-            if m != logical_pid {
-                r.to_local.insert(logical_pid, m);
-                r.to_logical.insert(m, logical_pid);
-            }
+        // without namespaces, replica 0's.
+        for s in started.iter_mut() {
+            s.own_pid = if namespaces {
+                innermost_pid(s.main).unwrap_or(s.main)
+            } else {
+                s.main
+            };
         }
+        Session::assemble(opts, front, Box::new(Ptrace::default()), started, events)
+    }
+
+    /// The monitor over replicas that `be` has started, each stopped at its first
+    /// intercepted syscall. A replica whose own pid differs from the first one's is
+    /// translated.
+    pub fn assemble(
+        opts: Options,
+        front: crate::front::Front,
+        be: Box<dyn Backend>,
+        started: Vec<Started>,
+        events: EventSink,
+    ) -> Result<Session, Error> {
+        assert_eq!(started.len(), opts.replicas as usize, "one start per replica");
+        let logical_pid = started[0].own_pid;
+        let mains: Vec<Tid> = started.iter().map(|s| s.main).collect();
+        let replicas = started
+            .into_iter()
+            .enumerate()
+            .map(|(id, s)| {
+                let mut r = Replica {
+                    id: id as ReplicaId,
+                    alive: true,
+                    cpu: s.cpu,
+                    listener: s.listener,
+                    stub: s.stub,
+                    to_local: HashMap::new(),
+                    to_logical: HashMap::new(),
+                };
+                if s.own_pid != logical_pid {
+                    r.to_local.insert(logical_pid, s.own_pid);
+                    r.to_logical.insert(s.own_pid, logical_pid);
+                }
+                r
+            })
+            .collect();
         let want = opts.replicas;
         let mut session = Session {
             want_replicas: want,
             opts,
-            be: Checked::new(Box::new(Ptrace::default())),
+            be: Checked::new(be),
             stepping: None,
             said_loose_signal: false,
             detections: 0,
@@ -643,6 +686,7 @@ impl Session {
             clocks: HashMap::new(),
             inputs: std::collections::VecDeque::new(),
             produced: 0,
+            queued_bytes: 0,
         }
     }
 
@@ -1088,7 +1132,9 @@ impl Session {
             .unwrap_or(u64::MAX);
         let t = &mut self.tasks[task];
         while t.inputs.front().map(|rec| rec.index < min).unwrap_or(false) {
-            t.inputs.pop_front();
+            if let Some(rec) = t.inputs.pop_front() {
+                t.queued_bytes -= rec.outputs.bytes();
+            }
         }
     }
 
