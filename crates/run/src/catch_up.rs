@@ -106,7 +106,7 @@ impl Session {
             if !due || t.finished || t.catch_up.is_some() || t.phase != Phase::Collect || t.first_arrival.is_some() {
                 continue;
             }
-            if self.stepping.is_some() || self.processes[t.process].exiting {
+            if self.injection_stepping() || self.processes[t.process].exiting {
                 continue;
             }
             let live = self.live_slots(task);

@@ -361,7 +361,11 @@ pub fn collect_outputs(be: &dyn Backend, leader: Tid, desc: &Desc, args: &[u64; 
         pieces: Vec::new(),
         passed_fds: Vec::new(),
     };
+    // One budget for all pieces: an iovec array of a faulty leader cannot multiply it.
+    let mut budget = MAX_BUFFER;
     for (addr, len) in locations(be, leader, desc, args, ret, None) {
+        let len = len.min(budget);
+        budget -= len;
         let bytes = if len == 0 {
             Vec::new()
         } else {

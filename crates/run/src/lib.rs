@@ -17,6 +17,8 @@
 //!   outliving the program's first one stay replicated after lockstep returns.
 //! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
 //! * [`rendezvous`]: what happens when all replicas of a task have arrived.
+//! * [`injection`]: `lockstep inject --replica` and `--test-flip`, reaching the monitor
+//!   through one hook.
 //! * [`signals`]: asynchronous signals, delivered at the same point in every replica.
 //! * [`shared_map`]: shared file mappings, written by the leader only and compared.
 //! * [`data`]: reading syscall arguments and copying results between replicas.
@@ -28,6 +30,7 @@ pub mod catch_up;
 pub mod clock;
 pub mod data;
 pub mod front;
+pub mod injection;
 pub mod options;
 pub mod rendezvous;
 pub mod scripted;

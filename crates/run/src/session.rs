@@ -12,7 +12,7 @@
 //! execution phases, then back to `Collect`. See `rendezvous.rs` for the decisions.
 
 use crate::backend::{Backend, Checked, Ptrace, Resume};
-use crate::options::{FlipSpec, FlipTarget, Options};
+use crate::options::Options;
 use crate::signals::{Interrupted, SigSet, StandIn};
 use crate::spawn;
 use crate::stats::Stats;
@@ -290,12 +290,12 @@ fn install_signal_handlers() {
 
 /// The period of the tick that wakes waitpid so that timeouts and forwarded signals are
 /// handled.
-const TICK: std::time::Duration = std::time::Duration::from_millis(50);
+pub(crate) const TICK: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// The finer tick while a time-based replica fault waits for its moment.
-const INJECTION_TICK: std::time::Duration = std::time::Duration::from_millis(1);
+pub(crate) const INJECTION_TICK: std::time::Duration = std::time::Duration::from_millis(1);
 
-fn set_tick(period: std::time::Duration) {
+pub(crate) fn set_tick(period: std::time::Duration) {
     let tick = libc::timeval {
         tv_sec: 0,
         tv_usec: period.as_micros() as libc::suseconds_t,
@@ -348,40 +348,6 @@ impl IntoIterator for Members {
     }
 }
 
-/// A replica fault applied by single-stepping one thread (see lockstep_inject::step).
-pub struct Stepping {
-    pub tid: Tid,
-    pub replica: ReplicaId,
-    /// Single-steps still to go before the fault's own work starts (`--at syscall:K+steps:D`).
-    pub skip: u64,
-    /// dest/addr: the stepping engine; None: a fault applied at a stop, once `skip` is done.
-    pub stepper: Option<lockstep_inject::step::StepFault>,
-    pub fault: lockstep_inject::fault::ReplicaFault,
-}
-
-/// Applies a replica fault that needs no stepping to the stopped thread `tid` of process
-/// `tgid`: freshly drawn from its seed, or exactly as recorded for a replay.
-fn apply_at_stop(
-    fault: &lockstep_inject::fault::ReplicaFault,
-    tgid: Tid,
-    tid: Tid,
-) -> std::io::Result<lockstep_inject::fault::Applied> {
-    use lockstep_inject::fault::{apply, reapply, Rng, Scope};
-    if let Some(applied) = &fault.replay {
-        return reapply(tid, applied).map(|()| applied.clone());
-    }
-    let scope = Scope {
-        region: fault.region,
-        libs: fault.libs,
-        pid_filter: None,
-    };
-    apply(tgid, tid, fault.model, fault.width, &scope, &mut Rng::new(fault.seed))
-}
-
-fn stop_is_signal_without_fault(stop: Stop, result: &Option<std::io::Result<lockstep_inject::fault::Applied>>) -> bool {
-    matches!(stop, Stop::Signal(sig) if sig != libc::SIGTRAP) && result.is_none()
-}
-
 /// Why the event loop stopped early.
 pub enum Stopped {
     /// Corruption detected and contained: exit 86.
@@ -420,17 +386,13 @@ pub struct Session {
     pub scratch: Vec<u8>,
     /// LOCKSTEP_DEBUG set: trace every stop on stderr.
     pub debug: bool,
-    /// A fault `lockstep inject --replica` asked for, and the replica it goes to.
-    pub replica_fault: Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>,
-    /// A dest/addr replica fault in progress: its thread is single-stepped.
-    pub stepping: Option<Stepping>,
+    /// Fault injection, when asked for (see `injection.rs`).
+    hook: Option<Box<dyn crate::injection::FaultHook>>,
     /// A signal was delivered without a common state (said once; see `catch_up.rs`).
     pub said_loose_signal: bool,
     /// Divergences, timeouts and halts so far: what `lockstep inject --replica` counts as
     /// a detection even when TMR masked the fault.
     pub detections: u64,
-    /// Where the injector wants the applied fault (and, beside it, the detections).
-    pub fault_record: Option<std::path::PathBuf>,
     /// Each replica's CPU time at its main thread's exit_group (for LOCKSTEP_CPU_REPORT).
     pub replica_cpu: Vec<Option<std::time::Duration>>,
     /// Events not yet written (see `emit`).
@@ -611,10 +573,8 @@ impl Session {
             want_replicas: want,
             opts,
             be: Checked::new(be),
-            stepping: None,
             said_loose_signal: false,
             detections: 0,
-            fault_record: None,
             replica_cpu: vec![None; want as usize],
             replicas,
             leader: 0,
@@ -640,13 +600,10 @@ impl Session {
             scratch: Vec::with_capacity(4096),
             debug: std::env::var_os("LOCKSTEP_DEBUG").is_some(),
             pending_events: Vec::new(),
-            replica_fault: None,
+            hook: None,
         };
-        session.replica_fault = session.read_replica_fault()?;
-        session.fault_record = session.replica_fault.as_ref().map(|f| f.0.record.clone());
-        if let Some((us, r)) = session.replica_fault.as_ref().and_then(|f| Some((f.0.after_us?, f.1))) {
-            session.arm_cpu_timer(r, us);
-        }
+        session.hook = crate::injection::Injector::asked_for(&session)?
+            .map(|i| Box::new(i) as Box<dyn crate::injection::FaultHook>);
         let mut task = session.new_task(0, logical_pid);
         for (r, &m) in mains.iter().enumerate() {
             task.slots[r] = Some(Slot::new(m, m, SlotState::Running));
@@ -722,7 +679,7 @@ impl Session {
             self.forward_received_signals()?;
             self.check_timeouts()?;
             self.catch_up_signals();
-            self.interrupt_for_replica_fault();
+            self.with_hook((), |hook, s| hook.before_wait(s));
             self.flush_events();
             let Some((tid, stop)) = self.be.wait_any().map_err(|e| Error::Io("waitpid", e))? else {
                 continue;
@@ -914,7 +871,7 @@ impl Session {
             }
             return Ok(());
         };
-        if self.stepping.as_ref().is_some_and(|s| s.tid == tid) && self.on_step_stop(tid, stop) {
+        if self.with_hook(false, |hook, s| hook.at_stop(s, tid, stop)) {
             return Ok(());
         }
         if !self.replicas[r as usize].alive {
@@ -951,18 +908,33 @@ impl Session {
                 if self.slot(task, r).state == SlotState::Starting {
                     self.slot_mut(task, r).state = SlotState::Running;
                 }
-                if task == 0 && matches!(stop, Stop::EventStop(_)) && self.replica_fault_due(r) {
-                    // The stop our interrupt asked for: the fault goes in wherever the
-                    // replica is, not only at a syscall.
-                    if let Ok(mut regs) = self.be.regs(self.slot(task, r).tid) {
-                        self.apply_replica_fault(task, r, &mut regs);
-                    }
+                if task == 0 && matches!(stop, Stop::EventStop(_)) {
+                    self.with_hook((), |hook, s| hook.at_event_stop(s, r));
                 }
                 self.resume_same(task, r);
                 Ok(())
             }
             Stop::Signal(sig) => self.on_signal(task, r, sig),
         }
+    }
+
+    /// Calls the fault hook, if there is one, with the session (`default` without one).
+    fn with_hook<T>(
+        &mut self,
+        default: T,
+        f: impl FnOnce(&mut dyn crate::injection::FaultHook, &mut Session) -> T,
+    ) -> T {
+        let Some(mut hook) = self.hook.take() else {
+            return default;
+        };
+        let out = f(&mut *hook, self);
+        self.hook = Some(hook);
+        out
+    }
+
+    /// Whether fault injection is single-stepping a thread now.
+    pub(crate) fn injection_stepping(&self) -> bool {
+        self.hook.as_ref().is_some_and(|h| h.stepping())
     }
 
     /// Resumes after an event stop the way the thread was running before.
@@ -1003,23 +975,8 @@ impl Session {
             }
             self.replica_cpu[r as usize] = cpu;
         }
-        if task == 0 {
-            let stops = self.slot(task, r).stops;
-            let flips: Vec<FlipSpec> = self
-                .opts
-                .flips
-                .iter()
-                .filter(|f| f.replica == r && f.syscall == stops)
-                .cloned()
-                .collect();
-            for flip in flips {
-                if !self.apply_flip(task, r, &flip, &mut regs) {
-                    return Ok(()); // the replica was killed or set spinning
-                }
-            }
-            if self.replica_fault_due(r) {
-                self.apply_replica_fault(task, r, &mut regs);
-            }
+        if task == 0 && !self.with_hook(true, |hook, s| hook.at_syscall(s, r, &mut regs)) {
+            return Ok(()); // the replica was killed or set spinning
         }
         let nr = ptrace::syscall_nr(&regs);
         let args = ptrace::syscall_args(&regs);
@@ -1181,94 +1138,12 @@ impl Session {
         let _ = self.be.resume(tid, Resume::Run);
     }
 
-    /// The fault passed by `lockstep inject --replica`, if any, with its replica resolved.
-    fn read_replica_fault(&self) -> Result<Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>, Error> {
-        use lockstep_inject::fault::{ReplicaChoice, ReplicaFault, Rng, REPLICA_FAULT_ENV};
-        let Some(json) = std::env::var_os(REPLICA_FAULT_ENV) else {
-            return Ok(None);
-        };
-        let fault: ReplicaFault = serde_json::from_str(&json.to_string_lossy())
-            .map_err(|e| Error::Usage(format!("bad {REPLICA_FAULT_ENV}: {e}")))?;
-        let n = self.opts.replicas as u64;
-        let mut rng = Rng::new(fault.seed ^ 0x5245_504c);
-        let replica = match fault.replica {
-            ReplicaChoice::Leader => 0,
-            ReplicaChoice::Follower => 1 + rng.below(n - 1) as ReplicaId,
-            ReplicaChoice::Any => rng.below(n) as ReplicaId,
-        };
-        Ok(Some((fault, replica)))
-    }
-
-    /// A time-based replica fault whose moment has come is applied where the replica is:
-    /// its main thread is interrupted (PTRACE_INTERRUPT) and the fault goes in at that
-    /// stop, unless it reaches a syscall stop first.
-    fn interrupt_for_replica_fault(&mut self) {
-        let Some((fault, r)) = &self.replica_fault else {
-            return;
-        };
-        let r = *r;
-        let Some(us) = fault.after_us else {
-            return;
-        };
-        if fault.interrupted || self.replica_cpu_now(r) < std::time::Duration::from_micros(us) {
-            return;
-        }
-        if let Some((fault, _)) = &mut self.replica_fault {
-            fault.interrupted = true;
-        }
-        set_tick(TICK);
-        let alive = self.replicas[r as usize].alive;
-        let Some((tid, state)) = self
-            .tasks
-            .first()
-            .and_then(|t| t.slots[r as usize].as_ref())
-            .map(|slot| (slot.tid, slot.state))
-        else {
-            return;
-        };
-        match state {
-            _ if !alive => {}
-            // Parked at a syscall whose vote is still open: the fault goes in there, as if
-            // it had struck just before the syscall instruction, so the vote sees the
-            // corrupted call. (An interrupt would stay pending and stop the replica at an
-            // unexpected moment.)
-            SlotState::Arrived if matches!(self.tasks[0].phase, Phase::Collect) => {
-                let Ok(mut regs) = self.be.regs(tid) else {
-                    return;
-                };
-                self.apply_replica_fault(0, r, &mut regs);
-                let slot = self.slot_mut(0, r);
-                if let Some(Arrival::Syscall { .. }) = slot.arrival {
-                    slot.arrival = Some(Arrival::Syscall {
-                        nr: ptrace::syscall_nr(&regs),
-                        args: ptrace::syscall_args(&regs),
-                    });
-                }
-                slot.regs = regs;
-            }
-            // Parked after its call was decided (a follower while the leader executes, or
-            // a replica waiting for the others to finish): a register flipped now would
-            // bypass the vote that already happened. The fault waits for the next tick.
-            SlotState::Arrived | SlotState::Done => {
-                if let Some((fault, _)) = &mut self.replica_fault {
-                    fault.interrupted = false;
-                }
-            }
-            _ => {
-                let _ = self.be.interrupt(tid);
-            }
-        }
-    }
-
     /// With LOCKSTEP_CPU_REPORT=PATH (set by `lockstep inject --replica` for its golden
     /// runs), writes the replicas' mean CPU time at their exit_group: the range of its
     /// time-based points.
-    fn write_cpu_report(&self) {
-        if let Some(record) = &self.fault_record {
-            let _ = std::fs::write(
-                lockstep_inject::fault::detections_path(record),
-                format!("{}\n", self.detections),
-            );
+    fn write_cpu_report(&mut self) {
+        if let Some(mut hook) = self.hook.take() {
+            hook.finish(self);
         }
         let Some(path) = std::env::var_os(lockstep_inject::fault::CPU_REPORT_ENV) else {
             return;
@@ -1287,224 +1162,12 @@ impl Session {
 
     /// The CPU time replica `r`'s first process has used (the clock of time-based replica
     /// faults, so that a point means the same share of the program's execution as natively).
-    fn replica_cpu_now(&self, r: ReplicaId) -> std::time::Duration {
+    pub(crate) fn replica_cpu_now(&self, r: ReplicaId) -> std::time::Duration {
         self.tasks
             .first()
             .and_then(|t| t.slots[r as usize].as_ref())
             .and_then(|slot| self.be.process_cpu(slot.tgid))
             .unwrap_or_default()
-    }
-
-    fn replica_fault_due(&self, r: ReplicaId) -> bool {
-        let Some((fault, target)) = &self.replica_fault else {
-            return false;
-        };
-        if *target != r {
-            return false;
-        }
-        let stops = self.slot(0, r).stops;
-        match (fault.at_stop, fault.after_us) {
-            (Some(k), _) => stops == k,
-            // Time-based faults go in at the stop the monitor's interrupt causes, wherever
-            // the replica is then, not at the next syscall (which would bias them towards
-            // syscall boundaries).
-            (None, Some(_)) => fault.interrupted,
-            (None, None) => stops == 1,
-        }
-    }
-
-    /// Arms a timer on replica `r`'s CPU clock that wakes the event loop (SIGALRM) when
-    /// the replica has used `us` of CPU time, so the interrupt comes while it runs. If
-    /// the kernel refuses, the 1 ms tick does the checking.
-    fn arm_cpu_timer(&self, r: ReplicaId, us: u64) {
-        set_tick(INJECTION_TICK);
-        let Some(slot) = self.tasks.first().and_then(|t| t.slots[r as usize].as_ref()) else {
-            return;
-        };
-        // MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED), as in lockstep_trace::cpu.
-        let clock = ((!slot.tgid) << 3) | 2;
-        // SAFETY: timer_create/timer_settime with fully initialised arguments; the timer
-        // lives until the monitor exits.
-        unsafe {
-            let mut ev: libc::sigevent = std::mem::zeroed();
-            ev.sigev_notify = libc::SIGEV_SIGNAL;
-            ev.sigev_signo = libc::SIGALRM;
-            let mut timer: libc::timer_t = std::mem::zeroed();
-            if libc::timer_create(clock, &mut ev, &mut timer) != 0 {
-                return;
-            }
-            let spec = libc::itimerspec {
-                it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 },
-                it_value: libc::timespec {
-                    tv_sec: (us / 1_000_000) as libc::time_t,
-                    tv_nsec: ((us % 1_000_000) * 1000) as libc::c_long,
-                },
-            };
-            libc::timer_settime(timer, 0, &spec, std::ptr::null_mut());
-        }
-    }
-
-    /// Applies the injector's fault to replica `r` (stopped at a syscall entry), records
-    /// what changed for the injector, and refreshes `regs`.
-    fn apply_replica_fault(&mut self, task: TaskId, r: ReplicaId, regs: &mut Regs) {
-        use lockstep_inject::fault::Rng;
-        use lockstep_inject::step::StepFault;
-        let Some((fault, _)) = self.replica_fault.take() else {
-            return;
-        };
-        let (tgid, tid) = (self.slot(task, r).tgid, self.slot(task, r).tid);
-        let model = fault.replay.as_ref().map_or(fault.model, |a| a.model);
-        if model.needs_steps() || fault.steps > 0 {
-            // The fault goes on an instruction after this syscall: step from its return.
-            let stepper = model.needs_steps().then(|| match &fault.replay {
-                Some(applied) => StepFault::replay(applied.clone()),
-                None => StepFault::fresh(model, fault.width, Rng::new(fault.seed)),
-            });
-            self.stepping = Some(Stepping {
-                tid,
-                replica: r,
-                skip: fault.steps,
-                stepper,
-                fault,
-            });
-            self.be.single_step(Some(tid));
-            return;
-        }
-        let result = apply_at_stop(&fault, tgid, tid);
-        if result.is_ok() {
-            if let Ok(fresh) = self.be.regs(tid) {
-                *regs = fresh;
-            }
-        }
-        let at = format!("at syscall stop {}", self.slot(task, r).stops);
-        self.report_replica_fault(r, &fault.record, result, &at);
-    }
-
-    /// Records an applied replica fault for the injector and emits its event.
-    fn report_replica_fault(
-        &mut self,
-        r: ReplicaId,
-        record: &std::path::Path,
-        result: std::io::Result<lockstep_inject::fault::Applied>,
-        at: &str,
-    ) {
-        match result {
-            Ok(applied) => {
-                let _ = std::fs::write(record, serde_json::to_string(&applied).unwrap_or_default());
-                let what = match (&applied.register, applied.address) {
-                    (Some(reg), _) => format!("{reg} ^= {:#x}", applied.mask),
-                    (None, Some(addr)) => format!("memory at {addr:#x} ^= {:#x}", applied.mask),
-                    _ => String::new(),
-                };
-                let msg = format!("injected {:?} fault into replica {r} {at}: {what}", applied.model);
-                self.emit(Event::new("run", "inject", "flip").replica(r).message(msg));
-            }
-            Err(e) => {
-                self.emit(
-                    Event::new("run", "inject", "fail")
-                        .replica(r)
-                        .message(format!("injection failed: {e}")),
-                );
-            }
-        }
-    }
-
-    /// A stop of the thread a dest/addr fault is stepping. Returns true when the stop was
-    /// the stepping's own (a single-step trap) and has been handled.
-    fn on_step_stop(&mut self, tid: Tid, stop: Stop) -> bool {
-        use lockstep_inject::step::Progress;
-        let Some(mut s) = self.stepping.take() else {
-            return false;
-        };
-        let (result, own) = match stop {
-            Stop::Signal(libc::SIGTRAP) if s.skip > 0 => {
-                s.skip -= 1;
-                let _ = self.be.resume(tid, Resume::Run);
-                self.stepping = Some(s);
-                return true;
-            }
-            Stop::Signal(libc::SIGTRAP) => match s.stepper.as_mut().map(|f| f.on_stop(tid)) {
-                Some(Ok(Progress::Step)) => {
-                    let _ = self.be.resume(tid, Resume::Run);
-                    self.stepping = Some(s);
-                    return true;
-                }
-                Some(Ok(Progress::Done(applied))) => (Some(Ok(applied)), true),
-                Some(Ok(Progress::GaveUp)) => (None, true),
-                Some(Err(e)) => (Some(Err(e)), true),
-                // A fault applied at a stop, once the steps are done.
-                None => (Some(apply_at_stop(&s.fault, s.tid, tid)), true),
-            },
-            // The armed instruction faulted: the fault is in; the signal is handled as usual.
-            Stop::Signal(_) => (s.stepper.as_mut().and_then(|f| f.on_signal(tid).transpose()), false),
-            // The thread went to a syscall or an event: keep stepping after it.
-            Stop::Seccomp | Stop::SyscallExit | Stop::Event(_) | Stop::EventStop(_) => {
-                self.stepping = Some(s);
-                return false;
-            }
-            Stop::Exited(_) | Stop::Killed(_) => (None, false),
-        };
-        if stop_is_signal_without_fault(stop, &result) {
-            // A signal that arrived while the fault was not yet armed: keep stepping.
-            self.stepping = Some(s);
-            return false;
-        }
-        self.be.single_step(None);
-        if let Some(result) = result {
-            self.report_replica_fault(s.replica, &s.fault.record, result, "by single-stepping");
-        }
-        if own {
-            let _ = self.be.resume(tid, Resume::Run);
-        }
-        own
-    }
-
-    /// Applies a test-only fault. Returns false when the replica will not arrive.
-    fn apply_flip(&mut self, task: TaskId, r: ReplicaId, flip: &FlipSpec, regs: &mut Regs) -> bool {
-        let tid = self.slot(task, r).tid;
-        let what = match &flip.target {
-            FlipTarget::Register(name) => {
-                if let Some(reg) = lockstep_trace::regs::by_name(regs, name) {
-                    *reg ^= 1u64 << flip.bit;
-                }
-                let _ = self.be.set_regs(tid, regs);
-                format!("bit {} of {name}", flip.bit)
-            }
-            FlipTarget::Memory { base, offset } => {
-                let mut copy = *regs;
-                let addr = lockstep_trace::regs::by_name(&mut copy, base)
-                    .map(|v| v.wrapping_add(*offset as u64))
-                    .unwrap_or(0);
-                let mut b = [0u8];
-                if self.be.read(tid, addr, &mut b).is_ok() {
-                    b[0] ^= 1 << flip.bit;
-                    let _ = self.be.write(tid, addr, &b);
-                }
-                format!("bit {} of the byte at {base}{offset:+} ({addr:#x})", flip.bit)
-            }
-            FlipTarget::Kill => {
-                self.be.kill(tid);
-                self.slot_mut(task, r).state = SlotState::Running;
-                "SIGKILL".to_string()
-            }
-            FlipTarget::Hang => {
-                // `jmp .` at the return address, then skip the syscall: the thread spins.
-                let _ = self.be.write(tid, regs.rip, &[0xeb, 0xfe]);
-                let mut spin = *regs;
-                ptrace::skip_with_result(&mut spin, 0);
-                let _ = self.be.set_regs(tid, &spin);
-                let _ = self.be.resume(tid, Resume::Run);
-                self.slot_mut(task, r).state = SlotState::Running;
-                "an endless loop".to_string()
-            }
-        };
-        let keep_going = matches!(flip.target, FlipTarget::Register(_) | FlipTarget::Memory { .. });
-        let msg = format!(
-            "test flip: injected {what} into replica {r} at syscall stop {}",
-            flip.syscall
-        );
-        self.emit(Event::new("run", "inject", "flip").replica(r).message(msg));
-        keep_going
     }
 
     /// The instruction at `rip`, if it is one lockstep traps (RDTSC, RDTSCP, CPUID).
