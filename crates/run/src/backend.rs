@@ -237,6 +237,11 @@ impl Checked {
         std::mem::take(&mut *self.failures.borrow_mut())
     }
 
+    /// Whether steering `tid` failed since the last [`Checked::take_failures`].
+    pub fn failed(&self, tid: Tid) -> bool {
+        self.failures.borrow().iter().any(|(t, _, _)| *t == tid)
+    }
+
     fn check<T>(&self, tid: Tid, what: &'static str, result: io::Result<T>) -> io::Result<T> {
         if let Err(e) = &result {
             let mut failures = self.failures.borrow_mut();

@@ -468,6 +468,17 @@ impl Session {
     }
 
     pub(crate) fn execute(&mut self, task: TaskId, nr: u64, args: [u64; 6]) -> Result<(), Stopped> {
+        assert_eq!(
+            self.tasks[task].phase,
+            Phase::Collect,
+            "task {task} executes a call only after a vote"
+        );
+        assert!(
+            self.live_slots(task)
+                .iter()
+                .all(|&r| self.slot(task, r).arrival.is_some()),
+            "every live replica of task {task} has arrived before its call executes"
+        );
         let desc = syscalls::describe(nr);
         let class = desc
             .map(|d| self.class_of(task, d, &args))

@@ -839,12 +839,28 @@ impl Session {
     /// Resumes a slot; a thread that vanished meanwhile is not an error here (its death
     /// is reported by waitpid and handled there).
     pub fn resume(&mut self, task: TaskId, r: ReplicaId, how: Resume, state: SlotState) {
+        let leader = self.leader;
         let slot = self.slot_mut(task, r);
+        let arrival = slot.arrival;
         slot.state = state;
         if state != SlotState::Arrived {
             slot.arrival = None;
         }
         let tid = slot.tid;
+        if let (Some(Arrival::Syscall { nr, args }), true) = (arrival, r != leader) {
+            // Outputs run once, in the leader: a follower leaves one only skipped (or
+            // rewritten into lockstep's own calls). One whose registers could not be set
+            // is not resumed at all (backend::Checked).
+            let desc = lockstep_trace::syscalls::describe(nr);
+            if desc.is_some_and(|d| lockstep_trace::syscalls::classify(d, &args) == Class::Output) {
+                let regs = self.be.regs(tid);
+                assert!(
+                    regs.is_err() || regs.is_ok_and(|r| r.orig_rax != nr) || self.be.failed(tid),
+                    "follower {r} of task {task} is never resumed into output {}",
+                    lockstep_trace::syscalls::name(nr)
+                );
+            }
+        }
         let _ = self.be.resume(tid, how);
     }
 
