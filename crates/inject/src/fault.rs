@@ -181,6 +181,18 @@ pub struct Applied {
 }
 
 impl Applied {
+    /// A flip of `mask` in a named register or in the byte(s) at `address`, for
+    /// [`reapply`]: how deterministic test faults (`lockstep run --test-flip`) go in
+    /// through the same engine as recorded ones.
+    pub fn flip(model: Model, register: Option<String>, address: Option<u64>, mask: u64) -> Applied {
+        Applied {
+            register,
+            address,
+            mask,
+            ..Applied::new(model)
+        }
+    }
+
     /// A record of `model` that has changed nothing yet.
     pub fn new(model: Model) -> Self {
         Applied {
@@ -347,27 +359,6 @@ pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng:
 }
 
 /// Re-applies a recorded fault exactly (for `--replay`).
-impl Applied {
-    /// A flip of `mask` in a named register or in the byte(s) at `address`, for
-    /// [`reapply`]: how deterministic test faults (`lockstep run --test-flip`) go in
-    /// through the same engine as recorded ones.
-    pub fn flip(model: Model, register: Option<String>, address: Option<u64>, mask: u64) -> Applied {
-        Applied {
-            model,
-            register,
-            address,
-            mask,
-            old: 0,
-            new: 0,
-            ip: None,
-            steps: None,
-            instruction: None,
-            process: None,
-            syscalls: None,
-        }
-    }
-}
-
 pub fn reapply(tid: Tid, applied: &Applied) -> io::Result<()> {
     if applied.model == Model::None {
         return Ok(());

@@ -46,24 +46,11 @@ struct Key {
 /// What a replica met the others at, reduced to what is voted on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Met {
-    Died(Death),
-    Fault {
-        sig: i32,
-        addr: u64,
-    },
-    Rdtsc {
-        len: u8,
-    },
-    Cpuid {
-        leaf: u32,
-        subleaf: u32,
-    },
+    /// A death, a fault, a trapped instruction: compared as they are.
+    Stop(Arrival),
     /// A syscall: its number, and the digest voted for it (its own data, or the replica's
     /// history, depending on the compare mode and on whether it is an output).
-    Syscall {
-        nr: u64,
-        voted: u64,
-    },
+    Syscall { nr: u64, voted: u64 },
 }
 
 const AT_NULL: u64 = 0;
@@ -198,10 +185,6 @@ impl Session {
             0
         };
         let met = match slot.arrival.expect("arrived") {
-            Arrival::Died(d) => Met::Died(d),
-            Arrival::Fault { sig, addr } => Met::Fault { sig, addr },
-            Arrival::Rdtsc { len } => Met::Rdtsc { len },
-            Arrival::Cpuid { leaf, subleaf } => Met::Cpuid { leaf, subleaf },
             Arrival::Syscall { nr, args } => {
                 let tid = slot.tid;
                 let desc = syscalls::describe(nr);
@@ -240,6 +223,7 @@ impl Session {
                 };
                 Met::Syscall { nr, voted }
             }
+            other => Met::Stop(other),
         };
         Key { met, inputs }
     }
