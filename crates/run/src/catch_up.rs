@@ -213,7 +213,7 @@ impl Session {
             self.finish_catch_up(task, true);
             return;
         }
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         let Some(Hunt::Parked(target)) = c.hunt(leader) else {
             self.abandon_catch_up(task);
             return;

@@ -130,7 +130,7 @@ impl Injector {
             fault.interrupted = true;
         }
         set_tick(TICK);
-        let alive = s.replicas[r as usize].alive;
+        let alive = s.replicas.is_alive(r);
         let Some((tid, state)) = s
             .tasks
             .first()
@@ -431,7 +431,7 @@ impl FaultHook for Injector {
         if let Some(record) = &self.record {
             let _ = std::fs::write(
                 lockstep_inject::fault::detections_path(record),
-                format!("{}\n", s.detections),
+                format!("{}\n", s.report.detections()),
             );
         }
     }

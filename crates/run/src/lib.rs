@@ -15,6 +15,8 @@
 //!   without processes (`tests/policy.rs`).
 //! * [`front`]: the process the caller waits for, split from the monitor so that processes
 //!   outliving the program's first one stay replicated after lockstep returns.
+//! * [`replica`]: the replica set: liveness, leadership, pid translation.
+//! * [`report`]: events, queued during a stop and written after it.
 //! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
 //! * [`rendezvous`]: what happens when all replicas of a task have arrived.
 //! * [`injection`]: `lockstep inject --replica` and `--test-flip`, reaching the monitor
@@ -33,6 +35,8 @@ pub mod front;
 pub mod injection;
 pub mod options;
 pub mod rendezvous;
+pub mod replica;
+pub mod report;
 pub mod scripted;
 pub mod session;
 pub mod shared_map;

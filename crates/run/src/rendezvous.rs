@@ -113,7 +113,7 @@ impl Session {
     /// The class of the leader's call `desc(args)` of `task`: the table's, refined by its
     /// arguments, and for `openat2` by the flags in its `open_how` (read from the leader).
     pub(crate) fn class_of(&self, task: TaskId, desc: &Desc, args: &[u64; 6]) -> Class {
-        let tid = self.slot(task, self.leader).tid;
+        let tid = self.slot(task, self.replicas.leader()).tid;
         let path_arg = match desc.nr as i64 {
             libc::SYS_open => Some(args[0]),
             libc::SYS_openat | libc::SYS_openat2 => Some(args[1]),
@@ -140,7 +140,7 @@ impl Session {
     /// replica is to be re-integrated, or too many results already wait for slow followers.
     fn leader_may_run_ahead(&self, task: TaskId) -> bool {
         let t = &self.tasks[task];
-        let Some(slot) = t.slots.get(self.leader as usize).and_then(|s| s.as_ref()) else {
+        let Some(slot) = t.slots.get(self.replicas.leader() as usize).and_then(|s| s.as_ref()) else {
             return false;
         };
         let Some(Arrival::Syscall { nr, args }) = slot.arrival else {
@@ -162,7 +162,7 @@ impl Session {
     }
 
     fn run_input_ahead(&mut self, task: TaskId) -> Result<(), Stopped> {
-        let Some(Arrival::Syscall { nr, args }) = self.slot(task, self.leader).arrival else {
+        let Some(Arrival::Syscall { nr, args }) = self.slot(task, self.replicas.leader()).arrival else {
             return Ok(());
         };
         self.stats.count(Class::Input);
@@ -171,7 +171,7 @@ impl Session {
             args,
             class: Class::Input,
         };
-        self.resume(task, self.leader, Resume::ToExit, SlotState::Executing);
+        self.resume(task, self.replicas.leader(), Resume::ToExit, SlotState::Executing);
         Ok(())
     }
 
@@ -384,7 +384,7 @@ impl Session {
                 }
             }
         }
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         let arrival = self.slot(task, leader).arrival.expect("arrived");
         self.tasks[task].first_arrival = None;
         if let Arrival::Syscall { nr, args } = arrival {
@@ -468,7 +468,7 @@ impl Session {
             .map(|d| self.class_of(task, d, &args))
             .unwrap_or(Class::Unsupported);
         self.stats.count(class);
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         match class {
             Class::Passthrough | Class::Emulated => self.emulate(task, nr, args),
             Class::Unsupported => {
@@ -529,7 +529,7 @@ impl Session {
             libc::SYS_getppid => match self.processes[process].parent {
                 Some(p) => self.processes[p].logical_pid as i64,
                 // The root's parent is the namespace stub (pid 1), or lockstep itself.
-                None if self.replicas[self.leader as usize].stub > 0 => 1,
+                None if self.replicas.stub(self.replicas.leader()) > 0 => 1,
                 // SAFETY: getpid has no preconditions.
                 None => (unsafe { libc::getpid() }) as i64,
             },
@@ -612,7 +612,7 @@ impl Session {
                 self.tasks[task].first_arrival = Some(Instant::now());
                 let reaped = self.reaped_child(task, nr, &args, ret);
                 for f in self.live_slots(task) {
-                    if f == self.leader || self.slot(task, f).state != SlotState::Arrived {
+                    if f == self.replicas.leader() || self.slot(task, f).state != SlotState::Arrived {
                         continue;
                     }
                     match reaped {
@@ -690,7 +690,7 @@ impl Session {
         if !data::buffers_readable(&self.be, ftid, desc, fargs) {
             return Ok(()); // the follower's buffers are bad too: a genuine EFAULT
         }
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         self.stats.divergences += 1;
         self.emit(
             Event::new("run", "divergence", "halt")
@@ -723,7 +723,7 @@ impl Session {
                 self.slot_mut(task, r).own_signals.take(ret as i32);
             }
         }
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         let (ltid, ltgid) = (self.slot(task, leader).tid, self.slot(task, leader).tgid);
         let desc = syscalls::describe(nr).expect("executed calls are in the table");
         let outputs = data::collect_outputs(&self.be, ltid, desc, &args, ret);
@@ -880,7 +880,7 @@ impl Session {
         // The leader's process died since its call returned (killed by the program, or a
         // fault): the follower stays parked at its call, and the leader's death decides.
         let leader_gone = |e: &std::io::Error| e.raw_os_error() == Some(libc::ESRCH);
-        let Some(listener) = self.replicas[f as usize].listener.clone() else {
+        let Some(listener) = self.replicas.listener(f) else {
             return Err(Error::Unsupported("this backend cannot install descriptors in a follower".into()).into());
         };
         let pidfd = match lockstep_trace::seccomp::pidfd_open(leader_tgid) {
@@ -972,7 +972,7 @@ impl Session {
         if live.is_empty() || live.iter().any(|&r| self.slot(task, r).state != SlotState::Done) {
             return Ok(());
         }
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         let lead_ret = self.slot(task, leader).result;
         let returns_pid = [libc::SYS_clone, libc::SYS_clone3, libc::SYS_fork, libc::SYS_vfork]
             .iter()
@@ -993,9 +993,7 @@ impl Session {
             let own = self.slot(task, r).result;
             let logical = if returns_pid && own > 0 {
                 if own != lead_ret {
-                    let rep = &mut self.replicas[r as usize];
-                    rep.to_local.insert(lead_ret as i32, own as i32);
-                    rep.to_logical.insert(own as i32, lead_ret as i32);
+                    self.replicas.learn_pid(r, lead_ret as i32, own as i32);
                 }
                 lead_ret
             } else if waits && own > 0 {
@@ -1094,7 +1092,7 @@ impl Session {
     /// Makes the fresh images identical: hides the vDSO (so time is a syscall) and gives
     /// every replica the leader's AT_RANDOM bytes.
     fn after_exec(&mut self, task: TaskId, live: &[ReplicaId]) {
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         let mut random = None;
         let mut order: Vec<ReplicaId> = vec![leader];
         order.extend(live.iter().copied().filter(|&r| r != leader));
@@ -1115,7 +1113,7 @@ impl Session {
     /// The logical pid the leader's wait4/waitid reaped (0: none was ready), or None when
     /// the call failed and the followers should simply repeat it.
     fn reaped_child(&self, task: TaskId, nr: u64, args: &[u64; 6], ret: i64) -> Option<i32> {
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         if is_nr(nr, libc::SYS_wait4) {
             return (ret >= 0).then(|| self.to_logical(leader, ret as i32));
         }
@@ -1147,7 +1145,7 @@ impl Session {
 
     /// Pid arguments are logical; a re-integrated replica may use other numbers.
     fn translate_pid_args(&mut self, task: TaskId, r: ReplicaId, nr: u64, args: &[u64; 6]) {
-        if self.replicas[r as usize].to_local.is_empty() {
+        if !self.replicas.translates(r) {
             return;
         }
         let positions: &[usize] = match nr as i64 {
@@ -1201,13 +1199,17 @@ impl Session {
         }
         let t0 = Instant::now();
         let live = self.live_slots(task);
-        let source = live.iter().copied().find(|&r| r != self.leader).unwrap_or(self.leader);
+        let source = live
+            .iter()
+            .copied()
+            .find(|&r| r != self.replicas.leader())
+            .unwrap_or(self.replicas.leader());
         // A fork does not copy child processes: a source with children (even zombies it
         // has not reaped yet) would give the new replica a different wait() result.
         if self.be.has_children(self.slot(task, source).tgid) {
             return Ok(false);
         }
-        let dead = self.replicas.iter().find(|r| !r.alive).map(|r| r.cpu).unwrap_or(None);
+        let dead = self.replicas.free_cpu();
         let stid = self.slot(task, source).tid;
         let saved = self.slot(task, source).regs;
         let nr = saved.orig_rax;
@@ -1237,7 +1239,7 @@ impl Session {
                 lockstep_trace::Stop::SyscallExit => break,
                 lockstep_trace::Stop::Signal(sig) => {
                     // Keep the leader's copy for deterministic delivery later.
-                    if source == self.leader {
+                    if source == self.replicas.leader() {
                         self.async_signal(task, sig);
                     }
                     let _ = self.be.resume(stid, Resume::ToExit);
@@ -1280,26 +1282,9 @@ impl Session {
         if let Some(cpu) = dead {
             self.be.pin(child, cpu);
         }
-        let id = self.replicas.len() as ReplicaId;
-        let listener = self.replicas[source as usize].listener.clone();
-        let stub = self.replicas[source as usize].stub;
-        let mut to_local = self.replicas[source as usize].to_local.clone();
-        let mut to_logical = self.replicas[source as usize].to_logical.clone();
         let process = self.tasks[task].process;
         let logical = self.processes[process].logical_pid;
-        if local_pid as i32 != logical {
-            to_local.insert(logical, local_pid as i32);
-            to_logical.insert(local_pid as i32, logical);
-        }
-        self.replicas.push(crate::session::Replica {
-            id,
-            alive: true,
-            cpu: dead,
-            listener,
-            stub,
-            to_local,
-            to_logical,
-        });
+        let id = self.replicas.add_fork(source, dead, local_pid as i32, logical);
         for t in self.tasks.iter_mut() {
             t.slots.push(None);
         }
@@ -1314,7 +1299,7 @@ impl Session {
         self.by_tid.insert(child, (task, id));
         self.resume(task, source, Resume::Run, SlotState::Running);
         let _ = self.be.resume(child, Resume::Run);
-        self.reintegration_due = self.live_replicas().len() < self.want_replicas as usize;
+        self.reintegration_due = self.replicas.short();
         self.stats.reintegrations += 1;
         let rss = self
             .be

@@ -13,6 +13,7 @@
 
 use crate::backend::{Backend, Checked, Ptrace, Resume};
 use crate::options::Options;
+use crate::replica::Removal;
 use crate::signals::{Interrupted, SigSet, StandIn};
 use crate::spawn;
 use crate::stats::Stats;
@@ -246,17 +247,6 @@ pub struct Started {
     pub stub: Tid,
 }
 
-pub struct Replica {
-    pub id: ReplicaId,
-    pub alive: bool,
-    pub cpu: Option<usize>,
-    pub listener: Option<Rc<Listener>>,
-    pub stub: Tid,
-    /// Logical pid -> this replica's own pid, where they differ.
-    pub to_local: HashMap<i32, i32>,
-    pub to_logical: HashMap<i32, i32>,
-}
-
 /// Signals lockstep itself received, as a bit mask, set by the signal handler.
 pub(crate) static RECEIVED: AtomicU64 = AtomicU64::new(0);
 pub(crate) const FORWARDED: [i32; 6] = [
@@ -364,20 +354,18 @@ impl From<Error> for Stopped {
 pub struct Session {
     pub opts: Options,
     pub be: Checked,
-    pub replicas: Vec<Replica>,
-    pub leader: ReplicaId,
+    pub replicas: crate::replica::Replicas,
     pub tasks: Vec<Task>,
     pub processes: Vec<Process>,
     pub by_tid: HashMap<Tid, (TaskId, ReplicaId)>,
     /// Threads that stopped before we learned which task they belong to.
     pub early_stops: HashSet<Tid>,
-    pub events: EventSink,
+    pub report: crate::report::Report,
     pub stats: Stats,
     pub started: Instant,
     pub root_death: Option<Death>,
     /// Where the program's status goes if its processes outlive its first one.
     pub front: crate::front::Front,
-    pub want_replicas: u32,
     pub reintegration_due: bool,
     /// Tasks to settle again after a vote-out: a call the voted-out leader was executing
     /// for them (their followers are parked at it), or a meeting that may now be complete.
@@ -390,13 +378,8 @@ pub struct Session {
     hook: Option<Box<dyn crate::injection::FaultHook>>,
     /// A signal was delivered without a common state (said once; see `catch_up.rs`).
     pub said_loose_signal: bool,
-    /// Divergences, timeouts and halts so far: what `lockstep inject --replica` counts as
-    /// a detection even when TMR masked the fault.
-    pub detections: u64,
     /// Each replica's CPU time at its main thread's exit_group (for LOCKSTEP_CPU_REPORT).
     pub replica_cpu: Vec<Option<std::time::Duration>>,
-    /// Events not yet written (see `emit`).
-    pub pending_events: Vec<Event>,
 }
 
 /// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
@@ -548,36 +531,14 @@ impl Session {
         assert_eq!(started.len(), opts.replicas as usize, "one start per replica");
         let logical_pid = started[0].own_pid;
         let mains: Vec<Tid> = started.iter().map(|s| s.main).collect();
-        let replicas = started
-            .into_iter()
-            .enumerate()
-            .map(|(id, s)| {
-                let mut r = Replica {
-                    id: id as ReplicaId,
-                    alive: true,
-                    cpu: s.cpu,
-                    listener: s.listener,
-                    stub: s.stub,
-                    to_local: HashMap::new(),
-                    to_logical: HashMap::new(),
-                };
-                if s.own_pid != logical_pid {
-                    r.to_local.insert(logical_pid, s.own_pid);
-                    r.to_logical.insert(s.own_pid, logical_pid);
-                }
-                r
-            })
-            .collect();
+        let replicas = crate::replica::Replicas::new(started, logical_pid);
         let want = opts.replicas;
         let mut session = Session {
-            want_replicas: want,
             opts,
             be: Checked::new(be),
             said_loose_signal: false,
-            detections: 0,
             replica_cpu: vec![None; want as usize],
             replicas,
-            leader: 0,
             tasks: Vec::new(),
             processes: vec![Process {
                 logical_pid,
@@ -589,7 +550,7 @@ impl Session {
             }],
             by_tid: HashMap::new(),
             early_stops: HashSet::new(),
-            events,
+            report: crate::report::Report::new(events),
             stats: Stats::default(),
             started: Instant::now(),
             root_death: None,
@@ -599,7 +560,6 @@ impl Session {
             reintegration_note_given: false,
             scratch: Vec::with_capacity(4096),
             debug: std::env::var_os("LOCKSTEP_DEBUG").is_some(),
-            pending_events: Vec::new(),
             hook: None,
         };
         session.hook = crate::injection::Injector::asked_for(&session)?
@@ -627,7 +587,7 @@ impl Session {
         Task {
             id,
             process,
-            slots: (0..self.replicas.len()).map(|_| None).collect(),
+            slots: (0..self.replicas.ids()).map(|_| None).collect(),
             phase: Phase::Collect,
             first_arrival: None,
             pending: Vec::new(),
@@ -789,42 +749,33 @@ impl Session {
         for (&tid, _) in self.by_tid.iter() {
             self.be.kill(tid);
         }
-        for r in &self.replicas {
-            if r.stub > 0 {
-                self.be.kill(r.stub);
-            }
+        for stub in self.replicas.stubs() {
+            self.be.kill(stub);
         }
         self.be.reap_all();
         self.by_tid.clear();
     }
 
-    /// Queues an event. Events are written after the current stop has been handled, so
-    /// that logging never delays the replicas (for example while a fault is masked).
+    /// Queues an event (see `report.rs`).
     pub fn emit(&mut self, event: Event) {
-        if matches!(event.kind, "divergence" | "timeout" | "halt") {
-            self.detections += 1;
-        }
-        self.pending_events.push(event);
+        self.report.emit(event);
     }
 
-    /// Writes the queued events.
     pub fn flush_events(&mut self) {
-        for event in self.pending_events.drain(..) {
-            self.events.emit(event);
-        }
+        self.report.flush();
     }
 
     pub fn live_replicas(&self) -> Members {
-        self.replicas.iter().filter(|r| r.alive).map(|r| r.id).collect()
+        self.replicas.live()
     }
 
     /// Replicas of `task` that take part in its rendezvous.
     pub fn live_slots(&self, task: TaskId) -> Members {
         let t = &self.tasks[task];
         self.replicas
-            .iter()
-            .filter(|r| r.alive && t.slots.get(r.id as usize).map(|s| s.is_some()).unwrap_or(false))
-            .map(|r| r.id)
+            .live()
+            .into_iter()
+            .filter(|&r| t.slots.get(r as usize).is_some_and(|s| s.is_some()))
             .collect()
     }
 
@@ -839,7 +790,7 @@ impl Session {
     /// Resumes a slot; a thread that vanished meanwhile is not an error here (its death
     /// is reported by waitpid and handled there).
     pub fn resume(&mut self, task: TaskId, r: ReplicaId, how: Resume, state: SlotState) {
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         let slot = self.slot_mut(task, r);
         let arrival = slot.arrival;
         slot.state = state;
@@ -890,7 +841,7 @@ impl Session {
         if self.with_hook(false, |hook, s| hook.at_stop(s, tid, stop)) {
             return Ok(());
         }
-        if !self.replicas[r as usize].alive {
+        if !self.replicas.is_alive(r) {
             // A voted-out replica that we already killed; only its death remains.
             if matches!(stop, Stop::Exited(_) | Stop::Killed(_)) {
                 self.by_tid.remove(&tid);
@@ -978,7 +929,7 @@ impl Session {
         // A signal sent to itself that was not delivered right after its call (it was
         // blocked) is an ordinary signal from now on.
         self.slot_mut(task, r).own_signals = SigSet::default();
-        if r == self.leader {
+        if r == self.replicas.leader() {
             // A call the kernel restarted without a delivery stop (another thread took the
             // signal): whatever interrupted it is over.
             self.tasks[task].interrupted = None;
@@ -1210,8 +1161,8 @@ impl Session {
     pub(crate) fn on_death(&mut self, task: TaskId, r: ReplicaId, death: Death) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
         self.by_tid.remove(&tid);
-        let was_leader_executing =
-            matches!(self.tasks[task].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. }) && r == self.leader;
+        let was_leader_executing = matches!(self.tasks[task].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. })
+            && r == self.replicas.leader();
         let slot = self.slot_mut(task, r);
         slot.state = SlotState::Dead;
         slot.arrival = Some(Arrival::Died(death));
@@ -1288,7 +1239,7 @@ impl Session {
         match self.tasks[task].phase {
             Phase::All { nr, args } if nr == libc::SYS_clone as u64 => args[0] & libc::CLONE_THREAD as u64 != 0,
             Phase::All { nr, args } if nr == libc::SYS_clone3 as u64 => {
-                let leader = self.slot(task, self.leader).tid;
+                let leader = self.slot(task, self.replicas.leader()).tid;
                 let mut flags = [0u8; 8];
                 self.be.read(leader, args[0], &mut flags).is_ok()
                     && u64::from_le_bytes(flags) & libc::CLONE_THREAD as u64 != 0
@@ -1414,7 +1365,7 @@ impl Session {
             let Some(&(task, r)) = self.by_tid.get(&tid) else {
                 continue;
             };
-            if !self.replicas[r as usize].alive {
+            if !self.replicas.is_alive(r) {
                 continue;
             }
             let msg = format!("lockstep could not steer replica {r} ({what} failed: {cause})");
@@ -1426,7 +1377,8 @@ impl Session {
     /// Removes replica `r`: kills its threads and, if it led, elects a new leader.
     pub fn vote_out(&mut self, r: ReplicaId, why: String) -> Result<(), Stopped> {
         let t0 = Instant::now();
-        self.replicas[r as usize].alive = false;
+        let was_leader = r == self.replicas.leader();
+        let removal = self.replicas.remove(r);
         for t in &self.tasks {
             if let Some(Some(s)) = t.slots.get(r as usize) {
                 if s.state != SlotState::Dead {
@@ -1444,7 +1396,7 @@ impl Session {
         // Every other task may have been waiting on the voted-out replica.
         for t in 0..self.tasks.len() {
             if !self.tasks[t].finished {
-                if r == self.leader && matches!(self.tasks[t].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. }) {
+                if was_leader && matches!(self.tasks[t].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. }) {
                     // The dead leader was executing this call: the new one runs it again.
                     self.tasks[t].phase = Phase::Collect;
                     self.tasks[t].interrupted = None;
@@ -1452,11 +1404,10 @@ impl Session {
                 self.unsettled.push(t);
             }
         }
-        if r == self.leader {
-            let Some(&new) = self.live_replicas().first() else {
+        if was_leader {
+            let Removal::NewLeader(new) = removal else {
                 return Err(self.halt("no replica left".into()));
             };
-            self.leader = new;
             self.emit(
                 Event::new("run", "leader", "elect")
                     .replica(new)
@@ -1477,7 +1428,7 @@ impl Session {
                 return Err(self.halt("the faulty leader had run inputs ahead of the other replicas".into()));
             }
         }
-        if self.opts.reintegrate && self.live_replicas().len() < self.want_replicas as usize {
+        if self.opts.reintegrate && self.replicas.short() {
             self.reintegration_due = true;
         }
         Ok(())
@@ -1509,19 +1460,12 @@ impl Session {
 
     /// Logical pid -> replica-local pid.
     pub fn to_local(&self, r: ReplicaId, pid: i32) -> i32 {
-        let map = &self.replicas[r as usize].to_local;
-        if map.is_empty() {
-            return pid;
-        }
-        if pid < -1 {
-            return -map.get(&-pid).copied().unwrap_or(-pid);
-        }
-        map.get(&pid).copied().unwrap_or(pid)
+        self.replicas.to_local(r, pid)
     }
 
     /// Replica-local pid -> logical pid.
     pub fn to_logical(&self, r: ReplicaId, pid: i32) -> i32 {
-        self.replicas[r as usize].to_logical.get(&pid).copied().unwrap_or(pid)
+        self.replicas.to_logical(r, pid)
     }
 }
 

@@ -103,7 +103,7 @@ impl Session {
     /// region, and give each parked follower a private anonymous mapping at the same
     /// address with the leader's current contents.
     pub(crate) fn finish_shared_map(&mut self, task: TaskId, args: [u64; 6], ret: i64) -> Result<(), Stopped> {
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         let (ltid, ltgid) = (self.slot(task, leader).tid, self.slot(task, leader).tgid);
         let len = page_up(args[1]);
         let mut copy = None;
@@ -219,7 +219,7 @@ impl Session {
     pub(crate) fn agreed_on_maps(&mut self, task: TaskId, nr: u64, args: &[u64; 6]) {
         let p = self.tasks[task].process;
         if self.processes[p].shared_maps.iter().any(|m| m.leader_private)
-            && self.shared_maps_crc(task, self.leader, nr, args).is_some()
+            && self.shared_maps_crc(task, self.replicas.leader(), nr, args).is_some()
         {
             let ranged = nr == libc::SYS_msync as u64 || nr == libc::SYS_munmap as u64;
             self.write_back(p, ranged.then_some((args[0], args[1])));
@@ -230,7 +230,7 @@ impl Session {
     /// or all) into their files.
     fn write_back(&mut self, p: usize, range: Option<(u64, u64)>) {
         use std::os::fd::AsRawFd;
-        let leader = self.leader as usize;
+        let leader = self.replicas.leader() as usize;
         let Some(tid) = self.processes[p].tasks.iter().find_map(|&t| {
             let task = &self.tasks[t];
             (!task.finished)

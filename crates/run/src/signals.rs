@@ -103,12 +103,12 @@ impl Session {
     pub(crate) fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
         let info = self.be.siginfo(tid).ok();
-        if r == self.leader {
+        if r == self.replicas.leader() {
             if let Some(native) = info.filter(|i| !raised_by_lockstep(i) && !is_synchronous_fault(sig, Some(i))) {
                 self.remember_leader_siginfo(task, sig, native);
             }
         }
-        if r == self.leader && self.tasks[task].interrupted.is_some() {
+        if r == self.replicas.leader() && self.tasks[task].interrupted.is_some() {
             let sent = self.slot(task, r).deliver.contains(sig);
             let nr = self.tasks[task].interrupted.as_ref().map(|i| i.nr).unwrap_or(u64::MAX);
             let tgid = self.slot(task, r).tgid;
@@ -177,7 +177,7 @@ impl Session {
         }
         // Asynchronous: suppressed now, delivered at the same point in every replica.
         // The leader's copy stands for all replicas (each replica generates its own).
-        if r == self.leader {
+        if r == self.replicas.leader() {
             self.async_signal(task, sig);
         }
         self.resume_same(task, r);
@@ -233,7 +233,7 @@ impl Session {
 
     /// An asynchronous signal for `task` (its leader copy, or forwarded by lockstep).
     pub(crate) fn async_signal(&mut self, task: TaskId, sig: i32) {
-        let tgid = self.slot(task, self.leader).tgid;
+        let tgid = self.slot(task, self.replicas.leader()).tgid;
         match self.disposition(tgid, sig) {
             SignalFate::Ignored => {}
             SignalFate::Fatal => self.kill_process(self.tasks[task].process, sig),
@@ -272,7 +272,7 @@ impl Session {
         }
         self.tasks[task].kicked = true;
         for r in self.live_slots(task) {
-            if (!leader_only || r == self.leader) && self.slot(task, r).state == SlotState::Executing {
+            if (!leader_only || r == self.replicas.leader()) && self.slot(task, r).state == SlotState::Executing {
                 let _ = self.be.interrupt(self.slot(task, r).tid);
             }
         }
@@ -327,7 +327,7 @@ impl Session {
                 if self.processes[p].exiting {
                     continue;
                 }
-                let leader = self.leader as usize;
+                let leader = self.replicas.leader() as usize;
                 let target = self.processes[p].tasks.iter().copied().find(|&t| {
                     !self.tasks[t].finished
                         && self.tasks[t].slots[leader]
@@ -406,7 +406,7 @@ impl Session {
     /// from its path for a `/proc/<pid>` directory (each replica's own /proc shows the
     /// program's pids).
     fn pidfd_target(&self, task: TaskId, fd: i32) -> Option<i32> {
-        let leader_tgid = self.slot(task, self.leader).tgid;
+        let leader_tgid = self.slot(task, self.replicas.leader()).tgid;
         let info = self.be.proc_read(leader_tgid, &format!("fdinfo/{fd}")).ok()?;
         if let Some(real) = info.lines().find_map(|l| l.strip_prefix("Pid:")) {
             let &(task, _) = self.by_tid.get(&real.trim().parse().ok()?)?;
@@ -445,7 +445,7 @@ impl Session {
                 syscalls::name(nr)
             );
         }
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         self.raise(task, leader, sig);
         self.tasks[task].mirror.add(sig);
         self.execute(task, nr, args)
@@ -473,7 +473,7 @@ impl Session {
         let io = self.opts.compare == CompareMode::Io;
         self.live_slots(task).iter().all(|&f| {
             let s = self.slot(task, f);
-            f == self.leader
+            f == self.replicas.leader()
                 || s.state == SlotState::Dead
                 || (s.state == SlotState::Arrived
                     && matches!(s.arrival, Some(Arrival::Syscall { nr: n, .. }) if n == nr)
@@ -491,7 +491,7 @@ impl Session {
         let it = self.tasks[task].interrupted.take().expect("an interrupted call");
         self.stats.signals_delivered += 1;
         let ret = it.regs.rax as i64;
-        let leader = self.leader;
+        let leader = self.replicas.leader();
         let ltid = self.slot(task, leader).tid;
         let lead_args = ptrace::syscall_args(&it.regs);
         if self.debug {
@@ -542,7 +542,7 @@ impl Session {
         if let Some(copy) = &s.copy {
             let got = self.be.regs(tid).map(|r| r.rax as i64).unwrap_or(-1);
             self.fill_map_copy(task, f, got, copy)?;
-            if !self.replicas[f as usize].alive {
+            if !self.replicas.is_alive(f) {
                 return Ok(());
             }
         }
