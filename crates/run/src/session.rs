@@ -90,32 +90,32 @@ pub enum SlotState {
 }
 
 pub struct Slot {
-    pub tid: Tid,
+    pub(crate) tid: Tid,
     /// The slot's process id (thread group) in our namespace.
-    pub tgid: Tid,
-    pub state: SlotState,
-    pub arrival: Option<Arrival>,
-    pub regs: Regs,
-    pub signature: Signature,
+    pub(crate) tgid: Tid,
+    pub(crate) state: SlotState,
+    pub(crate) arrival: Option<Arrival>,
+    pub(crate) regs: Regs,
+    pub(crate) signature: Signature,
     /// Intercepted syscall stops so far (for test flips).
-    pub stops: u64,
+    pub(crate) stops: u64,
     /// Signals we sent on purpose: let them through at their delivery stops.
-    pub deliver: SigSet,
+    pub(crate) deliver: SigSet,
     /// The call this follower runs in place of its own, and what to do at its exit.
-    pub stand_in: Option<StandIn>,
+    pub(crate) stand_in: Option<StandIn>,
     /// Signals the thread sent itself at its current call: its own copy is let through if
     /// it is delivered before the thread's next intercepted syscall (right after the call).
-    pub own_signals: SigSet,
+    pub(crate) own_signals: SigSet,
     /// Result of this slot's execution in an all-replica phase.
-    pub result: i64,
+    pub(crate) result: i64,
     /// The first bytes of the buffer of the output call it arrived at (for messages),
     /// kept from the comparison so that describing a divergence reads no memory.
-    pub preview: [u8; PREVIEW],
-    pub preview_len: u8,
+    pub(crate) preview: [u8; PREVIEW],
+    pub(crate) preview_len: u8,
     /// `--compare io`: inputs of this task this replica has executed or been given.
-    pub consumed: u64,
+    pub(crate) consumed: u64,
     /// A catch-up left an execution breakpoint in the thread (see `catch_up.rs`).
-    pub breakpoint_armed: bool,
+    pub(crate) breakpoint_armed: bool,
 }
 
 pub use crate::data::PREVIEW;
@@ -171,49 +171,49 @@ pub enum Phase {
 }
 
 pub struct Task {
-    pub id: TaskId,
-    pub process: ProcId,
+    pub(crate) id: TaskId,
+    pub(crate) process: ProcId,
     /// Indexed by replica id.
-    pub slots: Vec<Option<Slot>>,
-    pub phase: Phase,
-    pub first_arrival: Option<Instant>,
+    pub(crate) slots: Vec<Option<Slot>>,
+    pub(crate) phase: Phase,
+    pub(crate) first_arrival: Option<Instant>,
     /// Asynchronous signals waiting to be delivered at this task's next rendezvous.
-    pub pending: Vec<i32>,
+    pub(crate) pending: Vec<i32>,
     /// Since when the first of `pending` has waited (see `catch_up.rs`).
-    pub pending_since: Option<Instant>,
+    pub(crate) pending_since: Option<Instant>,
     /// Replicas being brought to a common state to take a signal (see `catch_up.rs`).
-    pub catch_up: Option<crate::catch_up::CatchUp>,
+    pub(crate) catch_up: Option<crate::catch_up::CatchUp>,
     /// We interrupted the current execution to deliver a pending signal.
-    pub kicked: bool,
+    pub(crate) kicked: bool,
     /// The leader's call that a signal interrupted, until the signal's delivery stop.
-    pub interrupted: Option<Interrupted>,
+    pub(crate) interrupted: Option<Interrupted>,
     /// Signals the leader takes at the current call, for the followers when they are
     /// released from it.
-    pub mirror: SigSet,
+    pub(crate) mirror: SigSet,
     /// What the leader's own copy of each signal carried (sender, code, timer value,
     /// child status), for the copies lockstep raises in every replica (see `signals.rs`).
-    pub leader_siginfo: Vec<(i32, libc::siginfo_t)>,
+    pub(crate) leader_siginfo: Vec<(i32, libc::siginfo_t)>,
     /// The logical child created by the clone/fork rendezvous in progress.
-    pub spawned: Option<TaskId>,
+    pub(crate) spawned: Option<TaskId>,
     /// The logical thread id the program sees.
-    pub logical_tid: i32,
-    pub finished: bool,
+    pub(crate) logical_tid: i32,
+    pub(crate) finished: bool,
     /// Clock values, per clock id (see `clock.rs`).
-    pub clocks: HashMap<i32, crate::clock::Sequence>,
+    pub(crate) clocks: HashMap<i32, crate::clock::Sequence>,
     /// `--compare io`: results of inputs the leader ran ahead of the followers, in order.
-    pub inputs: std::collections::VecDeque<InputRecord>,
+    pub(crate) inputs: std::collections::VecDeque<InputRecord>,
     /// `--compare io`: number of inputs the leader has run so far (the next record's index).
-    pub produced: u64,
+    pub(crate) produced: u64,
     /// `--compare io`: bytes of results in `inputs`.
-    pub queued_bytes: u64,
+    pub(crate) queued_bytes: u64,
 }
 
 /// The result of an input the leader ran without waiting for the followers.
 pub struct InputRecord {
-    pub index: u64,
-    pub nr: u64,
-    pub ret: i64,
-    pub outputs: crate::data::Outputs,
+    pub(crate) index: u64,
+    pub(crate) nr: u64,
+    pub(crate) ret: i64,
+    pub(crate) outputs: crate::data::Outputs,
 }
 
 /// At most this many inputs may wait for slow followers; beyond it the leader waits too.
@@ -222,17 +222,17 @@ pub const MAX_QUEUED_INPUTS: usize = 256;
 pub const MAX_QUEUED_INPUT_BYTES: u64 = 64 << 20;
 
 pub struct Process {
-    pub logical_pid: i32,
-    pub parent: Option<ProcId>,
-    pub tasks: Vec<TaskId>,
+    pub(crate) logical_pid: i32,
+    pub(crate) parent: Option<ProcId>,
+    pub(crate) tasks: Vec<TaskId>,
     /// exit_group or a fatal signal is under way: deaths are expected.
-    pub exiting: bool,
+    pub(crate) exiting: bool,
     /// Signals the program itself sent to this process (`kill`, `tgkill`, ...): a death
     /// by one of them is the program's doing in every replica, not a fault.
-    pub sent_by_program: SigSet,
+    pub(crate) sent_by_program: SigSet,
     /// Shared file mappings: the leader's maps the file, each follower's is a private copy
     /// (see `shared_map.rs`). Compared at msync, munmap, fsync and exit.
-    pub shared_maps: Vec<crate::shared_map::SharedMap>,
+    pub(crate) shared_maps: Vec<crate::shared_map::SharedMap>,
 }
 
 /// One replica as its mechanism started it, stopped at its first intercepted syscall.
@@ -352,34 +352,34 @@ impl From<Error> for Stopped {
 }
 
 pub struct Session {
-    pub opts: Options,
-    pub be: Checked,
-    pub replicas: crate::replica::Replicas,
-    pub tasks: Vec<Task>,
-    pub processes: Vec<Process>,
-    pub by_tid: HashMap<Tid, (TaskId, ReplicaId)>,
+    pub(crate) opts: Options,
+    pub(crate) be: Checked,
+    pub(crate) replicas: crate::replica::Replicas,
+    pub(crate) tasks: Vec<Task>,
+    pub(crate) processes: Vec<Process>,
+    pub(crate) by_tid: HashMap<Tid, (TaskId, ReplicaId)>,
     /// Threads that stopped before we learned which task they belong to.
-    pub early_stops: HashSet<Tid>,
-    pub report: crate::report::Report,
-    pub stats: Stats,
-    pub started: Instant,
-    pub root_death: Option<Death>,
+    pub(crate) early_stops: HashSet<Tid>,
+    pub(crate) report: crate::report::Report,
+    pub(crate) stats: Stats,
+    pub(crate) started: Instant,
+    pub(crate) root_death: Option<Death>,
     /// Where the program's status goes if its processes outlive its first one.
-    pub front: crate::front::Front,
-    pub reintegration_due: bool,
+    pub(crate) front: crate::front::Front,
+    pub(crate) reintegration_due: bool,
     /// Tasks to settle again after a vote-out: a call the voted-out leader was executing
     /// for them (their followers are parked at it), or a meeting that may now be complete.
-    pub unsettled: Vec<TaskId>,
-    pub reintegration_note_given: bool,
-    pub scratch: Vec<u8>,
+    pub(crate) unsettled: Vec<TaskId>,
+    pub(crate) reintegration_note_given: bool,
+    pub(crate) scratch: Vec<u8>,
     /// LOCKSTEP_DEBUG set: trace every stop on stderr.
-    pub debug: bool,
+    pub(crate) debug: bool,
     /// Fault injection, when asked for (see `injection.rs`).
     hook: Option<Box<dyn crate::injection::FaultHook>>,
     /// A signal was delivered without a common state (said once; see `catch_up.rs`).
-    pub said_loose_signal: bool,
+    pub(crate) said_loose_signal: bool,
     /// Each replica's CPU time at its main thread's exit_group (for LOCKSTEP_CPU_REPORT).
-    pub replica_cpu: Vec<Option<std::time::Duration>>,
+    pub(crate) replica_cpu: Vec<Option<std::time::Duration>>,
 }
 
 /// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
