@@ -24,15 +24,52 @@ pub enum Resume {
     ToExit,
 }
 
-/// Mechanism for steering replica threads.
+/// A command to a replica thread. The policy decides; the backend carries the command
+/// out ([`Backend::apply`]). Every change the monitor makes to a replica is one of these.
+#[derive(Clone, Copy, Debug)]
+pub enum Action<'a> {
+    SetRegs(Tid, &'a Regs),
+    /// Writes bytes into the thread's memory.
+    Write(Tid, u64, &'a [u8]),
+    Resume(Tid, Resume),
+    /// Stops a thread that runs or is blocked in a syscall (which returns ERESTART*).
+    Interrupt(Tid),
+    /// Replaces the siginfo of the signal the thread is stopped to receive.
+    SetSiginfo(Tid, &'a libc::siginfo_t),
+    /// Sends a signal to one thread: (thread group, thread, signal).
+    Signal(Tid, Tid, i32),
+    /// SIGKILLs a thread or process; it may already be gone.
+    Kill(Tid),
+    /// Arms or disarms the execution breakpoint of a stopped thread (see `catch_up.rs`).
+    Breakpoint(Tid, Option<u64>),
+    /// From now on, resume this thread (if any) one instruction at a time, except into a
+    /// syscall exit (`Resume::ToExit`): its next stops are single-step SIGTRAPs.
+    SingleStep(Option<Tid>),
+}
+
+impl Action<'_> {
+    /// The thread the command is for (0 for `SingleStep(None)`).
+    pub fn tid(&self) -> Tid {
+        match *self {
+            Action::SetRegs(t, _)
+            | Action::Write(t, _, _)
+            | Action::Resume(t, _)
+            | Action::Interrupt(t)
+            | Action::SetSiginfo(t, _)
+            | Action::Signal(_, t, _)
+            | Action::Kill(t)
+            | Action::Breakpoint(t, _) => t,
+            Action::SingleStep(t) => t.unwrap_or(0),
+        }
+    }
+}
+
+/// Mechanism for steering replica threads: queries, and [`Action`]s carried out.
 pub trait Backend {
+    /// Carries out one command.
+    fn apply(&self, action: Action<'_>) -> io::Result<()>;
     fn regs(&self, tid: Tid) -> io::Result<Regs>;
-    fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()>;
     fn read(&self, tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()>;
-    fn write(&self, tid: Tid, addr: u64, data: &[u8]) -> io::Result<()>;
-    fn resume(&self, tid: Tid, how: Resume) -> io::Result<()>;
-    /// Stops a thread that is blocked in a syscall (the syscall returns ERESTART*).
-    fn interrupt(&self, tid: Tid) -> io::Result<()>;
     /// The next stop of any replica thread; `None` when interrupted by lockstep's own
     /// signals (timer tick, forwarded signals).
     fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>>;
@@ -44,17 +81,6 @@ pub trait Backend {
     fn event_msg(&self, tid: Tid) -> io::Result<u64>;
     /// The signal the thread is about to receive.
     fn siginfo(&self, tid: Tid) -> io::Result<libc::siginfo_t>;
-    /// Replaces the siginfo of the signal the thread is stopped to receive.
-    fn set_siginfo(&self, tid: Tid, info: &libc::siginfo_t) -> io::Result<()>;
-    /// Sends `sig` to one thread.
-    fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()>;
-    /// SIGKILLs a thread or process; it may already be gone.
-    fn kill(&self, pid: Tid);
-    /// Arms or disarms the execution breakpoint of a stopped thread (see `catch_up.rs`).
-    fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()>;
-    /// From now on, resume `tid` (if any) one instruction at a time, except into a
-    /// syscall exit (`Resume::ToExit`): its next stops are single-step SIGTRAPs.
-    fn single_step(&self, tid: Option<Tid>);
     /// A NUL-terminated string of at most `limit` bytes (without the NUL).
     fn read_cstr(&self, tid: Tid, addr: u64, limit: usize) -> io::Result<Vec<u8>>;
     /// The text of `/proc/PID/FILE` (`status`, `stat`, `statm`, `fdinfo/3`, ...).
@@ -69,8 +95,37 @@ pub trait Backend {
     fn process_cpu(&self, pid: Tid) -> Option<std::time::Duration>;
     /// Pins thread `tid` to one CPU; a failure leaves its current placement.
     fn pin(&self, tid: Tid, cpu: usize);
-    /// Reaps every child that is left after [`Backend::kill`], within a bounded time.
+    /// Reaps every child that is left after `Action::Kill`s, within a bounded time.
     fn reap_all(&self);
+
+    // The commands by name, for readable call sites.
+    fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()> {
+        self.apply(Action::SetRegs(tid, regs))
+    }
+    fn write(&self, tid: Tid, addr: u64, data: &[u8]) -> io::Result<()> {
+        self.apply(Action::Write(tid, addr, data))
+    }
+    fn resume(&self, tid: Tid, how: Resume) -> io::Result<()> {
+        self.apply(Action::Resume(tid, how))
+    }
+    fn interrupt(&self, tid: Tid) -> io::Result<()> {
+        self.apply(Action::Interrupt(tid))
+    }
+    fn set_siginfo(&self, tid: Tid, info: &libc::siginfo_t) -> io::Result<()> {
+        self.apply(Action::SetSiginfo(tid, info))
+    }
+    fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
+        self.apply(Action::Signal(tgid, tid, sig))
+    }
+    fn kill(&self, pid: Tid) {
+        let _ = self.apply(Action::Kill(pid));
+    }
+    fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()> {
+        self.apply(Action::Breakpoint(tid, at))
+    }
+    fn single_step(&self, tid: Option<Tid>) {
+        let _ = self.apply(Action::SingleStep(tid));
+    }
     fn read_vec(&self, tid: Tid, addr: u64, len: usize) -> io::Result<Vec<u8>> {
         let mut v = vec![0u8; len];
         self.read(tid, addr, &mut v)?;
@@ -86,34 +141,36 @@ pub struct Ptrace {
 }
 
 impl Backend for Ptrace {
+    fn apply(&self, action: Action<'_>) -> io::Result<()> {
+        match action {
+            Action::SetRegs(tid, regs) => ptrace::set_regs(tid, regs),
+            Action::Write(tid, addr, data) => mem::write(tid, addr, data),
+            Action::Resume(tid, how) if tid == self.stepping.get() && how != Resume::ToExit => {
+                let sig = if let Resume::Signal(sig) = how { sig } else { 0 };
+                ptrace::step(tid, sig)
+            }
+            Action::Resume(tid, Resume::Run) => ptrace::cont(tid, 0),
+            Action::Resume(tid, Resume::Signal(sig)) => ptrace::cont(tid, sig),
+            Action::Resume(tid, Resume::ToExit) => ptrace::cont_syscall(tid, 0),
+            Action::Interrupt(tid) => ptrace::interrupt(tid),
+            Action::SetSiginfo(tid, info) => ptrace::set_siginfo(tid, info),
+            Action::Signal(tgid, tid, sig) => ptrace::tgkill(tgid, tid, sig),
+            Action::Kill(pid) => {
+                ptrace::kill(pid, libc::SIGKILL);
+                Ok(())
+            }
+            Action::Breakpoint(tid, at) => ptrace::set_breakpoint(tid, at),
+            Action::SingleStep(tid) => {
+                self.stepping.set(tid.unwrap_or(0));
+                Ok(())
+            }
+        }
+    }
     fn regs(&self, tid: Tid) -> io::Result<Regs> {
         ptrace::get_regs(tid)
     }
-    fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()> {
-        ptrace::set_regs(tid, regs)
-    }
     fn read(&self, tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
         mem::read(tid, addr, buf)
-    }
-    fn write(&self, tid: Tid, addr: u64, data: &[u8]) -> io::Result<()> {
-        mem::write(tid, addr, data)
-    }
-    fn resume(&self, tid: Tid, how: Resume) -> io::Result<()> {
-        if tid == self.stepping.get() {
-            match how {
-                Resume::Run => return ptrace::step(tid, 0),
-                Resume::Signal(sig) => return ptrace::step(tid, sig),
-                Resume::ToExit => {}
-            }
-        }
-        match how {
-            Resume::Run => ptrace::cont(tid, 0),
-            Resume::Signal(sig) => ptrace::cont(tid, sig),
-            Resume::ToExit => ptrace::cont_syscall(tid, 0),
-        }
-    }
-    fn interrupt(&self, tid: Tid) -> io::Result<()> {
-        ptrace::interrupt(tid)
     }
     fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>> {
         ptrace::wait_any()
@@ -136,21 +193,6 @@ impl Backend for Ptrace {
     }
     fn siginfo(&self, tid: Tid) -> io::Result<libc::siginfo_t> {
         ptrace::siginfo(tid)
-    }
-    fn set_siginfo(&self, tid: Tid, info: &libc::siginfo_t) -> io::Result<()> {
-        ptrace::set_siginfo(tid, info)
-    }
-    fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
-        ptrace::tgkill(tgid, tid, sig)
-    }
-    fn kill(&self, pid: Tid) {
-        ptrace::kill(pid, libc::SIGKILL)
-    }
-    fn single_step(&self, tid: Option<Tid>) {
-        self.stepping.set(tid.unwrap_or(0));
-    }
-    fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()> {
-        ptrace::set_breakpoint(tid, at)
     }
     fn read_cstr(&self, tid: Tid, addr: u64, limit: usize) -> io::Result<Vec<u8>> {
         mem::read_cstr(tid, addr, limit)
@@ -254,33 +296,39 @@ impl Checked {
 }
 
 impl Backend for Checked {
+    fn apply(&self, action: Action<'_>) -> io::Result<()> {
+        let tid = action.tid();
+        let what = match action {
+            Action::SetRegs(..) => SET_REGS,
+            Action::Resume(..) => {
+                // A thread whose registers could not be set stays stopped: resumed, it
+                // would run from a state nobody chose (an output a follower was to skip).
+                if self
+                    .failures
+                    .borrow()
+                    .iter()
+                    .any(|(t, what, _)| *t == tid && *what == SET_REGS)
+                {
+                    return Err(io::Error::other("its registers could not be set"));
+                }
+                "resuming it"
+            }
+            Action::Interrupt(_) => "interrupting it",
+            Action::SetSiginfo(..) => "setting its siginfo",
+            Action::Breakpoint(..) => "setting its breakpoint",
+            // Not steering failures: a bad pointer of a corrupted replica (judged by the
+            // vote), a signal to a thread that is gone, a kill of a dead thread.
+            Action::Write(..) | Action::Signal(..) | Action::Kill(_) | Action::SingleStep(_) => {
+                return self.inner.apply(action)
+            }
+        };
+        self.check(tid, what, self.inner.apply(action))
+    }
     fn regs(&self, tid: Tid) -> io::Result<Regs> {
         self.inner.regs(tid)
     }
-    fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()> {
-        self.check(tid, SET_REGS, self.inner.set_regs(tid, regs))
-    }
     fn read(&self, tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
         self.inner.read(tid, addr, buf)
-    }
-    fn write(&self, tid: Tid, addr: u64, data: &[u8]) -> io::Result<()> {
-        self.inner.write(tid, addr, data)
-    }
-    fn resume(&self, tid: Tid, how: Resume) -> io::Result<()> {
-        // A thread whose registers could not be set stays stopped: resumed, it would run
-        // from a state nobody chose (an output a follower was to skip, for example).
-        if self
-            .failures
-            .borrow()
-            .iter()
-            .any(|(t, what, _)| *t == tid && *what == SET_REGS)
-        {
-            return Err(io::Error::other("its registers could not be set"));
-        }
-        self.check(tid, "resuming it", self.inner.resume(tid, how))
-    }
-    fn interrupt(&self, tid: Tid) -> io::Result<()> {
-        self.check(tid, "interrupting it", self.inner.interrupt(tid))
     }
     fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>> {
         self.inner.wait_any()
@@ -296,21 +344,6 @@ impl Backend for Checked {
     }
     fn siginfo(&self, tid: Tid) -> io::Result<libc::siginfo_t> {
         self.inner.siginfo(tid)
-    }
-    fn set_siginfo(&self, tid: Tid, info: &libc::siginfo_t) -> io::Result<()> {
-        self.check(tid, "setting its siginfo", self.inner.set_siginfo(tid, info))
-    }
-    fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
-        self.inner.signal_thread(tgid, tid, sig)
-    }
-    fn kill(&self, pid: Tid) {
-        self.inner.kill(pid)
-    }
-    fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()> {
-        self.check(tid, "setting its breakpoint", self.inner.set_breakpoint(tid, at))
-    }
-    fn single_step(&self, tid: Option<Tid>) {
-        self.inner.single_step(tid)
     }
     fn read_cstr(&self, tid: Tid, addr: u64, limit: usize) -> io::Result<Vec<u8>> {
         self.inner.read_cstr(tid, addr, limit)

@@ -14,7 +14,7 @@
 //! installs (the policy reports those as unsupported here), and memory as a list of
 //! regions the script declared.
 
-use crate::backend::{Backend, Resume};
+use crate::backend::{Action, Backend, Resume};
 use lockstep_trace::{Regs, Stop, Tid};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -123,6 +123,26 @@ struct Machine {
     readable_everywhere: Vec<Tid>,
     /// Threads whose register writes fail with EIO.
     broken_regs: Vec<Tid>,
+    /// Every command the monitor gave, in order (see [`describe`]).
+    actions: Vec<String>,
+}
+
+/// A command in a short form tests can match: `resume 200 ToExit`, `skip 200 = 6`
+/// (registers set to skip the call with that result), `regs 200`, `write 200 0x7000 6`,
+/// `kill 300`, ...
+fn describe(action: &Action<'_>) -> String {
+    match *action {
+        Action::SetRegs(t, r) if r.orig_rax == u64::MAX => format!("skip {t} = {}", r.rax as i64),
+        Action::SetRegs(t, _) => format!("regs {t}"),
+        Action::Write(t, addr, data) => format!("write {t} {addr:#x} {}", data.len()),
+        Action::Resume(t, how) => format!("resume {t} {how:?}"),
+        Action::Interrupt(t) => format!("interrupt {t}"),
+        Action::SetSiginfo(t, _) => format!("siginfo {t}"),
+        Action::Signal(_, t, sig) => format!("signal {t} {sig}"),
+        Action::Kill(t) => format!("kill {t}"),
+        Action::Breakpoint(t, at) => format!("breakpoint {t} {at:?}"),
+        Action::SingleStep(t) => format!("single-step {t:?}"),
+    }
 }
 
 /// The scripted backend. Clones share one machine, so a test keeps a handle to inspect it
@@ -163,6 +183,11 @@ impl Scripted {
     /// The calls that ran in a thread (reached the kernel): (thread, number, result).
     pub fn executed(&self) -> Vec<(Tid, u64, i64)> {
         self.machine.borrow().executed.clone()
+    }
+
+    /// Every command the monitor gave, in order.
+    pub fn actions(&self) -> Vec<String> {
+        self.machine.borrow().actions.clone()
     }
 
     /// Bytes the monitor has read from the threads' memory so far.
@@ -353,16 +378,35 @@ fn write_into(memory: &mut [(u64, Vec<u8>)], addr: u64, bytes: &[u8]) -> io::Res
 }
 
 impl Backend for Scripted {
+    fn apply(&self, action: Action<'_>) -> io::Result<()> {
+        let mut m = self.machine.borrow_mut();
+        m.actions.push(describe(&action));
+        match action {
+            Action::SetRegs(tid, regs) => {
+                if m.broken_regs.contains(&tid) {
+                    return Err(io::Error::from_raw_os_error(libc::EIO));
+                }
+                m.thread(tid)?.regs = *regs;
+                Ok(())
+            }
+            Action::Write(tid, addr, data) => write_into(&mut m.thread(tid)?.memory, addr, data),
+            Action::Resume(tid, how) => m.resume(tid, how),
+            Action::Kill(pid) => {
+                if m.thread(pid).is_ok() {
+                    m.die(pid, Stop::Killed(libc::SIGKILL));
+                }
+                Ok(())
+            }
+            // No signals or breakpoints in this model: the thread only has to exist.
+            Action::Interrupt(tid)
+            | Action::SetSiginfo(tid, _)
+            | Action::Signal(_, tid, _)
+            | Action::Breakpoint(tid, _) => m.thread(tid).map(drop),
+            Action::SingleStep(_) => Ok(()),
+        }
+    }
     fn regs(&self, tid: Tid) -> io::Result<Regs> {
         Ok(self.machine.borrow_mut().thread(tid)?.regs)
-    }
-    fn set_regs(&self, tid: Tid, regs: &Regs) -> io::Result<()> {
-        let mut m = self.machine.borrow_mut();
-        if m.broken_regs.contains(&tid) {
-            return Err(io::Error::from_raw_os_error(libc::EIO));
-        }
-        m.thread(tid)?.regs = *regs;
-        Ok(())
     }
     fn read(&self, tid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
         let mut m = self.machine.borrow_mut();
@@ -375,16 +419,6 @@ impl Backend for Scripted {
         }
         m.bytes_read += buf.len() as u64;
         Ok(())
-    }
-    fn write(&self, tid: Tid, addr: u64, data: &[u8]) -> io::Result<()> {
-        let mut m = self.machine.borrow_mut();
-        write_into(&mut m.thread(tid)?.memory, addr, data)
-    }
-    fn resume(&self, tid: Tid, how: Resume) -> io::Result<()> {
-        self.machine.borrow_mut().resume(tid, how)
-    }
-    fn interrupt(&self, tid: Tid) -> io::Result<()> {
-        self.machine.borrow_mut().thread(tid).map(drop)
     }
     fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>> {
         let next = self.machine.borrow_mut().ready.pop_front();
@@ -415,22 +449,6 @@ impl Backend for Scripted {
         // SAFETY: all-zero is a valid siginfo_t.
         Ok(unsafe { std::mem::zeroed() })
     }
-    fn set_siginfo(&self, tid: Tid, _info: &libc::siginfo_t) -> io::Result<()> {
-        self.machine.borrow_mut().thread(tid).map(drop)
-    }
-    fn signal_thread(&self, _tgid: Tid, tid: Tid, _sig: i32) -> io::Result<()> {
-        self.machine.borrow_mut().thread(tid).map(drop)
-    }
-    fn kill(&self, pid: Tid) {
-        let mut m = self.machine.borrow_mut();
-        if m.thread(pid).is_ok() {
-            m.die(pid, Stop::Killed(libc::SIGKILL));
-        }
-    }
-    fn set_breakpoint(&self, tid: Tid, _at: Option<u64>) -> io::Result<()> {
-        self.machine.borrow_mut().thread(tid).map(drop)
-    }
-    fn single_step(&self, _tid: Option<Tid>) {}
     fn read_cstr(&self, tid: Tid, addr: u64, limit: usize) -> io::Result<Vec<u8>> {
         let mut m = self.machine.borrow_mut();
         let t = m.thread(tid)?;

@@ -320,3 +320,34 @@ fn a_replica_cannot_make_the_monitor_read_or_hold_more_than_its_limits() {
         );
     }
 }
+
+#[test]
+fn an_output_is_run_by_the_leader_then_skipped_in_the_follower_with_its_result() {
+    let o = run_scripts(vec![hello(b"hello\n"), hello(b"hello\n")], |_, _| {});
+    assert_eq!(o.status, 0);
+    let actions = o.machine.actions();
+    let at = |wanted: &str| {
+        actions
+            .iter()
+            .position(|a| a == wanted)
+            .unwrap_or_else(|| panic!("no `{wanted}` in {actions:#?}"))
+    };
+    // The execve every replica runs, then the write: the leader runs it to its exit, and
+    // only then is the follower's copy cancelled with the leader's result.
+    let leader_runs = at("resume 100 ToExit");
+    let leader_write = leader_runs
+        + 1
+        + actions[leader_runs + 1..]
+            .iter()
+            .position(|a| a == "resume 100 ToExit")
+            .unwrap();
+    let follower_skipped = at("skip 200 = 6");
+    assert!(leader_write < follower_skipped, "{actions:#?}");
+    assert!(actions[follower_skipped..].iter().any(|a| a == "resume 200 Run"));
+    assert!(
+        !actions[leader_write..follower_skipped]
+            .iter()
+            .any(|a| a == "resume 200 ToExit" || a == "resume 200 Run"),
+        "the follower waits, parked at its write: {actions:#?}"
+    );
+}
