@@ -13,6 +13,7 @@
 //!   is a replica failure).
 //! * [`scripted`]: a backend that plays hand-written syscall streams, for policy tests
 //!   without processes (`tests/policy.rs`).
+//! * [`fast`]: the fast path's in-process shim (interception only, so far).
 //! * [`front`]: the process the caller waits for, split from the monitor so that processes
 //!   outliving the program's first one stay replicated after lockstep returns.
 //! * [`replica`]: the replica set: liveness, leadership, pid translation.
@@ -31,6 +32,7 @@ pub mod backend;
 pub mod catch_up;
 pub mod clock;
 pub mod data;
+pub mod fast;
 pub mod front;
 pub mod injection;
 pub mod options;

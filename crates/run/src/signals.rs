@@ -103,6 +103,13 @@ impl Session {
     pub(crate) fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
         let info = self.be.siginfo(tid).ok();
+        if sig == libc::SIGSYS && info.is_some_and(|i| i.si_code == SYS_USER_DISPATCH) {
+            // The replica's in-process interception found a syscall site (fast path,
+            // `shim/lockstep_fast.c`): synchronous, at the same site in every replica, and
+            // handled inside the replica. It is delivered at once.
+            let _ = self.be.resume(tid, Resume::Signal(sig));
+            return Ok(());
+        }
         if r == self.replicas.leader() {
             if let Some(native) = info.filter(|i| !raised_by_lockstep(i) && !is_synchronous_fault(sig, Some(i))) {
                 self.remember_leader_siginfo(task, sig, native);
@@ -582,6 +589,9 @@ fn raised_by_lockstep(info: &libc::siginfo_t) -> bool {
     // SAFETY: si_pid is valid for SI_TKILL signals, which is checked first.
     info.si_code == libc::SI_TKILL && unsafe { info.si_pid() } == 0
 }
+
+/// `si_code` of a SIGSYS raised by Syscall User Dispatch.
+const SYS_USER_DISPATCH: i32 = 2;
 
 /// Whether thread `tid` blocks `sig` (its `SigBlk` in /proc).
 fn signal_blocked(be: &dyn Backend, tid: Tid, sig: i32) -> bool {
