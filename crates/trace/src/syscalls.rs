@@ -219,17 +219,14 @@ static ROWS: &[Desc] = &[
         blocking
     ),
     row!(SYS_recvmsg, Input, [Fd, MsgOut, Val], blocking),
-    row!(SYS_poll, Input, [InOut(ArgTimes(1, POLLFD)), Val, Val], blocking),
+    // Readiness waits: the timeout is not compared, for the reason given at nanosleep
+    // below (programs compute it from clock readings). Where the kernel writes the time
+    // left back (ppoll, select, pselect6), the leader's value is copied.
+    row!(SYS_poll, Input, [InOut(ArgTimes(1, POLLFD)), Val, Ignore], blocking),
     row!(
         SYS_ppoll,
         Input,
-        [
-            InOut(ArgTimes(1, POLLFD)),
-            Val,
-            InOut(Fixed(TIMESPEC)),
-            In(OfArg(4)),
-            Val
-        ],
+        [InOut(ArgTimes(1, POLLFD)), Val, Out(Fixed(TIMESPEC)), In(OfArg(4)), Val],
         blocking
     ),
     row!(
@@ -240,7 +237,7 @@ static ROWS: &[Desc] = &[
             InOut(FdSet(0)),
             InOut(FdSet(0)),
             InOut(FdSet(0)),
-            InOut(Fixed(TIMESPEC))
+            Out(Fixed(TIMESPEC))
         ],
         blocking
     ),
@@ -252,7 +249,7 @@ static ROWS: &[Desc] = &[
             InOut(FdSet(0)),
             InOut(FdSet(0)),
             InOut(FdSet(0)),
-            InOut(Fixed(TIMESPEC)),
+            Out(Fixed(TIMESPEC)),
             Ignore
         ],
         blocking
@@ -260,19 +257,19 @@ static ROWS: &[Desc] = &[
     row!(
         SYS_epoll_wait,
         Input,
-        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Val],
+        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Ignore],
         blocking
     ),
     row!(
         SYS_epoll_pwait,
         Input,
-        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Val, Ignore, Val],
+        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Ignore, Ignore, Val],
         blocking
     ),
     row!(
         SYS_epoll_pwait2,
         Input,
-        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, In(Fixed(TIMESPEC)), Ignore, Val],
+        [Fd, Out(RetTimes(EPOLL_EVENT)), Val, Ignore, Ignore, Val],
         blocking
     ),
     // Waits and sleeps: the leader waits (in its own time), the followers get its result.
@@ -282,7 +279,7 @@ static ROWS: &[Desc] = &[
     row!(
         SYS_rt_sigtimedwait,
         Input,
-        [In(Fixed(8)), Out(Fixed(SIGINFO)), Val, Val],
+        [In(Fixed(8)), Out(Fixed(SIGINFO)), Ignore, Val],
         blocking
     ),
     // The time left (second pointer) is written only when the sleep is interrupted; it is
