@@ -28,7 +28,8 @@ Exit status:
 Examples:
   lockstep run -r 3 -- sha256sum big.iso
   lockstep run -r 2 --compare every --events ev.jsonl -- python3 job.py
-  lockstep run -r 3 --stats -- redis-server --port 7000";
+  lockstep run -r 3 --stats -- redis-server --port 7000
+  lockstep run -r 2 --backend fast --stats -- redis-server --port 7000";
 
 /// Run a program as 2 (DMR) or 3 (TMR) replicas that vote on every output.
 #[derive(Args)]
@@ -42,6 +43,18 @@ pub struct RunArgs {
     /// per-replica signature voted at outputs; `every` votes at every syscall.
     #[arg(long, default_value = "args", value_name = "MODE", value_parser = ["io", "args", "every"])]
     compare: String,
+
+    /// How replicas' syscalls reach the monitor. `ptrace`: every intercepted call stops
+    /// every replica (slow, handles everything). `fast`: a shim preloaded into each replica
+    /// replicates the hot inputs, outputs and clock reads in process through shared memory
+    /// and leaves the rest to ptrace; it needs a dynamically linked program and root (page
+    /// 0 is mapped), and falls back to ptrace with a message otherwise (docs/run.md).
+    #[arg(long, default_value = "ptrace", value_name = "BACKEND", value_parser = ["fast", "ptrace"])]
+    backend: String,
+
+    /// Fast backend: pause iterations a waiting replica spins before it sleeps.
+    #[arg(long, default_value_t = lockstep_run::fast::DEFAULT_SPIN, value_name = "N")]
+    spin: u32,
 
     /// Seconds the replicas that reached a rendezvous wait for a straggler before it is
     /// declared faulty (TMR) or the run halts (DMR).
@@ -146,9 +159,15 @@ pub fn main(a: RunArgs) -> i32 {
             Err(e) => return usage(&e),
         }
     }
+    let backend: lockstep_run::BackendKind = match a.backend.parse() {
+        Ok(b) => b,
+        Err(e) => return usage(&e),
+    };
     let options = Options {
         replicas: a.replicas,
         compare,
+        backend,
+        spin: a.spin,
         timeout: Duration::from_secs_f64(a.timeout),
         events: a.events,
         stats: a.stats,

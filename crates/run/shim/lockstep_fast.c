@@ -1,34 +1,52 @@
-/* lockstep_fast.c - in-process syscall interception for the `lockstep run` fast path
- * (issue 16, part B). Loaded with LD_PRELOAD; inert unless LOCKSTEP_FAST is set.
+/* lockstep_fast.c - the in-process fast path of `lockstep run --backend fast`.
+ * Loaded with LD_PRELOAD; inert unless LOCKSTEP_FAST is set.
  *
- * Interception, after lazypoline: Syscall User Dispatch (SUD) is the catch-all. A syscall
- * made outside this library's own code raises SIGSYS; the handler rewrites that site's
- * `syscall` (0f 05) into `call *%rax` (ff d0) and runs the call. From then on the site
- * calls the trampoline directly: `rax` holds the syscall number, so the call lands in a
- * nop sled on page 0 that slides into `lf_entry`, which calls `lf_dispatch` and returns
- * to the instruction after the site. Under ptrace each SIGSYS is a signal stop, so SUD is
- * only the discovery path: a site costs one stop, once.
+ * INTERCEPTION, after lazypoline. Syscall User Dispatch (SUD) is the catch-all: a syscall
+ * made from outside page 0 raises SIGSYS; the handler rewrites that site's `syscall`
+ * (0f 05) into `call *%rax` (ff d0) and runs the call. From then on the site calls the
+ * trampoline directly: `rax` holds the syscall number, so the call lands in a nop sled on
+ * page 0 that slides into `lf_entry`, which calls `lf_dispatch` and returns to the
+ * instruction after the site. Under ptrace each SIGSYS is a signal stop, so SUD is only
+ * the discovery path: a site costs one stop, once. Calls whose stack or return differs
+ * (rt_sigreturn, clone, clone3, fork, vfork, execve, execveat) are never rewritten: the
+ * handler opens an ALLOW window on the SUD selector and runs the instruction again.
  *
- * Calls that must not run through a `call` (their stack or their return differs:
- * rt_sigreturn, clone, clone3, fork, vfork, execve, execveat) are never rewritten. For
- * them the handler opens an ALLOW window (the SUD selector) and makes the thread run the
- * original instruction again; the next call through a rewritten site closes the window.
- * While it is open, unrewritten sites reach the kernel directly (and so the monitor's
- * seccomp filter), which is correct, only slower.
+ * GATES. Every syscall the shim makes goes through one of two `syscall; ret` gates on page
+ * 0: the fast gate at LF_GATE_FAST, which the monitor's seccomp filter lets through
+ * without a stop, and the slow gate, which meets the filter like any call of the program
+ * (so the ptrace monitor sees it, and handles it as it always did).
  *
- * This first step dispatches every call to the kernel unchanged and counts it
- * (LOCKSTEP_FAST=count prints the counts at exit): it proves the interception on real
- * programs and measures its cost. The shared-memory channel between replicas comes next.
+ * THE RING (with LOCKSTEP_FAST_RING, set by the monitor). The monitor creates one shared
+ * file: a header it writes, a clock area, and one region per replica. The shim maps its
+ * own region read-write, the others and the header read-only, and seals the mappings.
+ * In the main thread of the first program image, the calls of lockstep_fast_table.h (the
+ * hot inputs and outputs, generated from lockstep-trace's table) are replicated here:
+ *  - the leader runs an input once through the fast gate and publishes a record {sequence,
+ *    number, digest of the arguments, result, output buffers, CRC32C} in its region; a
+ *    follower checks number and digest against its own call, copies the buffers and the
+ *    result, and never enters the kernel;
+ *  - for an output, each follower publishes its digest first; the leader runs the call only
+ *    when every digest equals its own, then publishes the result;
+ *  - clock reads are answered from per-clock value sequences in the clock area, as the
+ *    monitor does (clock.rs), re-aligned at every output.
+ * Anything else, and any doubt, goes through the slow gate to the monitor: a mismatch on
+ * an output or a monitor request (a signal to deliver) makes the leader publish ESCALATE,
+ * and every replica then makes that call through the monitor, which votes as always; a
+ * follower that finds a record that does not match its call reports it (lockstep_fast
+ * DIVERGED). The monitor switches the ring off for good (`off`) when the replica set
+ * changes; records already published are still consumed.
  *
- * Limits (see docs/run.md): page 0 is mapped (readable), so a NULL read returns the sled
- * instead of faulting; the `call` writes 8 bytes below the stack pointer (a leaf
- * function's red zone); one thread (SUD is per thread, and rewriting a page another
- * thread executes is not made atomic yet).
+ * Limits (docs/run.md): page 0 is mapped; the `call` writes 8 bytes below the stack
+ * pointer; only the main thread of the first image uses the ring (other threads, forked
+ * children and exec'd programs go to the monitor); a fast-path call given an unreadable
+ * buffer faults in the shim where the kernel would return EFAULT; the clock area is
+ * writable by every replica.
  *
  * Built with -mgeneral-regs-only: the trampoline saves only the general registers, so
- * nothing here may touch SSE state the interrupted code expects preserved. No libc
- * function is called on the interception path. */
+ * nothing here may touch vector state. No libc function is called after start-up. */
 #define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
 #include <link.h>
 #include <signal.h>
 #include <stddef.h>
@@ -39,23 +57,124 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
+#include <linux/futex.h>
+
+#include "lockstep_fast_layout.h"
 
 #ifndef PR_SET_SYSCALL_USER_DISPATCH
 #define PR_SET_SYSCALL_USER_DISPATCH 59
 #define PR_SYS_DISPATCH_ON 1
 #endif
+#ifndef MADV_WIPEONFORK
+#define MADV_WIPEONFORK 18
+#endif
+#define SYS_MSEAL 462
 #define SELECTOR_ALLOW 0
 #define SELECTOR_BLOCK 1
 #define SI_SYS_USER_DISPATCH 2
 #define KSA_RESTORER 0x04000000UL
 
-/* Syscall numbers are below this; the sled covers them. */
+/* Page 0: the sled covers every syscall number below SLED_LEN. */
 #define SLED_LEN 512
 #define MAX_NR SLED_LEN
+#define GATE_SLOW (LF_GATE_FAST + 0x10)
+#define RESTORER (LF_GATE_FAST + 0x20)
 
-/* The SUD selector: BLOCK sends every syscall from outside this library to SIGSYS. */
+/* lockstep_fast(op, ...) */
+#define OP_HELLO 1
+#define OP_DIVERGED 2
+#define DIVERGED_CRC 0xffffffffUL /* in place of the leader's number: the record is corrupt */
+
+#define RING_MAGIC 0x4c4f434b53544550ULL /* "LOCKSTEP" */
+#define KIND_RESULT 1
+#define KIND_ESCALATE 2
+
+/* --- the generated table ------------------------------------------------------------ */
+#define LF_MAX_NR MAX_NR
+enum { F_SLOW = 0, F_INPUT, F_OUTPUT, F_CLOCK };
+enum { A_IGNORE = 0, A_VAL, A_IN, A_OUT, A_INOUT, A_IOV_IN, A_IOV_OUT, A_NULL_ONLY };
+enum { L_FIXED = 0, L_ARG, L_RET };
+struct lf_arg {
+    unsigned char kind, len_kind, len_arg;
+    unsigned int size;
+};
+struct lf_desc {
+    unsigned char fast, nargs;
+    struct lf_arg args[6];
+};
+#include "lockstep_fast_table.h"
+
+/* --- the shared layout (same field order as `fast::Header` in crates/run/src/fast.rs) - */
+struct lf_header {
+    uint64_t magic;
+    uint32_t version, replicas;
+    uint32_t leader, off;
+    uint32_t escalate, spin;
+    uint64_t clocks_offset, regions_offset, region_size, total_size;
+};
+
+struct lf_time {
+    int64_t sec, nsec;
+};
+
+struct lf_clock {
+    uint32_t lock, pad;
+    uint64_t produced;
+    struct lf_time values[LF_CLOCK_RING];
+};
+
+struct lf_record {
+    uint64_t seq;
+    uint32_t nr, kind;
+    uint64_t digest;
+    int64_t ret;
+    uint32_t len, crc;
+    uint64_t clock_sync[LF_CLOCKS];
+    uint64_t reserved[3];
+    unsigned char payload[LF_PAYLOAD_MAX];
+};
+_Static_assert(offsetof(struct lf_record, payload) == LF_RECORD_HEAD, "record head");
+
+struct lf_region_head {
+    /* written as a follower */
+    uint64_t consumed, vote_seq, vote_digest, slow_seq;
+    uint32_t progress; /* futex word, bumped after each change above */
+    uint32_t sleeping; /* nonzero while this replica sleeps on another's futex word */
+    /* written as the leader */
+    uint64_t published;
+    uint32_t published_word; /* futex word, bumped after each publication */
+    uint32_t pad;
+    /* for --stats */
+    uint64_t fast_calls, slow_calls;
+};
+struct lf_region {
+    struct lf_region_head h;
+    unsigned char pad[LF_REGION_HEAD - sizeof(struct lf_region_head)];
+    struct lf_record records[LF_SLOTS];
+};
+
+/* Per process; on a page that a fork wipes, so a child never touches the parent's ring. */
+struct lf_state {
+    volatile struct lf_header *hdr; /* NULL: no ring */
+    struct lf_clock *clocks;
+    struct lf_region *regions[LF_MAX_REPLICAS];
+    uint32_t me, leader, replicas, escalate_seen, spin;
+    uint64_t seq; /* the last replicated call */
+    uint64_t clock_next[LF_CLOCKS];
+};
+
+struct kernel_sigaction {
+    void *handler;
+    unsigned long flags;
+    void *restorer;
+    uint64_t mask;
+};
+
+/* The SUD selector: BLOCK sends every syscall from outside page 0 to SIGSYS. */
 static volatile char lf_selector = SELECTOR_ALLOW;
 static int lf_active;
 static int lf_report;
@@ -63,19 +182,22 @@ static unsigned long lf_counts[MAX_NR];
 static unsigned long lf_sites;
 static unsigned long lf_unrewritable;
 static unsigned long lf_windows;
+static struct lf_state *lf_st;
+/* The thread that owns the ring: the main thread of the image that attached it. */
+static __thread int lf_ring_thread __attribute__((tls_model("initial-exec")));
 
 long lf_raw(long nr, long a1, long a2, long a3, long a4, long a5, long a6);
-void lf_restorer(void);
+long lf_fast(long nr, long a1, long a2, long a3, long a4, long a5, long a6);
 void lf_entry(void);
 
-/* The raw syscall and the signal restorer: in this library's text, which SUD lets through.
- * lf_raw takes (nr, a1..a6) in the C ABI and moves them into the syscall ABI. */
-__asm__(".text\n"
-        ".globl lf_raw\n.type lf_raw,@function\nlf_raw:\n"
-        "  mov %rdi, %rax\n  mov %rsi, %rdi\n  mov %rdx, %rsi\n  mov %rcx, %rdx\n"
-        "  mov %r8, %r10\n  mov %r9, %r8\n  mov 8(%rsp), %r9\n  syscall\n  ret\n"
-        ".globl lf_restorer\n.type lf_restorer,@function\nlf_restorer:\n"
-        "  mov $15, %eax\n  syscall\n  hlt\n");
+/* C ABI (nr, a1..a6) to the syscall ABI, then a tail jump to a page-0 gate. */
+#define GATE_CALL(name, gate)                                                                  \
+    ".globl " name "\n.type " name ",@function\n" name ":\n"                                  \
+    "  mov %rdi, %rax\n  mov %rsi, %rdi\n  mov %rdx, %rsi\n  mov %rcx, %rdx\n"                  \
+    "  mov %r8, %r10\n  mov %r9, %r8\n  mov 8(%rsp), %r9\n  mov $" gate ", %r11d\n  jmp *%r11\n"
+#define STR2(x) #x
+#define STR(x) STR2(x)
+__asm__(".text\n" GATE_CALL("lf_raw", STR(GATE_SLOW)) GATE_CALL("lf_fast", STR(LF_GATE_FAST)));
 
 long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6);
 
@@ -88,7 +210,7 @@ __asm__(".text\n"
         "  lea -128(%rsp), %rsp\n"
         "  push %rbp\n  mov %rsp, %rbp\n  and $-16, %rsp\n"
         "  push %rdi\n  push %rsi\n  push %rdx\n  push %r10\n  push %r8\n  push %r9\n"
-        "  push %rbx\n  push %r9\n"            /* a6 as the 7th C argument, keeps alignment */
+        "  push %rbx\n  push %r9\n" /* a6 as the 7th C argument, keeps alignment */
         "  mov %r8, %r9\n  mov %r10, %r8\n  mov %rdx, %rcx\n  mov %rsi, %rdx\n"
         "  mov %rdi, %rsi\n  mov %rax, %rdi\n"
         "  call lf_dispatch\n"
@@ -98,18 +220,641 @@ __asm__(".text\n"
         "  lea 128(%rsp), %rsp\n"
         "  ret\n");
 
+/* --- small tools (no libc: vector registers are the interrupted code's) ------------- */
+
+static inline uint64_t load(const volatile uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline uint32_t load32(const volatile uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void store(volatile uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline void cpu_relax(void) { __asm__ volatile("pause" ::: "memory"); }
+
+static inline void copy_bytes(void *dst, const void *src, uint64_t n)
+{
+    __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+}
+
+static inline uint32_t crc_u64(uint32_t crc, uint64_t v)
+{
+    uint64_t c = crc;
+    __asm__("crc32q %1, %0" : "+r"(c) : "rm"(v));
+    return (uint32_t)c;
+}
+
+static inline uint32_t crc_u8(uint32_t crc, uint8_t v)
+{
+    __asm__("crc32b %1, %0" : "+r"(crc) : "rm"(v));
+    return crc;
+}
+
+static uint32_t crc_bytes(uint32_t crc, const unsigned char *p, uint64_t n)
+{
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t v;
+        __builtin_memcpy(&v, p, 8);
+        crc = crc_u64(crc, v);
+    }
+    while (n--)
+        crc = crc_u8(crc, *p++);
+    return crc;
+}
+
+/* A 64-bit digest: CRC32C in the high half, a multiplicative hash in the low half. */
+struct digest {
+    uint32_t crc;
+    uint64_t mix;
+};
+
+static void digest_word(struct digest *d, uint64_t v)
+{
+    d->crc = crc_u64(d->crc, v);
+    d->mix = (d->mix ^ v) * 0x100000001b3ULL;
+}
+
+static void digest_bytes(struct digest *d, const unsigned char *p, uint64_t n)
+{
+    d->crc = crc_bytes(d->crc, p, n);
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t v;
+        __builtin_memcpy(&v, p, 8);
+        d->mix = (d->mix ^ v) * 0x100000001b3ULL;
+    }
+    uint64_t tail = 0;
+    for (uint64_t i = 0; i < n; i++)
+        tail |= (uint64_t)p[i] << (8 * i);
+    d->mix = (d->mix ^ tail ^ (n << 56)) * 0x100000001b3ULL;
+}
+
+static uint64_t digest_value(const struct digest *d) { return ((uint64_t)d->crc << 32) ^ (d->mix >> 32) ^ (d->mix << 32 >> 32); }
+
+static void futex_wait(volatile uint32_t *word, uint32_t seen)
+{
+    struct {
+        long sec, nsec;
+    } timeout = {0, 10 * 1000 * 1000};
+    lf_raw(SYS_futex, (long)word, FUTEX_WAIT, seen, (long)&timeout, 0, 0);
+}
+
+static void futex_wake(volatile uint32_t *word) { lf_raw(SYS_futex, (long)word, FUTEX_WAKE, 0x7fffffff, 0, 0, 0); }
+
+/* --- arguments ------------------------------------------------------------------------ */
+
+/* Bytes an output argument receives: `ret` known (after the call), or its bound (before). */
+static uint64_t out_len(const struct lf_arg *g, const long *a, long ret, int bound)
+{
+    switch (g->len_kind) {
+    case L_FIXED:
+        return g->size;
+    case L_ARG:
+        return (uint64_t)a[g->len_arg] * g->size;
+    default: /* L_RET: bounded by the count argument that follows the buffer */
+        if (bound)
+            return (uint64_t)a[g->len_arg] * g->size;
+        return ret > 0 ? (uint64_t)ret * g->size : 0;
+    }
+}
+
+static int iov_count(const struct lf_arg *g, const long *a)
+{
+    long n = a[g->len_arg];
+    return n >= 0 && (uint64_t)n <= LF_MAX_IOVECS ? (int)n : -1;
+}
+
+/* The digest of a call (its number, values and input buffers) and the most bytes its output
+ * buffers can take; -1 when the call cannot take the fast path (a NULL_ONLY argument that
+ * is not NULL, a NULL buffer of nonzero length, too many iovecs). */
+static long inspect(long nr, const struct lf_desc *d, const long *a, uint64_t *digest)
+{
+    struct digest dg = {~0u, 0xcbf29ce484222325ULL};
+    uint64_t bound = 0;
+    digest_word(&dg, (uint64_t)nr);
+    for (int i = 0; i < d->nargs; i++) {
+        const struct lf_arg *g = &d->args[i];
+        const unsigned char *p = (const unsigned char *)a[i];
+        switch (g->kind) {
+        case A_VAL:
+            digest_word(&dg, (uint64_t)a[i]);
+            break;
+        case A_NULL_ONLY:
+            if (a[i] != 0)
+                return -1;
+            break;
+        case A_IN:
+        case A_INOUT: {
+            uint64_t n = out_len(g, a, 0, 1);
+            if (n > 0 && p == NULL)
+                return -1;
+            if (n > LF_PAYLOAD_MAX)
+                return -1;
+            digest_word(&dg, n);
+            if (p != NULL)
+                digest_bytes(&dg, p, n);
+            if (g->kind == A_INOUT && p != NULL)
+                bound += n + 8;
+            break;
+        }
+        case A_OUT: {
+            uint64_t n = out_len(g, a, 0, 1);
+            digest_word(&dg, p != NULL);
+            if (p != NULL)
+                bound += n + 8;
+            break;
+        }
+        case A_IOV_IN:
+        case A_IOV_OUT: {
+            int count = iov_count(g, a);
+            const struct iovec *iov = (const struct iovec *)a[i];
+            if (count < 0 || (count > 0 && iov == NULL))
+                return -1;
+            uint64_t total = 0;
+            for (int k = 0; k < count; k++) {
+                digest_word(&dg, iov[k].iov_len);
+                if (g->kind == A_IOV_IN) {
+                    if (iov[k].iov_len > LF_PAYLOAD_MAX || (iov[k].iov_len > 0 && iov[k].iov_base == NULL))
+                        return -1;
+                    digest_bytes(&dg, iov[k].iov_base, iov[k].iov_len);
+                }
+                total += iov[k].iov_len;
+            }
+            if (g->kind == A_IOV_OUT)
+                bound += total + 8;
+            break;
+        }
+        default:
+            break;
+        }
+        if (bound > LF_PAYLOAD_MAX)
+            bound = LF_PAYLOAD_MAX + 1; /* too big for a record: the monitor's job */
+    }
+    *digest = digest_value(&dg);
+    return (long)bound;
+}
+
+/* The leader's output buffers into the record's payload: [u64 length][bytes] per buffer. */
+static uint32_t pack(const struct lf_desc *d, const long *a, long ret, unsigned char *payload)
+{
+    unsigned char *p = payload;
+    for (int i = 0; i < d->nargs; i++) {
+        const struct lf_arg *g = &d->args[i];
+        if ((g->kind == A_OUT || g->kind == A_INOUT) && a[i] != 0) {
+            uint64_t n = g->kind == A_INOUT ? out_len(g, a, ret, 1) : out_len(g, a, ret, 0);
+            copy_bytes(p, &n, 8);
+            copy_bytes(p + 8, (const void *)a[i], n);
+            p += 8 + n;
+        } else if (g->kind == A_IOV_OUT) {
+            const struct iovec *iov = (const struct iovec *)a[i];
+            uint64_t n = ret > 0 ? (uint64_t)ret : 0, left = n;
+            copy_bytes(p, &n, 8);
+            p += 8;
+            for (int k = 0; k < iov_count(g, a) && left > 0; k++) {
+                uint64_t take = iov[k].iov_len < left ? iov[k].iov_len : left;
+                copy_bytes(p, iov[k].iov_base, take);
+                p += take;
+                left -= take;
+            }
+        }
+    }
+    return (uint32_t)(p - payload);
+}
+
+/* The record's payload into a follower's own buffers; 0 when it does not fit them. */
+static int unpack(const struct lf_desc *d, const long *a, const unsigned char *payload, uint32_t len)
+{
+    const unsigned char *p = payload, *end = payload + len;
+    for (int i = 0; i < d->nargs; i++) {
+        const struct lf_arg *g = &d->args[i];
+        int plain = (g->kind == A_OUT || g->kind == A_INOUT) && a[i] != 0;
+        if (!plain && g->kind != A_IOV_OUT)
+            continue;
+        uint64_t n;
+        if (end - p < 8)
+            return 0;
+        copy_bytes(&n, p, 8);
+        p += 8;
+        if (n > (uint64_t)(end - p))
+            return 0;
+        if (plain) {
+            if (n > out_len(g, a, 0, 1))
+                return 0;
+            copy_bytes((void *)a[i], p, n);
+            p += n;
+            continue;
+        }
+        const struct iovec *iov = (const struct iovec *)a[i];
+        uint64_t left = n;
+        for (int k = 0; k < iov_count(g, a) && left > 0; k++) {
+            uint64_t take = iov[k].iov_len < left ? iov[k].iov_len : left;
+            copy_bytes(iov[k].iov_base, p, take);
+            p += take;
+            left -= take;
+        }
+        if (left > 0)
+            return 0;
+    }
+    return p == end;
+}
+
+/* The CRC32C of a record as published with sequence number `s`. */
+static uint32_t record_crc(const struct lf_record *r, uint64_t s)
+{
+    uint32_t crc = crc_bytes(~0u, (const unsigned char *)r + 8, offsetof(struct lf_record, crc) - 8);
+    crc = crc_bytes(crc, (const unsigned char *)r->clock_sync, sizeof r->clock_sync);
+    crc = crc_u64(crc, s);
+    return crc_bytes(crc, r->payload, r->len);
+}
+
+/* --- waiting ---------------------------------------------------------------------------- */
+
+enum { READY = 1, NOT_YET = 0, GIVE_UP_OFF = -1, GIVE_UP_SLOW = -2 };
+
+struct wait_for {
+    struct lf_state *st;
+    uint32_t who;    /* the replica waited on */
+    uint64_t target; /* the sequence number waited for */
+};
+
+typedef int (*ready_fn)(const struct wait_for *);
+
+/* Spins, then sleeps on `word` (in the other replica's region) with a timeout, so that a
+ * lost wake-up costs only latency and `off` is always seen. */
+static int wait_until(ready_fn ready, const struct wait_for *w, volatile uint32_t *word)
+{
+    struct lf_state *st = w->st;
+    for (uint32_t i = 0; i < st->spin; i++) {
+        int r = ready(w);
+        if (r != NOT_YET)
+            return r;
+        cpu_relax();
+    }
+    volatile uint32_t *sleeping = &st->regions[st->me]->h.sleeping;
+    for (;;) {
+        uint32_t seen = load32(word);
+        __atomic_exchange_n(sleeping, 1, __ATOMIC_SEQ_CST);
+        int r = ready(w);
+        if (r == NOT_YET)
+            futex_wait(word, seen);
+        __atomic_store_n(sleeping, 0, __ATOMIC_RELEASE);
+        if (r != NOT_YET)
+            return r;
+    }
+}
+
+/* Bumps a futex word of our own region and wakes `other` if it sleeps. */
+static void signal_progress(struct lf_state *st, volatile uint32_t *word, uint32_t other)
+{
+    __atomic_fetch_add(word, 1, __ATOMIC_SEQ_CST);
+    if (load32(&st->regions[other]->h.sleeping))
+        futex_wake(word);
+}
+
+static void wake_followers(struct lf_state *st, volatile uint32_t *word)
+{
+    __atomic_fetch_add(word, 1, __ATOMIC_SEQ_CST);
+    for (uint32_t r = 0; r < st->replicas; r++)
+        if (r != st->me && load32(&st->regions[r]->h.sleeping)) {
+            futex_wake(word);
+            return;
+        }
+}
+
+static int is_off(const struct lf_state *st) { return __atomic_load_n(&st->hdr->off, __ATOMIC_ACQUIRE) != 0; }
+
+/* A follower that is in a call the monitor handles cannot take part until the leader gets
+ * there too. */
+static int follower_in_slow_call(const struct wait_for *w)
+{
+    return load(&w->st->regions[w->who]->h.slow_seq) != 0;
+}
+
+static int slot_free(const struct wait_for *w)
+{
+    if (load(&w->st->regions[w->who]->h.consumed) + LF_SLOTS >= w->target)
+        return READY;
+    if (is_off(w->st))
+        return GIVE_UP_OFF;
+    return follower_in_slow_call(w) ? GIVE_UP_SLOW : NOT_YET;
+}
+
+static int voted(const struct wait_for *w)
+{
+    if (load(&w->st->regions[w->who]->h.vote_seq) >= w->target)
+        return READY;
+    if (is_off(w->st))
+        return GIVE_UP_OFF;
+    return follower_in_slow_call(w) ? GIVE_UP_SLOW : NOT_YET;
+}
+
+static int published(const struct wait_for *w)
+{
+    if (load(&w->st->regions[w->who]->h.published) >= w->target)
+        return READY;
+    return is_off(w->st) ? GIVE_UP_OFF : NOT_YET;
+}
+
+/* Waits for every follower; the first reason to give up, or READY. */
+static int wait_followers(struct lf_state *st, ready_fn ready, uint64_t target)
+{
+    for (uint32_t r = 0; r < st->replicas; r++) {
+        if (r == st->me)
+            continue;
+        struct wait_for w = {st, r, target};
+        int got = wait_until(ready, &w, &st->regions[r]->h.progress);
+        if (got != READY)
+            return got;
+    }
+    return READY;
+}
+
+/* --- clocks ---------------------------------------------------------------------------- */
+
+/* The i-th read of a clock returns the i-th value in every replica, produced by whichever
+ * replica got there first (as the monitor's clock.rs does). */
+static void clock_value(struct lf_state *st, int clock, struct lf_time *out)
+{
+    struct lf_clock *c = &st->clocks[clock];
+    uint64_t i = st->clock_next[clock]++;
+    if (load(&c->produced) <= i) {
+        /* Produce under the clock's lock; a holder that died leaves it after a long spin. */
+        for (uint64_t spins = 0; __atomic_exchange_n(&c->lock, 1, __ATOMIC_ACQUIRE); spins++) {
+            if (spins > (1u << 26))
+                break;
+            cpu_relax();
+        }
+        uint64_t p = load(&c->produced);
+        while (p <= i) {
+            struct lf_time t;
+            lf_fast(SYS_clock_gettime, clock, (long)&t, 0, 0, 0, 0);
+            copy_bytes(&c->values[p % LF_CLOCK_RING], &t, sizeof t);
+            store(&c->produced, ++p);
+        }
+        __atomic_store_n(&c->lock, 0, __ATOMIC_RELEASE);
+    }
+    for (;;) {
+        uint64_t p = load(&c->produced);
+        if (p - i > LF_CLOCK_RING) /* overwritten: far behind, take the newest */
+            i = p - 1, st->clock_next[clock] = p;
+        copy_bytes(out, &c->values[i % LF_CLOCK_RING], sizeof *out);
+        if (load(&c->produced) - i <= LF_CLOCK_RING)
+            return;
+    }
+}
+
+static void clock_snapshot(struct lf_state *st, uint64_t *sync)
+{
+    for (unsigned c = 0; c < LF_CLOCKS; c++)
+        sync[c] = load(&st->clocks[c].produced);
+}
+
+static void clock_align(struct lf_state *st, const uint64_t *sync)
+{
+    for (unsigned c = 0; c < LF_CLOCKS; c++)
+        if (sync[c] > st->clock_next[c])
+            st->clock_next[c] = sync[c];
+}
+
+/* --- the replicated call ------------------------------------------------------------------ */
+
+static long slow_call(struct lf_state *st, long nr, const long *a)
+{
+    if (st == NULL || st->hdr == NULL || !lf_ring_thread)
+        return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    struct lf_region *own = st->regions[st->me];
+    own->h.slow_calls++;
+    if (st->me == st->leader)
+        return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    store(&own->h.slow_seq, st->seq + 1);
+    signal_progress(st, &own->h.progress, st->leader);
+    long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    store(&own->h.slow_seq, 0);
+    return ret;
+}
+
+static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s)
+{
+    struct lf_region *own = st->regions[st->me];
+    rec->crc = record_crc(rec, s);
+    store(&rec->seq, s);
+    store(&own->h.published, s);
+    wake_followers(st, &own->h.published_word);
+}
+
+static long escalate(struct lf_state *st, struct lf_record *rec, uint64_t s, long nr, uint64_t digest, const long *a)
+{
+    rec->nr = (uint32_t)nr;
+    rec->kind = KIND_ESCALATE;
+    rec->digest = digest;
+    rec->ret = 0;
+    rec->len = 0;
+    clock_snapshot(st, rec->clock_sync);
+    publish(st, rec, s);
+    return slow_call(st, nr, a);
+}
+
+static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc *d, const long *a, uint64_t digest, long bound)
+{
+    struct lf_region *own = st->regions[st->me];
+    struct lf_record *rec = &own->records[s % LF_SLOTS];
+    if (is_off(st) || wait_followers(st, slot_free, s) != READY)
+        return slow_call(st, nr, a); /* no record: the monitor finds out why */
+    uint32_t request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
+    if (request != st->escalate_seen || bound > (long)LF_PAYLOAD_MAX) {
+        st->escalate_seen = request;
+        return escalate(st, rec, s, nr, digest, a);
+    }
+    if (d->fast == F_OUTPUT) {
+        int got = wait_followers(st, voted, s);
+        if (got == GIVE_UP_OFF)
+            return slow_call(st, nr, a);
+        if (got == READY)
+            for (uint32_t r = 0; r < st->replicas; r++)
+                if (r != st->me && load(&st->regions[r]->h.vote_digest) != digest)
+                    got = GIVE_UP_SLOW;
+        if (got != READY) /* a different output: the monitor votes */
+            return escalate(st, rec, s, nr, digest, a);
+    }
+    long ret = lf_fast(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
+    if (ret == -EINTR && request != st->escalate_seen) {
+        /* The monitor interrupted the call to deliver a signal: it did not happen. */
+        st->escalate_seen = request;
+        return escalate(st, rec, s, nr, digest, a);
+    }
+    rec->nr = (uint32_t)nr;
+    rec->kind = KIND_RESULT;
+    rec->digest = digest;
+    rec->ret = ret;
+    rec->len = ret >= 0 ? pack(d, a, ret, rec->payload) : 0;
+    if (d->fast == F_OUTPUT) {
+        clock_snapshot(st, rec->clock_sync);
+        clock_align(st, rec->clock_sync);
+    } else {
+        for (unsigned c = 0; c < LF_CLOCKS; c++)
+            rec->clock_sync[c] = 0;
+    }
+    publish(st, rec, s);
+    own->h.fast_calls++;
+    return ret;
+}
+
+static void report_divergence(uint64_t s, long nr, uint64_t digest, uint64_t leader_nr, uint64_t leader_digest)
+{
+    lf_raw(LF_SYS_FAST, OP_DIVERGED, (long)s, nr, (long)digest, (long)leader_nr, (long)leader_digest);
+}
+
+static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_desc *d, const long *a, uint64_t digest)
+{
+    struct lf_region *own = st->regions[st->me];
+    struct lf_region *leader = st->regions[st->leader];
+    struct lf_record *rec = &leader->records[s % LF_SLOTS];
+    if (d->fast == F_OUTPUT) {
+        own->h.vote_digest = digest;
+        store(&own->h.vote_seq, s);
+        signal_progress(st, &own->h.progress, st->leader);
+    }
+    struct wait_for w = {st, st->leader, s};
+    if (wait_until(published, &w, &leader->h.published_word) != READY)
+        return slow_call(st, nr, a); /* off, and the leader never published this call */
+    if (load(&rec->seq) != s || rec->crc != record_crc(rec, s)) {
+        report_divergence(s, nr, digest, DIVERGED_CRC, 0);
+        return slow_call(st, nr, a);
+    }
+    long ret;
+    if (rec->kind == KIND_ESCALATE) {
+        store(&own->h.consumed, s);
+        signal_progress(st, &own->h.progress, st->leader);
+        return slow_call(st, nr, a);
+    }
+    if (rec->nr != (uint32_t)nr || rec->digest != digest ||
+        (rec->ret >= 0 && !unpack(d, a, rec->payload, rec->len))) {
+        report_divergence(s, nr, digest, rec->nr, rec->digest);
+        return slow_call(st, nr, a);
+    }
+    ret = rec->ret;
+    if (d->fast == F_OUTPUT)
+        clock_align(st, rec->clock_sync);
+    store(&own->h.consumed, s);
+    signal_progress(st, &own->h.progress, st->leader);
+    own->h.fast_calls++;
+    return ret;
+}
+
+static long clock_call(struct lf_state *st, long nr, const long *a)
+{
+    struct lf_time t;
+    long clock = nr == SYS_clock_gettime ? a[0] : CLOCK_REALTIME;
+    if (clock < 0 || clock >= (long)LF_CLOCKS || (nr == SYS_clock_gettime && a[1] == 0) ||
+        (nr == SYS_gettimeofday && a[1] != 0) || is_off(st))
+        return slow_call(st, nr, a);
+    clock_value(st, (int)clock, &t);
+    if (nr == SYS_clock_gettime) {
+        copy_bytes((void *)a[1], &t, sizeof t);
+        return 0;
+    }
+    if (nr == SYS_gettimeofday) {
+        if (a[0] != 0) {
+            int64_t tv[2] = {t.sec, t.nsec / 1000};
+            copy_bytes((void *)a[0], tv, sizeof tv);
+        }
+        return 0;
+    }
+    if (a[0] != 0) /* time */
+        copy_bytes((void *)a[0], &t.sec, sizeof t.sec);
+    return t.sec;
+}
+
 static int never_rewritten(long nr)
 {
     return nr == SYS_rt_sigreturn || nr == SYS_clone || nr == SYS_clone3 || nr == SYS_fork ||
            nr == SYS_vfork || nr == SYS_execve || nr == SYS_execveat;
 }
 
+/* Copies of the program's signal masks and actions, edited before the kernel sees them. */
+struct mask_copies {
+    uint64_t set;
+    struct kernel_sigaction act;
+    struct {
+        uint64_t set, size;
+    } pselect;
+};
+
+#define SIGSYS_BIT (1ULL << (SIGSYS - 1))
+
+static long sigsys_unblocked(long set_ptr, uint64_t *copy)
+{
+    if (set_ptr == 0)
+        return 0;
+    copy_bytes(copy, (const void *)set_ptr, sizeof *copy);
+    *copy &= ~SIGSYS_BIT;
+    return (long)copy;
+}
+
+/* SUD raises SIGSYS at unrewritten sites, and a blocked SIGSYS from SUD is fatal: a mask
+ * the program installs (sigprocmask, a handler's sa_mask, the temporary mask of
+ * sigsuspend, ppoll, pselect6 and epoll_pwait) never blocks SIGSYS. A handler's return
+ * goes through the shim's restorer on page 0, not through libc's `rt_sigreturn` site, and
+ * the program cannot replace the shim's SIGSYS handler (the call only reads the action). */
+static void keep_sigsys_deliverable(long nr, long *a, struct mask_copies *c)
+{
+    switch (nr) {
+    case SYS_rt_sigprocmask:
+        if (a[0] == SIG_BLOCK || a[0] == SIG_SETMASK)
+            a[1] = sigsys_unblocked(a[1], &c->set);
+        break;
+    case SYS_rt_sigaction:
+        if (a[1] == 0)
+            break;
+        if (a[0] == SIGSYS) {
+            a[1] = 0;
+            break;
+        }
+        copy_bytes(&c->act, (const void *)a[1], sizeof c->act);
+        c->act.mask &= ~SIGSYS_BIT;
+        if (c->act.flags & KSA_RESTORER)
+            c->act.restorer = (void *)RESTORER;
+        a[1] = (long)&c->act;
+        break;
+    case SYS_rt_sigsuspend:
+        a[0] = sigsys_unblocked(a[0], &c->set);
+        break;
+    case SYS_ppoll:
+        a[3] = sigsys_unblocked(a[3], &c->set);
+        break;
+    case SYS_epoll_pwait:
+    case SYS_epoll_pwait2:
+        a[4] = sigsys_unblocked(a[4], &c->set);
+        break;
+    case SYS_pselect6:
+        if (a[5] == 0)
+            break;
+        copy_bytes(&c->pselect, (const void *)a[5], sizeof c->pselect);
+        c->pselect.set = (uint64_t)sigsys_unblocked((long)c->pselect.set, &c->set);
+        a[5] = (long)&c->pselect;
+        break;
+    default:
+        break;
+    }
+}
+
 long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
 {
     lf_selector = SELECTOR_BLOCK; /* closes an ALLOW window, if one was open */
+    long a[6] = {a1, a2, a3, a4, a5, a6};
+    struct mask_copies masks;
+    keep_sigsys_deliverable(nr, a, &masks);
     if (nr >= 0 && nr < MAX_NR)
         lf_counts[nr]++;
-    return lf_raw(nr, a1, a2, a3, a4, a5, a6);
+    struct lf_state *st = lf_st;
+    if (st == NULL || st->hdr == NULL || !lf_ring_thread || nr < 0 || nr >= MAX_NR || lf_table[nr].fast == F_SLOW)
+        return slow_call(st, nr, a);
+    const struct lf_desc *d = &lf_table[nr];
+    if (d->fast == F_CLOCK)
+        return clock_call(st, nr, a);
+    uint64_t digest;
+    long bound = inspect(nr, d, a, &digest);
+    if (bound < 0)
+        return slow_call(st, nr, a);
+    uint64_t s = ++st->seq;
+    if (st->me == st->leader)
+        return lead(st, s, nr, d, a, digest, bound);
+    return follow(st, s, nr, d, a, digest);
 }
 
 /* Rewrites the `syscall` that ends at `after` into `call *%rax`. Returns 0 on success. */
@@ -150,29 +895,6 @@ static void on_sigsys(int sig, siginfo_t *info, void *context)
     g[REG_RAX] = lf_dispatch(nr, g[REG_RDI], g[REG_RSI], g[REG_RDX], g[REG_R10], g[REG_R8], g[REG_R9]);
 }
 
-/* Finds this library's executable segment: the range SUD lets through. */
-struct text_range {
-    uintptr_t inside, start, end;
-};
-
-static int find_text(struct dl_phdr_info *info, size_t size, void *data)
-{
-    (void)size;
-    struct text_range *t = data;
-    for (int i = 0; i < info->dlpi_phnum; i++) {
-        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
-        if (ph->p_type != PT_LOAD || !(ph->p_flags & PF_X))
-            continue;
-        uintptr_t start = info->dlpi_addr + ph->p_vaddr;
-        if (t->inside >= start && t->inside < start + ph->p_memsz) {
-            t->start = start & ~(uintptr_t)4095;
-            t->end = start + ph->p_memsz;
-            return 1;
-        }
-    }
-    return 0;
-}
-
 static void report(void)
 {
     if (!lf_report)
@@ -181,7 +903,7 @@ static void report(void)
     unsigned long total = 0;
     for (int i = 0; i < MAX_NR; i++)
         total += lf_counts[i];
-    char line[160];
+    char line[200];
     int n = snprintf(line, sizeof line,
                      "lockstep-fast: %lu calls through rewritten sites, %lu sites, %lu windows (%lu unrewritable)\n",
                      total, lf_sites, lf_windows, lf_unrewritable);
@@ -189,55 +911,129 @@ static void report(void)
         lf_raw(SYS_write, 2, (long)line, n < (int)sizeof line ? n : (int)sizeof line - 1, 0, 0, 0);
 }
 
-struct kernel_sigaction {
-    void *handler;
-    unsigned long flags;
-    void *restorer;
-    uint64_t mask;
-};
-
-__attribute__((constructor)) static void lf_init(void)
+/* Page 0: a nop sled for every syscall number, a jump to lf_entry, the two gates and the
+ * signal restorer. Returns 0 when it is mapped (needs CAP_SYS_RAWIO or mmap_min_addr 0). */
+static int map_page_zero(void)
 {
-    const char *mode = getenv("LOCKSTEP_FAST");
-    if (mode == NULL || mode[0] == '\0')
-        return;
-    lf_report = strcmp(mode, "count") == 0;
-    /* Page 0: a nop sled for every syscall number, then `movabs $lf_entry, %r11; jmp *%r11`. */
     unsigned char *zero = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (zero != NULL) {
         if (zero != MAP_FAILED)
             munmap(zero, 4096);
-        return; /* no page 0 (needs CAP_SYS_RAWIO): stay inert */
+        return -1;
     }
     __asm__("" : "+r"(zero)); /* page 0 is a real mapping here, not a null pointer */
     memset(zero, 0x90, SLED_LEN);
     unsigned char *p = zero + SLED_LEN;
     uint64_t target = (uint64_t)(uintptr_t)lf_entry;
-    *p++ = 0x49;
+    static const unsigned char gate[] = {0x0f, 0x05, 0xc3};                                 /* syscall; ret */
+    static const unsigned char restorer[] = {0xb8, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05, 0xf4}; /* rt_sigreturn */
+    *p++ = 0x49; /* movabs $lf_entry, %r11; jmp *%r11 */
     *p++ = 0xbb;
     memcpy(p, &target, 8);
     p += 8;
     *p++ = 0x41;
     *p++ = 0xff;
     *p++ = 0xe3;
-    mprotect(zero, 4096, PROT_READ | PROT_EXEC);
+    memcpy(zero + LF_GATE_FAST, gate, sizeof gate);
+    memcpy(zero + GATE_SLOW, gate, sizeof gate);
+    memcpy(zero + RESTORER, restorer, sizeof restorer);
+    return mprotect(zero, 4096, PROT_READ | PROT_EXEC);
+}
 
-    struct text_range text = {.inside = (uintptr_t)lf_dispatch};
-    if (dl_iterate_phdr(find_text, &text) != 1)
+static void *map_shared(int fd, uint64_t offset, uint64_t len, int prot)
+{
+    long addr = lf_fast(SYS_mmap, 0, (long)len, prot, MAP_SHARED, fd, (long)offset);
+    if (addr < 0 && addr > -4096)
+        return NULL;
+    lf_fast(SYS_madvise, addr, (long)len, MADV_DONTFORK, 0, 0, 0); /* a child never writes it */
+    lf_fast(SYS_MSEAL, addr, (long)len, 0, 0, 0, 0);               /* nor can a wild mprotect */
+    return (void *)addr;
+}
+
+/* Attaches the ring the monitor created. Every call here goes through the fast gate, so
+ * the replicas do it on their own (same fds, same addresses), except the hello, which
+ * meets the monitor and returns this replica's number. */
+static void attach_ring(const char *path)
+{
+    long fd = lf_fast(SYS_openat, AT_FDCWD, (long)path, O_RDWR | O_CLOEXEC, 0, 0, 0);
+    if (fd < 0)
         return;
+    struct lf_header *hdr = map_shared((int)fd, 0, LF_HEADER_SIZE, PROT_READ);
+    long me = -1;
+    if (hdr != NULL && hdr->magic == RING_MAGIC && hdr->version == LF_VERSION && hdr->replicas <= LF_MAX_REPLICAS &&
+        hdr->region_size >= sizeof(struct lf_region))
+        me = lf_raw(LF_SYS_FAST, OP_HELLO, LF_VERSION, sizeof(struct lf_header), sizeof(struct lf_record),
+                    sizeof(struct lf_region), 0);
+    long st_page = lf_fast(SYS_mmap, 0, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (me < 0 || me >= (long)hdr->replicas || (st_page < 0 && st_page > -4096)) {
+        lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
+        return;
+    }
+    lf_fast(SYS_madvise, st_page, 4096, MADV_WIPEONFORK, 0, 0, 0);
+    struct lf_state *st = (struct lf_state *)st_page;
+    st->me = (uint32_t)me;
+    st->leader = hdr->leader;
+    st->replicas = hdr->replicas;
+    st->spin = hdr->spin;
+    st->escalate_seen = hdr->escalate;
+    st->clocks = map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);
+    int ok = st->clocks != NULL;
+    for (uint32_t r = 0; r < st->replicas; r++) {
+        int prot = r == st->me ? PROT_READ | PROT_WRITE : PROT_READ;
+        st->regions[r] = map_shared((int)fd, hdr->regions_offset + r * hdr->region_size, hdr->region_size, prot);
+        ok = ok && st->regions[r] != NULL;
+    }
+    lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
+    if (!ok)
+        return;
+    st->hdr = hdr;
+    lf_st = st;
+    lf_ring_thread = 1;
+}
+
+/* The variables the monitor set for us are not the program's. */
+static void restore_environment(void)
+{
+    const char *preload = getenv("LOCKSTEP_FAST_PRELOAD");
+    if (preload != NULL && preload[0] != '\0')
+        setenv("LD_PRELOAD", preload, 1);
+    else if (getenv("LOCKSTEP_FAST_RING") != NULL)
+        unsetenv("LD_PRELOAD");
+    unsetenv("LOCKSTEP_FAST_PRELOAD");
+    unsetenv("LOCKSTEP_FAST_RING");
+    unsetenv("LOCKSTEP_FAST");
+}
+
+__attribute__((constructor)) static void lf_init(void)
+{
+    const char *mode = getenv("LOCKSTEP_FAST");
+    if (mode == NULL || mode[0] == '\0')
+        return;
+    int count = strcmp(mode, "count") == 0;
+    const char *ring = getenv("LOCKSTEP_FAST_RING");
+    char ring_path[256] = "";
+    if (ring != NULL && strlen(ring) < sizeof ring_path)
+        strcpy(ring_path, ring);
+    restore_environment();
+    if (map_page_zero() != 0)
+        return; /* stay inert */
     struct kernel_sigaction sa = {
         .handler = (void *)on_sigsys,
         /* SA_NODEFER: a signal handler of the program that runs while this one does (a
          * signal delivered at a call made from here) reaches unrewritten sites too, and
          * a SUD SIGSYS that is blocked is fatal. */
         .flags = SA_SIGINFO | SA_NODEFER | KSA_RESTORER,
-        .restorer = (void *)lf_restorer,
+        .restorer = (void *)RESTORER,
         .mask = 0,
     };
     if (lf_raw(SYS_rt_sigaction, SIGSYS, (long)&sa, 0, 8, 0, 0) != 0)
         return;
-    if (prctl(PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, text.start, text.end - text.start, &lf_selector) != 0)
+    if (ring_path[0] != '\0')
+        attach_ring(ring_path);
+    /* Only page 0 (the gates, the restorer) may make syscalls without SIGSYS. */
+    if (prctl(PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, 4096, &lf_selector) != 0)
         return;
+    lf_report = count;
     atexit(report);
     lf_active = 1;
     lf_selector = SELECTOR_BLOCK;

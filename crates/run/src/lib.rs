@@ -13,7 +13,10 @@
 //!   is a replica failure).
 //! * [`scripted`]: a backend that plays hand-written syscall streams, for policy tests
 //!   without processes (`tests/policy.rs`).
-//! * [`fast`]: the fast path's in-process shim (interception only, so far).
+//! * [`fast`]: the fast path (`--backend fast`): the ring shared with the in-process
+//!   shim, and the shim itself.
+//! * `fast_session`: what the monitor does for the fast path (hello, reports, the
+//!   consumption check at rendezvous, signals, switching the ring off).
 //! * [`front`]: the process the caller waits for, split from the monitor so that processes
 //!   outliving the program's first one stay replicated after lockstep returns.
 //! * [`replica`]: the replica set: liveness, leadership, pid translation.
@@ -33,6 +36,7 @@ pub mod catch_up;
 pub mod clock;
 pub mod data;
 pub mod fast;
+mod fast_session;
 pub mod front;
 pub mod injection;
 pub mod options;
@@ -46,7 +50,7 @@ pub mod signals;
 pub mod spawn;
 pub mod stats;
 
-pub use options::{CompareMode, FlipSpec, FlipTarget, Options};
+pub use options::{BackendKind, CompareMode, FlipSpec, FlipTarget, Options};
 
 /// Exit status a replica uses when it cannot install the seccomp filter before exec.
 pub(crate) const EXIT_SETUP_FAILED: i32 = 121;

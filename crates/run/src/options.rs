@@ -27,6 +27,27 @@ impl std::str::FromStr for CompareMode {
     }
 }
 
+/// How replicas' syscalls reach the monitor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Every intercepted call stops every replica under ptrace.
+    Ptrace,
+    /// Hot inputs, outputs and clock reads are replicated in process through a shared
+    /// ring (`fast.rs`); everything else stops under ptrace as before.
+    Fast,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ptrace" => Ok(BackendKind::Ptrace),
+            "fast" => Ok(BackendKind::Fast),
+            _ => Err(format!("unknown backend '{s}' (expected fast or ptrace)")),
+        }
+    }
+}
+
 /// Where a test-only fault goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FlipTarget {
@@ -116,6 +137,9 @@ impl std::str::FromStr for FlipSpec {
 pub struct Options {
     pub replicas: u32,
     pub compare: CompareMode,
+    pub backend: BackendKind,
+    /// Pause iterations before a replica waiting on the ring sleeps (fast backend).
+    pub spin: u32,
     /// How long the first replica to reach a rendezvous waits for the others.
     pub timeout: Duration,
     pub events: Option<PathBuf>,
@@ -139,6 +163,8 @@ impl Default for Options {
         Options {
             replicas: 2,
             compare: CompareMode::Args,
+            backend: BackendKind::Ptrace,
+            spin: crate::fast::DEFAULT_SPIN,
             timeout: Duration::from_secs(10),
             events: None,
             stats: false,

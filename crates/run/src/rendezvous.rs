@@ -87,6 +87,9 @@ impl Session {
         if exiting && live.iter().any(|&r| self.slot(task, r).state != SlotState::Dead) {
             return Ok(());
         }
+        if self.check_ring_consumption(task, &live)? {
+            return Ok(());
+        }
         self.decide(task, &live)
     }
 
@@ -522,6 +525,10 @@ impl Session {
 
     /// Syscalls answered by the monitor: every replica gets the same answer.
     fn emulate(&mut self, task: TaskId, nr: u64, args: [u64; 6]) -> Result<(), Stopped> {
+        if nr == lockstep_trace::SYS_LOCKSTEP_FAST {
+            let result = self.fast_hello(task, &args);
+            return self.answer_fast_hello(task, result);
+        }
         let process = self.tasks[task].process;
         let result: i64 = match nr as i64 {
             libc::SYS_getpid => self.processes[process].logical_pid as i64,
@@ -1284,6 +1291,7 @@ impl Session {
         }
         let process = self.tasks[task].process;
         let logical = self.processes[process].logical_pid;
+        self.fast_off();
         let id = self.replicas.add_fork(source, dead, local_pid as i32, logical);
         for t in self.tasks.iter_mut() {
             t.slots.push(None);

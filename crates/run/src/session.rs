@@ -376,6 +376,8 @@ pub struct Session {
     pub(crate) debug: bool,
     /// Fault injection, when asked for (see `injection.rs`).
     hook: Option<Box<dyn crate::injection::FaultHook>>,
+    /// The fast path's ring (`--backend fast`).
+    pub(crate) fast: Option<crate::fast::FastPath>,
     /// A signal was delivered without a common state (said once; see `catch_up.rs`).
     pub(crate) said_loose_signal: bool,
     /// Each replica's CPU time at its main thread's exit_group (for LOCKSTEP_CPU_REPORT).
@@ -446,7 +448,9 @@ impl Session {
         };
         let path = cstring(&resolve(cmd)?)?;
         let argv = opts.command.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
+        let fast = crate::fast::FastPath::for_run(&opts, &path)?;
         let envp = std::env::vars_os()
+            .filter(|(k, _)| fast.is_none() || k != "LD_PRELOAD")
             .map(|(k, v)| {
                 let mut kv = k.into_encoded_bytes();
                 kv.push(b'=');
@@ -454,6 +458,20 @@ impl Session {
                 CString::new(kv).map_err(|_| Error::Usage("environment contains a NUL byte".into()))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // The fast path's files are reached through a process that holds them: the
+        // namespace stub (pid 1 there), or lockstep itself without namespaces.
+        // SAFETY: getpid has no preconditions.
+        let own_pid = unsafe { libc::getpid() };
+        let with_fast = |holder: i32| -> Vec<CString> {
+            let mut env = envp.clone();
+            if let Some(f) = &fast {
+                env.extend(f.ring.environment(holder));
+            }
+            env
+        };
+        let (env_ns, env_plain) = (with_fast(1), with_fast(own_pid));
+        let (env_ns_ptrs, env_plain_ptrs) = (spawn::ptrs(&env_ns), spawn::ptrs(&env_plain));
+        let close_fds: Vec<i32> = fast.iter().flat_map(|f| f.ring.fds()).collect();
         let avail = allowed_cpus();
         for c in opts.cpus.iter().chain(opts.monitor_cpu.iter()) {
             if !avail.contains(c) {
@@ -464,8 +482,8 @@ impl Session {
         let events = EventSink::new(opts.events.as_deref(), !opts.quiet)
             .map_err(|e| Error::Io("creating the events file", e))?;
         install_signal_handlers();
-        let filter = lockstep_trace::seccomp::build_filter();
-        let (argv_ptrs, envp_ptrs) = (spawn::ptrs(&argv), spawn::ptrs(&envp));
+        let filter = lockstep_trace::seccomp::build_filter(fast.is_some());
+        let argv_ptrs = spawn::ptrs(&argv);
         let mut started = Vec::new();
         // SAFETY: geteuid has no preconditions.
         let mut namespaces = unsafe { libc::geteuid() } == 0;
@@ -474,16 +492,21 @@ impl Session {
             let plan = spawn::Plan {
                 path: &path,
                 argv: &argv_ptrs,
-                envp: &envp_ptrs,
+                envp: if namespaces { &env_ns_ptrs } else { &env_plain_ptrs },
                 cpu,
                 namespaces,
                 pid: front.caller_pid(),
                 filter: &filter,
+                close_fds: &close_fds,
             };
             let spawned = match spawn::spawn(&plan) {
                 Err(Error::Io("clone", e)) if namespaces && id == 0 && e.raw_os_error() == Some(libc::EPERM) => {
                     namespaces = false;
-                    let plan = spawn::Plan { namespaces, ..plan };
+                    let plan = spawn::Plan {
+                        namespaces,
+                        envp: &env_plain_ptrs,
+                        ..plan
+                    };
                     spawn::spawn(&plan)?
                 }
                 other => other?,
@@ -515,7 +538,9 @@ impl Session {
                 s.main
             };
         }
-        Session::assemble(opts, front, Box::new(Ptrace::default()), started, events)
+        let mut session = Session::assemble(opts, front, Box::new(Ptrace::default()), started, events)?;
+        session.fast = fast;
+        Ok(session)
     }
 
     /// The monitor over replicas that `be` has started, each stopped at its first
@@ -561,6 +586,7 @@ impl Session {
             scratch: Vec::with_capacity(4096),
             debug: std::env::var_os("LOCKSTEP_DEBUG").is_some(),
             hook: None,
+            fast: None,
         };
         session.hook = crate::injection::Injector::asked_for(&session)?
             .map(|i| Box::new(i) as Box<dyn crate::injection::FaultHook>);
@@ -622,9 +648,7 @@ impl Session {
         self.kill_everything();
         self.write_cpu_report();
         self.flush_events();
-        if self.opts.stats {
-            eprint!("{}", self.stats.render(self.started.elapsed()));
-        }
+        self.print_stats();
         status
     }
 
@@ -732,9 +756,7 @@ impl Session {
             "the program's first process ended with status {status}; {n} {plural} {verb} it and {stay} replicated until the last one exits (lockstep returns and detaches)"
         )));
         self.flush_events();
-        if self.opts.stats {
-            eprint!("{}", self.stats.render(self.started.elapsed()));
-        }
+        self.print_stats();
         self.front.detach(status);
         let result = self.event_loop(true);
         let how = match result {
@@ -878,6 +900,9 @@ impl Session {
                 if task == 0 && matches!(stop, Stop::EventStop(_)) {
                     self.with_hook((), |hook, s| hook.at_event_stop(s, r));
                 }
+                if matches!(stop, Stop::EventStop(_)) {
+                    self.at_fast_interrupt(task, r);
+                }
                 self.resume_same(task, r);
                 Ok(())
             }
@@ -970,6 +995,9 @@ impl Session {
         if let Some(clock) = crate::clock::clock_of(nr, &args) {
             self.answer_clock(task, r, regs, nr, args, clock);
             return Ok(());
+        }
+        if Self::is_fast_report(nr, &args) {
+            return self.on_fast_report(task, r, args);
         }
         if self.opts.compare == crate::CompareMode::Io && self.consume_queued_input(task, r, regs, nr)? {
             return Ok(());
@@ -1378,6 +1406,7 @@ impl Session {
     pub fn vote_out(&mut self, r: ReplicaId, why: String) -> Result<(), Stopped> {
         let t0 = Instant::now();
         let was_leader = r == self.replicas.leader();
+        self.fast_off();
         let removal = self.replicas.remove(r);
         for t in &self.tasks {
             if let Some(Some(s)) = t.slots.get(r as usize) {
@@ -1456,6 +1485,13 @@ impl Session {
         self.kill_everything();
         self.flush_events();
         Stopped::Halt
+    }
+
+    fn print_stats(&mut self) {
+        if self.opts.stats {
+            self.stats.fast_calls = self.fast_calls();
+            eprint!("{}", self.stats.render(self.started.elapsed()));
+        }
     }
 
     /// Logical pid -> replica-local pid.

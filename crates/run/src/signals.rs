@@ -269,7 +269,10 @@ impl Session {
         let (nr, leader_only) = match self.tasks[task].phase {
             Phase::Leader { nr, .. } | Phase::LeaderFirst { nr, .. } => (nr, true),
             Phase::All { nr, .. } => (nr, false),
-            _ => return,
+            _ => {
+                self.fast_kick(task);
+                return;
+            }
         };
         if !lockstep_trace::syscalls::describe(nr)
             .map(|d| d.blocking)

@@ -40,6 +40,9 @@ pub struct Plan<'a> {
     /// directories) never collide between runs. 0: the kernel's choice.
     pub pid: libc::pid_t,
     pub filter: &'a [libc::sock_filter],
+    /// lockstep's own descriptors that the stub keeps but the program must not get (the
+    /// fast path's ring and shim, reached through /proc/1/fd).
+    pub close_fds: &'a [i32],
 }
 
 fn errno() -> i32 {
@@ -71,6 +74,9 @@ unsafe fn become_program(plan: &Plan, argv: &[*const libc::c_char], envp: &[*con
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+    for &fd in plan.close_fds {
+        libc::close(fd);
     }
     if seccomp::install(plan.filter).is_err() {
         libc::_exit(crate::EXIT_SETUP_FAILED);

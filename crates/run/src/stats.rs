@@ -17,6 +17,8 @@ pub struct Stats {
     pub signals_met: u64,
     pub signals_loose: u64,
     pub divergences: u64,
+    /// Calls the leader completed on the fast path, when it was attached.
+    pub fast_calls: Option<u64>,
     pub reintegrations: u64,
     pub monitor_time: Duration,
 }
@@ -57,6 +59,11 @@ impl Stats {
             if *n > 0 {
                 s.push_str(&format!("    {:<13} {n}\n", NAMES[i]));
             }
+        }
+        if let Some(n) = self.fast_calls {
+            s.push_str(&format!(
+                "  fast-path calls:      {n} (replicated in process, no stop)\n"
+            ));
         }
         s.push_str(&format!("  rdtsc emulated:       {}\n", self.rdtsc));
         s.push_str(&format!(

@@ -32,3 +32,9 @@ pub const SYS_LOCKSTEP_TRACE: u64 = 0x4c53;
 /// A syscall number the filter answers with a user notification. The monitor rewrites a
 /// follower's syscall to this number to install file descriptors into it.
 pub const SYS_LOCKSTEP_INSTALL: u64 = 0x4c54;
+/// The fast path's call to the monitor (`lockstep_fast(op, ...)`): the shim's hello at
+/// start, and a follower's report of a divergence it found in the shared ring.
+pub const SYS_LOCKSTEP_FAST: u64 = 0x4c55;
+/// Address of the fast path's syscall gate (`syscall; ret` on page 0, mapped by the shim).
+/// With `--backend fast` the seccomp filter allows every call made from it, and only those.
+pub const FAST_GATE: u64 = 0x600;

@@ -3,7 +3,8 @@
 //!
 //! The filter is built from [`crate::syscalls`]: `Passthrough` syscalls are allowed
 //! without a stop, [`crate::SYS_LOCKSTEP_INSTALL`] raises a user notification, and every
-//! other syscall (including unknown numbers) stops with SECCOMP_RET_TRACE.
+//! other syscall (including unknown numbers) stops with SECCOMP_RET_TRACE. With the fast
+//! path, every call made from its gate ([`crate::FAST_GATE`]) is allowed first.
 
 use crate::syscalls::{self, Class};
 use std::io;
@@ -32,7 +33,7 @@ fn jump(code: u16, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
 }
 
 /// The filter program. Built before fork so that the child only has to install it.
-pub fn build_filter() -> Vec<libc::sock_filter> {
+pub fn build_filter(fast_gate: bool) -> Vec<libc::sock_filter> {
     // mmap stops only for shared file mappings: MAP_SHARED (or MAP_SHARED_VALIDATE)
     // without MAP_ANONYMOUS. Everything else (the loader's and malloc's maps) never stops.
     const MAP_SHARED: u32 = libc::MAP_SHARED as u32;
@@ -47,6 +48,20 @@ pub fn build_filter() -> Vec<libc::sock_filter> {
         stmt(BPF_LD_W_ABS, 4), // seccomp_data.arch
         jump(BPF_JEQ_K, AUDIT_ARCH_X86_64, 1, 0),
         stmt(BPF_RET_K, SECCOMP_RET_KILL_PROCESS),
+    ];
+    if fast_gate {
+        // The fast path's gate: calls made there are the shim's own, already replicated.
+        // seccomp_data.instruction_pointer is the address after the `syscall` (2 bytes).
+        let ip = crate::FAST_GATE + 2;
+        prog.extend([
+            stmt(BPF_LD_W_ABS, 8), // instruction_pointer, low half
+            jump(BPF_JEQ_K, ip as u32, 0, 3),
+            stmt(BPF_LD_W_ABS, 12), // high half
+            jump(BPF_JEQ_K, (ip >> 32) as u32, 0, 1),
+            stmt(BPF_RET_K, SECCOMP_RET_ALLOW),
+        ]);
+    }
+    prog.extend([
         stmt(BPF_LD_W_ABS, 0), // seccomp_data.nr
         // x32 syscalls are not supported: let them stop so the monitor can name them.
         jump(BPF_JGE_K, X32_SYSCALL_BIT, 0, 1),
@@ -60,7 +75,7 @@ pub fn build_filter() -> Vec<libc::sock_filter> {
         jump(BPF_JSET_K, MAP_ANONYMOUS, 1, 0),
         stmt(BPF_RET_K, SECCOMP_RET_TRACE),
         stmt(BPF_RET_K, SECCOMP_RET_ALLOW),
-    ];
+    ]);
     for nr in allowed {
         prog.push(jump(BPF_JEQ_K, nr, 0, 1));
         prog.push(stmt(BPF_RET_K, SECCOMP_RET_ALLOW));

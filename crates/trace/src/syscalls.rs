@@ -572,6 +572,9 @@ pub fn describe(nr: u64) -> Option<&'static Desc> {
     if nr == crate::SYS_LOCKSTEP_TRACE {
         return Some(&TRACE_ROW);
     }
+    if nr == crate::SYS_LOCKSTEP_FAST {
+        return Some(&FAST_ROW);
+    }
     static INDEX: OnceLock<Vec<Option<&'static Desc>>> = OnceLock::new();
     let index = INDEX.get_or_init(|| {
         let mut v = vec![None; TABLE_SIZE];
@@ -589,6 +592,15 @@ static TRACE_ROW: Desc = Desc {
     name: "lockstep_trace",
     class: Emulated,
     args: &[In(OfArg(1)), Val],
+    new_fds: NewFds::None,
+    blocking: false,
+};
+
+static FAST_ROW: Desc = Desc {
+    nr: crate::SYS_LOCKSTEP_FAST,
+    name: "lockstep_fast",
+    class: Emulated,
+    args: &[Val, Val, Val, Val, Val, Val],
     new_fds: NewFds::None,
     blocking: false,
 };

@@ -1,0 +1,196 @@
+//! What the monitor does for the fast path (`fast.rs` holds the ring itself):
+//!
+//! * the shim's hello: each replica learns its number, and the ring gets its task;
+//! * a follower's DIVERGED report: a record that does not match the follower's own call;
+//! * at every rendezvous of the ring's task, every follower must have consumed exactly
+//!   what the leader published (a replica that skipped or added fast-path calls differs);
+//! * signals: a signal to deliver brings the leader's next call to the monitor, and a
+//!   leader blocked in a fast call is interrupted so that it gets there;
+//! * a change of the replica set switches the ring off for good.
+
+use crate::backend::{Backend, Resume};
+use crate::fast::{DIVERGED_CRC, OP_DIVERGED, OP_HELLO};
+use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
+use lockstep_core::events::Event;
+use lockstep_trace::{ptrace, syscalls, Regs, FAST_GATE, SYS_LOCKSTEP_FAST};
+
+/// The kernel's restart codes: a call interrupted before it did anything.
+const RESTART_CODES: [i64; 4] = [-512, -513, -514, -516];
+
+impl Session {
+    /// Whether `nr, args` is a replica's DIVERGED report, which is answered on arrival
+    /// (the other replicas are not at a matching call).
+    pub(crate) fn is_fast_report(nr: u64, args: &[u64; 6]) -> bool {
+        nr == SYS_LOCKSTEP_FAST && args[0] == OP_DIVERGED
+    }
+
+    /// A follower found a record in the leader's ring that does not match its own call.
+    pub(crate) fn on_fast_report(&mut self, task: TaskId, r: ReplicaId, args: [u64; 6]) -> Result<(), Stopped> {
+        let Some(fast) = &self.fast else {
+            return Ok(()); // not ours: the call fails with ENOSYS at its rendezvous
+        };
+        fast.ring.switch_off();
+        let (seq, own_nr, own_digest, lead_nr, lead_digest) = (args[1], args[2], args[3], args[4], args[5]);
+        let own = syscalls::name(own_nr);
+        let leader = self.replicas.leader();
+        let msg = if lead_nr == DIVERGED_CRC {
+            format!(
+                "replica {r} diverged at task {task}: the leader's fast-path record #{seq} fails its CRC32C check \
+                 (the follower was at {own})"
+            )
+        } else {
+            format!(
+                "replica {r} diverged at task {task}: fast-path call #{seq} is {own} with digest {own_digest:016x}; \
+                 leader {leader} ran {} with digest {lead_digest:016x}",
+                syscalls::name(lead_nr)
+            )
+        };
+        self.replica_failed(task, r, "divergence", msg)
+    }
+
+    /// The shim's hello: replica `r` gets its number if the ring is for this task.
+    pub(crate) fn fast_hello(&mut self, task: TaskId, args: &[u64; 6]) -> i64 {
+        let live = self.live_replicas();
+        let Some(fast) = &mut self.fast else {
+            return -(libc::ENOSYS as i64);
+        };
+        let first_image = self.tasks[task].process == 0 && task == 0;
+        let untouched =
+            live.len() == self.opts.replicas as usize && live.iter().enumerate().all(|(i, &r)| i == r as usize);
+        if args[0] != OP_HELLO || !fast.ring.layout_matches(args[1], args[2], args[3], args[4]) {
+            return -(libc::EINVAL as i64);
+        }
+        if fast.task.is_some()
+            || !first_image
+            || !untouched
+            || !fast.ring.is_on()
+            || fast.ring.leader() != self.replicas.leader()
+        {
+            return -(libc::EBUSY as i64);
+        }
+        fast.task = Some(task);
+        0 // replaced by each replica's own number
+    }
+
+    /// At a rendezvous of the ring's task: each follower must have consumed every record
+    /// the leader published, no more and no less. Returns whether a replica failed.
+    pub(crate) fn check_ring_consumption(&mut self, task: TaskId, live: &[ReplicaId]) -> Result<bool, Stopped> {
+        let Some(fast) = &self.fast else {
+            return Ok(false);
+        };
+        if fast.active_task() != Some(task) {
+            return Ok(false);
+        }
+        let leader = self.replicas.leader();
+        let published = fast.ring.published(leader);
+        let behind: Vec<(ReplicaId, u64)> = live
+            .iter()
+            .filter(|&&f| f != leader)
+            .map(|&f| (f, fast.ring.consumed(f)))
+            .filter(|&(_, consumed)| consumed != published)
+            .collect();
+        if behind.is_empty() {
+            return Ok(false);
+        }
+        fast.ring.switch_off();
+        // Every follower differs from the leader: with two or more of them, the leader is
+        // the odd one out.
+        let followers = live.len() - 1;
+        let culprits: Vec<(ReplicaId, String)> = if followers >= 2 && behind.len() == followers {
+            vec![(
+                leader,
+                format!(
+                    "replica {leader} (the leader) made {published} fast-path calls; its followers made {}",
+                    behind[0].1
+                ),
+            )]
+        } else {
+            behind
+                .iter()
+                .map(|&(f, consumed)| {
+                    (f, format!("replica {f} reached a call of the monitor after {consumed} fast-path calls; leader {leader} after {published}"))
+                })
+                .collect()
+        };
+        for (r, why) in culprits {
+            if self.replicas.is_alive(r) {
+                self.replica_failed(
+                    task,
+                    r,
+                    "divergence",
+                    format!("replica {r} diverged at task {task}: {why}"),
+                )?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// A signal waits for the ring's task: its leader brings its next replicated call to
+    /// the monitor, and is interrupted if it is blocked in one. Whether the task uses the ring.
+    pub(crate) fn fast_kick(&mut self, task: TaskId) -> bool {
+        let Some(fast) = &self.fast else {
+            return false;
+        };
+        if fast.active_task() != Some(task) {
+            return false;
+        }
+        fast.ring.request_escalation();
+        let leader = self.replicas.leader();
+        let slot = self.slot(task, leader);
+        if matches!(slot.state, SlotState::Running) {
+            let _ = self.be.interrupt(slot.tid);
+        }
+        true
+    }
+
+    /// The ring's leader stopped by our interrupt: a fast call it was blocked in returns
+    /// EINTR instead of restarting, and the shim brings it to the monitor.
+    pub(crate) fn at_fast_interrupt(&mut self, task: TaskId, r: ReplicaId) {
+        let Some(fast) = &self.fast else {
+            return;
+        };
+        if fast.active_task() != Some(task) || r != self.replicas.leader() {
+            return;
+        }
+        let tid = self.slot(task, r).tid;
+        let Ok(mut regs) = self.be.regs(tid) else {
+            return;
+        };
+        if in_fast_gate_restart(&regs) {
+            regs.rax = -(libc::EINTR as i64) as u64;
+            let _ = self.be.set_regs(tid, &regs);
+        }
+    }
+
+    /// The replica set changes: the ring's roles are fixed, so it is switched off.
+    pub(crate) fn fast_off(&mut self) {
+        if let Some(fast) = &self.fast {
+            fast.ring.switch_off();
+        }
+    }
+
+    /// Answers the hello in each replica with its own number.
+    pub(crate) fn answer_fast_hello(&mut self, task: TaskId, result: i64) -> Result<(), Stopped> {
+        for r in self.live_slots(task) {
+            let mut regs = self.slot(task, r).regs;
+            ptrace::skip_with_result(&mut regs, if result == 0 { r as i64 } else { result });
+            let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
+            self.resume(task, r, Resume::Run, SlotState::Running);
+        }
+        if result == 0 && !self.opts.quiet && self.debug {
+            self.emit(Event::new("run", "fast", "attach").message("the fast path's ring is attached".to_string()));
+        }
+        Ok(())
+    }
+
+    /// Calls the leader completed on the fast path, for `--stats`.
+    pub(crate) fn fast_calls(&self) -> Option<u64> {
+        let fast = self.fast.as_ref()?;
+        fast.task?;
+        Some(fast.ring.fast_calls(fast.ring.leader()))
+    }
+}
+
+fn in_fast_gate_restart(regs: &Regs) -> bool {
+    regs.rip == FAST_GATE + 2 && RESTART_CODES.contains(&(regs.rax as i64))
+}
