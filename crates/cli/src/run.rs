@@ -49,7 +49,13 @@ pub struct RunArgs {
     /// replicates the hot inputs, outputs and clock reads in process through shared memory
     /// and leaves the rest to ptrace; it needs a dynamically linked program and root (page
     /// 0 is mapped), and falls back to ptrace with a message otherwise (docs/run.md).
-    #[arg(long, default_value = "ptrace", value_name = "BACKEND", value_parser = ["fast", "ptrace"])]
+    #[arg(
+        long,
+        env = "LOCKSTEP_BACKEND",
+        default_value = "ptrace",
+        value_name = "BACKEND",
+        value_parser = ["fast", "ptrace"]
+    )]
     backend: String,
 
     /// Fast backend: pause iterations a waiting replica spins before it sleeps.

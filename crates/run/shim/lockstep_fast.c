@@ -165,6 +165,7 @@ struct lf_state {
     uint32_t me, leader, replicas, escalate_seen, spin;
     uint64_t seq; /* the last replicated call */
     uint64_t clock_next[LF_CLOCKS];
+    unsigned char *stack; /* RING_STACK bytes above a guard page */
 };
 
 struct kernel_sigaction {
@@ -183,6 +184,11 @@ static unsigned long lf_sites;
 static unsigned long lf_unrewritable;
 static unsigned long lf_windows;
 static struct lf_state *lf_st;
+/* Test hooks (LOCKSTEP_FAST_TEST, tests/run_fast.rs): "corrupt:N" makes the leader damage
+ * record N after its CRC is computed; "selector-allow" leaves SUD's selector open, as a
+ * corrupted selector would, so that only the seccomp backstop sees the program's calls. */
+static uint64_t lf_test_corrupt;
+static int lf_test_selector_allow;
 /* The thread that owns the ring: the main thread of the image that attached it. */
 static __thread int lf_ring_thread __attribute__((tls_model("initial-exec")));
 
@@ -623,6 +629,8 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
     store(&own->h.slow_seq, st->seq + 1);
     signal_progress(st, &own->h.progress, st->leader);
     long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    if (st->hdr == NULL)
+        return ret; /* we are a fork of the replica that made the call (re-integration) */
     store(&own->h.slow_seq, 0);
     return ret;
 }
@@ -631,6 +639,8 @@ static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s)
 {
     struct lf_region *own = st->regions[st->me];
     rec->crc = record_crc(rec, s);
+    if (s == lf_test_corrupt)
+        rec->ret ^= 1;
     store(&rec->seq, s);
     store(&own->h.published, s);
     wake_followers(st, &own->h.published_word);
@@ -766,6 +776,57 @@ static int never_rewritten(long nr)
            nr == SYS_vfork || nr == SYS_execve || nr == SYS_execveat;
 }
 
+struct ring_call {
+    struct lf_state *st;
+    long nr;
+    const long *a;
+};
+
+/* The ring thread's call: replicated through the ring, or passed to the monitor. */
+static long ring_call(struct ring_call *c)
+{
+    struct lf_state *st = c->st;
+    long nr = c->nr;
+    const long *a = c->a;
+    if (nr < 0 || nr >= MAX_NR || lf_table[nr].fast == F_SLOW)
+        return slow_call(st, nr, a);
+    const struct lf_desc *d = &lf_table[nr];
+    if (d->fast == F_CLOCK)
+        return clock_call(st, nr, a);
+    uint64_t digest;
+    long bound = inspect(nr, d, a, &digest);
+    if (bound < 0)
+        return slow_call(st, nr, a);
+    uint64_t s = ++st->seq;
+    if (st->me == st->leader)
+        return lead(st, s, nr, d, a, digest, bound);
+    return follow(st, s, nr, d, a, digest);
+}
+
+/* The leader and a follower run different code for the same call. On the program's stack
+ * that would leave different bytes below its stack pointer, which a program may pass on
+ * uninitialised (glibc's nscd client sends a sockaddr_un with such a tail), so the ring
+ * thread's calls run on a stack of the shim's own. A signal handler that runs inside one
+ * of them (delivered at a call made through the monitor) stays on it. */
+#define RING_STACK (256 * 1024)
+long lf_switch_stack(struct ring_call *c, long (*fn)(struct ring_call *), void *top);
+__asm__(".text\n"
+        ".globl lf_switch_stack\n.type lf_switch_stack,@function\nlf_switch_stack:\n"
+        "  push %rbp\n  mov %rsp, %rbp\n"
+        "  mov %rdx, %rsp\n"
+        "  call *%rsi\n"
+        "  mov %rbp, %rsp\n  pop %rbp\n"
+        "  ret\n");
+
+static long on_ring_stack(struct ring_call *c)
+{
+    uintptr_t here = (uintptr_t)__builtin_frame_address(0);
+    uintptr_t low = (uintptr_t)c->st->stack, high = low + RING_STACK;
+    if (here >= low && here < high)
+        return ring_call(c);
+    return lf_switch_stack(c, ring_call, (void *)high);
+}
+
 /* Copies of the program's signal masks and actions, edited before the kernel sees them. */
 struct mask_copies {
     uint64_t set;
@@ -835,26 +896,17 @@ static void keep_sigsys_deliverable(long nr, long *a, struct mask_copies *c)
 
 long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
 {
-    lf_selector = SELECTOR_BLOCK; /* closes an ALLOW window, if one was open */
+    lf_selector = lf_test_selector_allow ? SELECTOR_ALLOW : SELECTOR_BLOCK; /* closes an ALLOW window */
     long a[6] = {a1, a2, a3, a4, a5, a6};
     struct mask_copies masks;
     keep_sigsys_deliverable(nr, a, &masks);
     if (nr >= 0 && nr < MAX_NR)
         lf_counts[nr]++;
     struct lf_state *st = lf_st;
-    if (st == NULL || st->hdr == NULL || !lf_ring_thread || nr < 0 || nr >= MAX_NR || lf_table[nr].fast == F_SLOW)
-        return slow_call(st, nr, a);
-    const struct lf_desc *d = &lf_table[nr];
-    if (d->fast == F_CLOCK)
-        return clock_call(st, nr, a);
-    uint64_t digest;
-    long bound = inspect(nr, d, a, &digest);
-    if (bound < 0)
-        return slow_call(st, nr, a);
-    uint64_t s = ++st->seq;
-    if (st->me == st->leader)
-        return lead(st, s, nr, d, a, digest, bound);
-    return follow(st, s, nr, d, a, digest);
+    if (st == NULL || st->hdr == NULL || !lf_ring_thread)
+        return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    struct ring_call call = {st, nr, a};
+    return on_ring_stack(&call);
 }
 
 /* Rewrites the `syscall` that ends at `after` into `call *%rax`. Returns 0 on success. */
@@ -971,6 +1023,13 @@ static void attach_ring(const char *path)
     }
     lf_fast(SYS_madvise, st_page, 4096, MADV_WIPEONFORK, 0, 0, 0);
     struct lf_state *st = (struct lf_state *)st_page;
+    long stack = lf_fast(SYS_mmap, 0, RING_STACK + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (stack < 0 && stack > -4096) {
+        lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
+        return;
+    }
+    lf_fast(SYS_mprotect, stack, 4096, PROT_NONE, 0, 0, 0);
+    st->stack = (unsigned char *)stack + 4096;
     st->me = (uint32_t)me;
     st->leader = hdr->leader;
     st->replicas = hdr->replicas;
@@ -1002,6 +1061,7 @@ static void restore_environment(void)
     unsetenv("LOCKSTEP_FAST_PRELOAD");
     unsetenv("LOCKSTEP_FAST_RING");
     unsetenv("LOCKSTEP_FAST");
+    unsetenv("LOCKSTEP_FAST_TEST");
 }
 
 __attribute__((constructor)) static void lf_init(void)
@@ -1014,6 +1074,10 @@ __attribute__((constructor)) static void lf_init(void)
     char ring_path[256] = "";
     if (ring != NULL && strlen(ring) < sizeof ring_path)
         strcpy(ring_path, ring);
+    const char *test = getenv("LOCKSTEP_FAST_TEST");
+    if (test != NULL && strncmp(test, "corrupt:", 8) == 0)
+        lf_test_corrupt = strtoull(test + 8, NULL, 10);
+    lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
     if (map_page_zero() != 0)
         return; /* stay inert */
@@ -1036,5 +1100,5 @@ __attribute__((constructor)) static void lf_init(void)
     lf_report = count;
     atexit(report);
     lf_active = 1;
-    lf_selector = SELECTOR_BLOCK;
+    lf_selector = lf_test_selector_allow ? SELECTOR_ALLOW : SELECTOR_BLOCK;
 }

@@ -260,6 +260,20 @@ impl Ring {
         self.word64(&self.region(r).consumed).load(Ordering::Acquire)
     }
 
+    /// A number that grows whenever replica `r` moves on in the ring (publishes, votes or
+    /// consumes).
+    pub fn position(&self, r: u32) -> u64 {
+        let region = self.region(r);
+        self.word64(&region.published).load(Ordering::Acquire)
+            + self.word64(&region.consumed).load(Ordering::Acquire)
+            + self.word64(&region.vote_seq).load(Ordering::Acquire)
+    }
+
+    /// Whether replica `r` sleeps waiting for another one in the ring.
+    pub fn sleeping(&self, r: u32) -> bool {
+        self.word32(&self.region(r).sleeping).load(Ordering::Acquire) != 0
+    }
+
     /// Calls replica `r` completed on the fast path.
     pub fn fast_calls(&self, r: u32) -> u64 {
         self.word64(&self.region(r).fast_calls).load(Ordering::Acquire)
@@ -319,6 +333,9 @@ pub struct FastPath {
     pub ring: Ring,
     /// The task whose main thread attached the ring (at its hello), if one did.
     pub task: Option<usize>,
+    /// Per replica: its last ring position, and since when it has not moved while running
+    /// and while another replica waited (the watchdog, `fast_session.rs`).
+    pub watch: Vec<(u64, Option<std::time::Instant>)>,
 }
 
 impl FastPath {
@@ -348,7 +365,12 @@ impl FastPath {
         }
         let ring =
             Ring::create(opts.replicas, opts.spin).map_err(|e| crate::Error::Io("creating the fast path's ring", e))?;
-        Ok(Some(FastPath { ring, task: None }))
+        let watch = vec![(0, None); opts.replicas as usize];
+        Ok(Some(FastPath {
+            ring,
+            task: None,
+            watch,
+        }))
     }
 
     /// The ring's task, while the ring is on.

@@ -162,6 +162,68 @@ impl Session {
         }
     }
 
+    /// The watchdog: a replica that, for the straggler timeout, runs (in user space) without
+    /// moving in the ring while another replica waits there is a straggler, as one that
+    /// does not reach a rendezvous is.
+    pub(crate) fn check_ring_progress(&mut self) -> Result<(), Stopped> {
+        let Some(task) = self.fast.as_ref().and_then(|f| f.active_task()) else {
+            return Ok(());
+        };
+        let live: Vec<ReplicaId> = self.live_slots(task).to_vec();
+        let now = std::time::Instant::now();
+        let running: Vec<bool> = live.iter().map(|&r| self.running_in_user_space(task, r)).collect();
+        let Some(fast) = self.fast.as_mut() else {
+            return Ok(());
+        };
+        let someone_waits = live.iter().any(|&r| fast.ring.sleeping(r));
+        let mut stragglers = Vec::new();
+        for (i, &r) in live.iter().enumerate() {
+            let position = fast.ring.position(r);
+            let entry = &mut fast.watch[r as usize];
+            if position != entry.0 || !someone_waits || !running[i] || fast.ring.sleeping(r) {
+                *entry = (position, None);
+                continue;
+            }
+            let since = *entry.1.get_or_insert(now);
+            if now.duration_since(since) >= self.opts.timeout {
+                stragglers.push(r);
+            }
+        }
+        if stragglers.is_empty() {
+            return Ok(());
+        }
+        fast.ring.switch_off();
+        self.stats.divergences += 1;
+        let msg = format!(
+            "replica(s) {stragglers:?} ran for {:.1} s without moving in the fast path's ring while another replica waited",
+            self.opts.timeout.as_secs_f64()
+        );
+        self.emit(
+            Event::new("run", "timeout", "vote")
+                .object(format!("task {task}"))
+                .message(msg),
+        );
+        if stragglers.len() == 1 && live.len() >= 3 {
+            let r = stragglers[0];
+            self.vote_out(r, format!("replica {r} is a straggler"))
+        } else {
+            Err(self.halt(format!("no majority kept up in the fast path's ring of task {task}")))
+        }
+    }
+
+    /// Whether replica `r`'s thread of `task` runs user code now (state R, not stopped by
+    /// us and not asleep in the kernel).
+    fn running_in_user_space(&self, task: TaskId, r: ReplicaId) -> bool {
+        let slot = self.slot(task, r);
+        if slot.state != SlotState::Running {
+            return false;
+        }
+        let stat = self.be.proc_read(slot.tid, "stat").unwrap_or_default();
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state == "R")
+    }
+
     /// The replica set changes: the ring's roles are fixed, so it is switched off.
     pub(crate) fn fast_off(&mut self) {
         if let Some(fast) = &self.fast {

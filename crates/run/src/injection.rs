@@ -6,7 +6,7 @@
 //! (`lockstep_inject::fault`), so there is one flipper.
 
 use crate::backend::{Backend, Resume};
-use crate::options::{FlipSpec, FlipTarget};
+use crate::options::{FlipAt, FlipSpec, FlipTarget};
 use crate::session::{set_tick, Arrival, Phase, ReplicaId, Session, SlotState, TaskId, INJECTION_TICK, TICK};
 use crate::Error;
 use lockstep_core::Event;
@@ -67,6 +67,8 @@ fn stop_is_signal_without_fault(stop: Stop, result: &Option<std::io::Result<lock
 /// The injector behind `lockstep inject --replica` and `--test-flip`.
 pub struct Injector {
     flips: Vec<FlipSpec>,
+    /// Which flips struck already (a FirstCall flip strikes once).
+    fired: Vec<bool>,
     /// The injector's fault and the replica it goes to, until it is applied.
     fault: Option<(lockstep_inject::fault::ReplicaFault, ReplicaId)>,
     /// A dest/addr fault in progress: its thread is single-stepped.
@@ -84,6 +86,7 @@ impl Injector {
         }
         let injector = Injector {
             flips: s.opts.flips.clone(),
+            fired: vec![false; s.opts.flips.len()],
             record: fault.as_ref().map(|f| f.0.record.clone()),
             fault,
             stepping: None,
@@ -376,10 +379,11 @@ impl Injector {
             }
         };
         let keep_going = matches!(flip.target, FlipTarget::Register(_) | FlipTarget::Memory { .. });
-        let msg = format!(
-            "test flip: injected {what} into replica {r} at syscall stop {}",
-            flip.syscall
-        );
+        let at = match flip.at {
+            FlipAt::Stop(k) => format!("syscall stop {k}"),
+            FlipAt::FirstCall(nr) => format!("its first {}", lockstep_trace::syscalls::name(nr)),
+        };
+        let msg = format!("test flip: injected {what} into replica {r} at {at}");
         s.emit(Event::new("run", "inject", "flip").replica(r).message(msg));
         keep_going
     }
@@ -392,12 +396,18 @@ impl FaultHook for Injector {
 
     fn at_syscall(&mut self, s: &mut Session, r: ReplicaId, regs: &mut Regs) -> bool {
         let stops = s.slot(0, r).stops;
-        let flips: Vec<FlipSpec> = self
-            .flips
-            .iter()
-            .filter(|f| f.replica == r && f.syscall == stops)
-            .cloned()
-            .collect();
+        let nr = ptrace::syscall_nr(regs);
+        let mut flips = Vec::new();
+        for (flip, fired) in self.flips.iter().zip(self.fired.iter_mut()) {
+            let due = match flip.at {
+                FlipAt::Stop(k) => k == stops,
+                FlipAt::FirstCall(n) => n == nr && !*fired,
+            };
+            if flip.replica == r && due {
+                *fired = true;
+                flips.push(flip.clone());
+            }
+        }
         for flip in flips {
             if !self.apply_flip(s, 0, r, &flip, regs) {
                 return false; // the replica was killed or set spinning

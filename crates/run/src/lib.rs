@@ -50,7 +50,7 @@ pub mod signals;
 pub mod spawn;
 pub mod stats;
 
-pub use options::{BackendKind, CompareMode, FlipSpec, FlipTarget, Options};
+pub use options::{BackendKind, CompareMode, FlipAt, FlipSpec, FlipTarget, Options};
 
 /// Exit status a replica uses when it cannot install the seccomp filter before exec.
 pub(crate) const EXIT_SETUP_FAILED: i32 = 121;

@@ -63,19 +63,29 @@ pub enum FlipTarget {
     Hang,
 }
 
-/// A deterministic, test-only fault: at the `syscall`-th intercepted syscall of
-/// `replica`'s main thread, flip `bit` of `target`.
+/// Where a test-only fault strikes: the K-th intercepted syscall of a replica's main
+/// thread, or its first intercepted call of one syscall (which stays put when the number
+/// of calls before it changes, as with the fast backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlipAt {
+    Stop(u64),
+    FirstCall(u64),
+}
+
+/// A deterministic, test-only fault: at `at` in `replica`'s main thread, flip `bit` of
+/// `target`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FlipSpec {
     pub replica: u32,
-    pub syscall: u64,
+    pub at: FlipAt,
     pub target: FlipTarget,
     pub bit: u32,
 }
 
 impl std::str::FromStr for FlipSpec {
     type Err = String;
-    /// `REPLICA:SYSCALL:TARGET:BIT`, TARGET = register | mem:REG+OFF | kill | hang.
+    /// `REPLICA:SYSCALL:TARGET:BIT`, SYSCALL = a count from 1 or a syscall name, TARGET =
+    /// register | mem:REG+OFF | kill | hang.
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = || {
             format!("bad flip '{s}': expected REPLICA:SYSCALL:TARGET:BIT, TARGET = a register, mem:REG+OFFSET, kill or hang")
@@ -87,7 +97,11 @@ impl std::str::FromStr for FlipSpec {
             _ => return Err(bad()),
         };
         let replica = replica.parse().map_err(|_| bad())?;
-        let syscall = syscall.parse().map_err(|_| bad())?;
+        let at = match syscall.parse::<u64>() {
+            Ok(0) => return Err(format!("bad flip '{s}': syscalls are counted from 1")),
+            Ok(k) => FlipAt::Stop(k),
+            Err(_) => FlipAt::FirstCall(lockstep_trace::syscall_names::number(syscall).ok_or_else(bad)?),
+        };
         let bit: u32 = bit.parse().map_err(|_| bad())?;
         let target = match target.as_str() {
             "kill" => FlipTarget::Kill,
@@ -120,12 +134,9 @@ impl std::str::FromStr for FlipSpec {
             }
             _ => return Err(bad()),
         };
-        if syscall == 0 {
-            return Err(format!("bad flip '{s}': syscalls are counted from 1"));
-        }
         Ok(FlipSpec {
             replica,
-            syscall,
+            at,
             target,
             bit,
         })
@@ -197,6 +208,9 @@ mod tests {
         assert_eq!(f.target, FlipTarget::Register("rbx".into()));
         assert_eq!("2:7:kill:0".parse::<FlipSpec>().unwrap().target, FlipTarget::Kill);
         assert!("2:0:kill:0".parse::<FlipSpec>().is_err());
+        let at = "1:getppid:mem:rdi+0:2".parse::<FlipSpec>().unwrap().at;
+        assert_eq!(at, FlipAt::FirstCall(libc::SYS_getppid as u64));
+        assert!("1:nosuchcall:kill:0".parse::<FlipSpec>().is_err());
         assert!("x".parse::<FlipSpec>().is_err());
         assert!("0:1:rbx:64".parse::<FlipSpec>().is_err());
         assert!("0:1:mem:rsi:8".parse::<FlipSpec>().is_err());

@@ -662,6 +662,7 @@ impl Session {
         } {
             self.forward_received_signals()?;
             self.check_timeouts()?;
+            self.check_ring_progress()?;
             self.catch_up_signals();
             self.with_hook((), |hook, s| hook.before_wait(s));
             self.flush_events();

@@ -457,3 +457,8 @@ pub const NAMES: [&str; 451] = [
     "futex_waitv",
     "set_mempolicy_home_node",
 ];
+
+/// The number of the syscall called `name`, if the table knows it.
+pub fn number(name: &str) -> Option<u64> {
+    NAMES.iter().position(|n| !n.is_empty() && *n == name).map(|i| i as u64)
+}

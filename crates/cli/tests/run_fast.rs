@@ -1,0 +1,255 @@
+//! `lockstep run --backend fast`: the in-process fast path (crates/run/shim/lockstep_fast.c
+//! and crates/run/src/fast*.rs). The whole run suite also passes with LOCKSTEP_BACKEND=fast
+//! (docs/run.md says how to run it); these tests cover what only the fast path has:
+//! that calls really skip the monitor, that faults caught in process are voted and
+//! masked as with ptrace, the watchdog, the ring's protection and CRC, and the seccomp
+//! backstop under a broken Syscall User Dispatch.
+//!
+//! Faults use `--test-flip R:getppid:...` on `tests/fixtures/fast_target.c`, whose one
+//! getppid call carries a pointer to its next output line: `mem:rdi+0` corrupts that line
+//! in one replica, and the shim's vote on the write finds it.
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::time::Duration;
+
+const FAST: &str = "--backend=fast";
+
+/// "fast-path calls: N" and "syscalls intercepted: M" from `--stats`.
+fn fast_and_intercepted(out: &Output) -> (u64, u64) {
+    let number = |key: &str| -> u64 {
+        out.stderr
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(key))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no '{key}' in the stats\n{}", out.context()))
+    };
+    (number("fast-path calls:"), number("syscalls intercepted:"))
+}
+
+fn run_fast_target(replicas: &str, extra: &[&str]) -> (Output, Vec<Value>) {
+    let ev = events_path("fast");
+    let ev_arg = ev.to_string_lossy().into_owned();
+    let mut opts = vec!["-r", replicas, FAST, "--events", &ev_arg];
+    opts.extend_from_slice(extra);
+    let out = run(lockstep_run(&opts, &[fixture("fast_target")]));
+    let events = read_events_of(&ev, &out);
+    (out, events)
+}
+
+fn fast_target_native() -> Vec<u8> {
+    native_stdout(&[fixture("fast_target")])
+}
+
+#[test]
+fn programs_give_native_output_and_their_hot_calls_skip_the_monitor() {
+    let big = random_file(4 << 20);
+    let py = python3();
+    let job = "import hashlib, os, sys\n\
+               h = hashlib.sha256()\n\
+               for i in range(2000):\n    h.update(os.urandom(0) + str(i).encode())\n    sys.stdout.write(str(i % 10))\n\
+               print()\n\
+               pid = os.fork()\n\
+               if pid == 0:\n    os._exit(3)\n\
+               print(h.hexdigest(), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n";
+    let progs: Vec<Vec<std::ffi::OsString>> = vec![
+        vec!["cat".into(), big.clone().into()],
+        vec!["gzip".into(), "-c".into(), big.into()],
+        vec!["sh".into(), "-c".into(), PIPELINE.into()],
+        vec![py.into(), "-c".into(), job.into()],
+    ];
+    for prog in &progs {
+        let native = native_stdout(prog);
+        for r in ["2", "3"] {
+            let out = run(lockstep_run(&["-r", r, FAST, "--stats"], prog));
+            out.assert_code(0).assert_stdout(&native);
+            assert!(!out.stderr.contains("[divergence]"), "{}", out.context());
+            let (fast, _) = fast_and_intercepted(&out);
+            assert!(fast > 0, "no call took the fast path\n{}", out.context());
+        }
+    }
+}
+
+#[test]
+fn a_syscall_heavy_loop_runs_almost_entirely_on_the_fast_path() {
+    let prog = ["dd", "if=/dev/zero", "of=/dev/null", "bs=512", "count=20000"];
+    let out = run(lockstep_run(&["-r", "2", FAST, "--stats"], &prog));
+    out.assert_code(0);
+    let (fast, intercepted) = fast_and_intercepted(&out);
+    assert!(fast >= 40_000, "{fast} fast-path calls\n{}", out.context());
+    // dd's start-up and exit meet the monitor; its 40,000 reads and writes do not.
+    assert!(
+        intercepted * 100 < fast,
+        "{intercepted} intercepted, {fast} fast\n{}",
+        out.context()
+    );
+}
+
+#[test]
+fn dmr_stops_a_corrupted_output_before_it_leaves() {
+    let native = fast_target_native();
+    for faulty in ["0", "1"] {
+        let flip = format!("{faulty}:getppid:mem:rdi+0:2");
+        let (out, events) = run_fast_target("2", &["--test-flip", &flip]);
+        out.assert_code(86);
+        assert_event(&events, "divergence", None, &out);
+        assert_event(&events, "halt", None, &out);
+        // Lines 0..9 went out; line 10 is the first one the faulty replica corrupted.
+        assert_line_prefix(&out, &native, 10..=10);
+    }
+}
+
+#[test]
+fn tmr_masks_a_corrupted_follower_or_leader() {
+    let native = fast_target_native();
+    for faulty in [1u32, 0] {
+        let flip = format!("{faulty}:getppid:mem:rdi+0:2");
+        let (out, events) = run_fast_target("3", &["--test-flip", &flip]);
+        out.assert_code(0).assert_stdout(&native);
+        assert_event(&events, "divergence", None, &out);
+        let killed: Vec<u64> = events
+            .iter()
+            .filter(|e| e["kind"] == "vote" && e["action"] == "kill")
+            .filter_map(|e| e["replica"].as_u64())
+            .collect();
+        assert_eq!(
+            killed,
+            vec![faulty as u64],
+            "{}\n{}",
+            events_summary(&events),
+            out.context()
+        );
+        assert_no_event(&events, "halt", &out);
+    }
+}
+
+#[test]
+fn a_killed_replica_is_voted_out_and_replaced() {
+    let native = fast_target_native();
+    let (out, events) = run_fast_target("3", &["--test-flip", "2:getppid:kill:0"]);
+    out.assert_code(0).assert_stdout(&native);
+    assert_event(&events, "vote", Some("kill"), &out);
+    assert_event(&events, "reintegrate", Some("fork"), &out);
+    let (out, events) = run_fast_target("2", &["--test-flip", "1:getppid:kill:0"]);
+    out.assert_code(86);
+    assert_event(&events, "halt", None, &out);
+}
+
+#[test]
+fn the_watchdog_finds_a_replica_that_hangs_outside_the_monitor() {
+    let native = fast_target_native();
+    let (out, events) = run_fast_target("3", &["--timeout", "1", "--test-flip", "1:getppid:hang:0"]);
+    out.assert_code(0).assert_stdout(&native);
+    assert_event(&events, "timeout", None, &out);
+    let (out, events) = run_fast_target("2", &["--timeout", "1", "--test-flip", "0:getppid:hang:0"]);
+    out.assert_code(86);
+    assert_event(&events, "timeout", None, &out);
+    assert!(out.elapsed < RUN_TIMEOUT, "{}", out.context());
+}
+
+#[test]
+fn a_corrupted_record_fails_its_crc_check() {
+    let mut cmd = lockstep_run(&["-r", "2", FAST], &[fixture("fast_target")]);
+    cmd.env("LOCKSTEP_FAST_TEST", "corrupt:5");
+    let out = run(cmd);
+    out.assert_code(86);
+    assert!(out.stderr.contains("fails its CRC32C check"), "{}", out.context());
+}
+
+#[test]
+fn with_dispatch_broken_the_seccomp_backstop_still_sees_every_call() {
+    let native = fast_target_native();
+    // The selector left open: nothing is rewritten, every call reaches seccomp directly.
+    let mut cmd = lockstep_run(&["-r", "2", FAST, "--stats"], &[fixture("fast_target")]);
+    cmd.env("LOCKSTEP_FAST_TEST", "selector-allow");
+    let out = run(cmd);
+    out.assert_code(0).assert_stdout(&native);
+    let (fast, intercepted) = fast_and_intercepted(&out);
+    assert_eq!(fast, 0, "{}", out.context());
+    assert!(intercepted > 40, "{}", out.context());
+    // And a fault is still caught, by the monitor.
+    let mut cmd = lockstep_run(
+        &["-r", "2", FAST, "--test-flip", "1:getppid:mem:rdi+0:2"],
+        &[fixture("fast_target")],
+    );
+    cmd.env("LOCKSTEP_FAST_TEST", "selector-allow");
+    let out = run(cmd);
+    out.assert_code(86);
+    assert!(out.stderr.contains("[divergence]"), "{}", out.context());
+}
+
+/// The ring's mappings in `pid`: (permissions, size, VmFlags) per mapping.
+fn ring_mappings(pid: u32) -> Vec<(String, u64, String)> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut found = Vec::new();
+    let mut current: Option<(String, u64)> = None;
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields
+            .first()
+            .is_some_and(|f| f.contains('-') && f.chars().next().is_some_and(|c| c.is_ascii_hexdigit()))
+        {
+            current = line.contains("lockstep-ring").then(|| {
+                let (lo, hi) = fields[0].split_once('-').unwrap();
+                let size = u64::from_str_radix(hi, 16).unwrap() - u64::from_str_radix(lo, 16).unwrap();
+                (fields[1].to_string(), size)
+            });
+        } else if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if let Some((perms, size)) = current.take() {
+                found.push((perms, size, flags.trim().to_string()));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn each_replica_may_write_only_its_own_region_and_the_mappings_are_sealed() {
+    let running = spawn(lockstep_run(&["-r", "3", FAST], &["sleep", "30"]));
+    // The replicas are the marked `sleep` processes that mapped the ring.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let replicas = loop {
+        let with_ring: Vec<u32> = running
+            .marked_processes()
+            .into_iter()
+            .filter(|p| p.cmdline.first().is_some_and(|c| c == "sleep"))
+            .map(|p| p.pid)
+            .filter(|&pid| !ring_mappings(pid).is_empty())
+            .collect();
+        if with_ring.len() == 3 || std::time::Instant::now() > deadline {
+            break with_ring;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let maps: Vec<_> = replicas.iter().map(|&pid| ring_mappings(pid)).collect();
+    running.signal(libc::SIGTERM);
+    assert_eq!(replicas.len(), 3, "three replicas with the ring mapped");
+    for maps in maps {
+        let regions: Vec<&(String, u64, String)> = maps.iter().filter(|m| m.1 >= 1 << 20).collect();
+        assert_eq!(regions.len(), 3, "{maps:?}");
+        let writable = regions.iter().filter(|m| m.0.starts_with("rw")).count();
+        assert_eq!(writable, 1, "exactly its own region is writable: {maps:?}");
+        assert!(
+            maps.iter().all(|m| m.2.split(' ').any(|f| f == "sl")),
+            "every ring mapping is sealed: {maps:?}"
+        );
+        assert!(
+            maps.iter().any(|m| m.0.starts_with("r--") && m.1 == 4096),
+            "the header is read-only: {maps:?}"
+        );
+    }
+}
+
+#[test]
+fn falls_back_to_ptrace_with_one_line_where_the_fast_path_cannot_work() {
+    // flip_target is static: no shim can be preloaded.
+    let out = run(lockstep_run(&["-r", "2", FAST], &[fixture("flip_target")]));
+    out.assert_code(0).assert_stdout(&flip_target_native());
+    let notes: Vec<&str> = out.stderr.lines().filter(|l| l.contains("--backend fast")).collect();
+    assert_eq!(notes.len(), 1, "{}", out.context());
+    assert!(notes[0].contains("statically linked"), "{}", out.context());
+    let out = run(lockstep_run(&["-r", "2", "--backend", "nonsense"], &["true"]));
+    out.assert_code(2);
+}
