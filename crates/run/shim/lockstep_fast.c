@@ -54,6 +54,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -166,6 +167,7 @@ struct lf_state {
     uint64_t seq; /* the last replicated call */
     uint64_t clock_next[LF_CLOCKS];
     unsigned char *stack; /* RING_STACK bytes above a guard page */
+    long owner_tid;       /* the ring thread */
 };
 
 struct kernel_sigaction {
@@ -184,6 +186,10 @@ static unsigned long lf_sites;
 static unsigned long lf_unrewritable;
 static unsigned long lf_windows;
 static struct lf_state *lf_st;
+/* A vfork-like clone happened: until the ring thread shows its own tid again, a call may
+ * come from the child that borrows its memory, which must not touch the ring. */
+static volatile int lf_vfork_seen;
+
 /* Test hooks (LOCKSTEP_FAST_TEST, tests/run_fast.rs): "corrupt:N" makes the leader damage
  * record N after its CRC is computed; "selector-allow" leaves SUD's selector open, as a
  * corrupted selector would, so that only the seccomp backstop sees the program's calls. */
@@ -524,10 +530,12 @@ static void wake_followers(struct lf_state *st, volatile uint32_t *word)
 static int is_off(const struct lf_state *st) { return __atomic_load_n(&st->hdr->off, __ATOMIC_ACQUIRE) != 0; }
 
 /* A follower that is in a call the monitor handles cannot take part until the leader gets
- * there too. */
+ * there too. A follower still on its way out of a call the leader made too (the monitor
+ * released them both) is not: it has made no more such calls than the leader. */
 static int follower_in_slow_call(const struct wait_for *w)
 {
-    return load(&w->st->regions[w->who]->h.slow_seq) != 0;
+    const struct lf_region_head *f = &w->st->regions[w->who]->h;
+    return load(&f->slow_seq) != 0 && load(&f->slow_calls) > w->st->regions[w->st->me]->h.slow_calls;
 }
 
 static int slot_free(const struct wait_for *w)
@@ -623,7 +631,7 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
     if (st == NULL || st->hdr == NULL || !lf_ring_thread)
         return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     struct lf_region *own = st->regions[st->me];
-    own->h.slow_calls++;
+    store(&own->h.slow_calls, own->h.slow_calls + 1);
     if (st->me == st->leader)
         return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     store(&own->h.slow_seq, st->seq + 1);
@@ -646,13 +654,18 @@ static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s)
     wake_followers(st, &own->h.published_word);
 }
 
-static long escalate(struct lf_state *st, struct lf_record *rec, uint64_t s, long nr, uint64_t digest, const long *a)
+/* Publishes ESCALATE for call `s` and makes the call through the monitor. `d` is given
+ * when the call was interrupted in the leader: what the kernel wrote into its in-out
+ * buffers meanwhile (poll's revents) goes to the followers too, as the monitor does for
+ * an interrupted call, so that all replicas bring the same buffers to the monitor. */
+static long escalate(struct lf_state *st, struct lf_record *rec, uint64_t s, long nr, uint64_t digest, const long *a,
+                     const struct lf_desc *d)
 {
     rec->nr = (uint32_t)nr;
     rec->kind = KIND_ESCALATE;
     rec->digest = digest;
     rec->ret = 0;
-    rec->len = 0;
+    rec->len = d != NULL ? pack(d, a, 0, rec->payload) : 0;
     clock_snapshot(st, rec->clock_sync);
     publish(st, rec, s);
     return slow_call(st, nr, a);
@@ -667,7 +680,7 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     uint32_t request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
     if (request != st->escalate_seen || bound > (long)LF_PAYLOAD_MAX) {
         st->escalate_seen = request;
-        return escalate(st, rec, s, nr, digest, a);
+        return escalate(st, rec, s, nr, digest, a, NULL);
     }
     if (d->fast == F_OUTPUT) {
         int got = wait_followers(st, voted, s);
@@ -678,14 +691,14 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
                 if (r != st->me && load(&st->regions[r]->h.vote_digest) != digest)
                     got = GIVE_UP_SLOW;
         if (got != READY) /* a different output: the monitor votes */
-            return escalate(st, rec, s, nr, digest, a);
+            return escalate(st, rec, s, nr, digest, a, NULL);
     }
     long ret = lf_fast(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
     if (ret == -EINTR && request != st->escalate_seen) {
         /* The monitor interrupted the call to deliver a signal: it did not happen. */
         st->escalate_seen = request;
-        return escalate(st, rec, s, nr, digest, a);
+        return escalate(st, rec, s, nr, digest, a, d);
     }
     rec->nr = (uint32_t)nr;
     rec->kind = KIND_RESULT;
@@ -728,6 +741,11 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
     }
     long ret;
     if (rec->kind == KIND_ESCALATE) {
+        int same = rec->nr == (uint32_t)nr && rec->digest == digest;
+        if (same && rec->len > 0 && !unpack(d, a, rec->payload, rec->len)) {
+            report_divergence(s, nr, digest, rec->nr, rec->digest);
+            return slow_call(st, nr, a);
+        }
         store(&own->h.consumed, s);
         signal_progress(st, &own->h.progress, st->leader);
         return slow_call(st, nr, a);
@@ -905,6 +923,11 @@ long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
     struct lf_state *st = lf_st;
     if (st == NULL || st->hdr == NULL || !lf_ring_thread)
         return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    if (lf_vfork_seen) {
+        if (lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid)
+            return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]); /* a vfork child */
+        lf_vfork_seen = 0;
+    }
     struct ring_call call = {st, nr, a};
     return on_ring_stack(&call);
 }
@@ -926,6 +949,55 @@ static int rewrite_site(unsigned char *after)
     return 0;
 }
 
+/* Calls that are never rewritten run from a stub of their own site on page 1 (inside
+ * SUD's allowed range): `syscall; movabs $site_end, %r11; jmp *%r11`. The stub returns
+ * without the stack, so a clone's child on its new stack and a vfork's child sharing ours
+ * come back right. Every such call passes through on_sigsys, which is how a vfork is
+ * seen. More sites than stubs: an ALLOW window on the selector, as a fallback. */
+#define STUB_PAGE 0x1000UL
+#define STUB_SIZE 16
+#define MAX_STUBS (4096 / STUB_SIZE)
+static uintptr_t lf_stub_sites[MAX_STUBS];
+static unsigned lf_stub_count;
+static int lf_stub_lock;
+
+static uintptr_t stub_for(uintptr_t site_end)
+{
+    uintptr_t stub = 0;
+    while (__atomic_exchange_n(&lf_stub_lock, 1, __ATOMIC_ACQUIRE))
+        cpu_relax();
+    for (unsigned i = 0; i < lf_stub_count && stub == 0; i++)
+        if (lf_stub_sites[i] == site_end)
+            stub = STUB_PAGE + i * STUB_SIZE;
+    if (stub == 0 && lf_stub_count < MAX_STUBS &&
+        lf_raw(SYS_mprotect, STUB_PAGE, 4096, PROT_READ | PROT_WRITE, 0, 0, 0) == 0) {
+        unsigned char *p = (unsigned char *)(uintptr_t)(STUB_PAGE + lf_stub_count * STUB_SIZE);
+        unsigned char code[STUB_SIZE] = {0x0f, 0x05, 0x49, 0xbb, 0, 0, 0, 0, 0, 0, 0, 0, 0x41, 0xff, 0xe3, 0xf4};
+        copy_bytes(code + 4, &site_end, 8);
+        copy_bytes(p, code, STUB_SIZE);
+        lf_raw(SYS_mprotect, STUB_PAGE, 4096, PROT_READ | PROT_EXEC, 0, 0, 0);
+        lf_stub_sites[lf_stub_count] = site_end;
+        stub = STUB_PAGE + lf_stub_count * STUB_SIZE;
+        lf_stub_count++;
+    }
+    __atomic_store_n(&lf_stub_lock, 0, __ATOMIC_RELEASE);
+    return stub;
+}
+
+static int vfork_like(long nr, const greg_t *g)
+{
+    if (nr == SYS_vfork)
+        return 1;
+    uint64_t flags = 0;
+    if (nr == SYS_clone)
+        flags = (uint64_t)g[REG_RDI];
+    else if (nr == SYS_clone3 && g[REG_RDI] != 0)
+        copy_bytes(&flags, (const void *)g[REG_RDI], sizeof flags);
+    else
+        return 0;
+    return (flags & CLONE_VM) && !(flags & CLONE_THREAD);
+}
+
 static void on_sigsys(int sig, siginfo_t *info, void *context)
 {
     (void)sig;
@@ -936,12 +1008,19 @@ static void on_sigsys(int sig, siginfo_t *info, void *context)
     long nr = info->si_syscall;
     unsigned char *after = (unsigned char *)g[REG_RIP];
     if (never_rewritten(nr) || nr < 0 || nr >= MAX_NR || rewrite_site(after) != 0) {
+        if (vfork_like(nr, g))
+            lf_vfork_seen = 1;
+        uintptr_t stub = stub_for((uintptr_t)after);
+        g[REG_RAX] = nr;
+        if (stub != 0) {
+            g[REG_RIP] = (greg_t)stub;
+            return;
+        }
         /* Run the original instruction again, with SUD letting it through. */
         lf_unrewritable += !never_rewritten(nr);
         lf_windows++;
         lf_selector = SELECTOR_ALLOW;
         g[REG_RIP] -= 2;
-        g[REG_RAX] = nr;
         return;
     }
     g[REG_RAX] = lf_dispatch(nr, g[REG_RDI], g[REG_RSI], g[REG_RDX], g[REG_R10], g[REG_R8], g[REG_R9]);
@@ -989,7 +1068,10 @@ static int map_page_zero(void)
     memcpy(zero + LF_GATE_FAST, gate, sizeof gate);
     memcpy(zero + GATE_SLOW, gate, sizeof gate);
     memcpy(zero + RESTORER, restorer, sizeof restorer);
-    return mprotect(zero, 4096, PROT_READ | PROT_EXEC);
+    if (mprotect(zero, 4096, PROT_READ | PROT_EXEC) != 0)
+        return -1;
+    void *stubs = mmap((void *)STUB_PAGE, 4096, PROT_READ | PROT_EXEC, MAP_FIXED_NOREPLACE | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return stubs == (void *)STUB_PAGE ? 0 : -1;
 }
 
 static void *map_shared(int fd, uint64_t offset, uint64_t len, int prot)
@@ -1035,6 +1117,7 @@ static void attach_ring(const char *path)
     st->replicas = hdr->replicas;
     st->spin = hdr->spin;
     st->escalate_seen = hdr->escalate;
+    st->owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
     st->clocks = map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);
     int ok = st->clocks != NULL;
     for (uint32_t r = 0; r < st->replicas; r++) {
@@ -1094,8 +1177,8 @@ __attribute__((constructor)) static void lf_init(void)
         return;
     if (ring_path[0] != '\0')
         attach_ring(ring_path);
-    /* Only page 0 (the gates, the restorer) may make syscalls without SIGSYS. */
-    if (prctl(PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, 4096, &lf_selector) != 0)
+    /* Only pages 0 and 1 (the gates, the restorer, the stubs) may make syscalls without SIGSYS. */
+    if (prctl(PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, STUB_PAGE + 4096, &lf_selector) != 0)
         return;
     lf_report = count;
     atexit(report);
