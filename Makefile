@@ -4,6 +4,8 @@ export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 BUILD := build
 CFLAGS_STRICT := -O2 -Wall -Wextra -Werror
+RUN_SUITE := --test run_output --test run_extra --test run_process --test run_signals \
+	--test run_faults --test run_cpython --test run_fast_shim
 
 .PHONY: all deps build clib demo test bench cpython-suite lint clean
 
@@ -34,6 +36,8 @@ test: deps clib
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) test --workspace --locked -- --test-threads=2
+	# The run suite once more on the fast backend (docs/run.md, "The fast backend").
+	LOCKSTEP_BACKEND=fast $(CARGO) test -p lockstep-cli --locked $(RUN_SUITE) -- --test-threads=2
 
 # CPython's regression suite under lockstep run (a fast subset is in `make test`).
 cpython-suite: build
