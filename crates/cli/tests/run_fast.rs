@@ -73,6 +73,14 @@ fn programs_give_native_output_and_their_hot_calls_skip_the_monitor() {
 }
 
 #[test]
+fn signal_masks_hold_under_the_shim() {
+    for r in ["2", "3"] {
+        let out = run(lockstep_run(&["-r", r, FAST], &[fixture("sigmask_first")]));
+        out.assert_code(0).assert_stdout(b"blocked 1\n");
+    }
+}
+
+#[test]
 fn a_syscall_heavy_loop_runs_almost_entirely_on_the_fast_path() {
     let prog = ["dd", "if=/dev/zero", "of=/dev/null", "bs=512", "count=20000"];
     let out = run(lockstep_run(&["-r", "2", FAST, "--stats"], &prog));

@@ -111,3 +111,10 @@ fn replicas_with_the_shim_agree_under_lockstep_run() {
         assert_agreed(&read_events_of(&ev, &out), &out);
     }
 }
+
+#[test]
+fn a_mask_set_at_a_sites_first_call_holds() {
+    let prog = vec![fixture("sigmask_first").into_os_string()];
+    let out = run(native_cmd(&shimmed("1", &prog)));
+    out.assert_code(0).assert_stdout(b"blocked 1\n");
+}

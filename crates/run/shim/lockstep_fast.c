@@ -1024,6 +1024,13 @@ static void on_sigsys(int sig, siginfo_t *info, void *context)
         return;
     }
     g[REG_RAX] = lf_dispatch(nr, g[REG_RDI], g[REG_RSI], g[REG_RDX], g[REG_R10], g[REG_R8], g[REG_R9]);
+    if (nr == SYS_rt_sigprocmask && g[REG_RAX] == 0) {
+        /* The call ran inside this handler, whose return restores the mask saved in its
+         * frame: the program's new mask goes into the frame instead. */
+        uint64_t now = 0;
+        lf_raw(SYS_rt_sigprocmask, SIG_BLOCK, 0, (long)&now, sizeof now, 0, 0);
+        copy_bytes(&uc->uc_sigmask, &now, sizeof now);
+    }
 }
 
 static void report(void)
