@@ -113,6 +113,16 @@ fn table_header() -> String {
             ));
         }
     }
+    // Calls that never meet the other replicas in the monitor: the filter lets them
+    // through (passthrough), or the monitor handles them alone (munmap of private memory).
+    for desc in syscalls::table() {
+        if desc.class == Class::Passthrough || desc.nr == libc::SYS_munmap as u64 {
+            rows.push(format!(
+                "    [{}] = {{F_LOCAL, 0, {{}}}}, /* {} */\n",
+                desc.nr, desc.name
+            ));
+        }
+    }
     h.push_str("static const struct lf_desc lf_table[LF_MAX_NR] = {\n");
     for row in rows {
         h.push_str(&row);

@@ -96,7 +96,7 @@
 
 /* --- the generated table ------------------------------------------------------------ */
 #define LF_MAX_NR MAX_NR
-enum { F_SLOW = 0, F_INPUT, F_OUTPUT, F_CLOCK };
+enum { F_SLOW = 0, F_INPUT, F_OUTPUT, F_CLOCK, F_LOCAL };
 enum { A_IGNORE = 0, A_VAL, A_IN, A_OUT, A_INOUT, A_IOV_IN, A_IOV_OUT, A_NULL_ONLY };
 enum { L_FIXED = 0, L_ARG, L_RET };
 struct lf_arg {
@@ -151,6 +151,9 @@ struct lf_region_head {
     uint32_t pad;
     /* for --stats */
     uint64_t fast_calls, slow_calls;
+    /* diagnostics: calls the ring thread made around the ring (a vfork child's), and
+     * the leader's calls taken to the monitor without a record (off, stuck follower) */
+    uint64_t bypassed, unrecorded;
 };
 struct lf_region {
     struct lf_region_head h;
@@ -626,9 +629,24 @@ static void clock_align(struct lf_state *st, const uint64_t *sync)
 
 /* --- the replicated call ------------------------------------------------------------------ */
 
+/* Whether a call never meets the other replicas in the monitor (passthrough, a private
+ * munmap, a clock read the monitor answers alone): it says nothing about where the
+ * replicas are. */
+static int local_call(long nr, const long *a)
+{
+    if (nr < 0 || nr >= MAX_NR)
+        return 0;
+    if (lf_table[nr].fast == F_LOCAL)
+        return 1;
+    return lf_table[nr].fast == F_CLOCK && (nr != SYS_clock_gettime || (a[0] >= 0 && a[0] < (long)LF_CLOCKS));
+}
+
+/* A call the monitor handles. A follower's calls that meet the leader there are counted
+ * and marked (slow_seq), so that a leader waiting for it can tell a follower held in the
+ * monitor from one still on its way. */
 static long slow_call(struct lf_state *st, long nr, const long *a)
 {
-    if (st == NULL || st->hdr == NULL || !lf_ring_thread)
+    if (st == NULL || st->hdr == NULL || !lf_ring_thread || local_call(nr, a))
         return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     struct lf_region *own = st->regions[st->me];
     store(&own->h.slow_calls, own->h.slow_calls + 1);
@@ -675,8 +693,10 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
 {
     struct lf_region *own = st->regions[st->me];
     struct lf_record *rec = &own->records[s % LF_SLOTS];
-    if (is_off(st) || wait_followers(st, slot_free, s) != READY)
+    if (is_off(st) || wait_followers(st, slot_free, s) != READY) {
+        own->h.unrecorded++;
         return slow_call(st, nr, a); /* no record: the monitor finds out why */
+    }
     uint32_t request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
     if (request != st->escalate_seen || bound > (long)LF_PAYLOAD_MAX) {
         st->escalate_seen = request;
@@ -806,7 +826,7 @@ static long ring_call(struct ring_call *c)
     struct lf_state *st = c->st;
     long nr = c->nr;
     const long *a = c->a;
-    if (nr < 0 || nr >= MAX_NR || lf_table[nr].fast == F_SLOW)
+    if (nr < 0 || nr >= MAX_NR || lf_table[nr].fast == F_SLOW || lf_table[nr].fast == F_LOCAL)
         return slow_call(st, nr, a);
     const struct lf_desc *d = &lf_table[nr];
     if (d->fast == F_CLOCK)
@@ -924,8 +944,10 @@ long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
     if (st == NULL || st->hdr == NULL || !lf_ring_thread)
         return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     if (lf_vfork_seen) {
-        if (lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid)
+        if (lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid) {
+            st->regions[st->me]->h.bypassed++;
             return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]); /* a vfork child */
+        }
         lf_vfork_seen = 0;
     }
     struct ring_call call = {st, nr, a};

@@ -73,6 +73,8 @@ struct RegionHead {
     pad: u32,
     fast_calls: u64,
     slow_calls: u64,
+    bypassed: u64,
+    unrecorded: u64,
 }
 
 const fn round_up(n: u64, to: u64) -> u64 {

@@ -1,0 +1,582 @@
+#!/usr/bin/env python3
+"""What the fast backend (`lockstep run --backend fast`) costs, against native runs measured
+side by side in the same invocation.
+
+Part A, per-call cost: bench/fast_loop.c (compiled here with gcc into a temporary
+directory) does N iterations of read(/dev/zero, 64 B) + write(/dev/null, 64 B) and prints
+the nanoseconds per syscall. Each round runs, in this order: native; `lockstep run -r 2
+--backend fast --stats`; `lockstep run -r 3 --backend fast --stats`; and one `lockstep run
+-r 2 --backend ptrace` with a smaller N (N/20, at least 2000; ptrace stops every replica
+at every call, so it is orders of magnitude slower). Reported per configuration: the
+median ns per call, the added ns per call against native (median of the per-round
+differences), the slowdown (median of the per-round ratios) and, for the fast runs, the
+fraction of syscalls that took the fast path = fast-path calls / (fast-path calls +
+intercepted calls), from lockstep's --stats.
+
+Part B, redis: each round starts redis-server (--save "" --appendonly no, on a free port)
+natively, under `lockstep run -r 2 --backend fast --stats` and under `-r 3`, waits for
+PING, runs `redis-benchmark -t set,get -n N -c 50 --csv` against it, then shuts it down
+with `redis-cli shutdown nosave`. Reported per configuration: median SET and GET
+requests/s, the share of native (median of the per-round ratios replicated / native of
+the same round) and the fast-path fraction of redis's syscalls.
+
+The machine may be small and noisy, so configurations are interleaved round by round and
+everything is given relative to the native run of the same round. Failures (a replicated
+run exiting early or non-zero, a timeout, output that does not parse) are listed as
+anomalies; they do not stop the bench. Nothing here asserts on timing.
+
+Usage (from anywhere; the repository root is found from this file's path):
+    cargo build --release --locked -p lockstep-cli
+    python3 bench/fast_bench.py [--rounds R] [--requests N] [--loop N] [--out DIR] [--quick]
+--quick is --rounds 1 --requests 20000 --loop 50000. Writes DIR/fast.json (default
+bench/out/fast.json) with every raw per-round number and the summary, and prints a
+markdown summary on stdout. Needs gcc, redis-server, redis-cli and redis-benchmark; the
+fast backend needs root (see docs/run.md).
+"""
+import argparse
+import csv
+import io
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release", "lockstep")
+SRC = os.path.join(ROOT, "bench", "fast_loop.c")
+
+FAST_RE = re.compile(r"fast-path calls:\s+(\d+)")
+INTERCEPTED_RE = re.compile(r"syscalls intercepted:\s+(\d+)")
+NS_RE = re.compile(r"^ns_per_call\s+([0-9.eE+-]+)\s*$", re.M)
+
+ANOMALIES = []
+# Process groups started by this script (each child runs in its own session).
+LIVE_PGIDS = set()
+ALL_PGIDS = set()
+
+
+def anomaly(where, what, cmd=None, stderr=None):
+    entry = {"where": where, "what": what}
+    if cmd is not None:
+        entry["command"] = " ".join(shlex.quote(c) for c in cmd)
+    if stderr:
+        entry["stderr_tail"] = tail(stderr)
+    ANOMALIES.append(entry)
+    print(f"ANOMALY [{where}]: {what}", file=sys.stderr)
+    if cmd is not None:
+        print(f"  command: {entry['command']}", file=sys.stderr)
+    if stderr:
+        print("  stderr tail:\n    " + entry["stderr_tail"].replace("\n", "\n    "), file=sys.stderr)
+
+
+def tail(text, lines=15):
+    """The last lines of a stderr, lockstep's --stats block condensed to its key counters so
+    that the event lines before it ([timeout], [halt], divergence, ...) stay visible."""
+    events, stats, in_stats = [], [], False
+    for ln in text.rstrip().splitlines():
+        if ln.startswith("lockstep run: stats"):
+            in_stats = True
+            continue
+        if in_stats and ln.startswith(" "):
+            if re.search(r"syscalls intercepted|fast-path calls|divergences|re-integrations", ln):
+                stats.append(re.sub(r"\s+", " ", ln.strip()))
+            continue
+        in_stats = False
+        events.append(ln)
+    out = events[-lines:]
+    if stats:
+        out.append("[--stats] " + "; ".join(stats))
+    return "\n".join(out)
+
+
+def killpg(pgid, sig=signal.SIGKILL):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def cleanup_all():
+    for pgid in list(LIVE_PGIDS):
+        killpg(pgid)
+        LIVE_PGIDS.discard(pgid)
+
+
+def spawn(cmd, stdout, stderr):
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                         start_new_session=True)
+    LIVE_PGIDS.add(p.pid)
+    ALL_PGIDS.add(p.pid)
+    return p
+
+
+def reap(p):
+    """Kill whatever is left of p's process group (a no-op once it has all exited)."""
+    killpg(p.pid)
+    LIVE_PGIDS.discard(p.pid)
+
+
+def run(cmd, timeout, where):
+    """Run cmd in its own process group; returns (rc, stdout, stderr, seconds) or None on
+    timeout (then the group is killed and an anomaly recorded)."""
+    t0 = time.monotonic()
+    p = spawn(cmd, subprocess.PIPE, subprocess.PIPE)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        killpg(p.pid)
+        out, err = p.communicate()
+        reap(p)
+        anomaly(where, f"timed out after {timeout} s", cmd, err.decode(errors="replace"))
+        return None
+    reap(p)
+    return p.returncode, out.decode(errors="replace"), err.decode(errors="replace"), \
+        time.monotonic() - t0
+
+
+def parse_stats(stderr):
+    f = FAST_RE.search(stderr)
+    i = INTERCEPTED_RE.search(stderr)
+    if not f or not i:
+        return None
+    fast, intercepted = int(f.group(1)), int(i.group(1))
+    total = fast + intercepted
+    return {"fast_path_calls": fast, "intercepted": intercepted,
+            "fast_fraction": fast / total if total else None}
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+# ---------------------------------------------------------------- Part A: fast_loop
+
+A_CONFIGS = ["native", "fast -r 2", "fast -r 3", "ptrace -r 2"]
+
+
+def a_cmd(config, loop_bin, n):
+    if config == "native":
+        return [loop_bin, str(n)]
+    if config == "fast -r 2":
+        return [BIN, "run", "-r", "2", "--backend", "fast", "--stats", "--", loop_bin, str(n)]
+    if config == "fast -r 3":
+        return [BIN, "run", "-r", "3", "--backend", "fast", "--stats", "--", loop_bin, str(n)]
+    if config == "ptrace -r 2":
+        return [BIN, "run", "-r", "2", "--backend", "ptrace", "--", loop_bin, str(n)]
+    raise ValueError(config)
+
+
+def part_a(args, loop_bin):
+    n_ptrace = max(2000, args.loop // 20)
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for config in A_CONFIGS:
+            n = n_ptrace if config.startswith("ptrace") else args.loop
+            cmd = a_cmd(config, loop_bin, n)
+            where = f"A round {r + 1} {config}"
+            # Generous: up to 1 ms per call (3 replicas on 2 CPUs can be ~100 us/call).
+            timeout = 120 + 2 * n * 1e-3
+            print(f"  {where}: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr,
+                  flush=True)
+            res = run(cmd, timeout, where)
+            rec = {"command": cmd, "n": n, "ns_per_call": None}
+            if res is None:
+                rec["error"] = "timeout"
+                row[config] = rec
+                continue
+            rc, out, err, secs = res
+            rec.update({"rc": rc, "seconds": round(secs, 3)})
+            if rc != 0:
+                anomaly(where, f"exit status {rc}", cmd, err)
+                rec["error"] = f"exit {rc}"
+            m = NS_RE.search(out)
+            if m:
+                rec["ns_per_call"] = float(m.group(1))
+            else:
+                anomaly(where, f"no ns_per_call in stdout {out.strip()[:200]!r}", cmd, err)
+            if "--stats" in cmd:
+                st = parse_stats(err)
+                if st is None:
+                    anomaly(where, "no --stats counters on stderr", cmd, err)
+                else:
+                    rec.update(st)
+            print(f"    ns_per_call={rec['ns_per_call']} "
+                  f"fast={rec.get('fast_path_calls')} intercepted={rec.get('intercepted')}",
+                  file=sys.stderr, flush=True)
+            row[config] = rec
+        rounds.append(row)
+
+    summary = {}
+    for config in A_CONFIGS:
+        vals = [row[config]["ns_per_call"] for row in rounds]
+        diffs, ratios = [], []
+        for row in rounds:
+            nat, v = row["native"]["ns_per_call"], row[config]["ns_per_call"]
+            if nat is not None and v is not None:
+                diffs.append(v - nat)
+                ratios.append(v / nat if nat > 0 else None)
+        summary[config] = {
+            "n": n_ptrace if config.startswith("ptrace") else args.loop,
+            "ns_per_call_median": median(vals),
+            "added_ns_vs_native_median": median(diffs) if config != "native" else 0.0,
+            "ratio_vs_native_median": median(ratios) if config != "native" else 1.0,
+            "fast_fraction_median": median([row[config].get("fast_fraction")
+                                            for row in rounds]),
+            "valid_rounds": sum(v is not None for v in vals),
+        }
+    return {"n": args.loop, "n_ptrace": n_ptrace, "rounds": rounds, "summary": summary}
+
+
+# ---------------------------------------------------------------- Part B: redis
+
+B_CONFIGS = ["native", "fast -r 2", "fast -r 3"]
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def b_server_cmd(config, port):
+    redis = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"]
+    if config == "native":
+        return redis
+    r = config.split()[-1]
+    return [BIN, "run", "-r", r, "--backend", "fast", "--stats", "--"] + redis
+
+
+def ping(port):
+    try:
+        out = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
+                             text=True, timeout=5, stdin=subprocess.DEVNULL).stdout
+    except subprocess.TimeoutExpired:
+        return False
+    return out.strip() == "PONG"
+
+
+def parse_csv(text):
+    rps = {}
+    for row in csv.reader(io.StringIO(text)):
+        if len(row) < 2 or row[0].strip().lower() == "test":
+            continue
+        try:
+            rps[row[0].strip().upper()] = float(row[1])
+        except ValueError:
+            continue
+    return rps
+
+
+def read_file(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def b_one(config, args, tmp, where):
+    port = free_port()
+    cmd = b_server_cmd(config, port)
+    bench_cmd = ["redis-benchmark", "-p", str(port), "-t", "set,get", "-n", str(args.requests),
+                 "-c", "50", "--csv"]
+    rec = {"command": cmd, "bench_command": bench_cmd, "port": port, "SET": None, "GET": None}
+    tag = where.replace(" ", "_")
+    out_path = os.path.join(tmp, tag + ".out")
+    err_path = os.path.join(tmp, tag + ".err")
+    print(f"  {where}: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
+    with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
+        p = spawn(cmd, fo, fe)
+    try:
+        # Wait for PONG.
+        deadline = time.monotonic() + 30
+        up = False
+        while time.monotonic() < deadline:
+            if p.poll() is not None:
+                break
+            if ping(port):
+                up = True
+                break
+            time.sleep(0.1)
+        if not up:
+            what = (f"server exited with status {p.returncode} before answering PING"
+                    if p.poll() is not None else "no PONG within 30 s")
+            rec["error"] = what
+            anomaly(where, what, cmd, read_file(err_path) + read_file(out_path)[-2000:])
+            return rec
+
+        # Benchmark.
+        t0 = time.monotonic()
+        try:
+            b = subprocess.run(bench_cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               timeout=120 + args.requests * 5e-3)
+            rec["bench_seconds"] = round(time.monotonic() - t0, 3)
+            rec["bench_rc"] = b.returncode
+            rps = parse_csv(b.stdout)
+            rec["SET"], rec["GET"] = rps.get("SET"), rps.get("GET")
+            bench_ok = b.returncode == 0 and rec["SET"] is not None and rec["GET"] is not None
+            bench_what = (f"redis-benchmark exit {b.returncode}, parsed {rps}; stderr "
+                          f"{tail(b.stderr, 3)!r}")
+        except subprocess.TimeoutExpired:
+            bench_ok, bench_what = False, "redis-benchmark timed out"
+        time.sleep(0.1)
+        if not bench_ok:
+            rec["error"] = "redis-benchmark failed or unparsable"
+            rec["SET"] = rec["GET"] = None
+
+        # The server must still be there when we ask it to stop.
+        if p.poll() is not None:
+            rec["rc"] = p.returncode
+            rec["error"] = f"server exited with status {p.returncode} before shutdown"
+            anomaly(where, f"server exited with status {p.returncode} before shutdown, during "
+                    f"redis-benchmark ({'ok' if bench_ok else bench_what}); "
+                    f"benchmark: {' '.join(bench_cmd)}", cmd, read_file(err_path))
+        else:
+            if not bench_ok:
+                anomaly(where, bench_what, bench_cmd, read_file(err_path))
+            try:
+                subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"],
+                               capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                rec["rc"] = p.wait(timeout=30)
+                if rec["rc"] != 0:
+                    # Not counted as a failure of the run (the numbers are in), but kept.
+                    rec["note"] = f"exit status {rec['rc']} after shutdown"
+            except subprocess.TimeoutExpired:
+                killpg(p.pid)
+                p.wait()
+                rec["rc"] = p.returncode
+                rec["error"] = rec.get("error") or "did not exit within 30 s of shutdown"
+                anomaly(where, "did not exit within 30 s of `shutdown nosave`; "
+                        "process group SIGKILLed", cmd, read_file(err_path))
+    finally:
+        if p.poll() is None:
+            killpg(p.pid)
+            p.wait()
+        reap(p)
+
+    if config != "native":
+        err = read_file(err_path)
+        st = parse_stats(err)
+        if st is None:
+            anomaly(where, "no --stats counters on lockstep's stderr", cmd, err)
+        else:
+            rec.update(st)
+    print(f"    SET={rec['SET']} GET={rec['GET']} rc={rec.get('rc')} "
+          f"fast={rec.get('fast_path_calls')} intercepted={rec.get('intercepted')}",
+          file=sys.stderr, flush=True)
+    return rec
+
+
+def part_b(args, tmp):
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for config in B_CONFIGS:
+            row[config] = b_one(config, args, tmp, f"B round {r + 1} {config}")
+        rounds.append(row)
+
+    summary = {}
+    for config in B_CONFIGS:
+        s = {"valid_rounds": sum(row[config]["SET"] is not None and
+                                 row[config]["GET"] is not None for row in rounds)}
+        for t in ("SET", "GET"):
+            s[t + "_rps_median"] = median([row[config][t] for row in rounds])
+            ratios = []
+            for row in rounds:
+                nat, v = row["native"][t], row[config][t]
+                if nat and v is not None:
+                    ratios.append(v / nat)
+            s[t + "_ratio_vs_native_median"] = median(ratios)
+        # Only from rounds that completed (a halted run's counters describe a stall).
+        s["fast_fraction_median"] = median([row[config].get("fast_fraction") for row in rounds
+                                            if row[config]["SET"] is not None])
+        summary[config] = s
+    return {"requests": args.requests, "clients": 50, "rounds": rounds, "summary": summary}
+
+
+# ---------------------------------------------------------------- output
+
+def fmt(x, spec):
+    return "n/a" if x is None else format(x, spec)
+
+
+def pct(x, digits=1):
+    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def markdown(meta, a, b):
+    lines = [f"# lockstep fast backend bench ({meta['commit']})", ""]
+    lines += [f"- commit: `{meta['commit']}`{' (dirty tree)' if meta['dirty'] else ''}",
+              f"- kernel: `{meta['uname_r']}`, nproc: {meta['nproc']}",
+              f"- lockstep binary: `{meta['lockstep']}` ({meta['lockstep_binary']})",
+              f"- rounds: {meta['rounds']}, fast_loop N: {meta['loop']} (ptrace: {a['n_ptrace']}),"
+              f" redis-benchmark -n {meta['requests']} -c 50",
+              f"- wall time: {meta['seconds']:.0f} s", "", "Commands (interleaved in this order "
+              "every round):", "", "```"]
+    lines += meta["commands"]
+    lines += ["```", "", "## Per-call cost (read 64 B /dev/zero + write 64 B /dev/null)", "",
+              "| config | N | ns/call (median) | added ns/call vs native | x native | "
+              "fast-path fraction |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for config in A_CONFIGS:
+        s = a["summary"][config]
+        lines.append(f"| {config} | {s['n']} | {fmt(s['ns_per_call_median'], '.1f')} | "
+                     f"{fmt(s['added_ns_vs_native_median'], '.1f')} | "
+                     f"{fmt(s['ratio_vs_native_median'], '.2f')} | "
+                     f"{pct(s['fast_fraction_median'], 2) if config.startswith('fast') else '-'} |")
+    lines += ["", f"## redis throughput (redis-benchmark -t set,get -n {meta['requests']} -c 50)",
+              "", "| config | SET rps | GET rps | SET % of native | GET % of native | "
+              "fast-path fraction |", "|---|---:|---:|---:|---:|---:|"]
+    for config in B_CONFIGS:
+        s = b["summary"][config]
+        lines.append(f"| {config} | {fmt(s['SET_rps_median'], '.0f')} | "
+                     f"{fmt(s['GET_rps_median'], '.0f')} | "
+                     f"{pct(s['SET_ratio_vs_native_median'])} | "
+                     f"{pct(s['GET_ratio_vs_native_median'])} | "
+                     f"{pct(s['fast_fraction_median'], 2) if config != 'native' else '-'} |")
+    lines += ["", "Medians over rounds; 'added ns', 'x native' and '% of native' are medians of "
+              "per-round differences / ratios against the native run of the same round. "
+              "Fast-path fraction = fast-path calls / (fast-path calls + intercepted calls).", ""]
+    if ANOMALIES:
+        lines += [f"## Anomalies ({len(ANOMALIES)})", ""]
+        for an in ANOMALIES:
+            lines.append(f"- **{an['where']}**: {an['what']}")
+            if "command" in an:
+                lines.append(f"  - command: `{an['command']}`")
+            if an.get("stderr_tail"):
+                lines.append("  - stderr tail:")
+                lines.append("")
+                lines.append("    ```")
+                lines += ["    " + ln for ln in an["stderr_tail"].splitlines()]
+                lines.append("    ```")
+    else:
+        lines.append("Anomalies: none.")
+    return "\n".join(lines) + "\n"
+
+
+def bin_id():
+    try:
+        st = os.stat(BIN)
+        return f"{st.st_size} bytes, mtime {time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(st.st_mtime))}Z"
+    except OSError:
+        return "missing"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=100000, help="redis-benchmark -n")
+    ap.add_argument("--loop", type=int, default=200000, help="fast_loop iterations")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
+    ap.add_argument("--quick", action="store_true",
+                    help="--rounds 1 --requests 20000 --loop 50000")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.requests, args.loop = 1, 20000, 50000
+    if args.rounds < 1 or args.requests < 1 or args.loop < 1:
+        ap.error("--rounds, --requests and --loop must be positive")
+    if not os.access(BIN, os.X_OK):
+        sys.exit(f"{BIN} not found: run `cargo build --release --locked -p lockstep-cli` first")
+
+    def on_signal(signum, _frame):
+        cleanup_all()
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    t_start = time.monotonic()
+    commit = sh(["git", "rev-parse", "--short", "HEAD"])
+    dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
+    uname_r = platform.release()
+    nproc = sh(["nproc"])
+    bin_start = bin_id()
+    n_ptrace = max(2000, args.loop // 20)
+    commands = [
+        f"A: fast_loop {args.loop}",
+        f"A: {BIN} run -r 2 --backend fast --stats -- fast_loop {args.loop}",
+        f"A: {BIN} run -r 3 --backend fast --stats -- fast_loop {args.loop}",
+        f"A: {BIN} run -r 2 --backend ptrace -- fast_loop {n_ptrace}",
+        "B: redis-server --port P --save '' --appendonly no",
+        f"B: {BIN} run -r 2 --backend fast --stats -- redis-server --port P --save '' "
+        "--appendonly no",
+        f"B: {BIN} run -r 3 --backend fast --stats -- redis-server --port P --save '' "
+        "--appendonly no",
+        f"B: (each) redis-cli -p P ping; redis-benchmark -p P -t set,get -n {args.requests} "
+        "-c 50 --csv; redis-cli -p P shutdown nosave",
+        "fast_loop = gcc -O2 -Wall -Wextra -Werror bench/fast_loop.c",
+    ]
+    print(f"fast_bench: commit {commit}{' (dirty)' if dirty else ''}, kernel {uname_r}, "
+          f"nproc {nproc}, rounds {args.rounds}", file=sys.stderr, flush=True)
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="fast_bench.") as tmp:
+            loop_bin = os.path.join(tmp, "fast_loop")
+            cc = subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", loop_bin, SRC],
+                                capture_output=True, text=True)
+            if cc.returncode != 0:
+                sys.exit("gcc failed:\n" + cc.stderr)
+            print("Part A: per-call cost", file=sys.stderr, flush=True)
+            a = part_a(args, loop_bin)
+            print("Part B: redis", file=sys.stderr, flush=True)
+            b = part_b(args, tmp)
+    finally:
+        cleanup_all()
+
+    # Anything of ours still alive?
+    time.sleep(0.2)
+    left = sorted(pg for pg in ALL_PGIDS if group_alive(pg))
+    for pg in left:
+        anomaly("cleanup", f"process group {pg} still alive at the end; SIGKILLed")
+        killpg(pg)
+
+    bin_end = bin_id()
+    if bin_end != bin_start:
+        anomaly("binary", f"{BIN} changed during the run ({bin_start} -> {bin_end}); "
+                "the runs may mix two builds")
+    meta = {"commit": commit, "lockstep_binary": bin_start, "dirty": dirty, "uname_r": uname_r, "nproc": nproc,
+            "rounds": args.rounds, "loop": args.loop, "requests": args.requests,
+            "commands": commands, "lockstep": BIN,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "seconds": time.monotonic() - t_start}
+    report = markdown(meta, a, b)
+    os.makedirs(args.out, exist_ok=True)
+    out_json = os.path.join(args.out, "fast.json")
+    with open(out_json, "w") as f:
+        json.dump({"meta": meta, "per_call": a, "redis": b, "anomalies": ANOMALIES}, f, indent=1)
+        f.write("\n")
+    print(report, end="")
+    print(f"(raw numbers: {out_json})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
