@@ -255,7 +255,15 @@ def part_a(args, loop_bin):
 
 # ---------------------------------------------------------------- Part B: redis
 
-B_CONFIGS = ["native", "fast -r 2", "fast -r 3"]
+# Replicated configurations and their `lockstep run` options: spread over the CPUs (the
+# default placement), and all replicas on one CPU (leaves the other to the client).
+B_OPTIONS = {
+    "fast -r 2": ["-r", "2"],
+    "fast -r 2 --cpus 0,0": ["-r", "2", "--cpus", "0,0"],
+    "fast -r 3": ["-r", "3"],
+    "fast -r 3 --cpus 0,0,0": ["-r", "3", "--cpus", "0,0,0"],
+}
+B_CONFIGS = ["native"] + list(B_OPTIONS)
 
 
 def free_port():
@@ -268,8 +276,7 @@ def b_server_cmd(config, port):
     redis = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"]
     if config == "native":
         return redis
-    r = config.split()[-1]
-    return [BIN, "run", "-r", r, "--backend", "fast", "--stats", "--"] + redis
+    return [BIN, "run"] + B_OPTIONS[config] + ["--backend", "fast", "--stats", "--"] + redis
 
 
 def ping(port):
@@ -527,10 +534,8 @@ def main():
         f"A: {BIN} run -r 3 --backend fast --stats -- fast_loop {args.loop}",
         f"A: {BIN} run -r 2 --backend ptrace -- fast_loop {n_ptrace}",
         "B: redis-server --port P --save '' --appendonly no",
-        f"B: {BIN} run -r 2 --backend fast --stats -- redis-server --port P --save '' "
-        "--appendonly no",
-        f"B: {BIN} run -r 3 --backend fast --stats -- redis-server --port P --save '' "
-        "--appendonly no",
+        *[f"B: {BIN} run {' '.join(opts)} --backend fast --stats -- redis-server --port P "
+          "--save '' --appendonly no" for opts in B_OPTIONS.values()],
         f"B: (each) redis-cli -p P ping; redis-benchmark -p P -t set,get -n {args.requests} "
         "-c 50 --csv; redis-cli -p P shutdown nosave",
         "fast_loop = gcc -O2 -Wall -Wextra -Werror bench/fast_loop.c",

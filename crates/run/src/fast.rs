@@ -40,8 +40,9 @@ pub const OP_DIVERGED: u64 = 2;
 /// In place of the leader's syscall number in a DIVERGED report: the record was corrupt.
 pub const DIVERGED_CRC: u64 = 0xffff_ffff;
 const MAGIC: u64 = 0x4c4f_434b_5354_4550; // "LOCKSTEP"
-/// Default pause iterations before a waiting replica sleeps (about 50 µs here).
-pub const DEFAULT_SPIN: u32 = 2000;
+/// Default pause iterations before a waiting replica sleeps (a few hundred µs here; chosen
+/// by measurement, docs/results.md).
+pub const DEFAULT_SPIN: u32 = 20000;
 
 /// The header page; same field order as `struct lf_header` in the shim.
 #[repr(C)]
@@ -343,7 +344,13 @@ pub struct FastPath {
 impl FastPath {
     /// The fast path for a run, when it was asked for and can work; otherwise None, with
     /// a one-line message saying why the run uses ptrace alone.
-    pub fn for_run(opts: &crate::Options, program: &std::ffi::CStr) -> Result<Option<FastPath>, crate::Error> {
+    /// `placement` is each replica's CPU, if pinned: replicas that share a CPU never spin
+    /// while they wait for each other (the one waited for cannot run meanwhile).
+    pub fn for_run(
+        opts: &crate::Options,
+        program: &std::ffi::CStr,
+        placement: &[usize],
+    ) -> Result<Option<FastPath>, crate::Error> {
         if opts.backend != crate::BackendKind::Fast {
             return Ok(None);
         }
@@ -365,8 +372,13 @@ impl FastPath {
             }
             return Ok(None);
         }
+        let mut distinct = placement.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let shared_cpu = placement.len() == opts.replicas as usize && distinct.len() < placement.len();
+        let spin = if shared_cpu { 0 } else { opts.spin };
         let ring =
-            Ring::create(opts.replicas, opts.spin).map_err(|e| crate::Error::Io("creating the fast path's ring", e))?;
+            Ring::create(opts.replicas, spin).map_err(|e| crate::Error::Io("creating the fast path's ring", e))?;
         let watch = vec![(0, None); opts.replicas as usize];
         Ok(Some(FastPath {
             ring,

@@ -448,7 +448,18 @@ impl Session {
         };
         let path = cstring(&resolve(cmd)?)?;
         let argv = opts.command.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
-        let fast = crate::fast::FastPath::for_run(&opts, &path)?;
+        let avail = allowed_cpus();
+        for c in opts.cpus.iter().chain(opts.monitor_cpu.iter()) {
+            if !avail.contains(c) {
+                return Err(Error::Usage(format!("CPU {c} is not available (allowed: {avail:?})")));
+            }
+        }
+        let cpus: &[usize] = if opts.cpus.is_empty() { &avail } else { &opts.cpus };
+        let placement: Vec<usize> = match cpus.len() {
+            0 => Vec::new(),
+            n => (0..opts.replicas as usize).map(|id| cpus[id % n]).collect(),
+        };
+        let fast = crate::fast::FastPath::for_run(&opts, &path, &placement)?;
         let envp = std::env::vars_os()
             .filter(|(k, _)| fast.is_none() || k != "LD_PRELOAD")
             .map(|(k, v)| {
@@ -472,13 +483,6 @@ impl Session {
         let (env_ns, env_plain) = (with_fast(1), with_fast(own_pid));
         let (env_ns_ptrs, env_plain_ptrs) = (spawn::ptrs(&env_ns), spawn::ptrs(&env_plain));
         let close_fds: Vec<i32> = fast.iter().flat_map(|f| f.ring.fds()).collect();
-        let avail = allowed_cpus();
-        for c in opts.cpus.iter().chain(opts.monitor_cpu.iter()) {
-            if !avail.contains(c) {
-                return Err(Error::Usage(format!("CPU {c} is not available (allowed: {avail:?})")));
-            }
-        }
-        let cpus: &[usize] = if opts.cpus.is_empty() { &avail } else { &opts.cpus };
         let events = EventSink::new(opts.events.as_deref(), !opts.quiet)
             .map_err(|e| Error::Io("creating the events file", e))?;
         install_signal_handlers();
