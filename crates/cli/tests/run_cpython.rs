@@ -44,11 +44,12 @@ fn cpython_test_shutil() {
     passes_under_lockstep("test_shutil", &[]);
 }
 
-/// Without test_process_time: it bounds the CPU time used around a 0.1 s sleep by 20 ms,
-/// and lockstep's stops of the replica cost CPU time in it.
+/// Without test_process_time and test_thread_time: they bound the CPU time used around a
+/// 0.1 s sleep by 20 ms, and lockstep's stops of the replica cost CPU time in it (26 ms
+/// was seen on a loaded CI machine).
 #[test]
 fn cpython_test_time() {
-    passes_under_lockstep("test_time", &["test_process_time"]);
+    passes_under_lockstep("test_time", &["test_process_time", "test_thread_time"]);
 }
 
 #[test]
