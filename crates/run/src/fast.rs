@@ -344,8 +344,8 @@ pub struct FastPath {
 impl FastPath {
     /// The fast path for a run, when it was asked for and can work; otherwise None, with
     /// a one-line message saying why the run uses ptrace alone.
-    /// `placement` is each replica's CPU, if pinned: replicas that share a CPU never spin
-    /// while they wait for each other (the one waited for cannot run meanwhile).
+    /// `placement` is each replica's CPU, if pinned: when any two replicas share a CPU,
+    /// none spins while it waits (one waited for on the same CPU cannot run meanwhile).
     pub fn for_run(
         opts: &crate::Options,
         program: &std::ffi::CStr,
