@@ -116,6 +116,7 @@ struct lf_header {
     uint32_t leader, off;
     uint32_t escalate, spin;
     uint64_t clocks_offset, regions_offset, region_size, total_size;
+    int32_t cpu[4]; /* each replica's CPU, -1 if not pinned */
 };
 
 struct lf_time {
@@ -1144,7 +1145,12 @@ static void attach_ring(const char *path)
     st->me = (uint32_t)me;
     st->leader = hdr->leader;
     st->replicas = hdr->replicas;
+    /* A replica that shares its CPU with another never spins: the one it waits for (or
+     * the one that waits for it) may need that CPU. */
     st->spin = hdr->spin;
+    for (uint32_t r = 0; r < st->replicas; r++)
+        if (r != st->me && hdr->cpu[st->me] >= 0 && hdr->cpu[r] == hdr->cpu[st->me])
+            st->spin = 0;
     st->escalate_seen = hdr->escalate;
     st->owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
     st->clocks = map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);

@@ -58,6 +58,7 @@ struct Header {
     regions_offset: u64,
     region_size: u64,
     total_size: u64,
+    cpu: [i32; 4],
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -110,7 +111,8 @@ fn memfd(name: &std::ffi::CStr) -> io::Result<OwnedFd> {
 
 impl Ring {
     /// Creates the ring for `replicas` replicas, led by replica 0.
-    pub fn create(replicas: u32, spin: u32) -> io::Result<Ring> {
+    /// `placement`: each replica's CPU, when pinned.
+    pub fn create(replicas: u32, spin: u32, placement: &[usize]) -> io::Result<Ring> {
         assert!(
             replicas as u64 <= layout::MAX_REPLICAS,
             "at most {} replicas",
@@ -167,6 +169,7 @@ impl Ring {
                 regions_offset,
                 region_size: REGION_SIZE,
                 total_size: total,
+                cpu: std::array::from_fn(|r| placement.get(r).map_or(-1, |&c| c as i32)),
             })
         };
         Ok(ring)
@@ -344,8 +347,8 @@ pub struct FastPath {
 impl FastPath {
     /// The fast path for a run, when it was asked for and can work; otherwise None, with
     /// a one-line message saying why the run uses ptrace alone.
-    /// `placement` is each replica's CPU, if pinned: when any two replicas share a CPU,
-    /// none spins while it waits (one waited for on the same CPU cannot run meanwhile).
+    /// `placement` is each replica's CPU, if pinned: a replica that shares its CPU with
+    /// another never spins (one waited for on the same CPU cannot run meanwhile).
     pub fn for_run(
         opts: &crate::Options,
         program: &std::ffi::CStr,
@@ -372,13 +375,8 @@ impl FastPath {
             }
             return Ok(None);
         }
-        let mut distinct = placement.to_vec();
-        distinct.sort_unstable();
-        distinct.dedup();
-        let shared_cpu = placement.len() == opts.replicas as usize && distinct.len() < placement.len();
-        let spin = if shared_cpu { 0 } else { opts.spin };
-        let ring =
-            Ring::create(opts.replicas, spin).map_err(|e| crate::Error::Io("creating the fast path's ring", e))?;
+        let ring = Ring::create(opts.replicas, opts.spin, placement)
+            .map_err(|e| crate::Error::Io("creating the fast path's ring", e))?;
         let watch = vec![(0, None); opts.replicas as usize];
         Ok(Some(FastPath {
             ring,
@@ -399,10 +397,10 @@ mod tests {
 
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {
-        assert_eq!(std::mem::size_of::<Header>(), 64);
+        assert_eq!(std::mem::size_of::<Header>(), 80);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
-        let ring = Ring::create(2, 10).unwrap();
+        let ring = Ring::create(2, 10, &[0, 1]).unwrap();
         assert!(ring.is_on());
         assert_eq!(ring.leader(), 0);
         assert_eq!(ring.published(0), 0);
