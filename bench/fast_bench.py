@@ -161,6 +161,15 @@ def parse_stats(stderr):
             "fast_fraction": fast / total if total else None}
 
 
+def add_stats(rec, where, cmd, err):
+    """Adds lockstep's --stats counters from `err` to `rec`; a missing block is an anomaly."""
+    st = parse_stats(err)
+    if st is None:
+        anomaly(where, "no --stats counters on lockstep's stderr", cmd, err)
+    else:
+        rec.update(st)
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -221,11 +230,7 @@ def part_a(args, loop_bin):
             else:
                 anomaly(where, f"no ns_per_call in stdout {out.strip()[:200]!r}", cmd, err)
             if "--stats" in cmd:
-                st = parse_stats(err)
-                if st is None:
-                    anomaly(where, "no --stats counters on stderr", cmd, err)
-                else:
-                    rec.update(st)
+                add_stats(rec, where, cmd, err)
             print(f"    ns_per_call={rec['ns_per_call']} "
                   f"fast={rec.get('fast_path_calls')} intercepted={rec.get('intercepted')}",
                   file=sys.stderr, flush=True)
@@ -391,12 +396,7 @@ def b_one(config, args, tmp, where):
         reap(p)
 
     if config != "native":
-        err = read_file(err_path)
-        st = parse_stats(err)
-        if st is None:
-            anomaly(where, "no --stats counters on lockstep's stderr", cmd, err)
-        else:
-            rec.update(st)
+        add_stats(rec, where, cmd, read_file(err_path))
     print(f"    SET={rec['SET']} GET={rec['GET']} rc={rec.get('rc')} "
           f"fast={rec.get('fast_path_calls')} intercepted={rec.get('intercepted')}",
           file=sys.stderr, flush=True)
