@@ -542,22 +542,25 @@ static int follower_in_slow_call(const struct wait_for *w)
     return load(&f->slow_seq) != 0 && load(&f->slow_calls) > w->st->regions[w->st->me]->h.slow_calls;
 }
 
-static int slot_free(const struct wait_for *w)
+/* Where a leader waiting for follower `w->who` stands, once the follower has or has not
+ * `reached` what the leader waits for. */
+static int follower_state(const struct wait_for *w, int reached)
 {
-    if (load(&w->st->regions[w->who]->h.consumed) + LF_SLOTS >= w->target)
+    if (reached)
         return READY;
     if (is_off(w->st))
         return GIVE_UP_OFF;
     return follower_in_slow_call(w) ? GIVE_UP_SLOW : NOT_YET;
 }
 
+static int slot_free(const struct wait_for *w)
+{
+    return follower_state(w, load(&w->st->regions[w->who]->h.consumed) + LF_SLOTS >= w->target);
+}
+
 static int voted(const struct wait_for *w)
 {
-    if (load(&w->st->regions[w->who]->h.vote_seq) >= w->target)
-        return READY;
-    if (is_off(w->st))
-        return GIVE_UP_OFF;
-    return follower_in_slow_call(w) ? GIVE_UP_SLOW : NOT_YET;
+    return follower_state(w, load(&w->st->regions[w->who]->h.vote_seq) >= w->target);
 }
 
 static int published(const struct wait_for *w)

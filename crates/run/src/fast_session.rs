@@ -8,11 +8,11 @@
 //!   leader blocked in a fast call is interrupted so that it gets there;
 //! * a change of the replica set switches the ring off for good.
 
-use crate::backend::{Backend, Resume};
+use crate::backend::Backend;
 use crate::fast::{DIVERGED_CRC, OP_DIVERGED, OP_HELLO};
 use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
 use lockstep_core::events::Event;
-use lockstep_trace::{ptrace, syscalls, Regs, FAST_GATE, SYS_LOCKSTEP_FAST};
+use lockstep_trace::{syscalls, Regs, FAST_GATE, SYS_LOCKSTEP_FAST};
 
 /// The kernel's restart codes: a call interrupted before it did anything.
 const RESTART_CODES: [i64; 4] = [-512, -513, -514, -516];
@@ -171,24 +171,40 @@ impl Session {
         };
         let live: Vec<ReplicaId> = self.live_slots(task).to_vec();
         let now = std::time::Instant::now();
-        let running: Vec<bool> = live.iter().map(|&r| self.running_in_user_space(task, r)).collect();
+        // Ring reads first (memory); /proc only for a replica that has stood still while
+        // another waits, so a busy ring costs the monitor no I/O at each stop.
         let Some(fast) = self.fast.as_mut() else {
             return Ok(());
         };
         let someone_waits = live.iter().any(|&r| fast.ring.sleeping(r));
-        let mut stragglers = Vec::new();
-        for (i, &r) in live.iter().enumerate() {
+        let mut standing = Vec::new();
+        for &r in &live {
             let position = fast.ring.position(r);
             let entry = &mut fast.watch[r as usize];
-            if position != entry.0 || !someone_waits || !running[i] || fast.ring.sleeping(r) {
+            if position != entry.0 || !someone_waits || fast.ring.sleeping(r) {
                 *entry = (position, None);
+            } else {
+                standing.push(r);
+            }
+        }
+        let mut stragglers = Vec::new();
+        for r in standing {
+            let running = self.running_in_user_space(task, r);
+            let Some(fast) = self.fast.as_mut() else {
+                return Ok(());
+            };
+            let entry = &mut fast.watch[r as usize];
+            if !running {
+                entry.1 = None;
                 continue;
             }
-            let since = *entry.1.get_or_insert(now);
-            if now.duration_since(since) >= self.opts.timeout {
+            if now.duration_since(*entry.1.get_or_insert(now)) >= self.opts.timeout {
                 stragglers.push(r);
             }
         }
+        let Some(fast) = self.fast.as_ref() else {
+            return Ok(());
+        };
         if stragglers.is_empty() {
             return Ok(());
         }
@@ -233,15 +249,10 @@ impl Session {
 
     /// Answers the hello in each replica with its own number.
     pub(crate) fn answer_fast_hello(&mut self, task: TaskId, result: i64) -> Result<(), Stopped> {
-        for r in self.live_slots(task) {
-            let mut regs = self.slot(task, r).regs;
-            ptrace::skip_with_result(&mut regs, if result == 0 { r as i64 } else { result });
-            let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
-            self.resume(task, r, Resume::Run, SlotState::Running);
+        if self.debug && result == 0 {
+            eprintln!("lockstep debug: the fast path's ring is attached to task {task}");
         }
-        if result == 0 && !self.opts.quiet && self.debug {
-            self.emit(Event::new("run", "fast", "attach").message("the fast path's ring is attached".to_string()));
-        }
+        self.answer_each(task, |r| if result == 0 { r as i64 } else { result });
         Ok(())
     }
 

@@ -566,13 +566,19 @@ impl Session {
             }
             _ => -(libc::ENOSYS as i64),
         };
+        self.answer_each(task, |_| result);
+        Ok(())
+    }
+
+    /// Skips the call every live replica of `task` is stopped at, with `result_of(r)` as
+    /// replica `r`'s result, and lets them run.
+    pub(crate) fn answer_each(&mut self, task: TaskId, result_of: impl Fn(ReplicaId) -> i64) {
         for r in self.live_slots(task) {
             let mut regs = self.slot(task, r).regs;
-            ptrace::skip_with_result(&mut regs, result);
+            ptrace::skip_with_result(&mut regs, result_of(r));
             let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
-        Ok(())
     }
 
     pub fn on_syscall_exit(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
