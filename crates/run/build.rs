@@ -7,15 +7,21 @@
 //! * the shared ring's layout (`LAYOUT` below): `lockstep_fast_layout.h` for C and
 //!   `fast_layout.rs` for Rust;
 //! * which syscalls take the fast path and how their arguments are read, derived from
-//!   lockstep-trace's syscall table (`FAST_CALLS`): `lockstep_fast_table.h`.
-use lockstep_trace::syscalls::{self, Arg, Class, Len};
+//!   lockstep-trace's syscall table and `src/fast_calls.rs` (which the monitor uses too):
+//!   `lockstep_fast_table.h`.
+#[allow(dead_code)] // the monitor uses more of it than the generator
+#[path = "src/fast_calls.rs"]
+mod fast_calls;
+
+use fast_calls::{fast_arg, FAST_CLOCKS, FAST_INPUTS, FAST_OUTPUTS};
+use lockstep_trace::syscalls::{self, Class};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Numbers of the shared layout: (name, value, what it is). Changing one changes both sides.
 const LAYOUT: &[(&str, u64, &str)] = &[
-    ("VERSION", 1, "layout version, checked by the hello call"),
+    ("VERSION", 2, "layout version, checked by the hello call"),
     ("MAX_REPLICAS", 3, "regions in the ring file"),
     ("SLOTS", 16, "records in a leader's ring"),
     ("PAYLOAD_MAX", 256 * 1024, "bytes of output buffers one record carries"),
@@ -32,61 +38,8 @@ const LAYOUT: &[(&str, u64, &str)] = &[
     ("MAX_IOVECS", 1024, "iovecs one call may carry on the fast path"),
 ];
 
-/// Syscalls the fast path replicates in process (every other call goes to the monitor).
-const FAST_INPUTS: &[i64] = &[
-    libc::SYS_read,
-    libc::SYS_pread64,
-    libc::SYS_readv,
-    libc::SYS_preadv,
-    libc::SYS_recvfrom,
-    libc::SYS_poll,
-    libc::SYS_epoll_wait,
-    libc::SYS_epoll_pwait,
-    libc::SYS_getrandom,
-    libc::SYS_fstat,
-];
-const FAST_OUTPUTS: &[i64] = &[
-    libc::SYS_write,
-    libc::SYS_pwrite64,
-    libc::SYS_writev,
-    libc::SYS_pwritev,
-    libc::SYS_sendto,
-];
-const FAST_CLOCKS: &[i64] = &[libc::SYS_clock_gettime, libc::SYS_gettimeofday, libc::SYS_time];
-
 fn layout_value(name: &str) -> u64 {
     LAYOUT.iter().find(|(n, _, _)| *n == name).expect("layout name").1
-}
-
-/// (kind, len kind, len arg, size) of one argument, as the C table spells them.
-fn c_arg(nr: i64, i: usize, arg: &Arg) -> String {
-    let len = |l: &Len| -> (&str, usize, u64) {
-        match *l {
-            Len::Fixed(n) => ("L_FIXED", 0, n as u64),
-            Len::OfArg(a) => ("L_ARG", a as usize, 1),
-            Len::ArgTimes(a, s) => ("L_ARG", a as usize, s as u64),
-            // Bounded before the call by the count that follows the buffer.
-            Len::Ret => ("L_RET", i + 1, 1),
-            Len::RetTimes(s) => ("L_RET", i + 1, s as u64),
-            other => panic!("syscall {nr} argument {i}: length {other:?} is not on the fast path"),
-        }
-    };
-    // epoll_pwait's signal mask changes how signals reach the call: the monitor's job.
-    if nr == libc::SYS_epoll_pwait && i == 4 {
-        return "{A_NULL_ONLY, L_FIXED, 0, 0}".into();
-    }
-    let (kind, (lk, la, size)) = match arg {
-        Arg::Val | Arg::Fd => ("A_VAL", ("L_FIXED", 0, 0)),
-        Arg::Ignore => ("A_IGNORE", ("L_FIXED", 0, 0)),
-        Arg::In(l) => ("A_IN", len(l)),
-        Arg::Out(Len::SockLen(_)) => ("A_NULL_ONLY", ("L_FIXED", 0, 0)),
-        Arg::Out(l) => ("A_OUT", len(l)),
-        Arg::InOut(l) => ("A_INOUT", len(l)),
-        Arg::IovIn(a) => ("A_IOV_IN", ("L_ARG", *a as usize, 1)),
-        Arg::IovOut(a) => ("A_IOV_OUT", ("L_ARG", *a as usize, 1)),
-        other => panic!("syscall {nr} argument {i}: {other:?} is not on the fast path"),
-    };
-    format!("{{{kind}, {lk}, {la}, {size}}}")
 }
 
 fn table_header() -> String {
@@ -103,7 +56,11 @@ fn table_header() -> String {
             let args: Vec<String> = if kind == "F_CLOCK" {
                 Vec::new()
             } else {
-                desc.args.iter().enumerate().map(|(i, a)| c_arg(nr, i, a)).collect()
+                desc.args
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| fast_arg(nr, i, a).c_row())
+                    .collect()
             };
             rows.push(format!(
                 "    [{nr}] = {{{kind}, {}, {{{}}}}}, /* {} */\n",
@@ -158,6 +115,7 @@ fn main() {
     let out = out_dir.join("liblockstep_fast.so");
     println!("cargo:rerun-if-changed={}", src.display());
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/fast_calls.rs");
     let (c_layout, rust_layout) = layout_files();
     let record = layout_value("RECORD_HEAD") + layout_value("PAYLOAD_MAX");
     assert_eq!(record % 8, 0, "records stay 8-byte aligned");

@@ -58,6 +58,20 @@ pub struct RunArgs {
     )]
     backend: String,
 
+    /// Fast backend: who lets the leader's outputs leave. `strict`: the monitor checks each
+    /// output against every follower's vote before it runs (a faulty leader cannot skip
+    /// the check; one stop of the leader per output). `fast`: the leader checks in process,
+    /// twice (no stop; a fault in the leader at the wrong moment can let a wrong output
+    /// out). docs/run.md has the measurements.
+    #[arg(
+        long,
+        env = "LOCKSTEP_OUTPUT_CHECK",
+        default_value = "strict",
+        value_name = "MODE",
+        value_parser = ["strict", "fast"]
+    )]
+    output_check: String,
+
     /// Fast backend: pause iterations a waiting replica spins before it sleeps.
     #[arg(long, default_value_t = lockstep_run::fast::DEFAULT_SPIN, value_name = "N")]
     spin: u32,
@@ -169,11 +183,16 @@ pub fn main(a: RunArgs) -> i32 {
         Ok(b) => b,
         Err(e) => return usage(&e),
     };
+    let output_check: lockstep_run::OutputCheck = match a.output_check.parse() {
+        Ok(c) => c,
+        Err(e) => return usage(&e),
+    };
     let options = Options {
         replicas: a.replicas,
         compare,
         backend,
         spin: a.spin,
+        output_check,
         timeout: Duration::from_secs_f64(a.timeout),
         events: a.events,
         stats: a.stats,

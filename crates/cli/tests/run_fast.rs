@@ -133,6 +133,74 @@ fn tmr_masks_a_corrupted_follower_or_leader() {
     }
 }
 
+/// `lie:9`: the leader runs its 9th ring call (a write) with one byte fewer than it
+/// compared, as a register flipped after its own check would make it.
+fn run_lying_leader(replicas: &str, check: &str) -> (Output, Vec<Value>) {
+    let ev = events_path("lie");
+    let ev_arg = ev.to_string_lossy().into_owned();
+    let opts = ["-r", replicas, FAST, "--output-check", check, "--events", &ev_arg];
+    let mut cmd = lockstep_run(&opts, &[fixture("fast_target")]);
+    cmd.env("LOCKSTEP_FAST_TEST", "lie:9");
+    let out = run(cmd);
+    let events = read_events_of(&ev, &out);
+    (out, events)
+}
+
+#[test]
+fn strict_checks_stop_a_leader_whose_output_differs_from_what_it_compared() {
+    let native = fast_target_native();
+    let (out, events) = run_lying_leader("2", "strict");
+    out.assert_code(86);
+    assert!(
+        out.stderr.contains("failed the monitor's output check"),
+        "{}",
+        out.context()
+    );
+    assert_event(&events, "halt", None, &out);
+    // The first 8 writes went out; the 9th never did.
+    assert_line_prefix(&out, &native, 8..=8);
+    let (out, events) = run_lying_leader("3", "strict");
+    out.assert_code(0).assert_stdout(&native);
+    assert_event(&events, "divergence", None, &out);
+    assert_event(&events, "leader", None, &out);
+    assert_no_event(&events, "halt", &out);
+}
+
+#[test]
+fn with_in_process_checks_only_such_a_leader_goes_unnoticed() {
+    // The reason strict checks exist: the same fault, checked by the leader alone.
+    let native = fast_target_native();
+    for r in ["2", "3"] {
+        let (out, events) = run_lying_leader(r, "fast");
+        assert_ne!(out.stdout, native, "{}", out.context());
+        assert_no_event(&events, "divergence", &out);
+    }
+}
+
+#[test]
+fn strict_checks_agree_with_the_shim_on_every_fast_output() {
+    let file = work_dir().join("fast_outputs.bin");
+    let prog = [fixture("fast_outputs").into_os_string(), file.into_os_string()];
+    let native = native_stdout(&prog);
+    for r in ["2", "3"] {
+        let out = run(lockstep_run(&["-r", r, FAST, "--stats"], &prog));
+        out.assert_code(0).assert_stdout(&native);
+        let checked = out
+            .stderr
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("outputs checked:"))
+            .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok());
+        // 50 rounds of writev, pwrite64, pwritev, sendto and write, and the last write.
+        assert_eq!(checked, Some(251), "{}", out.context());
+    }
+    let out = run(lockstep_run(
+        &["-r", "2", FAST, "--output-check", "fast", "--stats"],
+        &prog,
+    ));
+    out.assert_code(0).assert_stdout(&native);
+    assert!(!out.stderr.contains("outputs checked"), "{}", out.context());
+}
+
 #[test]
 fn a_killed_replica_is_voted_out_and_replaced() {
     let native = fast_target_native();

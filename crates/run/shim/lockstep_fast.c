@@ -117,6 +117,7 @@ struct lf_header {
     uint32_t escalate, spin;
     uint64_t clocks_offset, regions_offset, region_size, total_size;
     int32_t cpu[4]; /* each replica's CPU, -1 if not pinned */
+    uint32_t strict, pad; /* 1: the monitor checks every output before it runs */
 };
 
 struct lf_time {
@@ -195,9 +196,11 @@ static struct lf_state *lf_st;
 static volatile int lf_vfork_seen;
 
 /* Test hooks (LOCKSTEP_FAST_TEST, tests/run_fast.rs): "corrupt:N" makes the leader damage
- * record N after its CRC is computed; "selector-allow" leaves SUD's selector open, as a
- * corrupted selector would, so that only the seccomp backstop sees the program's calls. */
-static uint64_t lf_test_corrupt;
+ * record N after its CRC is computed; "lie:N" makes the leader run call N with its third
+ * argument one less than it compared (as a register flipped after the check would);
+ * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
+ * the seccomp backstop sees the program's calls. */
+static uint64_t lf_test_corrupt, lf_test_lie;
 static int lf_test_selector_allow;
 /* The thread that owns the ring: the main thread of the image that attached it. */
 static __thread int lf_ring_thread __attribute__((tls_model("initial-exec")));
@@ -714,10 +717,18 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
             for (uint32_t r = 0; r < st->replicas; r++)
                 if (r != st->me && load(&st->regions[r]->h.vote_digest) != digest)
                     got = GIVE_UP_SLOW;
+        if (got == READY && !st->hdr->strict) {
+            /* Without the monitor's check, check again, over the buffers as they are now:
+             * memory corrupted while the leader waited for the votes is caught here. */
+            uint64_t again;
+            if (inspect(nr, d, a, &again) < 0 || again != digest)
+                got = GIVE_UP_SLOW;
+        }
         if (got != READY) /* a different output: the monitor votes */
             return escalate(st, rec, s, nr, digest, a, NULL);
     }
-    long ret = lf_fast(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    long third = s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2];
+    long ret = lf_fast(nr, a[0], a[1], third, a[3], a[4], a[5]);
     request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
     if (ret == -EINTR && request != st->escalate_seen) {
         /* The monitor interrupted the call to deliver a signal: it did not happen. */
@@ -1198,6 +1209,8 @@ __attribute__((constructor)) static void lf_init(void)
     const char *test = getenv("LOCKSTEP_FAST_TEST");
     if (test != NULL && strncmp(test, "corrupt:", 8) == 0)
         lf_test_corrupt = strtoull(test + 8, NULL, 10);
+    if (test != NULL && strncmp(test, "lie:", 4) == 0)
+        lf_test_lie = strtoull(test + 4, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
     if (map_page_zero() != 0)

@@ -59,6 +59,9 @@ struct Header {
     region_size: u64,
     total_size: u64,
     cpu: [i32; 4],
+    /// 1: strict output checks (the monitor checks every output; the leader checks once).
+    strict: u32,
+    pad: u32,
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -112,7 +115,8 @@ fn memfd(name: &std::ffi::CStr) -> io::Result<OwnedFd> {
 impl Ring {
     /// Creates the ring for `replicas` replicas, led by replica 0.
     /// `placement`: each replica's CPU, when pinned.
-    pub fn create(replicas: u32, spin: u32, placement: &[usize]) -> io::Result<Ring> {
+    /// `strict`: the monitor checks every output before it runs (`fast_check.rs`).
+    pub fn create(replicas: u32, spin: u32, placement: &[usize], strict: bool) -> io::Result<Ring> {
         assert!(
             replicas as u64 <= layout::MAX_REPLICAS,
             "at most {} replicas",
@@ -170,6 +174,8 @@ impl Ring {
                 region_size: REGION_SIZE,
                 total_size: total,
                 cpu: std::array::from_fn(|r| placement.get(r).map_or(-1, |&c| c as i32)),
+                strict: strict as u32,
+                pad: 0,
             })
         };
         Ok(ring)
@@ -266,6 +272,14 @@ impl Ring {
         self.word64(&self.region(r).consumed).load(Ordering::Acquire)
     }
 
+    /// Follower `r`'s latest vote on an output: (the call's sequence number, its digest).
+    pub fn vote(&self, r: u32) -> (u64, u64) {
+        let region = self.region(r);
+        // The follower writes the digest first and publishes the sequence with release.
+        let seq = self.word64(&region.vote_seq).load(Ordering::Acquire);
+        (seq, self.word64(&region.vote_digest).load(Ordering::Acquire))
+    }
+
     /// A number that grows whenever replica `r` moves on in the ring (publishes, votes or
     /// consumes).
     pub fn position(&self, r: u32) -> u64 {
@@ -342,6 +356,10 @@ pub struct FastPath {
     /// Per replica: its last ring position, and since when it has not moved while running
     /// and while another replica waited (the watchdog, `fast_session.rs`).
     pub watch: Vec<(u64, Option<std::time::Instant>)>,
+    /// Where strict output checks read the leader's buffers (`fast_check::CHUNK` bytes).
+    pub scratch: Vec<u8>,
+    /// Outputs the monitor checked and let run (strict output checks).
+    pub checked_outputs: u64,
 }
 
 impl FastPath {
@@ -375,13 +393,16 @@ impl FastPath {
             }
             return Ok(None);
         }
-        let ring = Ring::create(opts.replicas, opts.spin, placement)
+        let strict = opts.output_check == crate::OutputCheck::Strict;
+        let ring = Ring::create(opts.replicas, opts.spin, placement, strict)
             .map_err(|e| crate::Error::Io("creating the fast path's ring", e))?;
         let watch = vec![(0, None); opts.replicas as usize];
         Ok(Some(FastPath {
             ring,
             task: None,
             watch,
+            scratch: vec![0; crate::fast_check::CHUNK],
+            checked_outputs: 0,
         }))
     }
 
@@ -397,10 +418,10 @@ mod tests {
 
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {
-        assert_eq!(std::mem::size_of::<Header>(), 80);
+        assert_eq!(std::mem::size_of::<Header>(), 88);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
-        let ring = Ring::create(2, 10, &[0, 1]).unwrap();
+        let ring = Ring::create(2, 10, &[0, 1], true).unwrap();
         assert!(ring.is_on());
         assert_eq!(ring.leader(), 0);
         assert_eq!(ring.published(0), 0);

@@ -6,9 +6,11 @@
 //!   what the leader published (a replica that skipped or added fast-path calls differs);
 //! * signals: a signal to deliver brings the leader's next call to the monitor, and a
 //!   leader blocked in a fast call is interrupted so that it gets there;
+//! * strict output checks: a leader's output from the fast gate runs only after the
+//!   monitor compared it with every follower's vote (`fast_check.rs`);
 //! * a change of the replica set switches the ring off for good.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Resume};
 use crate::fast::{DIVERGED_CRC, OP_DIVERGED, OP_HELLO};
 use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
 use lockstep_core::events::Event;
@@ -123,6 +125,70 @@ impl Session {
             }
         }
         Ok(true)
+    }
+
+    /// Strict output checks: the leader stopped at an output from the fast gate. It runs
+    /// only if every live follower voted, for the leader's next call, the digest of what
+    /// the kernel is about to write (read from the leader's memory now). Anything else
+    /// means the leader skipped or got wrong its own comparison, or reached the gate by a
+    /// wild jump: it fails (voted out under TMR, a halt under DMR).
+    pub(crate) fn check_gate_output(
+        &mut self,
+        task: TaskId,
+        r: ReplicaId,
+        nr: u64,
+        args: &[u64; 6],
+    ) -> Result<(), Stopped> {
+        let tid = self.slot(task, r).tid;
+        let followers: Vec<ReplicaId> = self.live_slots(task).iter().copied().filter(|&f| f != r).collect();
+        let verdict = match self.fast.as_mut() {
+            None => Err("there is no fast path".to_string()),
+            Some(fast) if fast.task != Some(task) => Err(format!("task {task} does not use the ring")),
+            Some(fast) if fast.ring.leader() != r || self.replicas.leader() != r => {
+                Err(format!("replica {r} is not the ring's leader"))
+            }
+            Some(fast) => {
+                let be = &self.be;
+                let mut read = |addr: u64, buf: &mut [u8]| be.read(tid, addr, buf);
+                let seq = fast.ring.published(r) + 1;
+                crate::fast_check::output_digest(nr, args, &mut fast.scratch, &mut read).and_then(|digest| {
+                    let wrong: Vec<String> = followers
+                        .iter()
+                        .filter_map(|&f| {
+                            let (vote_seq, vote) = fast.ring.vote(f);
+                            (vote_seq != seq || vote != digest)
+                                .then(|| format!("replica {f} voted {vote:016x} for call #{vote_seq}"))
+                        })
+                        .collect();
+                    if wrong.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "its digest is {digest:016x} for call #{seq}; {}",
+                            wrong.join(", ")
+                        ))
+                    }
+                })
+            }
+        };
+        match verdict {
+            Ok(()) => {
+                if let Some(fast) = self.fast.as_mut() {
+                    fast.checked_outputs += 1;
+                }
+                // A failed resume is recorded by the backend and fails the replica.
+                let _ = self.be.resume(tid, Resume::Run);
+                Ok(())
+            }
+            Err(why) => {
+                self.fast_off();
+                let msg = format!(
+                    "replica {r} diverged at task {task}: its {} from the fast path failed the monitor's output check: {why}",
+                    syscalls::name(nr)
+                );
+                self.replica_failed(task, r, "divergence", msg)
+            }
+        }
     }
 
     /// A signal waits for the ring's task: its leader brings its next replicated call to

@@ -15,6 +15,10 @@
 //!   without processes (`tests/policy.rs`).
 //! * [`fast`]: the fast path (`--backend fast`): the ring shared with the in-process
 //!   shim, and the shim itself.
+//! * [`fast_calls`]: which calls the shim replicates and how it reads their arguments
+//!   (shared with `build.rs`, which generates the shim's table from it).
+//! * [`fast_check`]: strict output checks: the monitor digests a leader's output as the
+//!   shim does and lets it run only if every follower voted that digest.
 //! * `fast_session`: what the monitor does for the fast path (hello, reports, the
 //!   consumption check at rendezvous, signals, switching the ring off).
 //! * [`front`]: the process the caller waits for, split from the monitor so that processes
@@ -36,6 +40,8 @@ pub mod catch_up;
 pub mod clock;
 pub mod data;
 pub mod fast;
+pub mod fast_calls;
+pub mod fast_check;
 mod fast_session;
 pub mod front;
 pub mod injection;
@@ -50,7 +56,7 @@ pub mod signals;
 pub mod spawn;
 pub mod stats;
 
-pub use options::{BackendKind, CompareMode, FlipAt, FlipSpec, FlipTarget, Options};
+pub use options::{BackendKind, CompareMode, FlipAt, FlipSpec, FlipTarget, Options, OutputCheck};
 
 /// Exit status a replica uses when it cannot install the seccomp filter before exec.
 pub(crate) const EXIT_SETUP_FAILED: i32 = 121;

@@ -48,6 +48,31 @@ impl std::str::FromStr for BackendKind {
     }
 }
 
+/// Who lets a leader's output leave, with the fast backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputCheck {
+    /// The monitor: every output the leader makes from the fast path stops in seccomp,
+    /// and the monitor compares the leader's arguments, read from its memory, with every
+    /// follower's vote before the call runs (`fast_check.rs`). A faulty leader cannot
+    /// skip it.
+    Strict,
+    /// The leader itself compares its followers' votes with its own digest, twice (the
+    /// second time over the buffers again, just before the call). No stop; a fault in
+    /// the leader at the wrong moment can let a wrong output out.
+    Fast,
+}
+
+impl std::str::FromStr for OutputCheck {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "strict" => Ok(OutputCheck::Strict),
+            "fast" => Ok(OutputCheck::Fast),
+            _ => Err(format!("unknown output check '{s}' (expected strict or fast)")),
+        }
+    }
+}
+
 /// Where a test-only fault goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FlipTarget {
@@ -151,6 +176,8 @@ pub struct Options {
     pub backend: BackendKind,
     /// Pause iterations before a replica waiting on the ring sleeps (fast backend).
     pub spin: u32,
+    /// Who lets the leader's outputs leave (fast backend).
+    pub output_check: OutputCheck,
     /// How long the first replica to reach a rendezvous waits for the others.
     pub timeout: Duration,
     pub events: Option<PathBuf>,
@@ -176,6 +203,7 @@ impl Default for Options {
             compare: CompareMode::Args,
             backend: BackendKind::Ptrace,
             spin: crate::fast::DEFAULT_SPIN,
+            output_check: OutputCheck::Strict,
             timeout: Duration::from_secs(10),
             events: None,
             stats: false,

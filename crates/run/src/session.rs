@@ -19,7 +19,7 @@ use crate::spawn;
 use crate::stats::Stats;
 use crate::Error;
 use lockstep_core::{exit, Event, EventSink, Signature};
-use lockstep_trace::seccomp::Listener;
+use lockstep_trace::seccomp::{Gate, Listener};
 use lockstep_trace::syscalls::Class;
 use lockstep_trace::{ptrace, Regs, Stop, Tid};
 use std::collections::{HashMap, HashSet};
@@ -486,7 +486,12 @@ impl Session {
         let events = EventSink::new(opts.events.as_deref(), !opts.quiet)
             .map_err(|e| Error::Io("creating the events file", e))?;
         install_signal_handlers();
-        let filter = lockstep_trace::seccomp::build_filter(fast.is_some());
+        let gate = match (&fast, opts.output_check) {
+            (None, _) => Gate::Absent,
+            (Some(_), crate::OutputCheck::Strict) => Gate::StopOutputs,
+            (Some(_), crate::OutputCheck::Fast) => Gate::AllowAll,
+        };
+        let filter = lockstep_trace::seccomp::build_filter(gate);
         let argv_ptrs = spawn::ptrs(&argv);
         let mut started = Vec::new();
         // SAFETY: geteuid has no preconditions.
@@ -982,6 +987,10 @@ impl Session {
                 "lockstep debug:   syscall {} {args:x?}",
                 lockstep_trace::syscalls::name(nr)
             );
+        }
+        if regs.rip == lockstep_trace::FAST_GATE + 2 {
+            // Only strict output checks stop calls made from the fast gate.
+            return self.check_gate_output(task, r, nr, &args);
         }
         let process = self.tasks[task].process;
         if self.processes[process].exiting && !self.slot(task, r).deliver.is_empty() {
@@ -1495,6 +1504,11 @@ impl Session {
     fn print_stats(&mut self) {
         if self.opts.stats {
             self.stats.fast_calls = self.fast_calls();
+            self.stats.checked_outputs = self
+                .fast
+                .as_ref()
+                .filter(|_| self.opts.output_check == crate::OutputCheck::Strict)
+                .map(|f| f.checked_outputs);
             eprint!("{}", self.stats.render(self.started.elapsed()));
         }
     }

@@ -19,6 +19,8 @@ pub struct Stats {
     pub divergences: u64,
     /// Calls the leader completed on the fast path, when it was attached.
     pub fast_calls: Option<u64>,
+    /// Of those, outputs the monitor checked before they ran (strict output checks).
+    pub checked_outputs: Option<u64>,
     pub reintegrations: u64,
     pub monitor_time: Duration,
 }
@@ -63,6 +65,11 @@ impl Stats {
         if let Some(n) = self.fast_calls {
             s.push_str(&format!(
                 "  fast-path calls:      {n} (replicated in process, no stop)\n"
+            ));
+        }
+        if let Some(n) = self.checked_outputs {
+            s.push_str(&format!(
+                "    outputs checked:    {n} (by the monitor before they ran: --output-check strict)\n"
             ));
         }
         s.push_str(&format!("  rdtsc emulated:       {}\n", self.rdtsc));

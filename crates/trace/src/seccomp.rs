@@ -4,7 +4,8 @@
 //! The filter is built from [`crate::syscalls`]: `Passthrough` syscalls are allowed
 //! without a stop, [`crate::SYS_LOCKSTEP_INSTALL`] raises a user notification, and every
 //! other syscall (including unknown numbers) stops with SECCOMP_RET_TRACE. With the fast
-//! path, every call made from its gate ([`crate::FAST_GATE`]) is allowed first.
+//! path, a call made from its gate ([`crate::FAST_GATE`]) is allowed first, or, for strict
+//! output checks, every call there that changes the outside world stops ([`Gate`]).
 
 use crate::syscalls::{self, Class};
 use std::io;
@@ -32,34 +33,59 @@ fn jump(code: u16, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
     libc::sock_filter { code, jt, jf, k }
 }
 
+/// What the filter does with calls made from the fast path's gate ([`crate::FAST_GATE`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// No fast path: the gate's address is nothing special.
+    Absent,
+    /// Every call from the gate is allowed: the shim's own, already replicated.
+    AllowAll,
+    /// Every call from the gate is allowed except those that change the outside world
+    /// (class `Output`): they stop, so that the monitor checks an output before it leaves
+    /// (strict output checks).
+    StopOutputs,
+}
+
 /// The filter program. Built before fork so that the child only has to install it.
-pub fn build_filter(fast_gate: bool) -> Vec<libc::sock_filter> {
+pub fn build_filter(gate: Gate) -> Vec<libc::sock_filter> {
     // mmap stops only for shared file mappings: MAP_SHARED (or MAP_SHARED_VALIDATE)
     // without MAP_ANONYMOUS. Everything else (the loader's and malloc's maps) never stops.
     const MAP_SHARED: u32 = libc::MAP_SHARED as u32;
     const MAP_ANONYMOUS: u32 = libc::MAP_ANONYMOUS as u32;
     const FLAGS_LOW: u32 = 16 + 3 * 8; // seccomp_data.args[3], low 32 bits
-    let allowed: Vec<u32> = syscalls::table()
-        .iter()
-        .filter(|d| d.class == Class::Passthrough)
-        .map(|d| d.nr as u32)
-        .collect();
+    let of_class = |class: Class| -> Vec<u32> {
+        syscalls::table()
+            .iter()
+            .filter(|d| d.class == class)
+            .map(|d| d.nr as u32)
+            .collect()
+    };
     let mut prog = vec![
         stmt(BPF_LD_W_ABS, 4), // seccomp_data.arch
         jump(BPF_JEQ_K, AUDIT_ARCH_X86_64, 1, 0),
         stmt(BPF_RET_K, SECCOMP_RET_KILL_PROCESS),
     ];
-    if fast_gate {
-        // The fast path's gate: calls made there are the shim's own, already replicated.
+    if gate != Gate::Absent {
+        // What happens to a call from the gate (the accumulator holds nothing useful yet).
+        let mut at_gate = Vec::new();
+        if gate == Gate::StopOutputs {
+            at_gate.push(stmt(BPF_LD_W_ABS, 0)); // seccomp_data.nr
+            for nr in of_class(Class::Output) {
+                at_gate.push(jump(BPF_JEQ_K, nr, 0, 1));
+                at_gate.push(stmt(BPF_RET_K, SECCOMP_RET_TRACE));
+            }
+        }
+        at_gate.push(stmt(BPF_RET_K, SECCOMP_RET_ALLOW));
+        let skip = u8::try_from(at_gate.len()).expect("the gate's block fits a BPF jump");
         // seccomp_data.instruction_pointer is the address after the `syscall` (2 bytes).
         let ip = crate::FAST_GATE + 2;
         prog.extend([
             stmt(BPF_LD_W_ABS, 8), // instruction_pointer, low half
-            jump(BPF_JEQ_K, ip as u32, 0, 3),
+            jump(BPF_JEQ_K, ip as u32, 0, skip + 2),
             stmt(BPF_LD_W_ABS, 12), // high half
-            jump(BPF_JEQ_K, (ip >> 32) as u32, 0, 1),
-            stmt(BPF_RET_K, SECCOMP_RET_ALLOW),
+            jump(BPF_JEQ_K, (ip >> 32) as u32, 0, skip),
         ]);
+        prog.extend(at_gate);
     }
     prog.extend([
         stmt(BPF_LD_W_ABS, 0), // seccomp_data.nr
@@ -76,7 +102,7 @@ pub fn build_filter(fast_gate: bool) -> Vec<libc::sock_filter> {
         stmt(BPF_RET_K, SECCOMP_RET_TRACE),
         stmt(BPF_RET_K, SECCOMP_RET_ALLOW),
     ]);
-    for nr in allowed {
+    for nr in of_class(Class::Passthrough) {
         prog.push(jump(BPF_JEQ_K, nr, 0, 1));
         prog.push(stmt(BPF_RET_K, SECCOMP_RET_ALLOW));
     }
