@@ -87,7 +87,7 @@ pub fn is_fast_output(nr: u64) -> bool {
 /// cannot be at the gate with it), or memory that cannot be read.
 pub fn output_digest(nr: u64, args: &[u64; 6], scratch: &mut [u8], read: &mut Reader<'_>) -> Result<u64, String> {
     assert!(
-        scratch.len() >= 8 && scratch.len() % 8 == 0,
+        scratch.len() >= 8 && scratch.len().is_multiple_of(8),
         "chunks keep 8-byte words whole"
     );
     if !is_fast_output(nr) {
