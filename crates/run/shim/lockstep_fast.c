@@ -169,6 +169,7 @@ struct lf_state {
     struct lf_clock *clocks;
     struct lf_region *regions[LF_MAX_REPLICAS];
     uint32_t me, leader, replicas, escalate_seen, spin;
+    uint32_t wake_pending; /* a leader sharing its CPU published without waking (below) */
     uint64_t seq; /* the last replicated call */
     uint64_t clock_next[LF_CLOCKS];
     unsigned char *stack; /* RING_STACK bytes above a guard page */
@@ -492,9 +493,14 @@ struct wait_for {
 
 typedef int (*ready_fn)(const struct wait_for *);
 
+/* What a sleeper's `sleeping` word says: whom it wants to be woken by. A leader waiting
+ * for votes is not woken by each record a follower consumes meanwhile (on a shared CPU
+ * each such wake-up is a pair of context switches for nothing). */
+enum { AWAKE = 0, WAKE_ON_ANY = 1, WAKE_ON_VOTE = 2 };
+
 /* Spins, then sleeps on `word` (in the other replica's region) with a timeout, so that a
  * lost wake-up costs only latency and `off` is always seen. */
-static int wait_until(ready_fn ready, const struct wait_for *w, volatile uint32_t *word)
+static int wait_until(ready_fn ready, const struct wait_for *w, volatile uint32_t *word, uint32_t wake_on)
 {
     struct lf_state *st = w->st;
     for (uint32_t i = 0; i < st->spin; i++) {
@@ -506,32 +512,55 @@ static int wait_until(ready_fn ready, const struct wait_for *w, volatile uint32_
     volatile uint32_t *sleeping = &st->regions[st->me]->h.sleeping;
     for (;;) {
         uint32_t seen = load32(word);
-        __atomic_exchange_n(sleeping, 1, __ATOMIC_SEQ_CST);
+        __atomic_exchange_n(sleeping, wake_on, __ATOMIC_SEQ_CST);
         int r = ready(w);
         if (r == NOT_YET)
             futex_wait(word, seen);
-        __atomic_store_n(sleeping, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(sleeping, AWAKE, __ATOMIC_RELEASE);
         if (r != NOT_YET)
             return r;
     }
 }
 
-/* Bumps a futex word of our own region and wakes `other` if it sleeps. */
-static void signal_progress(struct lf_state *st, volatile uint32_t *word, uint32_t other)
+/* Bumps a futex word of our own region and wakes `other` if it sleeps waiting for this
+ * kind of progress (`vote`: a vote, or news that the leader must not wait for one). */
+static void signal_progress(struct lf_state *st, volatile uint32_t *word, uint32_t other, int vote)
 {
     __atomic_fetch_add(word, 1, __ATOMIC_SEQ_CST);
-    if (load32(&st->regions[other]->h.sleeping))
+    uint32_t wake_on = load32(&st->regions[other]->h.sleeping);
+    if (wake_on == WAKE_ON_ANY || (vote && wake_on == WAKE_ON_VOTE))
         futex_wake(word);
 }
 
-static void wake_followers(struct lf_state *st, volatile uint32_t *word)
+static void wake_sleeping_followers(struct lf_state *st)
 {
-    __atomic_fetch_add(word, 1, __ATOMIC_SEQ_CST);
     for (uint32_t r = 0; r < st->replicas; r++)
         if (r != st->me && load32(&st->regions[r]->h.sleeping)) {
-            futex_wake(word);
+            futex_wake(&st->regions[st->me]->h.published_word);
             return;
         }
+}
+
+/* The leader published. A leader that shares its CPU with a follower does not wake it
+ * now: the follower would preempt it for one record and sleep again. It wakes followers
+ * when it is about to wait for them, to block, or to meet the monitor (flush_wakes); a
+ * wake-up missed otherwise costs at most the sleep's timeout. */
+static void wake_followers(struct lf_state *st)
+{
+    __atomic_fetch_add(&st->regions[st->me]->h.published_word, 1, __ATOMIC_SEQ_CST);
+    if (st->spin == 0) {
+        st->wake_pending = 1;
+        return;
+    }
+    wake_sleeping_followers(st);
+}
+
+static void flush_wakes(struct lf_state *st)
+{
+    if (st->wake_pending) {
+        st->wake_pending = 0;
+        wake_sleeping_followers(st);
+    }
 }
 
 static int is_off(const struct lf_state *st) { return __atomic_load_n(&st->hdr->off, __ATOMIC_ACQUIRE) != 0; }
@@ -576,11 +605,13 @@ static int published(const struct wait_for *w)
 /* Waits for every follower; the first reason to give up, or READY. */
 static int wait_followers(struct lf_state *st, ready_fn ready, uint64_t target)
 {
+    flush_wakes(st);
+    uint32_t wake_on = ready == voted ? WAKE_ON_VOTE : WAKE_ON_ANY;
     for (uint32_t r = 0; r < st->replicas; r++) {
         if (r == st->me)
             continue;
         struct wait_for w = {st, r, target};
-        int got = wait_until(ready, &w, &st->regions[r]->h.progress);
+        int got = wait_until(ready, &w, &st->regions[r]->h.progress, wake_on);
         if (got != READY)
             return got;
     }
@@ -657,10 +688,12 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
         return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     struct lf_region *own = st->regions[st->me];
     store(&own->h.slow_calls, own->h.slow_calls + 1);
-    if (st->me == st->leader)
+    if (st->me == st->leader) {
+        flush_wakes(st);
         return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    }
     store(&own->h.slow_seq, st->seq + 1);
-    signal_progress(st, &own->h.progress, st->leader);
+    signal_progress(st, &own->h.progress, st->leader, 1);
     long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     if (st->hdr == NULL)
         return ret; /* we are a fork of the replica that made the call (re-integration) */
@@ -676,7 +709,7 @@ static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s)
         rec->ret ^= 1;
     store(&rec->seq, s);
     store(&own->h.published, s);
-    wake_followers(st, &own->h.published_word);
+    wake_followers(st);
 }
 
 /* Publishes ESCALATE for call `s` and makes the call through the monitor. `d` is given
@@ -694,6 +727,12 @@ static long escalate(struct lf_state *st, struct lf_record *rec, uint64_t s, lon
     clock_snapshot(st, rec->clock_sync);
     publish(st, rec, s);
     return slow_call(st, nr, a);
+}
+
+/* An event loop's waiting point: a poll or an epoll wait with a timeout. */
+static int may_wait_long(long nr, const long *a)
+{
+    return ((nr == SYS_epoll_wait || nr == SYS_epoll_pwait) && a[3] != 0) || (nr == SYS_poll && a[2] != 0);
 }
 
 static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc *d, const long *a, uint64_t digest, long bound)
@@ -727,6 +766,8 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         if (got != READY) /* a different output: the monitor votes */
             return escalate(st, rec, s, nr, digest, a, NULL);
     }
+    if (may_wait_long(nr, a))
+        flush_wakes(st); /* the followers catch up while we wait */
     long third = s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2];
     long ret = lf_fast(nr, a[0], a[1], third, a[3], a[4], a[5]);
     request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
@@ -765,10 +806,10 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
     if (d->fast == F_OUTPUT) {
         own->h.vote_digest = digest;
         store(&own->h.vote_seq, s);
-        signal_progress(st, &own->h.progress, st->leader);
+        signal_progress(st, &own->h.progress, st->leader, 1);
     }
     struct wait_for w = {st, st->leader, s};
-    if (wait_until(published, &w, &leader->h.published_word) != READY)
+    if (wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY) != READY)
         return slow_call(st, nr, a); /* off, and the leader never published this call */
     if (load(&rec->seq) != s || rec->crc != record_crc(rec, s)) {
         report_divergence(s, nr, digest, DIVERGED_CRC, 0);
@@ -782,7 +823,7 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
             return slow_call(st, nr, a);
         }
         store(&own->h.consumed, s);
-        signal_progress(st, &own->h.progress, st->leader);
+        signal_progress(st, &own->h.progress, st->leader, 0);
         return slow_call(st, nr, a);
     }
     if (rec->nr != (uint32_t)nr || rec->digest != digest ||
@@ -794,7 +835,7 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
     if (d->fast == F_OUTPUT)
         clock_align(st, rec->clock_sync);
     store(&own->h.consumed, s);
-    signal_progress(st, &own->h.progress, st->leader);
+    signal_progress(st, &own->h.progress, st->leader, 0);
     own->h.fast_calls++;
     return ret;
 }
