@@ -117,7 +117,8 @@ struct lf_header {
     uint32_t escalate, spin;
     uint64_t clocks_offset, regions_offset, region_size, total_size;
     int32_t cpu[4]; /* each replica's CPU, -1 if not pinned */
-    uint32_t strict, pad; /* 1: the monitor checks every output before it runs */
+    uint32_t strict; /* 1: the monitor checks every output before it runs */
+    uint32_t epoch;  /* this ring's place in LOCKSTEP_FAST_RING's list */
 };
 
 struct lf_time {
@@ -195,6 +196,16 @@ static struct lf_state *lf_st;
 /* A vfork-like clone happened: until the ring thread shows its own tid again, a call may
  * come from the child that borrows its memory, which must not touch the ring. */
 static volatile int lf_vfork_seen;
+/* Rings: the monitor creates one per epoch up front (LOCKSTEP_FAST_RING lists them). When
+ * the replica set changes the ring in use is switched off; once the set is whole again
+ * the monitor writes the next epoch into lf_reattach_to in every replica, all stopped at
+ * the same call, and each attaches the next ring right after that call returns. */
+#define LF_RINGS 4
+static char lf_ring_paths[LF_RINGS][128];
+static uint32_t lf_ring_count, lf_ring_epoch;
+static volatile uint32_t lf_reattach_to;
+static unsigned char *lf_ring_stack; /* kept across epochs and re-integration forks */
+static long after_slow_call(long ret);
 
 /* Test hooks (LOCKSTEP_FAST_TEST, tests/run_fast.rs): "corrupt:N" makes the leader damage
  * record N after its CRC is computed; "lie:N" makes the leader run call N with its third
@@ -685,20 +696,20 @@ static int local_call(long nr, const long *a)
 static long slow_call(struct lf_state *st, long nr, const long *a)
 {
     if (st == NULL || st->hdr == NULL || !lf_ring_thread || local_call(nr, a))
-        return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+        return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
     struct lf_region *own = st->regions[st->me];
     store(&own->h.slow_calls, own->h.slow_calls + 1);
     if (st->me == st->leader) {
         flush_wakes(st);
-        return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+        return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
     }
     store(&own->h.slow_seq, st->seq + 1);
     signal_progress(st, &own->h.progress, st->leader, 1);
     long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     if (st->hdr == NULL)
-        return ret; /* we are a fork of the replica that made the call (re-integration) */
+        return after_slow_call(ret); /* a fork of the replica that made the call (re-integration) */
     store(&own->h.slow_seq, 0);
-    return ret;
+    return after_slow_call(ret);
 }
 
 static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s)
@@ -998,7 +1009,7 @@ long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
         lf_counts[nr]++;
     struct lf_state *st = lf_st;
     if (st == NULL || st->hdr == NULL || !lf_ring_thread)
-        return lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+        return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
     if (lf_vfork_seen) {
         if (lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid) {
             st->regions[st->me]->h.bypassed++;
@@ -1169,20 +1180,23 @@ static void *map_shared(int fd, uint64_t offset, uint64_t len, int prot)
     return (void *)addr;
 }
 
-/* Attaches the ring the monitor created. Every call here goes through the fast gate, so
- * the replicas do it on their own (same fds, same addresses), except the hello, which
- * meets the monitor and returns this replica's number. */
-static void attach_ring(const char *path)
+/* Attaches ring `epoch` of the list. Every call here goes through the fast gate, so the
+ * replicas do it on their own (same fds, same addresses), except the hello, which meets
+ * the monitor and returns this replica's number in that ring. */
+static void attach_ring(uint32_t epoch)
 {
-    long fd = lf_fast(SYS_openat, AT_FDCWD, (long)path, O_RDWR | O_CLOEXEC, 0, 0, 0);
+    if (epoch >= lf_ring_count)
+        return;
+    lf_ring_epoch = epoch;
+    long fd = lf_fast(SYS_openat, AT_FDCWD, (long)lf_ring_paths[epoch], O_RDWR | O_CLOEXEC, 0, 0, 0);
     if (fd < 0)
         return;
     struct lf_header *hdr = map_shared((int)fd, 0, LF_HEADER_SIZE, PROT_READ);
     long me = -1;
     if (hdr != NULL && hdr->magic == RING_MAGIC && hdr->version == LF_VERSION && hdr->replicas <= LF_MAX_REPLICAS &&
-        hdr->region_size >= sizeof(struct lf_region))
+        hdr->region_size >= sizeof(struct lf_region) && hdr->epoch == epoch)
         me = lf_raw(LF_SYS_FAST, OP_HELLO, LF_VERSION, sizeof(struct lf_header), sizeof(struct lf_record),
-                    sizeof(struct lf_region), 0);
+                    sizeof(struct lf_region), (long)&lf_reattach_to);
     long st_page = lf_fast(SYS_mmap, 0, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (me < 0 || me >= (long)hdr->replicas || (st_page < 0 && st_page > -4096)) {
         lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
@@ -1190,13 +1204,16 @@ static void attach_ring(const char *path)
     }
     lf_fast(SYS_madvise, st_page, 4096, MADV_WIPEONFORK, 0, 0, 0);
     struct lf_state *st = (struct lf_state *)st_page;
-    long stack = lf_fast(SYS_mmap, 0, RING_STACK + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (stack < 0 && stack > -4096) {
-        lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
-        return;
+    if (lf_ring_stack == NULL) {
+        long stack = lf_fast(SYS_mmap, 0, RING_STACK + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (stack < 0 && stack > -4096) {
+            lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
+            return;
+        }
+        lf_fast(SYS_mprotect, stack, 4096, PROT_NONE, 0, 0, 0);
+        lf_ring_stack = (unsigned char *)stack + 4096;
     }
-    lf_fast(SYS_mprotect, stack, 4096, PROT_NONE, 0, 0, 0);
-    st->stack = (unsigned char *)stack + 4096;
+    st->stack = lf_ring_stack;
     st->me = (uint32_t)me;
     st->leader = hdr->leader;
     st->replicas = hdr->replicas;
@@ -1223,6 +1240,15 @@ static void attach_ring(const char *path)
     lf_ring_thread = 1;
 }
 
+/* After a call made through the monitor: the monitor may have asked for the next ring. */
+static long after_slow_call(long ret)
+{
+    uint32_t next = lf_reattach_to;
+    if (lf_ring_thread && next > lf_ring_epoch)
+        attach_ring(next);
+    return ret;
+}
+
 /* The variables the monitor set for us are not the program's. */
 static void restore_environment(void)
 {
@@ -1243,10 +1269,15 @@ __attribute__((constructor)) static void lf_init(void)
     if (mode == NULL || mode[0] == '\0')
         return;
     int count = strcmp(mode, "count") == 0;
-    const char *ring = getenv("LOCKSTEP_FAST_RING");
-    char ring_path[256] = "";
-    if (ring != NULL && strlen(ring) < sizeof ring_path)
-        strcpy(ring_path, ring);
+    /* LOCKSTEP_FAST_RING: the rings' paths, one per epoch, separated by ':'. */
+    for (const char *ring = getenv("LOCKSTEP_FAST_RING"); ring != NULL && lf_ring_count < LF_RINGS;) {
+        const char *end = strchr(ring, ':');
+        size_t len = end != NULL ? (size_t)(end - ring) : strlen(ring);
+        if (len == 0 || len >= sizeof lf_ring_paths[0])
+            break;
+        memcpy(lf_ring_paths[lf_ring_count++], ring, len);
+        ring = end != NULL ? end + 1 : NULL;
+    }
     const char *test = getenv("LOCKSTEP_FAST_TEST");
     if (test != NULL && strncmp(test, "corrupt:", 8) == 0)
         lf_test_corrupt = strtoull(test + 8, NULL, 10);
@@ -1267,8 +1298,7 @@ __attribute__((constructor)) static void lf_init(void)
     };
     if (lf_raw(SYS_rt_sigaction, SIGSYS, (long)&sa, 0, 8, 0, 0) != 0)
         return;
-    if (ring_path[0] != '\0')
-        attach_ring(ring_path);
+    attach_ring(0);
     /* Only pages 0 and 1 (the gates, the restorer, the stubs) may make syscalls without SIGSYS. */
     if (prctl(PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, STUB_PAGE + 4096, &lf_selector) != 0)
         return;

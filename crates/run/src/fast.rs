@@ -61,7 +61,8 @@ struct Header {
     cpu: [i32; 4],
     /// 1: strict output checks (the monitor checks every output; the leader checks once).
     strict: u32,
-    pad: u32,
+    /// This ring's place in the list of rings (`LOCKSTEP_FAST_RING`).
+    epoch: u32,
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -92,10 +93,13 @@ const CLOCKS_SIZE: u64 = round_up(layout::CLOCKS * CLOCK_SIZE, layout::PAGE);
 const RECORD_SIZE: u64 = layout::RECORD_HEAD + layout::PAYLOAD_MAX;
 const REGION_SIZE: u64 = round_up(layout::REGION_HEAD + layout::SLOTS * RECORD_SIZE, layout::PAGE);
 
-/// The shared ring of one run.
+/// Rings created for a run: the first, and one for each time the replica set becomes
+/// whole again after a change (a vote-out, a death, a re-integration); see [`FastPath`].
+pub const RINGS: usize = 4;
+
+/// One shared ring (one epoch of a run's fast path).
 pub struct Ring {
     file: OwnedFd,
-    shim: OwnedFd,
     base: *mut u8,
     len: usize,
     replicas: u32,
@@ -116,7 +120,8 @@ impl Ring {
     /// Creates the ring for `replicas` replicas, led by replica 0.
     /// `placement`: each replica's CPU, when pinned.
     /// `strict`: the monitor checks every output before it runs (`fast_check.rs`).
-    pub fn create(replicas: u32, spin: u32, placement: &[usize], strict: bool) -> io::Result<Ring> {
+    /// `epoch`: its place in the run's list of rings.
+    pub fn create(epoch: u32, replicas: u32, spin: u32, placement: &[usize], strict: bool) -> io::Result<Ring> {
         assert!(
             replicas as u64 <= layout::MAX_REPLICAS,
             "at most {} replicas",
@@ -142,19 +147,8 @@ impl Ring {
         if base == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let shim = memfd(c"liblockstep_fast.so")?;
-        let mut written = 0;
-        while written < SHIM.len() {
-            // SAFETY: writing from a static slice into our memfd.
-            let n = unsafe { libc::write(shim.as_raw_fd(), SHIM[written..].as_ptr().cast(), SHIM.len() - written) };
-            if n <= 0 {
-                return Err(io::Error::last_os_error());
-            }
-            written += n as usize;
-        }
         let ring = Ring {
             file,
-            shim,
             base: base.cast(),
             len: total as usize,
             replicas,
@@ -175,36 +169,22 @@ impl Ring {
                 total_size: total,
                 cpu: std::array::from_fn(|r| placement.get(r).map_or(-1, |&c| c as i32)),
                 strict: strict as u32,
-                pad: 0,
+                epoch,
             })
         };
         Ok(ring)
     }
 
-    /// Descriptors the replicas must not inherit into the program.
-    pub fn fds(&self) -> [RawFd; 2] {
-        [self.file.as_raw_fd(), self.shim.as_raw_fd()]
-    }
-
-    /// The environment a replica gets: the shim preloaded, and where the ring is. `holder`
-    /// is the pid under which the replica sees a process that holds the two descriptors.
-    pub fn environment(&self, holder: i32) -> Vec<CString> {
-        let fd_path = |fd: RawFd| format!("/proc/{holder}/fd/{fd}");
-        let mut env = Vec::new();
-        let shim = fd_path(self.shim.as_raw_fd());
-        let preload = match std::env::var("LD_PRELOAD") {
-            Ok(theirs) if !theirs.is_empty() => {
-                env.push(format!("LOCKSTEP_FAST_PRELOAD={theirs}"));
-                format!("{shim}:{theirs}")
-            }
-            _ => shim,
-        };
-        env.push(format!("LD_PRELOAD={preload}"));
-        env.push("LOCKSTEP_FAST=1".into());
-        env.push(format!("LOCKSTEP_FAST_RING={}", fd_path(self.file.as_raw_fd())));
-        env.into_iter()
-            .map(|s| CString::new(s).expect("no NUL in lockstep's own variables"))
-            .collect()
+    /// Lays out a ring no replica has attached yet for `replicas` replicas, led by
+    /// region 0. `placement`: each region's CPU, when pinned.
+    pub fn reset(&mut self, replicas: u32, placement: &[Option<usize>]) {
+        assert!(replicas as u64 <= layout::MAX_REPLICAS);
+        self.replicas = replicas;
+        // SAFETY: the header is ours alone until a replica's hello names this ring.
+        let header = unsafe { &mut *self.base.cast::<Header>() };
+        header.replicas = replicas;
+        header.leader = 0;
+        header.cpu = std::array::from_fn(|r| placement.get(r).copied().flatten().map_or(-1, |c| c as i32));
     }
 
     fn header(&self) -> &Header {
@@ -348,12 +328,23 @@ impl Drop for Ring {
     }
 }
 
-/// The ring of a run and what the monitor knows about its use.
+/// The fast path of a run: its rings (one per epoch), the shim, and what the monitor
+/// knows about their use. Replicas are numbered differently in each ring (its regions):
+/// every query takes a replica id and translates it.
 pub struct FastPath {
-    pub ring: Ring,
+    rings: Vec<Ring>,
+    /// The epoch in use (an index into `rings`).
+    current: usize,
+    shim: OwnedFd,
+    /// The replica in each region of the current ring.
+    members: Vec<u32>,
+    /// The next ring's members, once the monitor asked the replicas to attach it.
+    pending: Option<Vec<u32>>,
+    /// Where each replica's shim reads the epoch to attach next (same address in all).
+    pub reattach_word: Option<u64>,
     /// The task whose main thread attached the ring (at its hello), if one did.
     pub task: Option<usize>,
-    /// Per replica: its last ring position, and since when it has not moved while running
+    /// Per region: its last ring position, and since when it has not moved while running
     /// and while another replica waited (the watchdog, `fast_session.rs`).
     pub watch: Vec<(u64, Option<std::time::Instant>)>,
     /// Where strict output checks read the leader's buffers (`fast_check::CHUNK` bytes).
@@ -394,22 +385,154 @@ impl FastPath {
             return Ok(None);
         }
         let strict = opts.output_check == crate::OutputCheck::Strict;
-        let ring = Ring::create(opts.replicas, opts.spin, placement, strict)
-            .map_err(|e| crate::Error::Io("creating the fast path's ring", e))?;
-        let watch = vec![(0, None); opts.replicas as usize];
+        let creating = |e| crate::Error::Io("creating the fast path's ring", e);
+        let rings = (0..RINGS as u32)
+            .map(|epoch| Ring::create(epoch, opts.replicas, opts.spin, placement, strict))
+            .collect::<io::Result<Vec<Ring>>>()
+            .map_err(creating)?;
+        let shim = shim_file().map_err(creating)?;
         Ok(Some(FastPath {
-            ring,
+            rings,
+            current: 0,
+            shim,
+            members: (0..opts.replicas).collect(),
+            pending: None,
+            reattach_word: None,
             task: None,
-            watch,
+            watch: vec![(0, None); opts.replicas as usize],
             scratch: vec![0; crate::fast_check::CHUNK],
             checked_outputs: 0,
         }))
     }
 
+    /// Descriptors the replicas must not inherit into the program.
+    pub fn fds(&self) -> Vec<RawFd> {
+        let mut fds: Vec<RawFd> = self.rings.iter().map(|r| r.file.as_raw_fd()).collect();
+        fds.push(self.shim.as_raw_fd());
+        fds
+    }
+
+    /// The environment a replica gets: the shim preloaded, and where the rings are.
+    /// `holder` is the pid under which the replica sees a process that holds the files.
+    pub fn environment(&self, holder: i32) -> Vec<CString> {
+        let fd_path = |fd: RawFd| format!("/proc/{holder}/fd/{fd}");
+        let mut env = Vec::new();
+        let shim = fd_path(self.shim.as_raw_fd());
+        let preload = match std::env::var("LD_PRELOAD") {
+            Ok(theirs) if !theirs.is_empty() => {
+                env.push(format!("LOCKSTEP_FAST_PRELOAD={theirs}"));
+                format!("{shim}:{theirs}")
+            }
+            _ => shim,
+        };
+        env.push(format!("LD_PRELOAD={preload}"));
+        env.push("LOCKSTEP_FAST=1".into());
+        let rings: Vec<String> = self.rings.iter().map(|r| fd_path(r.file.as_raw_fd())).collect();
+        env.push(format!("LOCKSTEP_FAST_RING={}", rings.join(":")));
+        env.into_iter()
+            .map(|s| CString::new(s).expect("no NUL in lockstep's own variables"))
+            .collect()
+    }
+
+    /// The ring of the current epoch.
+    pub fn ring(&self) -> &Ring {
+        &self.rings[self.current]
+    }
+
+    /// The current epoch (0 for the first ring).
+    pub fn epoch(&self) -> usize {
+        self.current
+    }
+
     /// The ring's task, while the ring is on.
     pub fn active_task(&self) -> Option<usize> {
-        self.task.filter(|_| self.ring.is_on())
+        self.task.filter(|_| self.ring().is_on())
     }
+
+    /// Replica `r`'s region in the current ring.
+    pub fn region(&self, r: u32) -> Option<u32> {
+        self.members.iter().position(|&m| m == r).map(|i| i as u32)
+    }
+
+    /// The replica that leads the current ring.
+    pub fn leader(&self) -> Option<u32> {
+        self.members.get(self.ring().leader() as usize).copied()
+    }
+
+    /// Calls replica `r` published as the ring's leader.
+    pub fn published(&self, r: u32) -> Option<u64> {
+        self.region(r).map(|i| self.ring().published(i))
+    }
+
+    /// Records follower `r` consumed.
+    pub fn consumed(&self, r: u32) -> Option<u64> {
+        self.region(r).map(|i| self.ring().consumed(i))
+    }
+
+    /// Follower `r`'s latest vote: (sequence number, digest).
+    pub fn vote(&self, r: u32) -> Option<(u64, u64)> {
+        self.region(r).map(|i| self.ring().vote(i))
+    }
+
+    /// A number that grows whenever replica `r` moves on in the ring.
+    pub fn position(&self, r: u32) -> Option<u64> {
+        self.region(r).map(|i| self.ring().position(i))
+    }
+
+    /// Whether replica `r` sleeps waiting for another one in the ring.
+    pub fn sleeping(&self, r: u32) -> bool {
+        self.region(r).is_some_and(|i| self.ring().sleeping(i))
+    }
+
+    /// Calls the leaders completed on the fast path, over every epoch so far.
+    pub fn fast_calls(&self) -> u64 {
+        self.rings[..=self.current]
+            .iter()
+            .map(|ring| ring.fast_calls(ring.leader()))
+            .sum()
+    }
+
+    /// Prepares the next epoch's ring for `members` (the leader first), each with its CPU
+    /// if pinned. False when every ring has been used.
+    pub fn arm_next(&mut self, members: Vec<u32>, placement: &[Option<usize>]) -> bool {
+        let next = self.current + 1;
+        if next >= self.rings.len() || self.pending.is_some() || members.len() < 2 {
+            return false;
+        }
+        self.rings[next].reset(members.len() as u32, placement);
+        self.pending = Some(members);
+        true
+    }
+
+    /// The next epoch's number, when one is armed.
+    pub fn armed_epoch(&self) -> Option<usize> {
+        self.pending.as_ref().map(|_| self.current + 1)
+    }
+
+    /// The replicas said hello to the armed ring: it becomes the current one.
+    pub fn enter_armed(&mut self) -> bool {
+        let Some(members) = self.pending.take() else {
+            return false;
+        };
+        self.current += 1;
+        self.watch = vec![(0, None); members.len()];
+        self.members = members;
+        true
+    }
+}
+
+fn shim_file() -> io::Result<OwnedFd> {
+    let shim = memfd(c"liblockstep_fast.so")?;
+    let mut written = 0;
+    while written < SHIM.len() {
+        // SAFETY: writing from a static slice into our memfd.
+        let n = unsafe { libc::write(shim.as_raw_fd(), SHIM[written..].as_ptr().cast(), SHIM.len() - written) };
+        if n <= 0 {
+            return Err(io::Error::last_os_error());
+        }
+        written += n as usize;
+    }
+    Ok(shim)
 }
 
 #[cfg(test)]
@@ -421,15 +544,11 @@ mod tests {
         assert_eq!(std::mem::size_of::<Header>(), 88);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
-        let ring = Ring::create(2, 10, &[0, 1], true).unwrap();
+        let ring = Ring::create(0, 2, 10, &[0, 1], true).unwrap();
         assert!(ring.is_on());
         assert_eq!(ring.leader(), 0);
         assert_eq!(ring.published(0), 0);
         ring.switch_off();
         assert!(!ring.is_on());
-        let env = ring.environment(1);
-        assert!(env
-            .iter()
-            .any(|e| e.to_str().unwrap().starts_with("LD_PRELOAD=/proc/1/fd/")));
     }
 }

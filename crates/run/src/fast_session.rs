@@ -31,7 +31,7 @@ impl Session {
         let Some(fast) = &self.fast else {
             return Ok(()); // not ours: the call fails with ENOSYS at its rendezvous
         };
-        fast.ring.switch_off();
+        fast.ring().switch_off();
         let (seq, own_nr, own_digest, lead_nr, lead_digest) = (args[1], args[2], args[3], args[4], args[5]);
         let own = syscalls::name(own_nr);
         let leader = self.replicas.leader();
@@ -50,28 +50,76 @@ impl Session {
         self.replica_failed(task, r, "divergence", msg)
     }
 
-    /// The shim's hello: replica `r` gets its number if the ring is for this task.
+    /// The shim's hello: each replica gets its number in the ring (its region) if the
+    /// ring is for this task: the first ring, by the main thread of the program's first
+    /// image with the replica set untouched; a later one, after the monitor armed it.
+    /// `args[5]`: where the shim reads the epoch to attach next.
     pub(crate) fn fast_hello(&mut self, task: TaskId, args: &[u64; 6]) -> i64 {
         let live = self.live_replicas();
+        let leader = self.replicas.leader();
         let Some(fast) = &mut self.fast else {
             return -(libc::ENOSYS as i64);
         };
+        if args[0] != OP_HELLO || !fast.ring().layout_matches(args[1], args[2], args[3], args[4]) {
+            return -(libc::EINVAL as i64);
+        }
+        if fast.armed_epoch().is_some() {
+            if fast.task != Some(task) || !fast.enter_armed() || fast.leader() != Some(leader) {
+                return -(libc::EBUSY as i64);
+            }
+            return 0; // replaced by each replica's own number
+        }
         let first_image = self.tasks[task].process == 0 && task == 0;
         let untouched =
             live.len() == self.opts.replicas as usize && live.iter().enumerate().all(|(i, &r)| i == r as usize);
-        if args[0] != OP_HELLO || !fast.ring.layout_matches(args[1], args[2], args[3], args[4]) {
-            return -(libc::EINVAL as i64);
-        }
         if fast.task.is_some()
+            || fast.epoch() != 0
             || !first_image
             || !untouched
-            || !fast.ring.is_on()
-            || fast.ring.leader() != self.replicas.leader()
+            || !fast.ring().is_on()
+            || fast.leader() != Some(leader)
         {
             return -(libc::EBUSY as i64);
         }
         fast.task = Some(task);
+        fast.reattach_word = Some(args[5]).filter(|&a| a != 0);
         0 // replaced by each replica's own number
+    }
+
+    /// The replica set is whole again after a change (a re-integration): the ring task's
+    /// replicas, all stopped at the same call, are asked to attach the next epoch's ring
+    /// when that call returns (the monitor writes the epoch where each shim reads it).
+    pub(crate) fn arm_next_ring(&mut self, task: TaskId) {
+        let live = self.live_slots(task);
+        let leader = self.replicas.leader();
+        let Some(fast) = &self.fast else {
+            return;
+        };
+        let Some(word) = fast.reattach_word else {
+            return;
+        };
+        if fast.task != Some(task) || fast.ring().is_on() || !live.contains(&leader) {
+            return;
+        }
+        let mut members = vec![leader];
+        members.extend(live.iter().copied().filter(|&r| r != leader));
+        let placement: Vec<Option<usize>> = members.iter().map(|&r| self.replicas.cpu(r)).collect();
+        let tids: Vec<_> = members.iter().map(|&r| self.slot(task, r).tid).collect();
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        if !fast.arm_next(members, &placement) {
+            return;
+        }
+        let epoch = fast.armed_epoch().expect("just armed") as u32;
+        for tid in tids {
+            // A replica that cannot be told keeps the old ring (off) and fails the hello's
+            // vote, like any replica that differs.
+            let _ = self.be.write(tid, word, &epoch.to_ne_bytes());
+        }
+        if self.debug {
+            eprintln!("lockstep debug: the fast path's ring {epoch} is armed for task {task}");
+        }
     }
 
     /// At a rendezvous of the ring's task: each follower must have consumed every record
@@ -84,17 +132,17 @@ impl Session {
             return Ok(false);
         }
         let leader = self.replicas.leader();
-        let published = fast.ring.published(leader);
+        let published = fast.published(leader).unwrap_or(0);
         let behind: Vec<(ReplicaId, u64)> = live
             .iter()
             .filter(|&&f| f != leader)
-            .map(|&f| (f, fast.ring.consumed(f)))
+            .map(|&f| (f, fast.consumed(f).unwrap_or(0)))
             .filter(|&(_, consumed)| consumed != published)
             .collect();
         if behind.is_empty() {
             return Ok(false);
         }
-        fast.ring.switch_off();
+        fast.ring().switch_off();
         // Every follower differs from the leader: with two or more of them, the leader is
         // the odd one out.
         let followers = live.len() - 1;
@@ -144,18 +192,21 @@ impl Session {
         let verdict = match self.fast.as_mut() {
             None => Err("there is no fast path".to_string()),
             Some(fast) if fast.task != Some(task) => Err(format!("task {task} does not use the ring")),
-            Some(fast) if fast.ring.leader() != r || self.replicas.leader() != r => {
+            Some(fast) if fast.leader() != Some(r) || self.replicas.leader() != r => {
                 Err(format!("replica {r} is not the ring's leader"))
             }
             Some(fast) => {
                 let be = &self.be;
                 let mut read = |addr: u64, buf: &mut [u8]| be.read(tid, addr, buf);
-                let seq = fast.ring.published(r) + 1;
-                crate::fast_check::output_digest(nr, args, &mut fast.scratch, &mut read).and_then(|digest| {
+                let seq = fast.published(r).unwrap_or(0) + 1;
+                let mut scratch = std::mem::take(&mut fast.scratch);
+                let digest = crate::fast_check::output_digest(nr, args, &mut scratch, &mut read);
+                fast.scratch = scratch;
+                digest.and_then(|digest| {
                     let wrong: Vec<String> = followers
                         .iter()
                         .filter_map(|&f| {
-                            let (vote_seq, vote) = fast.ring.vote(f);
+                            let (vote_seq, vote) = fast.vote(f).unwrap_or((0, 0));
                             (vote_seq != seq || vote != digest)
                                 .then(|| format!("replica {f} voted {vote:016x} for call #{vote_seq}"))
                         })
@@ -200,7 +251,7 @@ impl Session {
         if fast.active_task() != Some(task) {
             return false;
         }
-        fast.ring.request_escalation();
+        fast.ring().request_escalation();
         let leader = self.replicas.leader();
         let slot = self.slot(task, leader);
         if matches!(slot.state, SlotState::Running) {
@@ -242,12 +293,15 @@ impl Session {
         let Some(fast) = self.fast.as_mut() else {
             return Ok(());
         };
-        let someone_waits = live.iter().any(|&r| fast.ring.sleeping(r));
+        let someone_waits = live.iter().any(|&r| fast.sleeping(r));
         let mut standing = Vec::new();
         for &r in &live {
-            let position = fast.ring.position(r);
-            let entry = &mut fast.watch[r as usize];
-            if position != entry.0 || !someone_waits || fast.ring.sleeping(r) {
+            let (Some(position), Some(region)) = (fast.position(r), fast.region(r)) else {
+                continue;
+            };
+            let sleeping = fast.sleeping(r);
+            let entry = &mut fast.watch[region as usize];
+            if position != entry.0 || !someone_waits || sleeping {
                 *entry = (position, None);
             } else {
                 standing.push(r);
@@ -259,7 +313,10 @@ impl Session {
             let Some(fast) = self.fast.as_mut() else {
                 return Ok(());
             };
-            let entry = &mut fast.watch[r as usize];
+            let Some(region) = fast.region(r) else {
+                continue;
+            };
+            let entry = &mut fast.watch[region as usize];
             if !running {
                 entry.1 = None;
                 continue;
@@ -274,7 +331,7 @@ impl Session {
         if stragglers.is_empty() {
             return Ok(());
         }
-        fast.ring.switch_off();
+        fast.ring().switch_off();
         self.stats.divergences += 1;
         let msg = format!(
             "replica(s) {stragglers:?} ran for {:.1} s without moving in the fast path's ring while another replica waited",
@@ -306,27 +363,40 @@ impl Session {
             .is_some_and(|state| state == "R")
     }
 
-    /// The replica set changes: the ring's roles are fixed, so it is switched off.
+    /// The replica set changes: the ring's roles are fixed, so it is switched off (a
+    /// later epoch's ring may take over once the set is whole again: `arm_next_ring`).
     pub(crate) fn fast_off(&mut self) {
         if let Some(fast) = &self.fast {
-            fast.ring.switch_off();
+            fast.ring().switch_off();
         }
     }
 
-    /// Answers the hello in each replica with its own number.
+    /// Answers the hello in each replica with its number in the ring (its region).
     pub(crate) fn answer_fast_hello(&mut self, task: TaskId, result: i64) -> Result<(), Stopped> {
+        let Some(fast) = &self.fast else {
+            self.answer_each(task, |_| result);
+            return Ok(());
+        };
         if self.debug && result == 0 {
-            eprintln!("lockstep debug: the fast path's ring is attached to task {task}");
+            eprintln!(
+                "lockstep debug: the fast path's ring {} is attached to task {task}",
+                fast.epoch()
+            );
         }
-        self.answer_each(task, |r| if result == 0 { r as i64 } else { result });
+        let regions: Vec<Option<u32>> = (0..self.replicas.ids() as ReplicaId).map(|r| fast.region(r)).collect();
+        self.answer_each(task, |r| match regions.get(r as usize).copied().flatten() {
+            Some(region) if result == 0 => region as i64,
+            _ if result == 0 => -(libc::EBUSY as i64),
+            _ => result,
+        });
         Ok(())
     }
 
-    /// Calls the leader completed on the fast path, for `--stats`.
+    /// Calls the leaders completed on the fast path, for `--stats`.
     pub(crate) fn fast_calls(&self) -> Option<u64> {
         let fast = self.fast.as_ref()?;
         fast.task?;
-        Some(fast.ring.fast_calls(fast.ring.leader()))
+        Some(fast.fast_calls())
     }
 }
 

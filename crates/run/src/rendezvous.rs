@@ -1311,9 +1311,14 @@ impl Session {
         slot.consumed = self.slot(task, source).consumed;
         self.tasks[task].slots[id as usize] = Some(slot);
         self.by_tid.insert(child, (task, id));
+        self.reintegration_due = self.replicas.short();
+        if !self.reintegration_due {
+            // Every replica is stopped at this call: the fast path's next ring is attached
+            // right after it.
+            self.arm_next_ring(task);
+        }
         self.resume(task, source, Resume::Run, SlotState::Running);
         let _ = self.be.resume(child, Resume::Run);
-        self.reintegration_due = self.replicas.short();
         self.stats.reintegrations += 1;
         let rss = self
             .be

@@ -137,6 +137,11 @@ impl Replicas {
         (self.members.len() - 1) as ReplicaId
     }
 
+    /// The CPU replica `r` is pinned to, if it is.
+    pub fn cpu(&self, r: ReplicaId) -> Option<usize> {
+        self.members.get(r as usize).and_then(|m| m.cpu)
+    }
+
     /// The CPU a dead replica ran on (a new replica takes its place there).
     pub fn free_cpu(&self) -> Option<usize> {
         self.members.iter().find(|m| !m.alive).and_then(|m| m.cpu)

@@ -476,13 +476,13 @@ impl Session {
         let with_fast = |holder: i32| -> Vec<CString> {
             let mut env = envp.clone();
             if let Some(f) = &fast {
-                env.extend(f.ring.environment(holder));
+                env.extend(f.environment(holder));
             }
             env
         };
         let (env_ns, env_plain) = (with_fast(1), with_fast(own_pid));
         let (env_ns_ptrs, env_plain_ptrs) = (spawn::ptrs(&env_ns), spawn::ptrs(&env_plain));
-        let close_fds: Vec<i32> = fast.iter().flat_map(|f| f.ring.fds()).collect();
+        let close_fds: Vec<i32> = fast.iter().flat_map(|f| f.fds()).collect();
         let events = EventSink::new(opts.events.as_deref(), !opts.quiet)
             .map_err(|e| Error::Io("creating the events file", e))?;
         install_signal_handlers();
