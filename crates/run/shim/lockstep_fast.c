@@ -33,8 +33,9 @@
  * an output or a monitor request (a signal to deliver) makes the leader publish ESCALATE,
  * and every replica then makes that call through the monitor, which votes as always; a
  * follower that finds a record that does not match its call reports it (lockstep_fast
- * DIVERGED). The monitor switches the ring off for good (`off`) when the replica set
- * changes; records already published are still consumed.
+ * DIVERGED). The monitor switches the ring off (`off`) when the replica set changes;
+ * records already published are still consumed. When the set is whole again, the monitor
+ * writes the next epoch into lf_reattach_to and the shim attaches that epoch's ring.
  *
  * Limits (docs/run.md): page 0 is mapped; the `call` writes 8 bytes below the stack
  * pointer; only the main thread of the first image uses the ring (other threads, forked

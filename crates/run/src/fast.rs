@@ -7,6 +7,8 @@
 //! monitor. Everything else reaches the monitor as before. This module owns what the
 //! monitor shares with the shims:
 //!
+//! * [`FastPath`]: a run's rings, one per epoch (a new epoch starts when the replica set
+//!   is whole again after a change), and which replica is in which region of the current one.
 //! * [`Ring`]: one shared file (a memfd) with a header that only the monitor writes, a
 //!   clock area, and one region per replica (its records as leader, its consumed and voted
 //!   sequence numbers as follower). The monitor reads it to check, at every rendezvous of
@@ -226,7 +228,7 @@ impl Ring {
         self.word32(&self.header().off).load(Ordering::Acquire) == 0
     }
 
-    /// Switches the fast path off for good: from the next call on, every replica goes
+    /// Switches this ring off for good: from the next call on, every replica goes
     /// through the monitor. Sleepers are woken so that they see it.
     pub fn switch_off(&self) {
         self.word32(&self.header().off).store(1, Ordering::Release);

@@ -8,7 +8,8 @@
 //!   leader blocked in a fast call is interrupted so that it gets there;
 //! * strict output checks: a leader's output from the fast gate runs only after the
 //!   monitor compared it with every follower's vote (`fast_check.rs`);
-//! * a change of the replica set switches the ring off for good.
+//! * a change of the replica set switches the ring off; once re-integration makes it whole
+//!   again, the replicas attach the next epoch's ring (`arm_next_ring`).
 
 use crate::backend::{Backend, Resume};
 use crate::fast::{DIVERGED_CRC, OP_DIVERGED, OP_HELLO};
