@@ -14,7 +14,8 @@ fraction of syscalls that took the fast path = fast-path calls / (fast-path call
 intercepted calls), from lockstep's --stats.
 
 Part B, redis: each round starts redis-server (--save "" --appendonly no, on a free port)
-natively, under `lockstep run -r 2 --backend fast --stats` and under `-r 3`, waits for
+natively and under `lockstep run --backend fast --stats` in each of B_OPTIONS (DMR and
+TMR; replicas spread or on one CPU; strict or in-process output checks), waits for
 PING, runs `redis-benchmark -t set,get -n N -c 50 --csv` against it, then shuts it down
 with `redis-cli shutdown nosave`. Reported per configuration: median SET and GET
 requests/s, the share of native (median of the per-round ratios replicated / native of
@@ -261,12 +262,18 @@ def part_a(args, loop_bin):
 # ---------------------------------------------------------------- Part B: redis
 
 # Replicated configurations and their `lockstep run` options: spread over the CPUs (the
-# default placement), and all replicas on one CPU (leaves the other to the client).
+# default placement), and all replicas on one CPU (leaves the other to the client), each
+# with strict output checks (the default: one stop of the leader per output, so the
+# monitor goes on the replicas' CPU too) and with in-process checks only.
 B_OPTIONS = {
     "fast -r 2": ["-r", "2"],
-    "fast -r 2 --cpus 0,0": ["-r", "2", "--cpus", "0,0"],
+    "fast -r 2 --output-check fast": ["-r", "2", "--output-check", "fast"],
+    "fast -r 2 --cpus 0,0 --monitor-cpu 0": ["-r", "2", "--cpus", "0,0", "--monitor-cpu", "0"],
+    "fast -r 2 --cpus 0,0 --output-check fast": ["-r", "2", "--cpus", "0,0", "--output-check", "fast"],
     "fast -r 3": ["-r", "3"],
-    "fast -r 3 --cpus 0,0,0": ["-r", "3", "--cpus", "0,0,0"],
+    "fast -r 3 --output-check fast": ["-r", "3", "--output-check", "fast"],
+    "fast -r 3 --cpus 0,0,0 --monitor-cpu 0": ["-r", "3", "--cpus", "0,0,0", "--monitor-cpu", "0"],
+    "fast -r 3 --cpus 0,0,0 --output-check fast": ["-r", "3", "--cpus", "0,0,0", "--output-check", "fast"],
 }
 B_CONFIGS = ["native"] + list(B_OPTIONS)
 
