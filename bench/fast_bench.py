@@ -21,6 +21,11 @@ with `redis-cli shutdown nosave`. Reported per configuration: median SET and GET
 requests/s, the share of native (median of the per-round ratios replicated / native of
 the same round) and the fast-path fraction of redis's syscalls.
 
+Part C, masking latency: TMR runs of tests/fixtures/fast_target.c with the output of
+one replica (a follower, then the leader) corrupted by --test-flip; reported: the `mask`
+event's duration (from the start of the monitor's decision to the healthy replicas going
+on) and the vote-out's, median and max over --mask-runs runs.
+
 The machine may be small and noisy, so configurations are interleaved round by round and
 everything is given relative to the native run of the same round. Failures (a replicated
 run exiting early or non-zero, a timeout, output that does not parse) are listed as
@@ -28,8 +33,9 @@ anomalies; they do not stop the bench. Nothing here asserts on timing.
 
 Usage (from anywhere; the repository root is found from this file's path):
     cargo build --release --locked -p lockstep-cli
-    python3 bench/fast_bench.py [--rounds R] [--requests N] [--loop N] [--out DIR] [--quick]
---quick is --rounds 1 --requests 20000 --loop 50000. Writes DIR/fast.json (default
+    python3 bench/fast_bench.py [--rounds R] [--requests N] [--loop N] [--mask-runs K]
+                                [--out DIR] [--quick]
+--quick is --rounds 1 --requests 20000 --loop 50000 --mask-runs 5. Writes DIR/fast.json (default
 bench/out/fast.json) with every raw per-round number and the summary, and prints a
 markdown summary on stdout. Needs gcc, redis-server, redis-cli and redis-benchmark; the
 fast backend needs root (see docs/run.md).
@@ -437,6 +443,54 @@ def part_b(args, tmp):
     return {"requests": args.requests, "clients": 50, "rounds": rounds, "summary": summary}
 
 
+# ---------------------------------------------------------------- Part C: masking
+
+# tests/fixtures/fast_target.c: 40 write(2)s; its one getppid call carries a pointer to
+# line 10, so `--test-flip R:getppid:mem:rdi+0:2` corrupts that line in replica R only.
+TARGET_SRC = os.path.join(ROOT, "tests", "fixtures", "fast_target.c")
+C_FAULTS = {
+    "follower (replica 1)": "1:getppid:mem:rdi+0:2",
+    "leader (replica 0)": "0:getppid:mem:rdi+0:2",
+}
+
+
+def part_c(args, target_bin, tmp):
+    """TMR runs of fast_target with one replica's output corrupted: the `mask` event's
+    duration is the time from the start of the monitor's decision (the divergence it was
+    told of) to the two healthy replicas going on."""
+    rows = {}
+    for name, flip in C_FAULTS.items():
+        durations, kills = [], []
+        for i in range(args.mask_runs):
+            events = os.path.join(tmp, f"mask_{i}.jsonl")
+            cmd = [BIN, "run", "-r", "3", "--backend", "fast", "--events", events,
+                   "--test-flip", flip, "--", target_bin]
+            res = run(cmd, 30, f"C {name} run {i + 1}")
+            if res is None:
+                continue
+            if res[0] != 0:
+                anomaly(f"C {name} run {i + 1}", f"exit status {res[0]} (the fault was not masked)",
+                        cmd, res[2])
+                continue
+            try:
+                with open(events) as f:
+                    evs = [json.loads(line) for line in f if line.strip()]
+            except (OSError, ValueError) as e:
+                anomaly(f"C {name} run {i + 1}", f"events unreadable: {e}", cmd)
+                continue
+            mask = [e.get("duration_us") for e in evs if e.get("kind") == "mask"]
+            kill = [e.get("duration_us") for e in evs if e.get("kind") == "vote" and e.get("action") == "kill"]
+            if not mask:
+                anomaly(f"C {name} run {i + 1}", "no mask event", cmd)
+                continue
+            durations.append(mask[0])
+            kills.extend(k for k in kill[:1] if k is not None)
+        rows[name] = {"flip": flip, "runs": args.mask_runs, "mask_us": durations,
+                      "mask_us_median": median(durations), "mask_us_max": max(durations, default=None),
+                      "kill_us_median": median(kills)}
+    return rows
+
+
 # ---------------------------------------------------------------- output
 
 def fmt(x, spec):
@@ -447,7 +501,7 @@ def pct(x, digits=1):
     return "n/a" if x is None else f"{100 * x:.{digits}f}%"
 
 
-def markdown(meta, a, b):
+def markdown(meta, a, b, c):
     lines = [f"# lockstep fast backend bench ({meta['commit']})", ""]
     lines += [f"- commit: `{meta['commit']}`{' (dirty tree)' if meta['dirty'] else ''}",
               f"- kernel: `{meta['uname_r']}`, nproc: {meta['nproc']}",
@@ -480,6 +534,14 @@ def markdown(meta, a, b):
     lines += ["", "Medians over rounds; 'added ns', 'x native' and '% of native' are medians of "
               "per-round differences / ratios against the native run of the same round. "
               "Fast-path fraction = fast-path calls / (fast-path calls + intercepted calls).", ""]
+    lines += ["## Masking latency (TMR, one replica's output corrupted)", "",
+              "| faulty replica | runs | masked | mask µs (median) | mask µs (max) | vote-out µs (median) |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for name, r in c.items():
+        lines.append(f"| {name} | {r['runs']} | {len(r['mask_us'])} | {fmt(r['mask_us_median'], '.0f')} | "
+                     f"{fmt(r['mask_us_max'], '.0f')} | {fmt(r['kill_us_median'], '.0f')} |")
+    lines += ["", "mask µs: the `mask` event's duration, from the start of the monitor's decision "
+              "to the healthy replicas going on (re-integration comes after it).", ""]
     if ANOMALIES:
         lines += [f"## Anomalies ({len(ANOMALIES)})", ""]
         for an in ANOMALIES:
@@ -512,11 +574,12 @@ def main():
     ap.add_argument("--requests", type=int, default=100000, help="redis-benchmark -n")
     ap.add_argument("--loop", type=int, default=200000, help="fast_loop iterations")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
+    ap.add_argument("--mask-runs", type=int, default=20, help="runs per faulty replica (part C)")
     ap.add_argument("--quick", action="store_true",
-                    help="--rounds 1 --requests 20000 --loop 50000")
+                    help="--rounds 1 --requests 20000 --loop 50000 --mask-runs 5")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.requests, args.loop = 1, 20000, 50000
+        args.rounds, args.requests, args.loop, args.mask_runs = 1, 20000, 50000, 5
     if args.rounds < 1 or args.requests < 1 or args.loop < 1:
         ap.error("--rounds, --requests and --loop must be positive")
     if not os.access(BIN, os.X_OK):
@@ -545,7 +608,10 @@ def main():
           "--save '' --appendonly no" for opts in B_OPTIONS.values()],
         f"B: (each) redis-cli -p P ping; redis-benchmark -p P -t set,get -n {args.requests} "
         "-c 50 --csv; redis-cli -p P shutdown nosave",
+        *[f"C: {BIN} run -r 3 --backend fast --events E --test-flip {flip} -- fast_target"
+          for flip in C_FAULTS.values()],
         "fast_loop = gcc -O2 -Wall -Wextra -Werror bench/fast_loop.c",
+        "fast_target = gcc -O2 -Wall -Wextra -Werror tests/fixtures/fast_target.c",
     ]
     print(f"fast_bench: commit {commit}{' (dirty)' if dirty else ''}, kernel {uname_r}, "
           f"nproc {nproc}, rounds {args.rounds}", file=sys.stderr, flush=True)
@@ -561,6 +627,13 @@ def main():
             a = part_a(args, loop_bin)
             print("Part B: redis", file=sys.stderr, flush=True)
             b = part_b(args, tmp)
+            target_bin = os.path.join(tmp, "fast_target")
+            cc = subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", target_bin, TARGET_SRC],
+                                capture_output=True, text=True)
+            if cc.returncode != 0:
+                sys.exit("gcc failed:\n" + cc.stderr)
+            print("Part C: masking latency", file=sys.stderr, flush=True)
+            c = part_c(args, target_bin, tmp)
     finally:
         cleanup_all()
 
@@ -580,11 +653,11 @@ def main():
             "commands": commands, "lockstep": BIN,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "seconds": time.monotonic() - t_start}
-    report = markdown(meta, a, b)
+    report = markdown(meta, a, b, c)
     os.makedirs(args.out, exist_ok=True)
     out_json = os.path.join(args.out, "fast.json")
     with open(out_json, "w") as f:
-        json.dump({"meta": meta, "per_call": a, "redis": b, "anomalies": ANOMALIES}, f, indent=1)
+        json.dump({"meta": meta, "per_call": a, "redis": b, "masking": c, "anomalies": ANOMALIES}, f, indent=1)
         f.write("\n")
     print(report, end="")
     print(f"(raw numbers: {out_json})", file=sys.stderr)
