@@ -300,3 +300,21 @@ fn python_kills_its_children() {
         out.assert_code(0).assert_stdout(&want);
     }
 }
+
+/// A follower's own timer interrupts its descriptor install again and again (and can cancel
+/// a reply in flight): the install is retried, never taken for a fault. Before the fix this
+/// halted with exit 86 (a follower killed as a straggler, then a re-integration fork that
+/// the timer interrupted left its source with a wrong result).
+#[test]
+fn a_busy_interval_timer_during_descriptor_installs() {
+    let prog = fixture("timer_opens");
+    let want = native_stdout(&[&prog]);
+    for r in ["2", "3"] {
+        let ev = events_path("timer_opens");
+        let ev_arg = ev.to_string_lossy().into_owned();
+        let out = run(lockstep_run(&["-r", r, "--events", &ev_arg], &[&prog]));
+        out.assert_code(0).assert_stdout(&want);
+        let events = read_events_of(&ev, &out);
+        assert_no_event(&events, "divergence", &out);
+    }
+}

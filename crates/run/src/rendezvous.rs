@@ -819,57 +819,83 @@ impl Session {
         Ok(())
     }
 
-    /// Waits for follower `ftid`'s descriptor-install notification. The follower may stop
-    /// on its way there (a `PTRACE_INTERRUPT` that `lockstep inject --replica` issued and
-    /// that was still pending): such a stop is passed on and the wait goes on. It may also
-    /// die on the way (`Err(death)`), for example killed by its own parent. A follower
-    /// that faults on the way (it restarted its interrupted call at a corrupted address) or
-    /// that does not arrive within the straggler timeout has gone astray and is killed.
+    /// Waits for follower `ftid`'s descriptor-install notification; `how` is how the
+    /// follower was resumed into its install call (to the call's exit, when signals wait
+    /// for it there). The follower may stop on its way: a `PTRACE_INTERRUPT` that
+    /// `lockstep inject --replica` issued and that was still pending, or a signal of its
+    /// own (a timer), which also interrupts the install (the kernel restarts it, and it
+    /// notifies again). Such stops are passed on at once, so that a timer that fires more
+    /// often than a poll lasts cannot starve the install. It may also die on the way
+    /// (`Err(death)`), for example killed by its own parent. A follower that faults on the
+    /// way (it restarted its interrupted call at a corrupted address), makes another call,
+    /// or does not arrive within the straggler timeout has gone astray and is killed.
     fn await_install_notification(
         &mut self,
         listener: &lockstep_trace::seccomp::Listener,
         ftid: Tid,
+        how: Resume,
     ) -> Result<Result<lockstep_trace::seccomp::Notif, Death>, Stopped> {
-        const POLL_MS: i32 = 50;
-        let limit_ms = i32::try_from(self.opts.timeout.as_millis()).unwrap_or(i32::MAX);
-        let mut waited = 0;
+        use lockstep_trace::Stop;
+        const POLL_MS: i32 = 1;
+        let since = Instant::now();
         loop {
-            match listener.recv(POLL_MS) {
-                Ok(notif) => return Ok(Ok(notif)),
-                // ENOENT: the follower's call was interrupted (a signal, a pending
-                // PTRACE_INTERRUPT) before we took the notification; it restarts the call,
-                // which notifies again.
-                Err(e) if e.kind() != std::io::ErrorKind::TimedOut && e.raw_os_error() != Some(libc::ENOENT) => {
-                    return Err(Error::Io("waiting for the descriptor-install notification", e).into())
+            let stop = self.be.try_wait_tid(ftid);
+            if self.debug {
+                if let Ok(Some(stop)) = &stop {
+                    eprintln!("lockstep debug: tid {ftid} {stop:?} while waiting for its descriptor install");
                 }
-                Err(_) => waited += POLL_MS,
             }
-            match self.be.try_wait_tid(ftid) {
-                Ok(Some(lockstep_trace::Stop::Exited(code))) => return Ok(Err(Death::Exited(code))),
-                Ok(Some(lockstep_trace::Stop::Killed(sig))) => return Ok(Err(Death::Killed(sig))),
+            match stop {
+                Ok(Some(Stop::Exited(code))) => return Ok(Err(Death::Exited(code))),
+                Ok(Some(Stop::Killed(sig))) => return Ok(Err(Death::Killed(sig))),
+                // Resumed to the exit: the install itself, interrupted (a restart code) or
+                // entering again after its restart (-ENOSYS at a syscall-entry stop).
+                Ok(Some(Stop::SyscallExit)) if self.at_own_install(ftid) => {
+                    let _ = self.be.resume(ftid, how);
+                }
                 // Another syscall instead of the install: its registers were corrupted (it
                 // did not restart the call). Faulty; it must not run anything unsupervised.
-                Ok(Some(lockstep_trace::Stop::Seccomp | lockstep_trace::Stop::SyscallExit)) => {
-                    return Ok(Err(self.kill_stray(ftid)))
-                }
+                Ok(Some(Stop::Seccomp | Stop::SyscallExit)) => return Ok(Err(self.kill_stray(ftid))),
                 // Its own fault: passing over it would only make the same instruction fault
                 // again until the limit, as a busy loop.
-                Ok(Some(lockstep_trace::Stop::Signal(sig)))
+                Ok(Some(Stop::Signal(sig)))
                     if crate::signals::is_synchronous_fault(sig, self.be.siginfo(ftid).ok().as_ref()) =>
                 {
                     return Ok(Err(self.kill_stray(ftid)))
                 }
                 // An asynchronous signal is suppressed here as everywhere in a follower: the
                 // leader's copy is delivered to every replica at the same point.
+                Ok(Some(Stop::Signal(_))) => {
+                    let _ = self.be.resume(ftid, how);
+                }
                 Ok(Some(_)) => {
                     let _ = self.be.resume(ftid, Resume::Run);
                 }
                 _ => {}
             }
-            if waited >= limit_ms {
+            match listener.recv(POLL_MS) {
+                Ok(notif) => return Ok(Ok(notif)),
+                // ENOENT: the follower's call was interrupted before we took the
+                // notification; it restarts the call, which notifies again.
+                Err(e) if e.kind() != std::io::ErrorKind::TimedOut && e.raw_os_error() != Some(libc::ENOENT) => {
+                    return Err(Error::Io("waiting for the descriptor-install notification", e).into())
+                }
+                Err(_) => {}
+            }
+            if since.elapsed() >= self.opts.timeout {
                 return Ok(Err(self.kill_stray(ftid)));
             }
         }
+    }
+
+    /// Whether follower `tid`, at a syscall stop, is in its install call: interrupted
+    /// (a restart code) or entering it again after the restart.
+    fn at_own_install(&self, tid: Tid) -> bool {
+        const RESTART_CODES: [i64; 4] = [-512, -513, -514, -516];
+        self.be.regs(tid).is_ok_and(|r| {
+            r.orig_rax == SYS_LOCKSTEP_INSTALL
+                && (RESTART_CODES.contains(&(r.rax as i64)) || r.rax as i64 == -(libc::ENOSYS as i64))
+        })
     }
 
     /// Kills a follower thread that went astray during a descriptor install and returns
@@ -914,44 +940,87 @@ impl Session {
         let mut regs = self.slot(task, f).regs;
         regs.orig_rax = SYS_LOCKSTEP_INSTALL;
         let _ = self.be.set_regs(ftid, &regs);
-        // Signals the leader took at this call reach the follower at the exit of its
-        // install, not before: a pending signal would abort the notification wait.
-        let signals = self.tasks[task].mirror;
-        if signals.is_empty() {
-            self.resume(task, f, Resume::Run, SlotState::Running);
-        } else {
-            self.slot_mut(task, f).stand_in = Some(StandIn {
-                restore: None,
-                ret,
-                signals,
-                copy: None,
-            });
-            self.resume(task, f, Resume::ToExit, SlotState::Executing);
-        }
-        let notif = match self.await_install_notification(&listener, ftid)? {
-            Ok(notif) => notif,
-            Err(death) => return Ok(Some(death)),
-        };
-        if notif.pid as Tid != ftid {
-            return Err(Stopped::Failure(Error::Setup(format!(
-                "descriptor install: expected thread {ftid}, got {}",
-                notif.pid
-            ))));
-        }
-        let gone = |e: &std::io::Error| e.raw_os_error() == Some(libc::ENOENT);
-        for (fd, dup, cloexec) in &ours {
-            use std::os::fd::AsRawFd;
-            match listener.add_fd(notif.id, dup.as_raw_fd(), *fd, *cloexec) {
-                Ok(_) => {}
-                // The follower was killed while it waited for its descriptors.
-                Err(e) if gone(&e) => return Ok(self.death_of(ftid)),
-                Err(e) => return Err(Error::Io("SECCOMP_IOCTL_NOTIF_ADDFD", e).into()),
+        // To the install's exit: a reply alone does not prove that the install ended (a
+        // signal that comes with the reply makes the kernel restart the call), and signals
+        // the leader took at this call reach the follower there, not before (a pending
+        // signal would abort the notification wait).
+        self.resume(task, f, Resume::ToExit, SlotState::Executing);
+        // ENOENT (ESRCH for a descriptor the follower had not taken yet): the notification
+        // is gone. The follower died, or a signal of its own (a timer) interrupted its
+        // wait; then it restarts the call, which notifies again (installing at the same
+        // numbers again replaces what is there). A death shows at the next wait.
+        let gone = |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH));
+        'notification: loop {
+            let notif = match self.await_install_notification(&listener, ftid, Resume::ToExit)? {
+                Ok(notif) => notif,
+                Err(death) => return Ok(Some(death)),
+            };
+            if notif.pid as Tid != ftid {
+                return Err(Stopped::Failure(Error::Setup(format!(
+                    "descriptor install: expected thread {ftid}, got {}",
+                    notif.pid
+                ))));
+            }
+            for (fd, dup, cloexec) in &ours {
+                use std::os::fd::AsRawFd;
+                match listener.add_fd(notif.id, dup.as_raw_fd(), *fd, *cloexec) {
+                    Ok(_) => {}
+                    Err(e) if gone(&e) => continue 'notification,
+                    Err(e) => return Err(Error::Io("SECCOMP_IOCTL_NOTIF_ADDFD", e).into()),
+                }
+            }
+            match listener.respond(notif.id, ret) {
+                Ok(()) => {}
+                Err(e) if gone(&e) => continue 'notification,
+                Err(e) => return Err(Error::Io("SECCOMP_IOCTL_NOTIF_SEND", e).into()),
+            }
+            match self.await_install_exit(ftid)? {
+                Ok(true) => break,
+                Ok(false) => {
+                    let _ = self.be.resume(ftid, Resume::ToExit);
+                }
+                Err(death) => return Ok(Some(death)),
             }
         }
-        match listener.respond(notif.id, ret) {
-            Ok(()) => Ok(None),
-            Err(e) if gone(&e) => Ok(self.death_of(ftid)),
-            Err(e) => Err(Error::Io("SECCOMP_IOCTL_NOTIF_SEND", e).into()),
+        let signals = self.tasks[task].mirror;
+        let stand_in = StandIn {
+            restore: None,
+            ret,
+            signals,
+            copy: None,
+        };
+        self.finish_stand_in(task, f, stand_in)?;
+        Ok(None)
+    }
+
+    /// Follower `ftid` was answered in its install: waits for the call's exit. True: it
+    /// ended; false: a signal interrupted it as the answer came, and it restarts.
+    fn await_install_exit(&mut self, ftid: Tid) -> Result<Result<bool, Death>, Stopped> {
+        use lockstep_trace::Stop;
+        let since = Instant::now();
+        loop {
+            match self.be.try_wait_tid(ftid) {
+                Ok(Some(Stop::SyscallExit)) => {
+                    let interrupted = self.at_own_install(ftid);
+                    return Ok(Ok(!interrupted));
+                }
+                Ok(Some(Stop::Exited(code))) => return Ok(Err(Death::Exited(code))),
+                Ok(Some(Stop::Killed(sig))) => return Ok(Err(Death::Killed(sig))),
+                Ok(Some(Stop::Signal(sig)))
+                    if crate::signals::is_synchronous_fault(sig, self.be.siginfo(ftid).ok().as_ref()) =>
+                {
+                    return Ok(Err(self.kill_stray(ftid)))
+                }
+                Ok(Some(Stop::Seccomp)) => return Ok(Err(self.kill_stray(ftid))),
+                Ok(Some(_)) => {
+                    let _ = self.be.resume(ftid, Resume::ToExit);
+                }
+                Ok(None) => std::thread::sleep(std::time::Duration::from_micros(50)),
+                Err(_) => return Ok(Err(self.death_of(ftid).unwrap_or(Death::Killed(libc::SIGKILL)))),
+            }
+            if since.elapsed() >= self.opts.timeout {
+                return Ok(Err(self.kill_stray(ftid)));
+            }
         }
     }
 
@@ -1266,21 +1335,27 @@ impl Session {
             }
         }
         let local_pid = self.be.regs(stid).map(|r| r.rax as i64).unwrap_or(-1);
-        if child <= 0 || local_pid <= 0 {
-            let _ = self.be.set_regs(stid, &saved);
-            self.emit(
-                Event::new("run", "reintegrate", "fail")
-                    .replica(source)
-                    .message(format!("fork of replica {source} failed ({local_pid})")),
-            );
-            self.reintegration_due = false;
-            self.slot_mut(task, source).state = SlotState::Arrived;
-            return Ok(false);
-        }
-        // Both the source and the new replica run the interrupted call again from scratch.
+        // The source runs the interrupted call again from scratch (it stands at the exit of
+        // the fork now), and so does the new replica.
         let mut rewound = saved;
         ptrace::rewind_to_syscall(&mut rewound, nr);
         let _ = self.be.set_regs(stid, &rewound);
+        if child <= 0 || local_pid <= 0 {
+            // A signal of the source's own that came during the fork (ERESTARTNOINTR)
+            // only postpones it to the next meeting; anything else ends the attempts.
+            const ERESTARTNOINTR: i64 = 513;
+            if local_pid != -ERESTARTNOINTR {
+                self.emit(
+                    Event::new("run", "reintegrate", "fail")
+                        .replica(source)
+                        .message(format!("fork of replica {source} failed ({local_pid})")),
+                );
+                self.reintegration_due = false;
+            }
+            // It arrives at its call again, and the meeting is decided then.
+            self.resume(task, source, Resume::Run, SlotState::Running);
+            return Ok(true);
+        }
         loop {
             match self.be.wait_tid(child).map_err(|e| Error::Io("waitpid", e))? {
                 lockstep_trace::Stop::EventStop(_) | lockstep_trace::Stop::Signal(libc::SIGSTOP) => break,
