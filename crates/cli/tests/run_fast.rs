@@ -245,6 +245,28 @@ fn a_corrupted_record_fails_its_crc_check() {
 }
 
 #[test]
+fn a_result_changed_between_the_kernel_and_the_record_stops_the_run() {
+    // `result:5`: the leader's 5th call (a write) returns, and a bit of its result flips
+    // before the record is written, as a faulty register would make it. Every follower
+    // would take that result and stay in step with the leader, so no vote could catch it;
+    // the leader's check of its record against the result the gate stored does.
+    let native = fast_target_native();
+    for r in ["2", "3"] {
+        let mut cmd = lockstep_run(&["-r", r, FAST], &[fixture("fast_target")]);
+        cmd.env("LOCKSTEP_FAST_TEST", "result:5");
+        let out = run(cmd);
+        out.assert_code(86);
+        assert!(
+            out.stderr.contains("does not match what the call returned"),
+            "{}",
+            out.context()
+        );
+        // The 5th write went out; nothing after it did.
+        assert_line_prefix(&out, &native, 5..=5);
+    }
+}
+
+#[test]
 fn with_dispatch_broken_the_seccomp_backstop_still_sees_every_call() {
     let native = fast_target_native();
     // The selector left open: nothing is rewritten, every call reaches seccomp directly.

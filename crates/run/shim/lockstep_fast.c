@@ -90,6 +90,7 @@
 #define OP_HELLO 1
 #define OP_DIVERGED 2
 #define DIVERGED_CRC 0xffffffffUL /* in place of the leader's number: the record is corrupt */
+#define DIVERGED_LEADER 0xfffffffeUL /* the leader's record does not match its call's result */
 
 #define RING_MAGIC 0x4c4f434b53544550ULL /* "LOCKSTEP" */
 #define KIND_RESULT 1
@@ -211,9 +212,10 @@ static long after_slow_call(long ret);
 /* Test hooks (LOCKSTEP_FAST_TEST, tests/run_fast.rs): "corrupt:N" makes the leader damage
  * record N after its CRC is computed; "lie:N" makes the leader run call N with its third
  * argument one less than it compared (as a register flipped after the check would);
+ * "result:N" flips a bit of call N's result on its way from the kernel into the record;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
-static uint64_t lf_test_corrupt, lf_test_lie;
+static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result;
 static int lf_test_selector_allow;
 /* The thread that owns the ring: the main thread of the image that attached it. */
 static __thread int lf_ring_thread __attribute__((tls_model("initial-exec")));
@@ -230,6 +232,22 @@ void lf_entry(void);
 #define STR2(x) #x
 #define STR(x) STR2(x)
 __asm__(".text\n" GATE_CALL("lf_raw", STR(GATE_SLOW)) GATE_CALL("lf_fast", STR(LF_GATE_FAST)));
+
+/* lf_fast that also stores the kernel's result, straight from rax, at `*copy` (the 8th C
+ * argument). The leader checks its record against this copy before publishing: a fault
+ * that changes the result on its way from rax into the record would otherwise hand every
+ * follower the same wrong result, which no vote can catch. */
+long lf_fast_dup(long nr, long a1, long a2, long a3, long a4, long a5, long a6, long *copy);
+__asm__(".text\n"
+        ".globl lf_fast_dup\n.type lf_fast_dup,@function\nlf_fast_dup:\n"
+        "  push %rbx\n"
+        "  mov 24(%rsp), %rbx\n" /* copy (a6 is at 16) */
+        "  mov %rdi, %rax\n  mov %rsi, %rdi\n  mov %rdx, %rsi\n  mov %rcx, %rdx\n"
+        "  mov %r8, %r10\n  mov %r9, %r8\n  mov 16(%rsp), %r9\n"
+        "  mov $" STR(LF_GATE_FAST) ", %r11d\n  call *%r11\n"
+        "  mov %rax, (%rbx)\n"
+        "  pop %rbx\n"
+        "  ret\n");
 
 long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6);
 
@@ -445,6 +463,54 @@ static uint32_t pack(const struct lf_desc *d, const long *a, long ret, unsigned 
         }
     }
     return (uint32_t)(p - payload);
+}
+
+static int same_bytes(const unsigned char *x, const volatile unsigned char *y, uint64_t n)
+{
+    for (uint64_t i = 0; i < n; i++)
+        if (x[i] != y[i])
+            return 0;
+    return 1;
+}
+
+/* Whether a record's result and payload match their sources read again: `ret` as the gate
+ * stored it, the argument pointers loaded afresh, the buffers the kernel wrote. Between
+ * the kernel's return and the publication only the leader holds the truth; a single fault
+ * there (a register on its way into the record) shows up as a difference here. */
+static int record_matches(const struct lf_record *rec, const struct lf_desc *d, const volatile long *a, long ret)
+{
+    if (rec->ret != ret)
+        return 0;
+    const unsigned char *p = rec->payload, *end = rec->payload + rec->len;
+    if (d == NULL || ret < 0)
+        return rec->len == 0;
+    long args[6];
+    for (int i = 0; i < 6; i++)
+        args[i] = a[i];
+    for (int i = 0; i < d->nargs; i++) {
+        const struct lf_arg *g = &d->args[i];
+        if ((g->kind == A_OUT || g->kind == A_INOUT) && args[i] != 0) {
+            uint64_t n = g->kind == A_INOUT ? out_len(g, args, ret, 1) : out_len(g, args, ret, 0);
+            if ((uint64_t)(end - p) < 8 + n || !same_bytes(p, (const volatile unsigned char *)&n, 8) ||
+                !same_bytes(p + 8, (const volatile unsigned char *)args[i], n))
+                return 0;
+            p += 8 + n;
+        } else if (g->kind == A_IOV_OUT) {
+            const volatile struct iovec *iov = (const volatile struct iovec *)args[i];
+            uint64_t n = ret > 0 ? (uint64_t)ret : 0, left = n;
+            if ((uint64_t)(end - p) < 8 + n || !same_bytes(p, (const volatile unsigned char *)&n, 8))
+                return 0;
+            p += 8;
+            for (int k = 0; k < iov_count(g, args) && left > 0; k++) {
+                uint64_t take = iov[k].iov_len < left ? iov[k].iov_len : left;
+                if (!same_bytes(p, (const volatile unsigned char *)iov[k].iov_base, take))
+                    return 0;
+                p += take;
+                left -= take;
+            }
+        }
+    }
+    return p == end;
 }
 
 /* The record's payload into a follower's own buffers; 0 when it does not fit them. */
@@ -713,9 +779,18 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
     return after_slow_call(ret);
 }
 
-static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s)
+static void report_divergence(uint64_t s, long nr, uint64_t digest, uint64_t leader_nr, uint64_t leader_digest);
+
+/* Publishes record `s` once it matches what the call gave (`d`, `a`, the result as the
+ * gate stored it); otherwise nobody can know that result, and the leader reports it. */
+static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s, const struct lf_desc *d, const long *a,
+                    long ret)
 {
     struct lf_region *own = st->regions[st->me];
+    if (!record_matches(rec, d, a, ret)) {
+        report_divergence(s, rec->nr, rec->digest, DIVERGED_LEADER, 0);
+        return;
+    }
     rec->crc = record_crc(rec, s);
     if (s == lf_test_corrupt)
         rec->ret ^= 1;
@@ -737,7 +812,7 @@ static long escalate(struct lf_state *st, struct lf_record *rec, uint64_t s, lon
     rec->ret = 0;
     rec->len = d != NULL ? pack(d, a, 0, rec->payload) : 0;
     clock_snapshot(st, rec->clock_sync);
-    publish(st, rec, s);
+    publish(st, rec, s, d, a, 0);
     return slow_call(st, nr, a);
 }
 
@@ -781,7 +856,10 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     if (may_wait_long(nr, a))
         flush_wakes(st); /* the followers catch up while we wait */
     long third = s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2];
-    long ret = lf_fast(nr, a[0], a[1], third, a[3], a[4], a[5]);
+    long ret_copy = 0;
+    long ret = lf_fast_dup(nr, a[0], a[1], third, a[3], a[4], a[5], &ret_copy);
+    if (s == lf_test_result)
+        ret ^= 1; /* test: the result changed on its way from rax into the record */
     request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
     if (ret == -EINTR && request != st->escalate_seen) {
         /* The monitor interrupted the call to deliver a signal: it did not happen. */
@@ -800,7 +878,7 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         for (unsigned c = 0; c < LF_CLOCKS; c++)
             rec->clock_sync[c] = 0;
     }
-    publish(st, rec, s);
+    publish(st, rec, s, d, a, ret_copy);
     own->h.fast_calls++;
     return ret;
 }
@@ -1284,6 +1362,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_corrupt = strtoull(test + 8, NULL, 10);
     if (test != NULL && strncmp(test, "lie:", 4) == 0)
         lf_test_lie = strtoull(test + 4, NULL, 10);
+    if (test != NULL && strncmp(test, "result:", 7) == 0)
+        lf_test_result = strtoull(test + 7, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
     if (map_page_zero() != 0)

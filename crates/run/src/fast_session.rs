@@ -12,7 +12,7 @@
 //!   again, the replicas attach the next epoch's ring (`arm_next_ring`).
 
 use crate::backend::{Backend, Resume};
-use crate::fast::{DIVERGED_CRC, OP_DIVERGED, OP_HELLO};
+use crate::fast::{DIVERGED_CRC, DIVERGED_LEADER, OP_DIVERGED, OP_HELLO};
 use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
 use lockstep_core::events::Event;
 use lockstep_trace::{syscalls, Regs, FAST_GATE, SYS_LOCKSTEP_FAST};
@@ -27,7 +27,8 @@ impl Session {
         nr == SYS_LOCKSTEP_FAST && args[0] == OP_DIVERGED
     }
 
-    /// A follower found a record in the leader's ring that does not match its own call.
+    /// A DIVERGED report: a follower found a record in the leader's ring that does not
+    /// match its own call or fails its CRC, or the leader found its own record wrong.
     pub(crate) fn on_fast_report(&mut self, task: TaskId, r: ReplicaId, args: [u64; 6]) -> Result<(), Stopped> {
         let Some(fast) = &self.fast else {
             return Ok(()); // not ours: the call fails with ENOSYS at its rendezvous
@@ -36,18 +37,28 @@ impl Session {
         let (seq, own_nr, own_digest, lead_nr, lead_digest) = (args[1], args[2], args[3], args[4], args[5]);
         let own = syscalls::name(own_nr);
         let leader = self.replicas.leader();
-        let msg = if lead_nr == DIVERGED_CRC {
-            format!(
-                "replica {r} diverged at task {task}: the leader's fast-path record #{seq} fails its CRC32C check \
-                 (the follower was at {own})"
-            )
-        } else {
-            format!(
-                "replica {r} diverged at task {task}: fast-path call #{seq} is {own} with digest {own_digest:016x}; \
-                 leader {leader} ran {} with digest {lead_digest:016x}",
-                syscalls::name(lead_nr)
-            )
-        };
+        if lead_nr == DIVERGED_CRC || lead_nr == DIVERGED_LEADER {
+            // The leader's call ran, and what it gave is known to nobody for sure: no
+            // replica can be given its result, so no vote can mask this.
+            let what = if lead_nr == DIVERGED_CRC {
+                format!("the leader's fast-path record #{seq} fails its CRC32C check (replica {r} was at {own})")
+            } else {
+                format!("leader {leader}'s record of its fast-path call #{seq} ({own}) does not match what the call returned")
+            };
+            self.stats.divergences += 1;
+            self.emit(
+                Event::new("run", "divergence", "halt")
+                    .replica(leader)
+                    .object(format!("task {task}"))
+                    .message(what.clone()),
+            );
+            return Err(self.halt(format!("{what}; no replica can be given that call's result")));
+        }
+        let msg = format!(
+            "replica {r} diverged at task {task}: fast-path call #{seq} is {own} with digest {own_digest:016x}; \
+             leader {leader} ran {} with digest {lead_digest:016x}",
+            syscalls::name(lead_nr)
+        );
         self.replica_failed(task, r, "divergence", msg)
     }
 

@@ -278,7 +278,15 @@ impl Injector {
                     (None, Some(addr)) => format!("memory at {addr:#x} ^= {:#x}", applied.mask),
                     _ => String::new(),
                 };
-                let msg = format!("injected {:?} fault into replica {r} {at}: {what}", applied.model);
+                let place = applied
+                    .ip
+                    .and_then(|ip| s.replicas.is_alive(r).then(|| code_location(s, r, ip)).flatten())
+                    .map(|where_| format!(" at {where_}"))
+                    .unwrap_or_default();
+                let msg = format!(
+                    "injected {:?} fault into replica {r} {at}: {what}{place}",
+                    applied.model
+                );
                 s.emit(Event::new("run", "inject", "flip").replica(r).message(msg));
             }
             Err(e) => {
@@ -445,4 +453,21 @@ impl FaultHook for Injector {
             );
         }
     }
+}
+
+/// `ip` in replica `r`'s main process as "file+0xoffset" (or "[anon]+0x..."), from its maps.
+fn code_location(s: &Session, r: ReplicaId, ip: u64) -> Option<String> {
+    let pid = s.tasks.first()?.slots.get(r as usize)?.as_ref()?.tgid;
+    let maps = s.be.proc_read(pid, "maps").ok()?;
+    maps.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (start, end) = fields.next()?.split_once('-')?;
+        let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+        if !(start..end).contains(&ip) {
+            return None;
+        }
+        let offset = u64::from_str_radix(fields.nth(1)?, 16).ok()?;
+        let file = fields.nth(2).unwrap_or("[anon]");
+        Some(format!("{file}+{:#x}", ip - start + offset))
+    })
 }
