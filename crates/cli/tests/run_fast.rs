@@ -267,6 +267,50 @@ fn a_result_changed_between_the_kernel_and_the_record_stops_the_run() {
 }
 
 #[test]
+fn a_follower_at_an_input_where_the_leader_outputs_is_caught_not_waited_for() {
+    // The follower waits for the leader's record of an input, the leader for the
+    // follower's vote on an output: each waited for the other until the run hung. Now the
+    // leader sees the follower waiting for its record and takes the call to the monitor.
+    let prog = fixture("fast_branch");
+    let native = native_stdout(&[&prog]);
+    let (out, events) = {
+        let ev = events_path("branch");
+        let ev_arg = ev.to_string_lossy().into_owned();
+        let opts = [
+            "-r",
+            "3",
+            FAST,
+            "--timeout",
+            "5",
+            "--events",
+            &ev_arg,
+            "--test-flip",
+            "2:getppid:mem:rdi+0:0",
+        ];
+        let out = run(lockstep_run(&opts, &[&prog]));
+        let events = read_events_of(&ev, &out);
+        (out, events)
+    };
+    out.assert_code(0).assert_stdout(&native);
+    assert_event(&events, "divergence", None, &out);
+    assert_no_event(&events, "timeout", &out);
+    let out = run(lockstep_run(
+        &[
+            "-r",
+            "2",
+            FAST,
+            "--timeout",
+            "5",
+            "--test-flip",
+            "1:getppid:mem:rdi+0:0",
+        ],
+        &[&prog],
+    ));
+    out.assert_code(86);
+    assert!(!out.stderr.contains("[timeout]"), "{}", out.context());
+}
+
+#[test]
 fn with_dispatch_broken_the_seccomp_backstop_still_sees_every_call() {
     let native = fast_target_native();
     // The selector left open: nothing is rewritten, every call reaches seccomp directly.

@@ -159,6 +159,10 @@ struct lf_region_head {
     /* diagnostics: calls the ring thread made around the ring (a vfork child's), and
      * the leader's calls taken to the monitor without a record (off, stuck follower) */
     uint64_t bypassed, unrecorded;
+    /* written as a follower: the record it waits for (0: none) */
+    uint64_t awaiting;
+    /* written as the leader: the call whose votes it waits for (0: none) */
+    uint64_t vote_wanted;
 };
 struct lf_region {
     struct lf_region_head h;
@@ -670,7 +674,14 @@ static int slot_free(const struct wait_for *w)
 
 static int voted(const struct wait_for *w)
 {
-    return follower_state(w, load(&w->st->regions[w->who]->h.vote_seq) >= w->target);
+    const struct lf_region_head *f = &w->st->regions[w->who]->h;
+    if (load(&f->vote_seq) >= w->target)
+        return READY;
+    /* The follower waits for our record of this call without having voted on it: it is at
+     * another call than this output. Neither would move; the monitor compares them. */
+    if (load(&f->awaiting) == w->target && load(&f->vote_seq) < w->target)
+        return GIVE_UP_SLOW;
+    return follower_state(w, 0);
 }
 
 static int published(const struct wait_for *w)
@@ -836,7 +847,9 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         return escalate(st, rec, s, nr, digest, a, NULL);
     }
     if (d->fast == F_OUTPUT) {
+        store(&own->h.vote_wanted, s);
         int got = wait_followers(st, voted, s);
+        store(&own->h.vote_wanted, 0);
         if (got == GIVE_UP_OFF)
             return slow_call(st, nr, a);
         if (got == READY)
@@ -896,10 +909,15 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
     if (d->fast == F_OUTPUT) {
         own->h.vote_digest = digest;
         store(&own->h.vote_seq, s);
-        signal_progress(st, &own->h.progress, st->leader, 1);
     }
+    /* A leader waiting for votes on this call looks at both (see voted()). */
+    store(&own->h.awaiting, s);
+    if (d->fast == F_OUTPUT || load(&leader->h.vote_wanted) == s)
+        signal_progress(st, &own->h.progress, st->leader, 1);
     struct wait_for w = {st, st->leader, s};
-    if (wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY) != READY)
+    int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
+    store(&own->h.awaiting, 0);
+    if (got != READY)
         return slow_call(st, nr, a); /* off, and the leader never published this call */
     if (load(&rec->seq) != s || rec->crc != record_crc(rec, s)) {
         report_divergence(s, nr, digest, DIVERGED_CRC, 0);

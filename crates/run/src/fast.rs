@@ -356,6 +356,8 @@ pub struct FastPath {
     pub scratch: Vec<u8>,
     /// Outputs the monitor checked and let run (strict output checks).
     pub checked_outputs: u64,
+    /// Since when every replica has waited for another in the ring, nobody moving.
+    pub deadlock_since: Option<std::time::Instant>,
 }
 
 impl FastPath {
@@ -407,6 +409,7 @@ impl FastPath {
             watch: vec![(0, None); opts.replicas as usize],
             scratch: vec![0; crate::fast_check::CHUNK],
             checked_outputs: 0,
+            deadlock_since: None,
         }))
     }
 

@@ -306,18 +306,39 @@ impl Session {
             return Ok(());
         };
         let someone_waits = live.iter().any(|&r| fast.sleeping(r));
+        let everyone_waits = live.iter().all(|&r| fast.sleeping(r));
         let mut standing = Vec::new();
+        let mut moved = false;
         for &r in &live {
             let (Some(position), Some(region)) = (fast.position(r), fast.region(r)) else {
                 continue;
             };
             let sleeping = fast.sleeping(r);
             let entry = &mut fast.watch[region as usize];
+            moved |= position != entry.0;
             if position != entry.0 || !someone_waits || sleeping {
                 *entry = (position, None);
             } else {
                 standing.push(r);
             }
+        }
+        // Every replica waits for another one in the ring and nobody moves: a cycle of
+        // waits that only a divergence explains (each is at a different call).
+        if !everyone_waits || moved {
+            fast.deadlock_since = None;
+        } else if now.duration_since(*fast.deadlock_since.get_or_insert(now)) >= self.opts.timeout {
+            fast.ring().switch_off();
+            self.stats.divergences += 1;
+            let msg = format!(
+                "every replica of task {task} waited for another in the fast path's ring for {:.1} s",
+                self.opts.timeout.as_secs_f64()
+            );
+            self.emit(
+                Event::new("run", "timeout", "halt")
+                    .object(format!("task {task}"))
+                    .message(msg.clone()),
+            );
+            return Err(self.halt(format!("{msg}: the replicas are at different calls")));
         }
         let mut stragglers = Vec::new();
         for r in standing {
