@@ -537,3 +537,15 @@ fn a_flip_in_a_shared_mapping_is_caught_at_msync() {
         assert_eq!(counter_in(&file), 1000, "{}", out.context());
     }
 }
+
+/// A clock the kernel refuses fails as natively (EINVAL), instead of being answered from
+/// the monitor's (or the fast path's) clock sequences with a made-up value.
+#[test]
+fn clocks_the_kernel_refuses_fail_as_natively() {
+    let prog = fixture("clock_ids");
+    let want = native_stdout(&[&prog]);
+    for r in ["2", "3"] {
+        let out = run(lockstep_run(&["-r", r], &[&prog]));
+        out.assert_code(0).assert_stdout(&want);
+    }
+}

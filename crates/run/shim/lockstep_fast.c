@@ -711,7 +711,9 @@ static int wait_followers(struct lf_state *st, ready_fn ready, uint64_t target)
 
 /* The i-th read of a clock returns the i-th value in every replica, produced by whichever
  * replica got there first (as the monitor's clock.rs does). */
-static void clock_value(struct lf_state *st, int clock, struct lf_time *out)
+/* The i-th value of `clock` into `out`; -1 when the kernel does not give one (the call
+ * then goes to the monitor in every replica alike). */
+static int clock_value(struct lf_state *st, int clock, struct lf_time *out)
 {
     struct lf_clock *c = &st->clocks[clock];
     uint64_t i = st->clock_next[clock]++;
@@ -723,11 +725,22 @@ static void clock_value(struct lf_state *st, int clock, struct lf_time *out)
             cpu_relax();
         }
         uint64_t p = load(&c->produced);
-        while (p <= i) {
-            struct lf_time t;
-            lf_fast(SYS_clock_gettime, clock, (long)&t, 0, 0, 0, 0);
-            copy_bytes(&c->values[p % LF_CLOCK_RING], &t, sizeof t);
+        for (int attempts = 0; p <= i; attempts++) {
+            /* Every replica takes this value: it goes out only as the kernel gave it (a
+             * fault in the copy, or a read that wrote elsewhere, is read or copied again). */
+            struct lf_time t = {0, -1};
+            struct lf_time *slot = &c->values[p % LF_CLOCK_RING];
+            if (attempts == 3) {
+                __atomic_store_n(&c->lock, 0, __ATOMIC_RELEASE);
+                return -1;
+            }
+            if (lf_fast(SYS_clock_gettime, clock, (long)&t, 0, 0, 0, 0) != 0 || t.nsec < 0 || t.nsec >= 1000000000)
+                continue;
+            copy_bytes(slot, &t, sizeof t);
+            if (!same_bytes((const unsigned char *)slot, (const volatile unsigned char *)&t, sizeof t))
+                continue;
             store(&c->produced, ++p);
+            attempts = -1;
         }
         __atomic_store_n(&c->lock, 0, __ATOMIC_RELEASE);
     }
@@ -737,7 +750,7 @@ static void clock_value(struct lf_state *st, int clock, struct lf_time *out)
             i = p - 1, st->clock_next[clock] = p;
         copy_bytes(out, &c->values[i % LF_CLOCK_RING], sizeof *out);
         if (load(&c->produced) - i <= LF_CLOCK_RING)
-            return;
+            return 0;
     }
 }
 
@@ -955,7 +968,8 @@ static long clock_call(struct lf_state *st, long nr, const long *a)
     if (clock < 0 || clock >= (long)LF_CLOCKS || (nr == SYS_clock_gettime && a[1] == 0) ||
         (nr == SYS_gettimeofday && a[1] != 0) || is_off(st))
         return slow_call(st, nr, a);
-    clock_value(st, (int)clock, &t);
+    if (clock_value(st, (int)clock, &t) != 0)
+        return slow_call(st, nr, a);
     if (nr == SYS_clock_gettime) {
         copy_bytes((void *)a[1], &t, sizeof t);
         return 0;
