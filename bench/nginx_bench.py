@@ -65,14 +65,16 @@ import re
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release", "lockstep")
+import benchproc
+from benchproc import (BIN, ROOT, anomaly, bin_id, check_bin_unchanged, cleanup_all, fmt,
+                       free_port, install_signal_cleanup, kill_leftovers, killpg, median, pct,
+                       read_file, reap, sh, spawn)
+
 SRC = os.path.join(ROOT, "bench", "http_load.c")
 URL_PATH = "/index.html"
 FILE_SIZE = 1024
@@ -97,83 +99,10 @@ OPTIONS = {
 }
 CONFIGS = ["native"] + list(OPTIONS)
 
-ANOMALIES = []
 # lockstep event lines that are not failures: listed under "Events" in the summary. `signal`:
 # a signal (here the SIGQUIT that stops nginx) was delivered outside a system call.
 NOTE_EVENTS = {"signal"}
 NOTES = []
-# Process groups started by this script (each child runs in its own session).
-LIVE_PGIDS = set()
-ALL_PGIDS = set()
-
-
-def anomaly(where, what, cmd=None, stderr=None):
-    entry = {"where": where, "what": what}
-    if cmd is not None:
-        entry["command"] = " ".join(shlex.quote(c) for c in cmd)
-    if stderr:
-        entry["stderr_tail"] = tail(stderr)
-    ANOMALIES.append(entry)
-    print(f"ANOMALY [{where}]: {what}", file=sys.stderr)
-    if cmd is not None:
-        print(f"  command: {entry['command']}", file=sys.stderr)
-    if stderr:
-        print("  stderr tail:\n    " + entry["stderr_tail"].replace("\n", "\n    "), file=sys.stderr)
-
-
-def tail(text, lines=15):
-    """The last lines of a stderr, lockstep's --stats block condensed to its key counters so
-    that the event lines before it ([timeout], [halt], divergence, ...) stay visible."""
-    events, stats, in_stats = [], [], False
-    for ln in text.rstrip().splitlines():
-        if ln.startswith("lockstep run: stats"):
-            in_stats = True
-            continue
-        if in_stats and ln.startswith(" "):
-            if re.search(r"syscalls intercepted|fast-path calls|divergences|re-integrations", ln):
-                stats.append(re.sub(r"\s+", " ", ln.strip()))
-            continue
-        in_stats = False
-        events.append(ln)
-    out = events[-lines:]
-    if stats:
-        out.append("[--stats] " + "; ".join(stats))
-    return "\n".join(out)
-
-
-def killpg(pgid, sig=signal.SIGKILL):
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def group_alive(pgid):
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def cleanup_all():
-    for pgid in list(LIVE_PGIDS):
-        killpg(pgid)
-        LIVE_PGIDS.discard(pgid)
-
-
-def spawn(cmd, stdout, stderr, cwd=None):
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                         cwd=cwd, start_new_session=True)
-    LIVE_PGIDS.add(p.pid)
-    ALL_PGIDS.add(p.pid)
-    return p
-
-
-def reap(p):
-    """Kill whatever is left of p's process group (a no-op once it has all exited)."""
-    killpg(p.pid)
-    LIVE_PGIDS.discard(p.pid)
 
 
 def parse_stats(stderr):
@@ -198,33 +127,6 @@ def parse_stats(stderr):
             break
     st["intercepted_by_class"] = classes
     return st
-
-
-def median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def sh(cmd):
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=30)
-        return (p.stdout.strip() or p.stderr.strip())
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
-def read_file(path):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_accepts(port):
@@ -477,14 +379,6 @@ def bench(args, tmp, load_bin, www, content):
 
 # ---------------------------------------------------------------- output
 
-def fmt(x, spec):
-    return "n/a" if x is None else format(x, spec)
-
-
-def pct(x, digits=1):
-    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
-
-
 def ms(us):
     return "n/a" if us is None else f"{us / 1000:.2f}"
 
@@ -526,29 +420,8 @@ def markdown(meta, res):
             lines.append(f"- **{n['where']}**:")
             lines += [f"  - `{e}`" for e in n["events"]]
         lines.append("")
-    if ANOMALIES:
-        lines += [f"## Anomalies ({len(ANOMALIES)})", ""]
-        for an in ANOMALIES:
-            lines.append(f"- **{an['where']}**: {an['what']}")
-            if "command" in an:
-                lines.append(f"  - command: `{an['command']}`")
-            if an.get("stderr_tail"):
-                lines.append("  - stderr tail:")
-                lines.append("")
-                lines.append("    ```")
-                lines += ["    " + ln for ln in an["stderr_tail"].splitlines()]
-                lines.append("    ```")
-    else:
-        lines.append("Anomalies: none.")
+    lines += benchproc.anomalies_markdown()
     return "\n".join(lines) + "\n"
-
-
-def bin_id():
-    try:
-        st = os.stat(BIN)
-        return f"{st.st_size} bytes, mtime {time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(st.st_mtime))}Z"
-    except OSError:
-        return "missing"
 
 
 def loadavg():
@@ -574,18 +447,14 @@ def main():
     if not os.access(BIN, os.X_OK):
         sys.exit(f"{BIN} not found: run `cargo build --release --locked -p lockstep-cli` first")
 
-    def on_signal(signum, _frame):
-        cleanup_all()
-        sys.exit(128 + signum)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    install_signal_cleanup()
 
     t_start = time.monotonic()
-    commit = sh(["git", "rev-parse", "--short", "HEAD"])
-    dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
+    commit = sh(["git", "rev-parse", "--short", "HEAD"], or_stderr=True)
+    dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"], or_stderr=True))
     uname_r = platform.release()
-    nproc = sh(["nproc"])
-    nginx_version = sh(["nginx", "-v"])
+    nproc = sh(["nproc"], or_stderr=True)
+    nginx_version = sh(["nginx", "-v"], or_stderr=True)
     load_start = loadavg()
     bin_start = bin_id()
     commands = [
@@ -616,17 +485,8 @@ def main():
     finally:
         cleanup_all()
 
-    # Anything of ours still alive?
-    time.sleep(0.2)
-    left = sorted(pg for pg in ALL_PGIDS if group_alive(pg))
-    for pg in left:
-        anomaly("cleanup", f"process group {pg} still alive at the end; SIGKILLed")
-        killpg(pg)
-
-    bin_end = bin_id()
-    if bin_end != bin_start:
-        anomaly("binary", f"{BIN} changed during the run ({bin_start} -> {bin_end}); "
-                "the runs may mix two builds")
+    kill_leftovers()
+    check_bin_unchanged(bin_start)
     meta = {"commit": commit, "lockstep_binary": bin_start, "dirty": dirty, "uname_r": uname_r,
             "nproc": nproc, "nginx": nginx_version, "rounds": args.rounds,
             "requests": args.requests, "conns": args.conns, "commands": commands,
@@ -637,8 +497,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     out_json = os.path.join(args.out, "nginx.json")
     with open(out_json, "w") as f:
-        json.dump({"meta": meta, "nginx": res, "events": NOTES, "anomalies": ANOMALIES}, f,
-                  indent=1)
+        json.dump({"meta": meta, "nginx": res, "events": NOTES,
+                   "anomalies": benchproc.ANOMALIES}, f, indent=1)
         f.write("\n")
     print(report, end="")
     print(f"(raw numbers: {out_json})", file=sys.stderr)

@@ -1,0 +1,214 @@
+"""Helpers shared by the bench scripts bench/fast_bench.py and bench/nginx_bench.py: the
+repository root and lockstep binary, the list of anomalies a run collects (and its markdown
+section), the process groups a script starts (each child in a session of its own) and their
+clean-up, running a command with a timeout, and small formatting and lookup helpers.
+
+The anomaly list (ANOMALIES) and the sets of process groups (LIVE_PGIDS, ALL_PGIDS) live
+here, once per process: the scripts read them as benchproc.ANOMALIES etc. Standard library
+only; the scripts import it as `benchproc` (a script's own directory is on sys.path when it
+is run as `python3 bench/SCRIPT.py`, from any directory).
+"""
+import os
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release", "lockstep")
+
+# Failures seen during a run: dicts with "where", "what" and, when known, "command" and
+# "stderr_tail". They do not stop the bench; the scripts list them in their summary.
+ANOMALIES = []
+# Process groups started by this script (each child runs in its own session).
+LIVE_PGIDS = set()
+ALL_PGIDS = set()
+
+
+def anomaly(where, what, cmd=None, stderr=None):
+    entry = {"where": where, "what": what}
+    if cmd is not None:
+        entry["command"] = " ".join(shlex.quote(c) for c in cmd)
+    if stderr:
+        entry["stderr_tail"] = tail(stderr)
+    ANOMALIES.append(entry)
+    print(f"ANOMALY [{where}]: {what}", file=sys.stderr)
+    if cmd is not None:
+        print(f"  command: {entry['command']}", file=sys.stderr)
+    if stderr:
+        print("  stderr tail:\n    " + entry["stderr_tail"].replace("\n", "\n    "), file=sys.stderr)
+
+
+def tail(text, lines=15):
+    """The last lines of a stderr, lockstep's --stats block condensed to its key counters so
+    that the event lines before it ([timeout], [halt], divergence, ...) stay visible."""
+    events, stats, in_stats = [], [], False
+    for ln in text.rstrip().splitlines():
+        if ln.startswith("lockstep run: stats"):
+            in_stats = True
+            continue
+        if in_stats and ln.startswith(" "):
+            if re.search(r"syscalls intercepted|fast-path calls|divergences|re-integrations", ln):
+                stats.append(re.sub(r"\s+", " ", ln.strip()))
+            continue
+        in_stats = False
+        events.append(ln)
+    out = events[-lines:]
+    if stats:
+        out.append("[--stats] " + "; ".join(stats))
+    return "\n".join(out)
+
+
+def anomalies_markdown():
+    """The summary's anomaly section: lines (without newlines) listing ANOMALIES."""
+    lines = []
+    if ANOMALIES:
+        lines += [f"## Anomalies ({len(ANOMALIES)})", ""]
+        for an in ANOMALIES:
+            lines.append(f"- **{an['where']}**: {an['what']}")
+            if "command" in an:
+                lines.append(f"  - command: `{an['command']}`")
+            if an.get("stderr_tail"):
+                lines.append("  - stderr tail:")
+                lines.append("")
+                lines.append("    ```")
+                lines += ["    " + ln for ln in an["stderr_tail"].splitlines()]
+                lines.append("    ```")
+    else:
+        lines.append("Anomalies: none.")
+    return lines
+
+
+# ---------------------------------------------------------------- process groups
+
+def killpg(pgid, sig=signal.SIGKILL):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def cleanup_all():
+    for pgid in list(LIVE_PGIDS):
+        killpg(pgid)
+        LIVE_PGIDS.discard(pgid)
+
+
+def install_signal_cleanup():
+    """On SIGTERM or SIGINT: kill the process groups still live, exit with 128 + signal."""
+    def on_signal(signum, _frame):
+        cleanup_all()
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def kill_leftovers():
+    """Anything of ours still alive (after cleanup_all)? Each such process group is an
+    anomaly and is SIGKILLed."""
+    time.sleep(0.2)
+    left = sorted(pg for pg in ALL_PGIDS if group_alive(pg))
+    for pg in left:
+        anomaly("cleanup", f"process group {pg} still alive at the end; SIGKILLed")
+        killpg(pg)
+
+
+def spawn(cmd, stdout, stderr, cwd=None):
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                         cwd=cwd, start_new_session=True)
+    LIVE_PGIDS.add(p.pid)
+    ALL_PGIDS.add(p.pid)
+    return p
+
+
+def reap(p):
+    """Kill whatever is left of p's process group (a no-op once it has all exited)."""
+    killpg(p.pid)
+    LIVE_PGIDS.discard(p.pid)
+
+
+def run(cmd, timeout, where):
+    """Run cmd in its own process group; returns (rc, stdout, stderr, seconds) or None on
+    timeout (then the group is killed and an anomaly recorded)."""
+    t0 = time.monotonic()
+    p = spawn(cmd, subprocess.PIPE, subprocess.PIPE)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        killpg(p.pid)
+        out, err = p.communicate()
+        reap(p)
+        anomaly(where, f"timed out after {timeout} s", cmd, err.decode(errors="replace"))
+        return None
+    reap(p)
+    return p.returncode, out.decode(errors="replace"), err.decode(errors="replace"), \
+        time.monotonic() - t0
+
+
+# ---------------------------------------------------------------- small helpers
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def sh(cmd, or_stderr=False):
+    """cmd's stripped stdout (run in ROOT, at most 30 s), "?" if it cannot be run. With
+    or_stderr, its stripped stderr when stdout is empty (e.g. `nginx -v`)."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=30)
+        if or_stderr:
+            return (p.stdout.strip() or p.stderr.strip())
+        return p.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def read_file(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bin_id():
+    try:
+        st = os.stat(BIN)
+        return f"{st.st_size} bytes, mtime {time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(st.st_mtime))}Z"
+    except OSError:
+        return "missing"
+
+
+def check_bin_unchanged(bin_start):
+    """An anomaly if BIN is not the binary bin_id() described as bin_start."""
+    bin_end = bin_id()
+    if bin_end != bin_start:
+        anomaly("binary", f"{BIN} changed during the run ({bin_start} -> {bin_end}); "
+                "the runs may mix two builds")
+
+
+def fmt(x, spec):
+    return "n/a" if x is None else format(x, spec)
+
+
+def pct(x, digits=1):
+    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
