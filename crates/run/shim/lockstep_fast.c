@@ -217,9 +217,10 @@ static long after_slow_call(long ret);
  * record N after its CRC is computed; "lie:N" makes the leader run call N with its third
  * argument one less than it compared (as a register flipped after the check would);
  * "result:N" flips a bit of call N's result on its way from the kernel into the record;
+ * "wild-result:N" flips bit 40 of call N's result before any copy of it is taken;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
-static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result;
+static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result;
 static int lf_test_selector_allow;
 /* The thread that owns the ring: the main thread of the image that attached it. */
 static __thread int lf_ring_thread __attribute__((tls_model("initial-exec")));
@@ -481,9 +482,11 @@ static int same_bytes(const unsigned char *x, const volatile unsigned char *y, u
  * stored it, the argument pointers loaded afresh, the buffers the kernel wrote. Between
  * the kernel's return and the publication only the leader holds the truth; a single fault
  * there (a register on its way into the record) shows up as a difference here. */
+static int plausible_result(long nr, const struct lf_desc *d, const volatile long *a, long ret);
+
 static int record_matches(const struct lf_record *rec, const struct lf_desc *d, const volatile long *a, long ret)
 {
-    if (rec->ret != ret)
+    if (rec->ret != ret || (d != NULL && rec->kind == KIND_RESULT && !plausible_result(rec->nr, d, a, ret)))
         return 0;
     const unsigned char *p = rec->payload, *end = rec->payload + rec->len;
     if (d == NULL || ret < 0)
@@ -515,6 +518,32 @@ static int record_matches(const struct lf_record *rec, const struct lf_desc *d, 
         }
     }
     return p == end;
+}
+
+/* Whether `ret` can be what call `nr` returned: an errno, or at most the count it asked for
+ * (bytes, events, descriptors; fstat's 0). A bit flipped in the result register before any
+ * copy of it is taken is out of that range unless it is one of the low bits. */
+static int plausible_result(long nr, const struct lf_desc *d, const volatile long *a, long ret)
+{
+    if (ret < 0)
+        return ret >= -133; /* EHWPOISON is the highest errno */
+    if (nr == SYS_fstat)
+        return ret == 0;
+    if (nr == SYS_poll || nr == SYS_getrandom)
+        return (unsigned long)ret <= (unsigned long)a[1];
+    for (int i = 0; i < d->nargs; i++) {
+        const struct lf_arg *g = &d->args[i];
+        if (g->kind == A_IOV_IN || g->kind == A_IOV_OUT) {
+            const volatile struct iovec *iov = (const volatile struct iovec *)a[i];
+            uint64_t total = 0;
+            for (long k = 0; k < a[g->len_arg] && k < (long)LF_MAX_IOVECS; k++)
+                total += iov[k].iov_len;
+            return (uint64_t)ret <= total;
+        }
+        if ((g->kind == A_IN || g->kind == A_OUT) && g->len_kind != L_FIXED)
+            return (unsigned long)ret <= (unsigned long)a[g->len_arg];
+    }
+    return 1;
 }
 
 /* The record's payload into a follower's own buffers; 0 when it does not fit them. */
@@ -886,6 +915,8 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     long ret = lf_fast_dup(nr, a[0], a[1], third, a[3], a[4], a[5], &ret_copy);
     if (s == lf_test_result)
         ret ^= 1; /* test: the result changed on its way from rax into the record */
+    if (s == lf_test_wild_result)
+        ret = ret_copy = ret_copy ^ (1L << 40); /* test: the result register changed first */
     request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
     if (ret == -EINTR && request != st->escalate_seen) {
         /* The monitor interrupted the call to deliver a signal: it did not happen. */
@@ -1396,6 +1427,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_lie = strtoull(test + 4, NULL, 10);
     if (test != NULL && strncmp(test, "result:", 7) == 0)
         lf_test_result = strtoull(test + 7, NULL, 10);
+    if (test != NULL && strncmp(test, "wild-result:", 12) == 0)
+        lf_test_wild_result = strtoull(test + 12, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
     if (map_page_zero() != 0)

@@ -43,7 +43,10 @@ impl Session {
             let what = if lead_nr == DIVERGED_CRC {
                 format!("the leader's fast-path record #{seq} fails its CRC32C check (replica {r} was at {own})")
             } else {
-                format!("leader {leader}'s record of its fast-path call #{seq} ({own}) does not match what the call returned")
+                format!(
+                    "leader {leader}'s record of its fast-path call #{seq} ({own}) does not match what the call returned \
+                     (or that result is out of range for the call)"
+                )
             };
             self.stats.divergences += 1;
             self.emit(
