@@ -313,6 +313,23 @@ fn a_follower_at_an_input_where_the_leader_outputs_is_caught_not_waited_for() {
 }
 
 #[test]
+fn a_replica_that_faults_while_the_others_wait_in_the_ring_is_the_one_voted_out() {
+    // Bit 20 of rip flipped at getppid: that replica faults on its way back, reaches the
+    // monitor, and the others wait for it in the ring. Counting the waiting ones as the
+    // stragglers halted a run TMR should mask.
+    let native = fast_target_native();
+    for faulty in ["1", "0"] {
+        let flip = format!("{faulty}:getppid:rip:20");
+        let (out, events) = run_fast_target("3", &["--timeout", "1", "--test-flip", &flip]);
+        out.assert_code(0).assert_stdout(&native);
+        assert_event(&events, "timeout", Some("vote"), &out);
+        assert_no_event(&events, "halt", &out);
+    }
+    let (out, _) = run_fast_target("2", &["--timeout", "1", "--test-flip", "1:getppid:rip:20"]);
+    out.assert_code(86);
+}
+
+#[test]
 fn with_dispatch_broken_the_seccomp_backstop_still_sees_every_call() {
     let native = fast_target_native();
     // The selector left open: nothing is rewritten, every call reaches seccomp directly.

@@ -1380,6 +1380,11 @@ static void attach_ring(uint32_t epoch)
     st->hdr = hdr;
     lf_st = st;
     lf_ring_thread = 1;
+    /* A replica forked by re-integration does not inherit Syscall User Dispatch: turn it on
+     * again (a no-op in the others), or its calls from sites not rewritten yet would go to
+     * the monitor while the others' take the ring. */
+    if (epoch > 0 && lf_active)
+        lf_fast(SYS_prctl, PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, STUB_PAGE + 4096, (long)&lf_selector, 0);
 }
 
 /* After a call made through the monitor: the monitor may have asked for the next ring. */

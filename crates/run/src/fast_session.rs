@@ -386,6 +386,38 @@ impl Session {
         }
     }
 
+    /// Whether every replica of `missing` sleeps in `task`'s ring, waiting for another one.
+    pub(crate) fn waiting_in_ring(&self, task: TaskId, missing: &[ReplicaId]) -> bool {
+        self.fast
+            .as_ref()
+            .is_some_and(|f| f.active_task() == Some(task) && missing.iter().all(|&r| f.sleeping(r)))
+    }
+
+    /// Replicas `came` reached the monitor while the others of `task` wait for them in the
+    /// ring: they are the odd ones (voted out if a majority waits, else a halt).
+    pub(crate) fn left_the_ring(&mut self, task: TaskId, came: &[ReplicaId], live: usize) -> Result<(), Stopped> {
+        self.fast_off();
+        self.stats.divergences += 1;
+        let msg = format!(
+            "replica(s) {came:?} came to the monitor while the others waited for them in the fast path's ring of task {task} for {:.1} s",
+            self.opts.timeout.as_secs_f64()
+        );
+        self.emit(
+            Event::new("run", "timeout", "vote")
+                .object(format!("task {task}"))
+                .message(msg),
+        );
+        if came.len() == 1 && (live - 1) * 2 > live {
+            let r = came[0];
+            self.vote_out(r, format!("replica {r} left the ring's sequence of calls"))?;
+            // The others come to the monitor now: their meeting starts with the first of them.
+            self.tasks[task].first_arrival = None;
+            Ok(())
+        } else {
+            Err(self.halt(format!("no majority kept to the fast path's ring of task {task}")))
+        }
+    }
+
     /// Whether replica `r`'s thread of `task` runs user code now (state R, not stopped by
     /// us and not asleep in the kernel).
     fn running_in_user_space(&self, task: TaskId, r: ReplicaId) -> bool {

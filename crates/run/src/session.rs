@@ -1340,6 +1340,12 @@ impl Session {
             if missing.is_empty() {
                 continue;
             }
+            if collecting && self.waiting_in_ring(task, &missing) {
+                // The missing replicas wait in the fast path's ring for the ones that came
+                // here: those left the ring's sequence of calls (a fault on the way).
+                let came: Vec<ReplicaId> = live.iter().copied().filter(|r| !missing.contains(r)).collect();
+                return self.left_the_ring(task, &came, live.len());
+            }
             self.stats.divergences += 1;
             let arrived = live.len() - missing.len();
             let msg = format!(
