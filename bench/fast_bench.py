@@ -87,19 +87,22 @@ def add_stats(rec, where, cmd, err):
 
 # ---------------------------------------------------------------- Part A: fast_loop
 
-A_CONFIGS = ["native", "fast -r 2", "fast -r 3", "ptrace -r 2"]
+# Per-call configurations: the fast backend with strict output checks (the default: the
+# leader's write stops in the monitor), with in-process checks only, and ptrace.
+A_OPTIONS = {
+    "fast -r 2": ["-r", "2", "--backend", "fast", "--stats"],
+    "fast -r 2 --output-check fast": ["-r", "2", "--backend", "fast", "--output-check", "fast", "--stats"],
+    "fast -r 3": ["-r", "3", "--backend", "fast", "--stats"],
+    "fast -r 3 --output-check fast": ["-r", "3", "--backend", "fast", "--output-check", "fast", "--stats"],
+    "ptrace -r 2": ["-r", "2", "--backend", "ptrace"],
+}
+A_CONFIGS = ["native"] + list(A_OPTIONS)
 
 
 def a_cmd(config, loop_bin, n):
     if config == "native":
         return [loop_bin, str(n)]
-    if config == "fast -r 2":
-        return [BIN, "run", "-r", "2", "--backend", "fast", "--stats", "--", loop_bin, str(n)]
-    if config == "fast -r 3":
-        return [BIN, "run", "-r", "3", "--backend", "fast", "--stats", "--", loop_bin, str(n)]
-    if config == "ptrace -r 2":
-        return [BIN, "run", "-r", "2", "--backend", "ptrace", "--", loop_bin, str(n)]
-    raise ValueError(config)
+    return [BIN, "run"] + A_OPTIONS[config] + ["--", loop_bin, str(n)]
 
 
 def part_a(args, loop_bin):
@@ -448,9 +451,8 @@ def main():
     n_ptrace = max(2000, args.loop // 20)
     commands = [
         f"A: fast_loop {args.loop}",
-        f"A: {BIN} run -r 2 --backend fast --stats -- fast_loop {args.loop}",
-        f"A: {BIN} run -r 3 --backend fast --stats -- fast_loop {args.loop}",
-        f"A: {BIN} run -r 2 --backend ptrace -- fast_loop {n_ptrace}",
+        *[f"A: {BIN} run {' '.join(opts)} -- fast_loop "
+          f"{n_ptrace if name.startswith('ptrace') else args.loop}" for name, opts in A_OPTIONS.items()],
         "B: redis-server --port P --save '' --appendonly no",
         *[f"B: {BIN} run {' '.join(opts)} --backend fast --stats -- redis-server --port P "
           "--save '' --appendonly no" for opts in B_OPTIONS.values()],
