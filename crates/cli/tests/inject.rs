@@ -546,7 +546,9 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
 /// pending, the interrupt cuts the follower's descriptor install short, and the follower
 /// restarts its call at the corrupted address and faults there. Such a follower is voted
 /// out at once; it used to be resumed past its own fault until a fixed 5 s limit, longer
-/// than the hang bound below (about 1 run in 20 hung). The same campaign covers the
+/// than the hang bound of 4 s used then (about 1 run in 20 hung). 30 runs and a 6 s bound:
+/// each install now also waits for the call's exit (a reply that races a signal is lost),
+/// which makes runs slower, and the golden run must fit the bound under a loaded CI. The same campaign covers the
 /// install whose notification the interrupt cut short (once an exit 125).
 #[test]
 fn a_follower_that_faults_during_a_descriptor_install_is_voted_out_without_a_hang() {
@@ -568,7 +570,7 @@ fn a_follower_that_faults_during_a_descriptor_install_is_voted_out_without_a_han
         "--replica",
         "follower",
         "--runs",
-        "60",
+        "30",
         "-j",
         "2",
         "--seed",
@@ -576,7 +578,7 @@ fn a_follower_that_faults_during_a_descriptor_install_is_voted_out_without_a_han
         "--golden",
         "1",
         "--timeout",
-        "4",
+        "6",
     ];
     run(inject_cmd(&out, &opts, &target)).assert_code(0);
     let counts = summary_counts(&out);
@@ -584,7 +586,7 @@ fn a_follower_that_faults_during_a_descriptor_install_is_voted_out_without_a_han
     for class in ["hang", "crash", "program-error", "sdc"] {
         assert_eq!(count(class), 0, "{class}: {counts:?}");
     }
-    assert!(count("detected") >= 30, "{counts:?}");
+    assert!(count("detected") >= 15, "{counts:?}");
 }
 
 #[test]

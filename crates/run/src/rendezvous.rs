@@ -993,35 +993,49 @@ impl Session {
         Ok(None)
     }
 
-    /// Follower `ftid` was answered in its install: waits for the call's exit. True: it
-    /// ended; false: a signal interrupted it as the answer came, and it restarts.
+    /// Follower `ftid` was answered in its install: waits for the call's exit, which
+    /// normally comes at once (the wait yields its CPU first, then sleeps, and gives up on
+    /// a follower gone astray after the straggler timeout). True: it ended; false: a signal
+    /// interrupted it as the answer came, and it restarts.
     fn await_install_exit(&mut self, ftid: Tid) -> Result<Result<bool, Death>, Stopped> {
         use lockstep_trace::Stop;
         let since = Instant::now();
-        loop {
-            match self.be.try_wait_tid(ftid) {
-                Ok(Some(Stop::SyscallExit)) => {
+        for waits in 0u32.. {
+            let stop = match self.be.try_wait_tid(ftid) {
+                Ok(Some(stop)) => Ok(stop),
+                Ok(None) => {
+                    if since.elapsed() >= self.opts.timeout {
+                        return Ok(Err(self.kill_stray(ftid)));
+                    }
+                    if waits < 1000 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_micros(50));
+                    }
+                    continue;
+                }
+                Err(e) => Err(e),
+            };
+            match stop {
+                Ok(Stop::SyscallExit) => {
                     let interrupted = self.at_own_install(ftid);
                     return Ok(Ok(!interrupted));
                 }
-                Ok(Some(Stop::Exited(code))) => return Ok(Err(Death::Exited(code))),
-                Ok(Some(Stop::Killed(sig))) => return Ok(Err(Death::Killed(sig))),
-                Ok(Some(Stop::Signal(sig)))
+                Ok(Stop::Exited(code)) => return Ok(Err(Death::Exited(code))),
+                Ok(Stop::Killed(sig)) => return Ok(Err(Death::Killed(sig))),
+                Ok(Stop::Signal(sig))
                     if crate::signals::is_synchronous_fault(sig, self.be.siginfo(ftid).ok().as_ref()) =>
                 {
                     return Ok(Err(self.kill_stray(ftid)))
                 }
-                Ok(Some(Stop::Seccomp)) => return Ok(Err(self.kill_stray(ftid))),
-                Ok(Some(_)) => {
+                Ok(Stop::Seccomp) => return Ok(Err(self.kill_stray(ftid))),
+                Ok(_) => {
                     let _ = self.be.resume(ftid, Resume::ToExit);
                 }
-                Ok(None) => std::thread::sleep(std::time::Duration::from_micros(50)),
                 Err(_) => return Ok(Err(self.death_of(ftid).unwrap_or(Death::Killed(libc::SIGKILL)))),
             }
-            if since.elapsed() >= self.opts.timeout {
-                return Ok(Err(self.kill_stray(ftid)));
-            }
         }
+        unreachable!("the wait loop returns")
     }
 
     /// Waits for the death of a thread that is known to be dying (its seccomp notification
