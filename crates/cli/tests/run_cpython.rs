@@ -8,6 +8,8 @@ use common::*;
 
 /// Debian's interpreter, whose test package the suite is (`/usr/lib/python3.11/test`).
 const PYTHON: &str = "/usr/bin/python3";
+/// How long one replicated module may take before the test calls it hung.
+const MODULE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(180);
 
 fn passes_under_lockstep(module: &str, exclude: &[&str]) {
     let mut argv = vec![PYTHON, "-m", "test", module];
@@ -22,7 +24,9 @@ fn passes_under_lockstep(module: &str, exclude: &[&str]) {
         native.context()
     );
     for r in ["2", "3"] {
-        let out = run(lockstep_run(&["-r", r], &argv));
+        // Whole test modules: test_os alone takes 40-60 s under `-r 2` on a loaded 2-CPU
+        // machine (thousands of descriptor installs), more than RUN_TIMEOUT leaves.
+        let out = spawn(lockstep_run(&["-r", r], &argv)).finish(MODULE_TIMEOUT);
         out.assert_code(0);
         assert!(out.stdout_str().contains("Tests result: SUCCESS"), "{}", out.context());
         assert!(!out.stderr.contains("[divergence]"), "{}", out.context());
