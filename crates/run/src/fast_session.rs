@@ -17,9 +17,6 @@ use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
 use lockstep_core::events::Event;
 use lockstep_trace::{syscalls, Regs, FAST_GATE, SYS_LOCKSTEP_FAST};
 
-/// The kernel's restart codes: a call interrupted before it did anything.
-const RESTART_CODES: [i64; 4] = [-512, -513, -514, -516];
-
 impl Session {
     /// Whether `nr, args` is a replica's DIVERGED report, which is answered on arrival
     /// (the other replicas are not at a matching call).
@@ -469,5 +466,5 @@ impl Session {
 }
 
 fn in_fast_gate_restart(regs: &Regs) -> bool {
-    regs.rip == FAST_GATE + 2 && RESTART_CODES.contains(&(regs.rax as i64))
+    regs.rip == FAST_GATE + 2 && lockstep_trace::ptrace::is_restart(regs.rax as i64)
 }

@@ -891,10 +891,9 @@ impl Session {
     /// Whether follower `tid`, at a syscall stop, is in its install call: interrupted
     /// (a restart code) or entering it again after the restart.
     fn at_own_install(&self, tid: Tid) -> bool {
-        const RESTART_CODES: [i64; 4] = [-512, -513, -514, -516];
         self.be.regs(tid).is_ok_and(|r| {
             r.orig_rax == SYS_LOCKSTEP_INSTALL
-                && (RESTART_CODES.contains(&(r.rax as i64)) || r.rax as i64 == -(libc::ENOSYS as i64))
+                && (ptrace::is_restart(r.rax as i64) || r.rax as i64 == -(libc::ENOSYS as i64))
         })
     }
 
@@ -1000,7 +999,9 @@ impl Session {
     fn await_install_exit(&mut self, ftid: Tid) -> Result<Result<bool, Death>, Stopped> {
         use lockstep_trace::Stop;
         let since = Instant::now();
-        for waits in 0u32.. {
+        let mut waits = 0u32;
+        loop {
+            waits += 1;
             let stop = match self.be.try_wait_tid(ftid) {
                 Ok(Some(stop)) => Ok(stop),
                 Ok(None) => {
@@ -1035,7 +1036,6 @@ impl Session {
                 Err(_) => return Ok(Err(self.death_of(ftid).unwrap_or(Death::Killed(libc::SIGKILL)))),
             }
         }
-        unreachable!("the wait loop returns")
     }
 
     /// Waits for the death of a thread that is known to be dying (its seccomp notification
