@@ -96,6 +96,22 @@ fn a_syscall_heavy_loop_runs_almost_entirely_on_the_fast_path() {
 }
 
 #[test]
+fn socket_sends_and_receives_without_an_address_take_the_fast_path() {
+    // recv() is recvfrom with a NULL address and a NULL address length, send() is sendto
+    // with neither: both are a server's hot calls (nginx reads its requests with recv()).
+    let job = "import socket\n\
+               a, b = socket.socketpair()\n\
+               total = 0\n\
+               for i in range(3000):\n    a.send(b'%04d' % i)\n    total += int(b.recv(4))\n\
+               print(total)\n";
+    let prog: [std::ffi::OsString; 3] = [python3().into(), "-c".into(), job.into()];
+    let out = run(lockstep_run(&["-r", "2", FAST, "--stats"], &prog));
+    out.assert_code(0).assert_stdout(b"4498500\n");
+    let (fast, _) = fast_and_intercepted(&out);
+    assert!(fast >= 6000, "{fast} fast-path calls\n{}", out.context());
+}
+
+#[test]
 fn dmr_stops_a_corrupted_output_before_it_leaves() {
     let native = fast_target_native();
     for faulty in ["0", "1"] {

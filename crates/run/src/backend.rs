@@ -77,6 +77,11 @@ pub trait Backend {
     fn wait_tid(&self, tid: Tid) -> io::Result<Stop>;
     /// A stop of one thread if it has one to report now.
     fn try_wait_tid(&self, tid: Tid) -> io::Result<Option<Stop>>;
+    /// The next stop of one thread, or `None` when lockstep's own timer tick (or a
+    /// forwarded signal) comes first.
+    fn wait_tid_or_tick(&self, tid: Tid) -> io::Result<Option<Stop>> {
+        self.try_wait_tid(tid)
+    }
     /// The message of the event the thread is stopped at (a new thread's id, ...).
     fn event_msg(&self, tid: Tid) -> io::Result<u64>;
     /// The signal the thread is about to receive.
@@ -177,6 +182,9 @@ impl Backend for Ptrace {
     }
     fn wait_tid(&self, tid: Tid) -> io::Result<Stop> {
         ptrace::wait_tid(tid)
+    }
+    fn wait_tid_or_tick(&self, tid: Tid) -> io::Result<Option<Stop>> {
+        ptrace::wait_tid_interruptible(tid)
     }
     fn try_wait_tid(&self, tid: Tid) -> io::Result<Option<Stop>> {
         let mut status = 0;
@@ -338,6 +346,9 @@ impl Backend for Checked {
     }
     fn try_wait_tid(&self, tid: Tid) -> io::Result<Option<Stop>> {
         self.inner.try_wait_tid(tid)
+    }
+    fn wait_tid_or_tick(&self, tid: Tid) -> io::Result<Option<Stop>> {
+        self.inner.wait_tid_or_tick(tid)
     }
     fn event_msg(&self, tid: Tid) -> io::Result<u64> {
         self.inner.event_msg(tid)

@@ -836,7 +836,9 @@ impl Session {
         how: Resume,
     ) -> Result<Result<lockstep_trace::seccomp::Notif, Death>, Stopped> {
         use lockstep_trace::Stop;
-        const POLL_MS: i32 = 1;
+        // A wait ends early when the follower stops (SIGCHLD): the bound only matters for
+        // the straggler timeout.
+        const POLL: std::time::Duration = std::time::Duration::from_millis(10);
         let since = Instant::now();
         loop {
             let stop = self.be.try_wait_tid(ftid);
@@ -873,11 +875,15 @@ impl Session {
                 }
                 _ => {}
             }
-            match listener.recv(POLL_MS) {
+            match listener.recv(POLL) {
                 Ok(notif) => return Ok(Ok(notif)),
                 // ENOENT: the follower's call was interrupted before we took the
-                // notification; it restarts the call, which notifies again.
-                Err(e) if e.kind() != std::io::ErrorKind::TimedOut && e.raw_os_error() != Some(libc::ENOENT) => {
+                // notification; it restarts the call, which notifies again. EINTR: it (or
+                // another child) stopped, or lockstep's own tick.
+                Err(e)
+                    if !matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted)
+                        && e.raw_os_error() != Some(libc::ENOENT) =>
+                {
                     return Err(Error::Io("waiting for the descriptor-install notification", e).into())
                 }
                 Err(_) => {}
@@ -993,25 +999,18 @@ impl Session {
     }
 
     /// Follower `ftid` was answered in its install: waits for the call's exit, which
-    /// normally comes at once (the wait yields its CPU first, then sleeps, and gives up on
-    /// a follower gone astray after the straggler timeout). True: it ended; false: a signal
-    /// interrupted it as the answer came, and it restarts.
+    /// normally comes at once (a blocking wait, woken by the stop itself; lockstep's tick
+    /// lets it give up on a follower gone astray after the straggler timeout). True: it
+    /// ended; false: a signal interrupted it as the answer came, and it restarts.
     fn await_install_exit(&mut self, ftid: Tid) -> Result<Result<bool, Death>, Stopped> {
         use lockstep_trace::Stop;
         let since = Instant::now();
-        let mut waits = 0u32;
         loop {
-            waits += 1;
-            let stop = match self.be.try_wait_tid(ftid) {
+            let stop = match self.be.wait_tid_or_tick(ftid) {
                 Ok(Some(stop)) => Ok(stop),
                 Ok(None) => {
                     if since.elapsed() >= self.opts.timeout {
                         return Ok(Err(self.kill_stray(ftid)));
-                    }
-                    if waits < 1000 {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(std::time::Duration::from_micros(50));
                     }
                     continue;
                 }

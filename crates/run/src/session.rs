@@ -275,6 +275,9 @@ fn install_signal_handlers() {
         }
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
+    // Descriptor installs wait for a seccomp notification and for the follower's stops at
+    // once (Listener::recv).
+    lockstep_trace::seccomp::block_sigchld();
     set_tick(TICK);
 }
 

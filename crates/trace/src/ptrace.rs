@@ -187,6 +187,22 @@ pub fn wait_any() -> io::Result<Option<(Tid, Stop)>> {
     Ok(Some((tid, decode(status))))
 }
 
+/// Waits for one specific thread; `Ok(None)` when interrupted by a signal of our own (a
+/// timer tick), so that the caller can look at its deadline.
+pub fn wait_tid_interruptible(tid: Tid) -> io::Result<Option<Stop>> {
+    let mut status = 0;
+    // SAFETY: plain waitpid.
+    let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL) };
+    if r == -1 {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EINTR) {
+            return Ok(None);
+        }
+        return Err(err);
+    }
+    Ok(Some(decode(status)))
+}
+
 /// Waits for one specific thread.
 pub fn wait_tid(tid: Tid) -> io::Result<Stop> {
     loop {

@@ -199,39 +199,44 @@ impl Listener {
         self.fd.as_raw_fd()
     }
 
-    /// Waits up to `timeout_ms` for the next notification.
-    pub fn recv(&self, timeout_ms: i32) -> io::Result<Notif> {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(0) as u64);
-        loop {
-            let left = deadline
-                .saturating_duration_since(std::time::Instant::now())
-                .as_millis() as i32;
-            let mut pfd = libc::pollfd {
-                fd: self.raw(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            let n = unsafe { libc::poll(&mut pfd, 1, left) };
-            if n < 0 && interrupted() {
-                continue;
-            }
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "no seccomp notification arrived",
-                ));
-            }
-            let mut notif = Notif::default();
-            // SAFETY: the kernel fills a struct seccomp_notif of exactly this layout.
-            if retry(|| unsafe { libc::ioctl(self.raw(), NOTIF_RECV, &mut notif) }) < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            return Ok(notif);
+    /// Waits up to `timeout` for the next notification. The wait also ends, with
+    /// `ErrorKind::Interrupted`, when one of our children changes state (SIGCHLD, which the
+    /// caller keeps blocked otherwise: see [`block_sigchld`]), so that a tracer can wait
+    /// for a notification and for its tracee's stops at once.
+    pub fn recv(&self, timeout: std::time::Duration) -> io::Result<Notif> {
+        let wait = libc::timespec {
+            tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        let mut pfd = libc::pollfd {
+            fd: self.raw(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: plain signal-set calls on a local set.
+        let mask = unsafe {
+            let mut mask: libc::sigset_t = std::mem::zeroed();
+            libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut mask);
+            libc::sigdelset(&mut mask, libc::SIGCHLD);
+            mask
+        };
+        // SAFETY: one valid pollfd, a valid timespec and signal set.
+        let n = unsafe { libc::ppoll(&mut pfd, 1, &wait, &mask) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
         }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no seccomp notification arrived",
+            ));
+        }
+        let mut notif = Notif::default();
+        // SAFETY: the kernel fills a struct seccomp_notif of exactly this layout.
+        if retry(|| unsafe { libc::ioctl(self.raw(), NOTIF_RECV, &mut notif) }) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(notif)
     }
 
     /// Installs our `srcfd` into the notifying task at exactly `newfd`.
@@ -264,6 +269,27 @@ impl Listener {
             return Err(io::Error::last_os_error());
         }
         Ok(())
+    }
+}
+
+extern "C" fn on_sigchld(_: libc::c_int) {}
+
+/// Gives SIGCHLD a handler (one that does nothing) and blocks it in the calling thread:
+/// it then interrupts only the waits that unblock it on purpose ([`Listener::recv`]),
+/// never a `waitpid` or anything else. Children must reset their signal mask.
+pub fn block_sigchld() {
+    // SAFETY: the handler does nothing; plain signal-set calls.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigchld as *const () as usize;
+        // Restarted where it can be; ppoll never is, whatever the flag.
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGCHLD, &sa, std::ptr::null_mut());
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGCHLD);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
 }
 
