@@ -45,8 +45,7 @@ impl Session {
                      (or that result is out of range for the call)"
                 )
             };
-            self.stats.divergences += 1;
-            self.emit(
+            self.detected(
                 Event::new("run", "divergence", "halt")
                     .replica(leader)
                     .object(format!("task {task}"))
@@ -328,12 +327,11 @@ impl Session {
             fast.deadlock_since = None;
         } else if now.duration_since(*fast.deadlock_since.get_or_insert(now)) >= self.opts.timeout {
             fast.ring().switch_off();
-            self.stats.divergences += 1;
             let msg = format!(
                 "every replica of task {task} waited for another in the fast path's ring for {:.1} s",
                 self.opts.timeout.as_secs_f64()
             );
-            self.emit(
+            self.detected(
                 Event::new("run", "timeout", "halt")
                     .object(format!("task {task}"))
                     .message(msg.clone()),
@@ -365,22 +363,21 @@ impl Session {
             return Ok(());
         }
         fast.ring().switch_off();
-        self.stats.divergences += 1;
         let msg = format!(
             "replica(s) {stragglers:?} ran for {:.1} s without moving in the fast path's ring while another replica waited",
             self.opts.timeout.as_secs_f64()
         );
-        self.emit(
+        self.detected(
             Event::new("run", "timeout", "vote")
                 .object(format!("task {task}"))
                 .message(msg),
         );
-        if stragglers.len() == 1 && live.len() >= 3 {
-            let r = stragglers[0];
-            self.vote_out(r, format!("replica {r} is a straggler"))
-        } else {
-            Err(self.halt(format!("no majority kept up in the fast path's ring of task {task}")))
-        }
+        self.vote_out_or_halt(
+            &stragglers,
+            live.len(),
+            format!("replica {} is a straggler", stragglers[0]),
+            format!("no majority kept up in the fast path's ring of task {task}"),
+        )
     }
 
     /// Whether every replica of `missing` sleeps in `task`'s ring, waiting for another one.
@@ -394,25 +391,24 @@ impl Session {
     /// ring: they are the odd ones (voted out if a majority waits, else a halt).
     pub(crate) fn left_the_ring(&mut self, task: TaskId, came: &[ReplicaId], live: usize) -> Result<(), Stopped> {
         self.fast_off();
-        self.stats.divergences += 1;
         let msg = format!(
             "replica(s) {came:?} came to the monitor while the others waited for them in the fast path's ring of task {task} for {:.1} s",
             self.opts.timeout.as_secs_f64()
         );
-        self.emit(
+        self.detected(
             Event::new("run", "timeout", "vote")
                 .object(format!("task {task}"))
                 .message(msg),
         );
-        if came.len() == 1 && (live - 1) * 2 > live {
-            let r = came[0];
-            self.vote_out(r, format!("replica {r} left the ring's sequence of calls"))?;
-            // The others come to the monitor now: their meeting starts with the first of them.
-            self.tasks[task].first_arrival = None;
-            Ok(())
-        } else {
-            Err(self.halt(format!("no majority kept to the fast path's ring of task {task}")))
-        }
+        self.vote_out_or_halt(
+            came,
+            live,
+            format!("replica {} left the ring's sequence of calls", came[0]),
+            format!("no majority kept to the fast path's ring of task {task}"),
+        )?;
+        // The others come to the monitor now: their meeting starts with the first of them.
+        self.tasks[task].first_arrival = None;
+        Ok(())
     }
 
     /// Whether replica `r`'s thread of `task` runs user code now (state R, not stopped by

@@ -704,8 +704,7 @@ impl Session {
             return Ok(()); // the follower's buffers are bad too: a genuine EFAULT
         }
         let leader = self.replicas.leader();
-        self.stats.divergences += 1;
-        self.emit(
+        self.detected(
             Event::new("run", "divergence", "halt")
                 .replica(leader)
                 .object(desc.name.to_string())

@@ -1349,33 +1349,52 @@ impl Session {
                 let came: Vec<ReplicaId> = live.iter().copied().filter(|r| !missing.contains(r)).collect();
                 return self.left_the_ring(task, &came, live.len());
             }
-            self.stats.divergences += 1;
-            let arrived = live.len() - missing.len();
             let msg = format!(
                 "replica(s) {missing:?} did not reach the rendezvous of task {task} within {:.1} s",
                 self.opts.timeout.as_secs_f64()
             );
-            self.emit(
+            self.detected(
                 Event::new("run", "timeout", "vote")
                     .object(format!("task {task}"))
                     .message(msg),
             );
-            if missing.len() == 1 && arrived * 2 > live.len() {
-                let r = missing[0];
-                self.vote_out(r, format!("replica {r} is a straggler"))?;
-                if collecting {
-                    self.try_decide(task)?;
-                } else {
-                    self.maybe_complete_all(task)?;
-                }
+            self.vote_out_or_halt(
+                &missing,
+                live.len(),
+                format!("replica {} is a straggler", missing[0]),
+                format!("no majority reached the rendezvous of task {task} in time"),
+            )?;
+            if collecting {
+                self.try_decide(task)?;
             } else {
-                return Err(self.halt(format!("no majority reached the rendezvous of task {task} in time")));
+                self.maybe_complete_all(task)?;
             }
         }
         Ok(())
     }
 
     // ----- failures -----
+
+    /// A fault was detected: counted, and reported as `event`.
+    pub(crate) fn detected(&mut self, event: Event) {
+        self.stats.divergences += 1;
+        self.emit(event);
+    }
+
+    /// `culprits` (of `live` replicas) failed: the one voted out when the others are a
+    /// majority, else a halt.
+    pub(crate) fn vote_out_or_halt(
+        &mut self,
+        culprits: &[ReplicaId],
+        live: usize,
+        vote_why: String,
+        halt_why: String,
+    ) -> Result<(), Stopped> {
+        match culprits {
+            [r] if (live - 1) * 2 > live => self.vote_out(*r, vote_why),
+            _ => Err(self.halt(halt_why)),
+        }
+    }
 
     /// A replica failed outside a vote (it died alone).
     pub(crate) fn replica_failed(
@@ -1385,8 +1404,7 @@ impl Session {
         kind: &'static str,
         msg: String,
     ) -> Result<(), Stopped> {
-        self.stats.divergences += 1;
-        self.emit(
+        self.detected(
             Event::new("run", kind, "vote")
                 .replica(r)
                 .object(format!("task {task}"))
