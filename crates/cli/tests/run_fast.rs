@@ -285,6 +285,27 @@ fn a_result_changed_between_the_kernel_and_the_record_stops_the_run() {
 }
 
 #[test]
+fn a_leader_lost_between_its_output_and_the_record_stops_the_run_instead_of_repeating_it() {
+    // `crash:5`: the leader faults right after its 5th call (a write) returned, before its
+    // record is out. Its successor would run that write again (found by a campaign: the
+    // digest's one line printed twice). Judged at once, without waiting for the timeout:
+    // the others ran the same code up to that call without the fault.
+    let native = fast_target_native();
+    for r in ["2", "3"] {
+        // A straggler timeout longer than the test's own limit (RUN_TIMEOUT): waiting it
+        // out fails the test.
+        let mut cmd = lockstep_run(&["-r", r, FAST, "--timeout", "3600"], &[fixture("fast_target")]);
+        cmd.env("LOCKSTEP_FAST_TEST", "crash:5");
+        let out = run(cmd);
+        out.assert_code(86);
+        assert_line_prefix(&out, &native, 5..=5);
+        if r == "3" {
+            assert!(out.stderr.contains("may have run"), "{}", out.context());
+        }
+    }
+}
+
+#[test]
 fn a_follower_at_an_input_where_the_leader_outputs_is_caught_not_waited_for() {
     // The follower waits for the leader's record of an input, the leader for the
     // follower's vote on an output: each waited for the other until the run hung. Now the

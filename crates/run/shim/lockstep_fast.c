@@ -163,6 +163,10 @@ struct lf_region_head {
     uint64_t awaiting;
     /* written as the leader: the call whose votes it waits for (0: none) */
     uint64_t vote_wanted;
+    /* written as the leader before it enters the kernel for call `in_flight` (number
+     * `in_flight_nr`); `published` catches up once the record is out. A leader lost in
+     * between may have run the call: the monitor then stops the run (see fast_session.rs). */
+    uint64_t in_flight, in_flight_nr;
 };
 struct lf_region {
     struct lf_region_head h;
@@ -218,9 +222,10 @@ static long after_slow_call(long ret);
  * argument one less than it compared (as a register flipped after the check would);
  * "result:N" flips a bit of call N's result on its way from the kernel into the record;
  * "wild-result:N" flips bit 40 of call N's result before any copy of it is taken;
+ * "crash:N" makes the leader fault right after call N returned, before its record is out;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
-static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result;
+static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash;
 static int lf_test_selector_allow;
 /* The thread that owns the ring: the main thread of the image that attached it. */
 static __thread int lf_ring_thread __attribute__((tls_model("initial-exec")));
@@ -910,11 +915,15 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     }
     if (may_wait_long(nr, a))
         flush_wakes(st); /* the followers catch up while we wait */
+    own->h.in_flight_nr = (uint64_t)nr;
+    store(&own->h.in_flight, s);
     long third = s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2];
     long ret_copy = 0;
     long ret = lf_fast_dup(nr, a[0], a[1], third, a[3], a[4], a[5], &ret_copy);
     if (s == lf_test_result)
         ret ^= 1; /* test: the result changed on its way from rax into the record */
+    if (s == lf_test_crash)
+        __asm__ volatile("movb $1, 0x10" ::: "memory"); /* test: the leader faults after the call ran (page 0 is read-only) */
     if (s == lf_test_wild_result)
         ret = ret_copy = ret_copy ^ (1L << 40); /* test: the result register changed first */
     request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
@@ -1434,6 +1443,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_result = strtoull(test + 7, NULL, 10);
     if (test != NULL && strncmp(test, "wild-result:", 12) == 0)
         lf_test_wild_result = strtoull(test + 12, NULL, 10);
+    if (test != NULL && strncmp(test, "crash:", 6) == 0)
+        lf_test_crash = strtoull(test + 6, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
     if (map_page_zero() != 0)

@@ -86,6 +86,10 @@ struct RegionHead {
     slow_calls: u64,
     bypassed: u64,
     unrecorded: u64,
+    awaiting: u64,
+    vote_wanted: u64,
+    in_flight: u64,
+    in_flight_nr: u64,
 }
 
 const fn round_up(n: u64, to: u64) -> u64 {
@@ -279,6 +283,14 @@ impl Ring {
         self.word32(&self.region(r).sleeping).load(Ordering::Acquire) != 0
     }
 
+    /// The call leader `r` entered the kernel for last: (sequence number, syscall number).
+    pub fn in_flight(&self, r: u32) -> (u64, u64) {
+        let region = self.region(r);
+        // The leader writes the number first and the sequence with release.
+        let seq = self.word64(&region.in_flight).load(Ordering::Acquire);
+        (seq, self.word64(&region.in_flight_nr).load(Ordering::Acquire))
+    }
+
     /// Calls replica `r` completed on the fast path.
     pub fn fast_calls(&self, r: u32) -> u64 {
         self.word64(&self.region(r).fast_calls).load(Ordering::Acquire)
@@ -356,6 +368,8 @@ pub struct FastPath {
     pub scratch: Vec<u8>,
     /// Outputs the monitor checked and let run (strict output checks).
     pub checked_outputs: u64,
+    /// The sequence number of the last output the monitor let run, in the current ring.
+    pub approved: u64,
     /// Since when every replica has waited for another in the ring, nobody moving.
     pub deadlock_since: Option<std::time::Instant>,
 }
@@ -409,6 +423,7 @@ impl FastPath {
             watch: vec![(0, None); opts.replicas as usize],
             scratch: vec![0; crate::fast_check::CHUNK],
             checked_outputs: 0,
+            approved: 0,
             deadlock_since: None,
         }))
     }
@@ -477,6 +492,11 @@ impl FastPath {
         self.region(r).map(|i| self.ring().consumed(i))
     }
 
+    /// The call leader `r` entered the kernel for last: (sequence number, syscall number).
+    pub fn in_flight(&self, r: u32) -> Option<(u64, u64)> {
+        self.region(r).map(|i| self.ring().in_flight(i))
+    }
+
     /// Follower `r`'s latest vote: (sequence number, digest).
     pub fn vote(&self, r: u32) -> Option<(u64, u64)> {
         self.region(r).map(|i| self.ring().vote(i))
@@ -523,6 +543,7 @@ impl FastPath {
             return false;
         };
         self.current += 1;
+        self.approved = 0;
         self.watch = vec![(0, None); members.len()];
         self.members = members;
         true

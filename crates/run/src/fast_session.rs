@@ -213,7 +213,7 @@ impl Session {
                 let mut scratch = std::mem::take(&mut fast.scratch);
                 let digest = crate::fast_check::output_digest(nr, args, &mut scratch, &mut read);
                 fast.scratch = scratch;
-                digest.and_then(|digest| {
+                digest.and_then(|digest| -> Result<u64, String> {
                     let wrong: Vec<String> = followers
                         .iter()
                         .filter_map(|&f| {
@@ -223,7 +223,7 @@ impl Session {
                         })
                         .collect();
                     if wrong.is_empty() {
-                        Ok(())
+                        Ok(seq)
                     } else {
                         Err(format!(
                             "its digest is {digest:016x} for call #{seq}; {}",
@@ -234,9 +234,10 @@ impl Session {
             }
         };
         match verdict {
-            Ok(()) => {
+            Ok(seq) => {
                 if let Some(fast) = self.fast.as_mut() {
                     fast.checked_outputs += 1;
+                    fast.approved = seq;
                 }
                 // A failed resume is recorded by the backend and fails the replica.
                 let _ = self.be.resume(tid, Resume::Run);
@@ -251,6 +252,39 @@ impl Session {
                 self.replica_failed(task, r, "divergence", msg)
             }
         }
+    }
+
+    /// Leader `r` is leaving the ring. A call it made from the fast path that may have run
+    /// in the kernel, but whose record it never published, would run again in its
+    /// successor: the data a read took would be lost, an output would go out twice. Such
+    /// a call is the reason to stop the run instead, returned here. Calls that take
+    /// nothing from the outside world may run again; an output that the monitor's strict
+    /// check did not let run did not run.
+    pub(crate) fn unpublished_leader_call(&self, r: ReplicaId) -> Option<String> {
+        const REPEATABLE: [i64; 7] = [
+            libc::SYS_poll,
+            libc::SYS_epoll_wait,
+            libc::SYS_epoll_pwait,
+            libc::SYS_pread64,
+            libc::SYS_preadv,
+            libc::SYS_fstat,
+            libc::SYS_getrandom,
+        ];
+        let fast = self.fast.as_ref()?;
+        fast.task?;
+        let (seq, nr) = fast.in_flight(r)?;
+        if seq <= fast.published(r)? || REPEATABLE.contains(&(nr as i64)) {
+            return None;
+        }
+        let strict = self.opts.output_check == crate::OutputCheck::Strict;
+        if crate::fast_check::is_fast_output(nr) && strict && fast.approved != seq {
+            return None;
+        }
+        Some(format!(
+            "leader {r} failed after its fast-path call #{seq} ({}) may have run and before it published the result; \
+             running it again could lose the input it took or repeat the output",
+            syscalls::name(nr)
+        ))
     }
 
     /// A signal waits for the ring's task: its leader brings its next replicated call to
@@ -389,11 +423,17 @@ impl Session {
 
     /// Replicas `came` reached the monitor while the others of `task` wait for them in the
     /// ring: they are the odd ones (voted out if a majority waits, else a halt).
-    pub(crate) fn left_the_ring(&mut self, task: TaskId, came: &[ReplicaId], live: usize) -> Result<(), Stopped> {
+    pub(crate) fn left_the_ring(
+        &mut self,
+        task: TaskId,
+        came: &[ReplicaId],
+        live: usize,
+        waited: std::time::Duration,
+    ) -> Result<(), Stopped> {
         self.fast_off();
         let msg = format!(
-            "replica(s) {came:?} came to the monitor while the others waited for them in the fast path's ring of task {task} for {:.1} s",
-            self.opts.timeout.as_secs_f64()
+            "replica(s) {came:?} came to the monitor while the others waited for them in the fast path's ring of task {task} for {:.3} s",
+            waited.as_secs_f64()
         );
         self.detected(
             Event::new("run", "timeout", "vote")

@@ -1324,7 +1324,16 @@ impl Session {
             let Some(first) = t.first_arrival else {
                 continue;
             };
-            if now.duration_since(first) < self.opts.timeout {
+            let waited = now.duration_since(first);
+            // A replica that came with a fault while every other one waits for it in the
+            // fast path's ring is judged at once (below): those ran the same code up to
+            // their call without the fault, so it cannot be the program's own.
+            let fault_came = collecting
+                && t.slots
+                    .iter()
+                    .flatten()
+                    .any(|s| matches!(s.arrival, Some(Arrival::Fault { .. })));
+            if waited < self.opts.timeout && !fault_came {
                 continue;
             }
             let live = self.live_slots(task);
@@ -1347,7 +1356,10 @@ impl Session {
                 // The missing replicas wait in the fast path's ring for the ones that came
                 // here: those left the ring's sequence of calls (a fault on the way).
                 let came: Vec<ReplicaId> = live.iter().copied().filter(|r| !missing.contains(r)).collect();
-                return self.left_the_ring(task, &came, live.len());
+                return self.left_the_ring(task, &came, live.len(), waited);
+            }
+            if waited < self.opts.timeout {
+                continue;
             }
             let msg = format!(
                 "replica(s) {missing:?} did not reach the rendezvous of task {task} within {:.1} s",
@@ -1447,6 +1459,11 @@ impl Session {
     pub fn vote_out(&mut self, r: ReplicaId, why: String) -> Result<(), Stopped> {
         let t0 = Instant::now();
         let was_leader = r == self.replicas.leader();
+        if was_leader {
+            if let Some(why) = self.unpublished_leader_call(r) {
+                return Err(self.halt(why));
+            }
+        }
         self.fast_off();
         let removal = self.replicas.remove(r);
         for t in &self.tasks {
