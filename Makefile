@@ -36,8 +36,8 @@ test: deps clib
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) test --workspace --locked -- --test-threads=2
-	# The run suite once more on the fast backend (docs/run.md, "The fast backend").
-	LOCKSTEP_BACKEND=fast $(CARGO) test -p lockstep-cli --locked $(RUN_SUITE) -- --test-threads=2
+	# The run suite once more on the ptrace backend (the default is fast; docs/run.md).
+	LOCKSTEP_BACKEND=ptrace $(CARGO) test -p lockstep-cli --locked $(RUN_SUITE) -- --test-threads=2
 
 # CPython's regression suite under lockstep run (a fast subset is in `make test`).
 cpython-suite: build

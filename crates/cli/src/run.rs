@@ -29,7 +29,7 @@ Examples:
   lockstep run -r 3 -- sha256sum big.iso
   lockstep run -r 2 --compare every --events ev.jsonl -- python3 job.py
   lockstep run -r 3 --stats -- redis-server --port 7000
-  lockstep run -r 2 --backend fast --stats -- redis-server --port 7000";
+  lockstep run -r 2 --backend ptrace --stats -- redis-server --port 7000";
 
 /// Run a program as 2 (DMR) or 3 (TMR) replicas that vote on every output.
 #[derive(Args)]
@@ -44,15 +44,16 @@ pub struct RunArgs {
     #[arg(long, default_value = "args", value_name = "MODE", value_parser = ["io", "args", "every"])]
     compare: String,
 
-    /// How replicas' syscalls reach the monitor. `ptrace`: every intercepted call stops
-    /// every replica (slow, handles everything). `fast`: a shim preloaded into each replica
-    /// replicates the hot inputs, outputs and clock reads in process through shared memory
-    /// and leaves the rest to ptrace; it needs a dynamically linked program and root (page
-    /// 0 is mapped), and falls back to ptrace with a message otherwise (docs/run.md).
+    /// How replicas' syscalls reach the monitor. `fast` (the default): a shim preloaded
+    /// into each replica replicates the hot inputs, outputs and clock reads in process
+    /// through shared memory and leaves the rest to ptrace; it needs a dynamically linked
+    /// program and root (page 0 is mapped), and falls back to ptrace with a one-line
+    /// message otherwise. `ptrace`: every intercepted call stops every replica (slower,
+    /// the same checks). docs/run.md, "The fast backend".
     #[arg(
         long,
         env = "LOCKSTEP_BACKEND",
-        default_value = "ptrace",
+        default_value = "fast",
         value_name = "BACKEND",
         value_parser = ["fast", "ptrace"]
     )]
