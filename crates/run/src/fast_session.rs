@@ -199,7 +199,9 @@ impl Session {
         args: &[u64; 6],
     ) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid;
-        let followers: Vec<ReplicaId> = self.live_slots(task).iter().copied().filter(|&f| f != r).collect();
+        // No allocation unless a vote is wrong: this runs for every output in strict mode.
+        let live = self.live_slots(task);
+        let followers = live.iter().copied().filter(|&f| f != r);
         let verdict = match self.fast.as_mut() {
             None => Err("there is no fast path".to_string()),
             Some(fast) if fast.task != Some(task) => Err(format!("task {task} does not use the ring")),
@@ -215,8 +217,7 @@ impl Session {
                 fast.scratch = scratch;
                 digest.and_then(|digest| -> Result<u64, String> {
                     let wrong: Vec<String> = followers
-                        .iter()
-                        .filter_map(|&f| {
+                        .filter_map(|f| {
                             let (vote_seq, vote) = fast.vote(f).unwrap_or((0, 0));
                             (vote_seq != seq || vote != digest)
                                 .then(|| format!("replica {f} voted {vote:016x} for call #{vote_seq}"))
