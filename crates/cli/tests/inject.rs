@@ -549,13 +549,20 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
 /// than the hang bound of 4 s used then (about 1 run in 20 hung). 30 runs and a 6 s bound:
 /// each install now also waits for the call's exit (a reply that races a signal is lost),
 /// which makes runs slower, and the golden run must fit the bound under a loaded CI. The same campaign covers the
-/// install whose notification the interrupt cut short (once an exit 125).
+/// install whose notification the interrupt cut short (once an exit 125). On the ptrace
+/// backend, where every call of the loop meets the monitor: with the fast backend (the
+/// default) its reads and closes skip it, and most time-based points then land where an
+/// `ip` flip is not activated (19 of 30 in one CI run), which is not this test's subject.
+/// Installs under the fast backend are covered by `run_signals`'s busy-timer test, which
+/// the suite runs on both backends.
 #[test]
 fn a_follower_that_faults_during_a_descriptor_install_is_voted_out_without_a_hang() {
     let out = scratch_dir("install-fault");
     let mut target = vec![
         env!("CARGO_BIN_EXE_lockstep").to_string(),
         "run".into(),
+        "--backend".into(),
+        "ptrace".into(),
         "-r".into(),
         "3".into(),
         "-q".into(),
