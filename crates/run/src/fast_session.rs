@@ -410,7 +410,7 @@ impl Session {
         self.vote_out_or_halt(
             &stragglers,
             live.len(),
-            format!("replica {} is a straggler", stragglers[0]),
+            |r| format!("replica {r} is a straggler"),
             format!("no majority kept up in the fast path's ring of task {task}"),
         )
     }
@@ -444,7 +444,7 @@ impl Session {
         self.vote_out_or_halt(
             came,
             live,
-            format!("replica {} left the ring's sequence of calls", came[0]),
+            |r| format!("replica {r} left the ring's sequence of calls"),
             format!("no majority kept to the fast path's ring of task {task}"),
         )?;
         // The others come to the monitor now: their meeting starts with the first of them.

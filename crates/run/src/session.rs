@@ -1373,7 +1373,7 @@ impl Session {
             self.vote_out_or_halt(
                 &missing,
                 live.len(),
-                format!("replica {} is a straggler", missing[0]),
+                |r| format!("replica {r} is a straggler"),
                 format!("no majority reached the rendezvous of task {task} in time"),
             )?;
             if collecting {
@@ -1393,17 +1393,17 @@ impl Session {
         self.emit(event);
     }
 
-    /// `culprits` (of `live` replicas) failed: the one voted out when the others are a
-    /// majority, else a halt.
+    /// `culprits` (of `live` replicas) failed: the one voted out (`vote_why` says why)
+    /// when the others are a majority, else a halt.
     pub(crate) fn vote_out_or_halt(
         &mut self,
         culprits: &[ReplicaId],
         live: usize,
-        vote_why: String,
+        vote_why: impl FnOnce(ReplicaId) -> String,
         halt_why: String,
     ) -> Result<(), Stopped> {
         match culprits {
-            [r] if (live - 1) * 2 > live => self.vote_out(*r, vote_why),
+            [r] if (live - 1) * 2 > live => self.vote_out(*r, vote_why(*r)),
             _ => Err(self.halt(halt_why)),
         }
     }

@@ -206,17 +206,9 @@ pub fn wait_tid_interruptible(tid: Tid) -> io::Result<Option<Stop>> {
 /// Waits for one specific thread.
 pub fn wait_tid(tid: Tid) -> io::Result<Stop> {
     loop {
-        let mut status = 0;
-        // SAFETY: plain waitpid.
-        let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL) };
-        if r == -1 {
-            let err = io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return Err(err);
+        if let Some(stop) = wait_tid_interruptible(tid)? {
+            return Ok(stop);
         }
-        return Ok(decode(status));
     }
 }
 
