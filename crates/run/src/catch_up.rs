@@ -101,27 +101,33 @@ impl Session {
             }
             let t = &self.tasks[task];
             let due = t
-                .pending_since
+                .signals
+                .pending_since()
                 .is_some_and(|since| now.duration_since(since) >= CATCH_UP_AFTER);
-            if !due || t.finished || t.catch_up.is_some() || t.phase != Phase::Collect || t.first_arrival.is_some() {
+            if !due
+                || t.is_finished()
+                || t.catch_up.is_some()
+                || t.phase() != Phase::Collect
+                || t.waiting_since().is_some()
+            {
                 continue;
             }
-            if self.injection_stepping() || self.processes[t.process].exiting {
+            if self.injection_stepping() || self.processes[t.process()].exiting {
                 continue;
             }
             let live = self.live_slots(task);
             // A replica in a stop the event loop has not taken yet (at a syscall, most
             // likely) is about to arrive: an interrupt now would stay pending past it.
             if live.iter().any(|&r| {
-                self.slot(task, r).state != SlotState::Running || in_trace_stop(&self.be, self.slot(task, r).tid)
+                self.slot(task, r).state() != SlotState::Running || in_trace_stop(&self.be, self.slot(task, r).tid())
             }) {
                 continue;
             }
-            let Some(&sig) = self.tasks[task].pending.first() else {
+            let Some(sig) = self.tasks[task].signals.first_pending() else {
                 continue;
             };
             for &r in live.iter() {
-                let _ = self.be.interrupt(self.slot(task, r).tid);
+                let _ = self.be.interrupt(self.slot(task, r).tid());
             }
             self.tasks[task].catch_up = Some(CatchUp {
                 sig,
@@ -135,7 +141,7 @@ impl Session {
     /// A stop of replica `r` of `task`, which has a catch-up under way, or has a
     /// breakpoint left armed. Returns true when the stop was the catch-up's own.
     pub(crate) fn on_catch_up_stop(&mut self, task: TaskId, r: ReplicaId, stop: &Stop) -> bool {
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let hit = matches!(stop, Stop::Signal(libc::SIGTRAP))
             && self.be.siginfo(tid).is_ok_and(|i| i.si_code == ptrace::TRAP_HWBKPT);
         let hunt = self.tasks[task].catch_up.as_ref().and_then(|c| c.hunt(r));
@@ -195,7 +201,7 @@ impl Session {
     }
 
     fn disarm(&mut self, task: TaskId, r: ReplicaId) {
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let _ = self.be.set_breakpoint(tid, None);
         self.slot_mut(task, r).breakpoint_armed = false;
     }
@@ -252,7 +258,7 @@ impl Session {
                 self.catch_up_mut(task).set(r, Hunt::Matched);
                 continue;
             }
-            let tid = self.slot(task, r).tid;
+            let tid = self.slot(task, r).tid();
             if self.be.set_breakpoint(tid, Some(target.rip)).is_err() {
                 self.finish_catch_up(task, false);
                 return;
@@ -273,7 +279,7 @@ impl Session {
             return;
         };
         let sig = c.sig;
-        if let Some(i) = self.tasks[task].pending.iter().position(|&s| s == sig) {
+        if let Some(i) = self.tasks[task].signals.pending_index(sig) {
             self.take_pending(task, i);
         }
         self.stats.signals_delivered += 1;
@@ -297,7 +303,7 @@ impl Session {
             )));
         }
         for (r, hunt) in c.replicas {
-            if self.slot(task, r).state == SlotState::Dead {
+            if self.slot(task, r).state() == SlotState::Dead {
                 continue;
             }
             self.raise(task, r, sig);
@@ -305,7 +311,7 @@ impl Session {
                 if self.slot(task, r).breakpoint_armed {
                     self.disarm(task, r);
                 }
-                let _ = self.be.resume(self.slot(task, r).tid, Resume::Run);
+                let _ = self.be.resume(self.slot(task, r).tid(), Resume::Run);
             }
         }
     }
@@ -321,11 +327,11 @@ impl Session {
                 if self.slot(task, r).breakpoint_armed {
                     self.disarm(task, r);
                 }
-                let _ = self.be.resume(self.slot(task, r).tid, Resume::Run);
+                let _ = self.be.resume(self.slot(task, r).tid(), Resume::Run);
             }
         }
         // Not at once again: the rendezvous is near.
-        self.tasks[task].pending_since = Some(Instant::now());
+        self.tasks[task].signals.restart_wait();
     }
 }
 

@@ -80,7 +80,7 @@ impl Session {
             }
             return 0; // replaced by each replica's own number
         }
-        let first_image = self.tasks[task].process == 0 && task == 0;
+        let first_image = self.tasks[task].process() == 0 && task == 0;
         let untouched =
             live.len() == self.opts.replicas as usize && live.iter().enumerate().all(|(i, &r)| i == r as usize);
         if fast.task.is_some()
@@ -115,7 +115,7 @@ impl Session {
         let mut members = vec![leader];
         members.extend(live.iter().copied().filter(|&r| r != leader));
         let placement: Vec<Option<usize>> = members.iter().map(|&r| self.replicas.cpu(r)).collect();
-        let tids: Vec<_> = members.iter().map(|&r| self.slot(task, r).tid).collect();
+        let tids: Vec<_> = members.iter().map(|&r| self.slot(task, r).tid()).collect();
         let Some(fast) = self.fast.as_mut() else {
             return;
         };
@@ -198,7 +198,7 @@ impl Session {
         nr: u64,
         args: &[u64; 6],
     ) -> Result<(), Stopped> {
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         // No allocation unless a vote is wrong: this runs for every output in strict mode.
         let live = self.live_slots(task);
         let followers = live.iter().copied().filter(|&f| f != r);
@@ -300,8 +300,8 @@ impl Session {
         fast.ring().request_escalation();
         let leader = self.replicas.leader();
         let slot = self.slot(task, leader);
-        if matches!(slot.state, SlotState::Running) {
-            let _ = self.be.interrupt(slot.tid);
+        if matches!(slot.state(), SlotState::Running) {
+            let _ = self.be.interrupt(slot.tid());
         }
         true
     }
@@ -315,7 +315,7 @@ impl Session {
         if fast.active_task() != Some(task) || r != self.replicas.leader() {
             return;
         }
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let Ok(mut regs) = self.be.regs(tid) else {
             return;
         };
@@ -448,7 +448,7 @@ impl Session {
             format!("no majority kept to the fast path's ring of task {task}"),
         )?;
         // The others come to the monitor now: their meeting starts with the first of them.
-        self.tasks[task].first_arrival = None;
+        self.tasks[task].stop_waiting();
         Ok(())
     }
 
@@ -456,10 +456,10 @@ impl Session {
     /// us and not asleep in the kernel).
     fn running_in_user_space(&self, task: TaskId, r: ReplicaId) -> bool {
         let slot = self.slot(task, r);
-        if slot.state != SlotState::Running {
+        if slot.state() != SlotState::Running {
             return false;
         }
-        let stat = self.be.proc_read(slot.tid, "stat").unwrap_or_default();
+        let stat = self.be.proc_read(slot.tid(), "stat").unwrap_or_default();
         stat.rsplit_once(')')
             .and_then(|(_, rest)| rest.split_whitespace().next())
             .is_some_and(|state| state == "R")

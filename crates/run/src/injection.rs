@@ -7,7 +7,7 @@
 
 use crate::backend::{Backend, Resume};
 use crate::options::{FlipAt, FlipSpec, FlipTarget};
-use crate::session::{set_tick, Arrival, Phase, ReplicaId, Session, SlotState, TaskId, INJECTION_TICK, TICK};
+use crate::session::{set_tick, Phase, ReplicaId, Session, SlotState, TaskId, INJECTION_TICK, TICK};
 use crate::Error;
 use lockstep_core::Event;
 use lockstep_inject::fault::{reapply, Applied, Model};
@@ -137,8 +137,8 @@ impl Injector {
         let Some((tid, state)) = s
             .tasks
             .first()
-            .and_then(|t| t.slots[r as usize].as_ref())
-            .map(|slot| (slot.tid, slot.state))
+            .and_then(|t| t.slot(r))
+            .map(|slot| (slot.tid(), slot.state()))
         else {
             return;
         };
@@ -148,19 +148,12 @@ impl Injector {
             // it had struck just before the syscall instruction, so the vote sees the
             // corrupted call. (An interrupt would stay pending and stop the replica at an
             // unexpected moment.)
-            SlotState::Arrived if matches!(s.tasks[0].phase, Phase::Collect) => {
+            SlotState::Arrived if matches!(s.tasks[0].phase(), Phase::Collect) => {
                 let Ok(mut regs) = s.be.regs(tid) else {
                     return;
                 };
                 self.apply_replica_fault(s, 0, r, &mut regs);
-                let slot = s.slot_mut(0, r);
-                if let Some(Arrival::Syscall { .. }) = slot.arrival {
-                    slot.arrival = Some(Arrival::Syscall {
-                        nr: ptrace::syscall_nr(&regs),
-                        args: ptrace::syscall_args(&regs),
-                    });
-                }
-                slot.regs = regs;
+                s.slot_mut(0, r).rearrive(regs);
             }
             // Parked after its call was decided (a follower while the leader executes, or
             // a replica waiting for the others to finish): a register flipped now would
@@ -183,7 +176,7 @@ impl Injector {
         if *target != r {
             return false;
         }
-        let stops = s.slot(0, r).stops;
+        let stops = s.slot(0, r).stops();
         match (fault.at_stop, fault.after_us) {
             (Some(k), _) => stops == k,
             // Time-based faults go in at the stop the monitor's interrupt causes, wherever
@@ -199,11 +192,11 @@ impl Injector {
     /// the kernel refuses, the 1 ms tick does the checking.
     fn arm_cpu_timer(&self, s: &Session, r: ReplicaId, us: u64) {
         set_tick(INJECTION_TICK);
-        let Some(slot) = s.tasks.first().and_then(|t| t.slots[r as usize].as_ref()) else {
+        let Some(slot) = s.tasks.first().and_then(|t| t.slot(r)) else {
             return;
         };
         // MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED), as in lockstep_trace::cpu.
-        let clock = ((!slot.tgid) << 3) | 2;
+        let clock = ((!slot.tgid()) << 3) | 2;
         // SAFETY: timer_create/timer_settime with fully initialised arguments; the timer
         // lives until the monitor exits.
         unsafe {
@@ -233,7 +226,7 @@ impl Injector {
         let Some((fault, _)) = self.fault.take() else {
             return;
         };
-        let (tgid, tid) = (s.slot(task, r).tgid, s.slot(task, r).tid);
+        let (tgid, tid) = (s.slot(task, r).tgid(), s.slot(task, r).tid());
         let model = fault.replay.as_ref().map_or(fault.model, |a| a.model);
         if model.needs_steps() || fault.steps > 0 {
             // The fault goes on an instruction after this syscall: step from its return.
@@ -257,7 +250,7 @@ impl Injector {
                 *regs = fresh;
             }
         }
-        let at = format!("at syscall stop {}", s.slot(task, r).stops);
+        let at = format!("at syscall stop {}", s.slot(task, r).stops());
         self.report_replica_fault(s, r, &fault.record, result, &at);
     }
 
@@ -351,7 +344,7 @@ impl Injector {
 
     /// Applies a test-only fault. Returns false when the replica will not arrive.
     fn apply_flip(&mut self, s: &mut Session, task: TaskId, r: ReplicaId, flip: &FlipSpec, regs: &mut Regs) -> bool {
-        let tid = s.slot(task, r).tid;
+        let tid = s.slot(task, r).tid();
         let what = match &flip.target {
             FlipTarget::Register(name) => {
                 let applied = Applied::flip(Model::Reg, Some(name.clone()), None, 1u64 << flip.bit);
@@ -372,7 +365,7 @@ impl Injector {
             }
             FlipTarget::Kill => {
                 s.be.kill(tid);
-                s.slot_mut(task, r).state = SlotState::Running;
+                s.slot_mut(task, r).leave(SlotState::Running);
                 "SIGKILL".to_string()
             }
             FlipTarget::Hang => {
@@ -382,7 +375,7 @@ impl Injector {
                 ptrace::skip_with_result(&mut spin, 0);
                 let _ = s.be.set_regs(tid, &spin);
                 let _ = s.be.resume(tid, Resume::Run);
-                s.slot_mut(task, r).state = SlotState::Running;
+                s.slot_mut(task, r).leave(SlotState::Running);
                 "an endless loop".to_string()
             }
         };
@@ -403,7 +396,7 @@ impl FaultHook for Injector {
     }
 
     fn at_syscall(&mut self, s: &mut Session, r: ReplicaId, regs: &mut Regs) -> bool {
-        let stops = s.slot(0, r).stops;
+        let stops = s.slot(0, r).stops();
         let nr = ptrace::syscall_nr(regs);
         let mut flips = Vec::new();
         for (flip, fired) in self.flips.iter().zip(self.fired.iter_mut()) {
@@ -431,7 +424,7 @@ impl FaultHook for Injector {
         if self.replica_fault_due(s, r) {
             // The stop our interrupt asked for: the fault goes in wherever the replica
             // is, not only at a syscall.
-            if let Ok(mut regs) = s.be.regs(s.slot(0, r).tid) {
+            if let Ok(mut regs) = s.be.regs(s.slot(0, r).tid()) {
                 self.apply_replica_fault(s, 0, r, &mut regs);
             }
         }
@@ -457,7 +450,7 @@ impl FaultHook for Injector {
 
 /// `ip` in replica `r`'s main process as "file+0xoffset" (or "[anon]+0x..."), from its maps.
 fn code_location(s: &Session, r: ReplicaId, ip: u64) -> Option<String> {
-    let pid = s.tasks.first()?.slots.get(r as usize)?.as_ref()?.tgid;
+    let pid = s.tasks.first()?.slot(r)?.tgid();
     let maps = s.be.proc_read(pid, "maps").ok()?;
     maps.lines().find_map(|line| {
         let mut fields = line.split_whitespace();

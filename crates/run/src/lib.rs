@@ -26,6 +26,8 @@
 //! * [`replica`]: the replica set: liveness, leadership, pid translation.
 //! * [`report`]: events, queued during a stop and written after it.
 //! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
+//! * [`task`]: a logical thread and its per-replica slots, with the transitions that
+//!   change their state.
 //! * [`rendezvous`]: what happens when all replicas of a task have arrived.
 //! * [`injection`]: `lockstep inject --replica` and `--test-flip`, reaching the monitor
 //!   through one hook.
@@ -55,6 +57,7 @@ pub mod shared_map;
 pub mod signals;
 pub mod spawn;
 pub mod stats;
+pub mod task;
 
 pub use options::{BackendKind, CompareMode, FlipAt, FlipSpec, FlipTarget, Options, OutputCheck};
 

@@ -2,13 +2,12 @@
 //! syscall according to its class, deliver a fault or a signal, or emulate RDTSC.
 
 use crate::backend::{Backend, Resume};
-use crate::data::{self, PREVIEW};
+use crate::data::{self};
 use crate::options::CompareMode;
 use crate::session::{
     describe_death, Arrival, Death, InputRecord, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId,
-    MAX_QUEUED_INPUTS, MAX_QUEUED_INPUT_BYTES,
 };
-use crate::signals::{Interrupted, SigSet, StandIn};
+use crate::signals::{Interrupted, StandIn};
 use crate::Error;
 use lockstep_core::{vote, Event, Verdict};
 use lockstep_trace::syscalls::{self, Class, Desc, NewFds};
@@ -66,7 +65,7 @@ fn is_nr(nr: u64, sys: libc::c_long) -> bool {
 impl Session {
     pub fn try_decide(&mut self, task: TaskId) -> Result<(), Stopped> {
         let t = &self.tasks[task];
-        if t.finished || t.phase != Phase::Collect {
+        if t.is_finished() || t.phase() != Phase::Collect {
             return Ok(());
         }
         if self.opts.compare == CompareMode::Io && self.leader_may_run_ahead(task) {
@@ -77,14 +76,14 @@ impl Session {
         // registered in all replicas yet) and that thread must have arrived.
         if live.is_empty()
             || live.len() != self.live_replicas().len()
-            || live.iter().any(|&r| self.slot(task, r).arrival.is_none())
+            || live.iter().any(|&r| self.slot(task, r).arrival().is_none())
             || self.awaiting_program_kill(task, &live)
         {
             return Ok(());
         }
         // While a process is going down, wait until every replica's thread is gone.
-        let exiting = self.processes[t.process].exiting;
-        if exiting && live.iter().any(|&r| self.slot(task, r).state != SlotState::Dead) {
+        let exiting = self.processes[t.process()].exiting;
+        if exiting && live.iter().any(|&r| self.slot(task, r).state() != SlotState::Dead) {
             return Ok(());
         }
         if self.check_ring_consumption(task, &live)? {
@@ -98,25 +97,25 @@ impl Session {
     /// they happen to be, so their last stops are not compared with the death. The vote
     /// waits until every copy has died.
     fn awaiting_program_kill(&self, task: TaskId, live: &[ReplicaId]) -> bool {
-        let sent = self.processes[self.tasks[task].process].sent_by_program;
-        let killed = |r: ReplicaId| matches!(self.slot(task, r).arrival, Some(Arrival::Died(Death::Killed(s))) if sent.contains(s));
+        let sent = self.processes[self.tasks[task].process()].sent_by_program;
+        let killed = |r: ReplicaId| matches!(self.slot(task, r).arrival(), Some(Arrival::Died(Death::Killed(s))) if sent.contains(s));
         live.iter().any(|&r| killed(r)) && !live.iter().all(|&r| killed(r))
     }
 
     /// Whether the program sent SIGKILL to this task's process and one of its copies is
     /// already dying (a zombie, or SIGKILL pending).
     fn dying_by_program_kill(&self, task: TaskId, members: &[ReplicaId]) -> bool {
-        let sent = self.processes[self.tasks[task].process].sent_by_program;
+        let sent = self.processes[self.tasks[task].process()].sent_by_program;
         sent.contains(libc::SIGKILL)
             && members
                 .iter()
-                .any(|&r| thread_is_dying(&self.be, self.slot(task, r).tid))
+                .any(|&r| thread_is_dying(&self.be, self.slot(task, r).tid()))
     }
 
     /// The class of the leader's call `desc(args)` of `task`: the table's, refined by its
     /// arguments, and for `openat2` by the flags in its `open_how` (read from the leader).
     pub(crate) fn class_of(&self, task: TaskId, desc: &Desc, args: &[u64; 6]) -> Class {
-        let tid = self.slot(task, self.replicas.leader()).tid;
+        let tid = self.slot(task, self.replicas.leader()).tid();
         let path_arg = match desc.nr as i64 {
             libc::SYS_open => Some(args[0]),
             libc::SYS_openat | libc::SYS_openat2 => Some(args[1]),
@@ -143,10 +142,10 @@ impl Session {
     /// replica is to be re-integrated, or too many results already wait for slow followers.
     fn leader_may_run_ahead(&self, task: TaskId) -> bool {
         let t = &self.tasks[task];
-        let Some(slot) = t.slots.get(self.replicas.leader() as usize).and_then(|s| s.as_ref()) else {
+        let Some(slot) = t.slot(self.replicas.leader()) else {
             return false;
         };
-        let Some(Arrival::Syscall { nr, args }) = slot.arrival else {
+        let Some(Arrival::Syscall { nr, args }) = slot.arrival() else {
             return false;
         };
         let input = syscalls::describe(nr)
@@ -155,25 +154,24 @@ impl Session {
         // recvmsg may carry descriptors, which are installed into followers at a rendezvous.
         input
             && !is_nr(nr, libc::SYS_recvmsg)
-            && slot.state == SlotState::Arrived
-            && slot.consumed == t.produced
-            && t.pending.is_empty()
+            && slot.state() == SlotState::Arrived
+            && slot.consumed() == t.inputs.produced()
+            && !t.signals.has_pending()
             && !self.reintegration_due
-            && t.inputs.len() < MAX_QUEUED_INPUTS
-            && t.queued_bytes < MAX_QUEUED_INPUT_BYTES
-            && !self.processes[t.process].exiting
+            && t.inputs.has_room()
+            && !self.processes[t.process()].exiting
     }
 
     fn run_input_ahead(&mut self, task: TaskId) -> Result<(), Stopped> {
-        let Some(Arrival::Syscall { nr, args }) = self.slot(task, self.replicas.leader()).arrival else {
+        let Some(Arrival::Syscall { nr, args }) = self.slot(task, self.replicas.leader()).arrival() else {
             return Ok(());
         };
         self.stats.count(Class::Input);
-        self.tasks[task].phase = Phase::Leader {
+        self.tasks[task].begin(Phase::Leader {
             nr,
             args,
             class: Class::Input,
-        };
+        });
         self.resume(task, self.replicas.leader(), Resume::ToExit, SlotState::Executing);
         Ok(())
     }
@@ -183,13 +181,13 @@ impl Session {
     fn key(&mut self, task: TaskId, r: ReplicaId) -> Key {
         let slot = self.slot(task, r);
         let inputs = if self.opts.compare == CompareMode::Io {
-            slot.consumed
+            slot.consumed()
         } else {
             0
         };
-        let met = match slot.arrival.expect("arrived") {
+        let met = match slot.arrival().expect("arrived") {
             Arrival::Syscall { nr, args } => {
-                let tid = slot.tid;
+                let tid = slot.tid();
                 let desc = syscalls::describe(nr);
                 let is_output = is_output(nr, desc, &args);
                 let mode = self.opts.compare;
@@ -204,15 +202,10 @@ impl Session {
                 if let Some(maps) = self.shared_maps_crc(task, r, nr, &args) {
                     digest.crc = lockstep_core::checksum::crc32c_append(digest.crc, &maps.to_le_bytes());
                 }
-                let slot = self.slot_mut(task, r);
-                slot.preview = if is_output { digest.preview } else { [0; PREVIEW] };
-                slot.preview_len = if is_output { digest.preview_len } else { 0 };
-                if mode != CompareMode::Io {
-                    slot.signature.begin_event();
-                    slot.signature.fold_u64(nr);
-                    slot.signature.fold_u32(digest.crc);
-                }
-                let signature = slot.signature.digest() ^ slot.signature.events.rotate_left(17);
+                let preview = is_output.then_some((&digest.preview, digest.preview_len));
+                let signature = self
+                    .slot_mut(task, r)
+                    .fold_call(nr, digest.crc, mode != CompareMode::Io, preview);
                 let call = (digest.crc as u64) << 32 | (digest.bytes & 0xffff_ffff);
                 let voted = match mode {
                     CompareMode::Io if is_output => call,
@@ -246,7 +239,7 @@ impl Session {
     /// so the hot path builds no strings.
     fn describe_arrival(&self, task: TaskId, r: ReplicaId) -> String {
         let slot = self.slot(task, r);
-        match slot.arrival.expect("arrived") {
+        match slot.arrival().expect("arrived") {
             Arrival::Died(d) => describe_death(d),
             Arrival::Fault { sig, addr } => format!("signal {sig} at {addr:#x}"),
             Arrival::Rdtsc { .. } => "rdtsc".into(),
@@ -256,10 +249,10 @@ impl Session {
                 let desc = syscalls::describe(nr);
                 match desc {
                     Some(_) if is_output(nr, desc, &args) => {
-                        let kept = &slot.preview[..slot.preview_len as usize];
+                        let kept = slot.preview();
                         format!("{name}({}) {}", args[0] as i64, data::escape_preview(kept))
                     }
-                    _ if self.opts.compare != CompareMode::Io => format!("{name} signature {}", slot.signature),
+                    _ if self.opts.compare != CompareMode::Io => format!("{name} signature {}", slot.signature()),
                     _ => name,
                 }
             }
@@ -273,7 +266,7 @@ impl Session {
         const BEFORE: usize = 8;
         const SHOWN: usize = 16;
         let (Some(Arrival::Syscall { nr, args }), Some(Arrival::Syscall { nr: nr_b, args: args_b })) =
-            (self.slot(task, a).arrival, self.slot(task, b).arrival)
+            (self.slot(task, a).arrival(), self.slot(task, b).arrival())
         else {
             return String::new();
         };
@@ -283,7 +276,7 @@ impl Session {
         let desc = syscalls::describe(nr);
         let mut chunk = Vec::new();
         let mut first_buffer = |r: ReplicaId, args: &[u64; 6]| {
-            let tid = self.slot(task, r).tid;
+            let tid = self.slot(task, r).tid();
             let d = data::digest_call(&self.be, tid, nr, desc, args, &mut chunk);
             // Only the (first) buffer: the number and plain values are shown elsewhere.
             d.first_buffer
@@ -388,8 +381,8 @@ impl Session {
             }
         }
         let leader = self.replicas.leader();
-        let arrival = self.slot(task, leader).arrival.expect("arrived");
-        self.tasks[task].first_arrival = None;
+        let arrival = self.slot(task, leader).arrival().expect("arrived");
+        self.tasks[task].stop_waiting();
         if let Arrival::Syscall { nr, args } = arrival {
             self.agreed_on_maps(task, nr, &args);
         }
@@ -398,7 +391,7 @@ impl Session {
         self.tasks[task].clocks.clear();
         match arrival {
             Arrival::Died(death) => {
-                self.tasks[task].finished = true;
+                self.tasks[task].finish();
                 if task == 0 {
                     self.root_death = Some(death);
                 }
@@ -406,7 +399,7 @@ impl Session {
             }
             Arrival::Fault { sig, .. } => {
                 // Every replica faulted identically: the program's own behaviour.
-                self.processes[self.tasks[task].process].exiting = true;
+                self.processes[self.tasks[task].process()].exiting = true;
                 for r in self.live_slots(task) {
                     self.resume(task, r, Resume::Signal(sig), SlotState::Running);
                 }
@@ -417,14 +410,14 @@ impl Session {
                 // SAFETY: RDTSC has no preconditions; the monitor itself is not trapped.
                 let tsc = unsafe { core::arch::x86_64::_rdtsc() };
                 for r in self.live_slots(task) {
-                    let mut regs = self.slot(task, r).regs;
+                    let mut regs = self.slot(task, r).regs();
                     regs.rax = tsc & 0xffff_ffff;
                     regs.rdx = tsc >> 32;
                     if len == 3 {
                         regs.rcx = 0;
                     }
                     regs.rip += len as u64;
-                    let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
+                    let _ = self.be.set_regs(self.slot(task, r).tid(), &regs);
                     self.resume(task, r, Resume::Run, SlotState::Running);
                 }
                 Ok(())
@@ -433,16 +426,16 @@ impl Session {
                 // The monitor itself is not trapped: it answers from the CPU it runs on.
                 let v = core::arch::x86_64::__cpuid_count(leaf, subleaf);
                 for r in self.live_slots(task) {
-                    let mut regs = self.slot(task, r).regs;
+                    let mut regs = self.slot(task, r).regs();
                     (regs.rax, regs.rbx, regs.rcx, regs.rdx) = (v.eax as u64, v.ebx as u64, v.ecx as u64, v.edx as u64);
                     regs.rip += 2;
-                    let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
+                    let _ = self.be.set_regs(self.slot(task, r).tid(), &regs);
                     self.resume(task, r, Resume::Run, SlotState::Running);
                 }
                 Ok(())
             }
             Arrival::Syscall { nr, args } => {
-                if !self.tasks[task].pending.is_empty() {
+                if self.tasks[task].signals.has_pending() {
                     let sig = self.take_pending(task, 0);
                     return self.deliver_at_rendezvous(task, nr, args, sig);
                 }
@@ -456,14 +449,14 @@ impl Session {
 
     pub(crate) fn execute(&mut self, task: TaskId, nr: u64, args: [u64; 6]) -> Result<(), Stopped> {
         assert_eq!(
-            self.tasks[task].phase,
+            self.tasks[task].phase(),
             Phase::Collect,
             "task {task} executes a call only after a vote"
         );
         assert!(
             self.live_slots(task)
                 .iter()
-                .all(|&r| self.slot(task, r).arrival.is_some()),
+                .all(|&r| self.slot(task, r).arrival().is_some()),
             "every live replica of task {task} has arrived before its call executes"
         );
         let desc = syscalls::describe(nr);
@@ -488,31 +481,31 @@ impl Session {
             // A shared file mapping (the only mmap that stops): the leader maps the file,
             // then the followers get private copies (shared_map.rs).
             Class::All if is_nr(nr, libc::SYS_mmap) => {
-                self.tasks[task].phase = Phase::Leader { nr, args, class };
+                self.tasks[task].begin(Phase::Leader { nr, args, class });
                 self.resume(task, leader, Resume::ToExit, SlotState::Executing);
                 Ok(())
             }
             Class::Input | Class::Output | Class::FdCreate => {
-                self.tasks[task].phase = Phase::Leader { nr, args, class };
+                self.tasks[task].begin(Phase::Leader { nr, args, class });
                 self.resume(task, leader, Resume::ToExit, SlotState::Executing);
                 Ok(())
             }
             Class::AllAfterLeader => {
-                self.tasks[task].phase = Phase::LeaderFirst { nr, args };
+                self.tasks[task].begin(Phase::LeaderFirst { nr, args });
                 self.translate_pid_args(task, leader, nr, &args);
                 self.resume(task, leader, Resume::ToExit, SlotState::Executing);
                 Ok(())
             }
             Class::All => {
                 if is_nr(nr, libc::SYS_exit_group) {
-                    self.processes[self.tasks[task].process].exiting = true;
+                    self.processes[self.tasks[task].process()].exiting = true;
                     for r in self.live_slots(task) {
                         self.resume(task, r, Resume::Run, SlotState::Running);
                     }
                     return Ok(());
                 }
-                self.tasks[task].phase = Phase::All { nr, args };
-                self.tasks[task].spawned = None;
+                self.tasks[task].begin(Phase::All { nr, args });
+                self.tasks[task].set_spawned(None);
                 self.note_program_signal(task, nr, &args);
                 for r in self.live_slots(task) {
                     self.translate_pid_args(task, r, nr, &args);
@@ -529,10 +522,10 @@ impl Session {
             let result = self.fast_hello(task, &args);
             return self.answer_fast_hello(task, result);
         }
-        let process = self.tasks[task].process;
+        let process = self.tasks[task].process();
         let result: i64 = match nr as i64 {
             libc::SYS_getpid => self.processes[process].logical_pid as i64,
-            libc::SYS_gettid => self.tasks[task].logical_tid as i64,
+            libc::SYS_gettid => self.tasks[task].logical_tid() as i64,
             libc::SYS_getppid => match self.processes[process].parent {
                 Some(p) => self.processes[p].logical_pid as i64,
                 // The root's parent is the namespace stub (pid 1), or lockstep itself.
@@ -545,7 +538,10 @@ impl Session {
             libc::SYS_prctl if args[0] == syscalls::PR_GET_TSC => {
                 const PR_TSC_ENABLE: u32 = 1;
                 for r in self.live_slots(task) {
-                    let (tid, own) = (self.slot(task, r).tid, ptrace::syscall_args(&self.slot(task, r).regs));
+                    let (tid, own) = (
+                        self.slot(task, r).tid(),
+                        ptrace::syscall_args(&self.slot(task, r).regs()),
+                    );
                     let _ = self.be.write(tid, own[1], &PR_TSC_ENABLE.to_le_bytes());
                 }
                 0
@@ -554,13 +550,16 @@ impl Session {
             libc::SYS_rseq => -(libc::ENOSYS as i64),
             n if n as u64 == SYS_LOCKSTEP_TRACE => {
                 for r in self.live_slots(task) {
-                    let (tid, own) = (self.slot(task, r).tid, ptrace::syscall_args(&self.slot(task, r).regs));
+                    let (tid, own) = (
+                        self.slot(task, r).tid(),
+                        ptrace::syscall_args(&self.slot(task, r).regs()),
+                    );
                     let len = (own[1] as usize).min(data::MAX_BUFFER);
                     let bytes = self
                         .be
                         .read_vec(tid, own[0], len)
                         .unwrap_or_else(|_| b"<EFAULT>".to_vec());
-                    self.slot_mut(task, r).signature.fold_bytes(&bytes);
+                    self.slot_mut(task, r).fold_bytes(&bytes);
                 }
                 0
             }
@@ -574,15 +573,15 @@ impl Session {
     /// replica `r`'s result, and lets them run.
     pub(crate) fn answer_each(&mut self, task: TaskId, result_of: impl Fn(ReplicaId) -> i64) {
         for r in self.live_slots(task) {
-            let mut regs = self.slot(task, r).regs;
+            let mut regs = self.slot(task, r).regs();
             ptrace::skip_with_result(&mut regs, result_of(r));
-            let _ = self.be.set_regs(self.slot(task, r).tid, &regs);
+            let _ = self.be.set_regs(self.slot(task, r).tid(), &regs);
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
     }
 
     pub fn on_syscall_exit(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let Ok(mut regs) = self.be.regs(tid) else {
             return Ok(());
         };
@@ -590,7 +589,7 @@ impl Session {
         if let Some(stand_in) = self.slot_mut(task, r).stand_in.take() {
             return self.finish_stand_in(task, r, stand_in);
         }
-        match self.tasks[task].phase {
+        match self.tasks[task].phase() {
             Phase::Leader { nr, args, .. } | Phase::LeaderFirst { nr, args } if interrupted_by_signal(nr, ret) => {
                 // Interrupted (by a signal or our kick): run it again from the start; the
                 // followers are still parked at the same call. Whatever the kernel already
@@ -598,45 +597,41 @@ impl Session {
                 if let Some(desc) = syscalls::describe(nr) {
                     for f in self.live_slots(task) {
                         let fslot = self.slot(task, f);
-                        if f != r && fslot.state == SlotState::Arrived {
-                            let fargs = ptrace::syscall_args(&fslot.regs);
-                            data::sync_inout(&self.be, tid, fslot.tid, desc, &args, &fargs);
+                        if f != r && fslot.state() == SlotState::Arrived {
+                            let fargs = ptrace::syscall_args(&fslot.regs());
+                            data::sync_inout(&self.be, tid, fslot.tid(), desc, &args, &fargs);
                         }
                     }
                 }
                 // A signal of the leader's own interrupted it (not our kick): if it is to be
                 // handled, its delivery stop comes next, and the leader takes it as the
                 // kernel left the call (`deliver_interrupted`).
-                if !self.tasks[task].kicked {
-                    self.tasks[task].interrupted = Some(Interrupted { nr, regs });
+                if !self.tasks[task].signals.kicked() {
+                    self.tasks[task].signals.interrupt(Interrupted { nr, regs });
                 }
                 ptrace::rewind_to_syscall(&mut regs, nr);
                 let _ = self.be.set_regs(tid, &regs);
-                self.tasks[task].phase = Phase::Collect;
-                self.tasks[task].first_arrival = None;
+                self.tasks[task].end();
                 self.resume(task, r, Resume::Run, SlotState::Running);
                 Ok(())
             }
             Phase::Leader { nr, args, class } => self.finish_leader_call(task, nr, args, class, ret),
             Phase::LeaderFirst { nr, args } => {
-                self.slot_mut(task, r).result = ret;
-                self.slot_mut(task, r).state = SlotState::Done;
-                self.tasks[task].phase = Phase::Followers { nr, args };
-                self.tasks[task].first_arrival = Some(Instant::now());
+                self.slot_mut(task, r).finish(ret);
+                self.tasks[task].hand_to_followers();
                 let reaped = self.reaped_child(task, nr, &args, ret);
                 for f in self.live_slots(task) {
-                    if f == self.replicas.leader() || self.slot(task, f).state != SlotState::Arrived {
+                    if f == self.replicas.leader() || self.slot(task, f).state() != SlotState::Arrived {
                         continue;
                     }
                     match reaped {
                         // The leader's WNOHANG wait found nothing: so do the followers.
                         Some(0) => {
-                            let ftid = self.slot(task, f).tid;
-                            let mut regs = self.slot(task, f).regs;
+                            let ftid = self.slot(task, f).tid();
+                            let mut regs = self.slot(task, f).regs();
                             ptrace::skip_with_result(&mut regs, 0);
                             let _ = self.be.set_regs(ftid, &regs);
-                            self.slot_mut(task, f).result = 0;
-                            self.slot_mut(task, f).state = SlotState::Done;
+                            self.slot_mut(task, f).finish(0);
                         }
                         // Reap exactly the child the leader reaped, whatever finished first here.
                         Some(child) => {
@@ -652,7 +647,7 @@ impl Session {
                 self.maybe_complete_all(task)
             }
             Phase::Followers { nr, .. } | Phase::All { nr, .. }
-                if ptrace::is_restart(ret) && !self.tasks[task].kicked =>
+                if ptrace::is_restart(ret) && !self.tasks[task].signals.kicked() =>
             {
                 ptrace::rewind_to_syscall(&mut regs, nr);
                 let _ = self.be.set_regs(tid, &regs);
@@ -660,21 +655,19 @@ impl Session {
                 Ok(())
             }
             Phase::Followers { .. } => {
-                self.slot_mut(task, r).result = ret;
-                self.slot_mut(task, r).state = SlotState::Done;
-                self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
+                self.slot_mut(task, r).finish(ret);
+                self.tasks[task].note_arrival();
                 self.maybe_complete_all(task)
             }
             Phase::All { nr, .. } => {
-                if self.tasks[task].kicked && ptrace::is_restart(ret) {
+                if self.tasks[task].signals.kicked() && ptrace::is_restart(ret) {
                     ptrace::rewind_to_syscall(&mut regs, nr);
                     let _ = self.be.set_regs(tid, &regs);
                     self.resume(task, r, Resume::Run, SlotState::Running);
                     return Ok(());
                 }
-                self.slot_mut(task, r).result = ret;
-                self.slot_mut(task, r).state = SlotState::Done;
-                self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
+                self.slot_mut(task, r).finish(ret);
+                self.tasks[task].note_arrival();
                 self.maybe_complete_all(task)
             }
             Phase::Collect => {
@@ -699,7 +692,7 @@ impl Session {
         desc: &syscalls::Desc,
         fargs: &[u64; 6],
     ) -> Result<(), Stopped> {
-        let ftid = self.slot(task, f).tid;
+        let ftid = self.slot(task, f).tid();
         if !data::buffers_readable(&self.be, ftid, desc, fargs) {
             return Ok(()); // the follower's buffers are bad too: a genuine EFAULT
         }
@@ -736,7 +729,7 @@ impl Session {
             }
         }
         let leader = self.replicas.leader();
-        let (ltid, ltgid) = (self.slot(task, leader).tid, self.slot(task, leader).tgid);
+        let (ltid, ltgid) = (self.slot(task, leader).tid(), self.slot(task, leader).tgid());
         let desc = syscalls::describe(nr).expect("executed calls are in the table");
         let outputs = data::collect_outputs(&self.be, ltid, desc, &args, ret);
         let mut fds: Vec<i32> = Vec::new();
@@ -747,11 +740,11 @@ impl Session {
         // `--compare io`: inputs are counted, and followers not at this very input get it
         // later from the task's queue.
         let io_input = self.opts.compare == CompareMode::Io && class == Class::Input;
-        let index = self.tasks[task].produced;
+        let index = self.tasks[task].inputs.produced();
         if ret == -(libc::EFAULT as i64) {
             for f in self.live_slots(task) {
-                if f != leader && self.slot(task, f).state == SlotState::Arrived {
-                    let fargs = ptrace::syscall_args(&self.slot(task, f).regs);
+                if f != leader && self.slot(task, f).state() == SlotState::Arrived {
+                    let fargs = ptrace::syscall_args(&self.slot(task, f).regs());
                     self.check_leader_efault(task, f, desc, &fargs)?;
                 }
             }
@@ -760,19 +753,19 @@ impl Session {
         // itself, say): judged once the call is over.
         let mut died = Vec::new();
         for f in self.live_slots(task) {
-            if f == leader || self.slot(task, f).state != SlotState::Arrived {
+            if f == leader || self.slot(task, f).state() != SlotState::Arrived {
                 continue;
             }
             if io_input {
-                let at_this_input = matches!(self.slot(task, f).arrival, Some(Arrival::Syscall { nr: n, .. }) if n == nr)
-                    && self.slot(task, f).consumed == index;
+                let at_this_input = matches!(self.slot(task, f).arrival(), Some(Arrival::Syscall { nr: n, .. }) if n == nr)
+                    && self.slot(task, f).consumed() == index;
                 if !at_this_input {
                     continue;
                 }
-                self.slot_mut(task, f).consumed = index + 1;
+                self.slot_mut(task, f).consumed_input(index);
             }
-            let ftid = self.slot(task, f).tid;
-            let fargs = ptrace::syscall_args(&self.slot(task, f).regs);
+            let ftid = self.slot(task, f).tid();
+            let fargs = ptrace::syscall_args(&self.slot(task, f).regs());
             if data::apply_outputs(&self.be, ftid, desc, &fargs, ret, &outputs) > 0 {
                 self.emit(Event::new("run", "copy", "continue").replica(f).message(format!(
                     "could not copy {}'s results into replica {f} (its buffers differ); the next vote decides",
@@ -781,7 +774,7 @@ impl Session {
             }
             self.stats.bytes_copied += outputs.bytes();
             if fds.is_empty() {
-                let mut regs = self.slot(task, f).regs;
+                let mut regs = self.slot(task, f).regs();
                 ptrace::skip_with_result(&mut regs, ret);
                 let _ = self.be.set_regs(ftid, &regs);
                 self.raise_mirrored(task, f);
@@ -793,24 +786,21 @@ impl Session {
             }
         }
         if io_input {
-            self.tasks[task].produced = index + 1;
-            self.slot_mut(task, leader).consumed = index + 1;
+            self.slot_mut(task, leader).consumed_input(index);
             let behind = self
                 .live_slots(task)
                 .iter()
-                .any(|&f| self.slot(task, f).state != SlotState::Dead && self.slot(task, f).consumed <= index);
-            if behind {
-                self.tasks[task].queued_bytes += outputs.bytes();
-                self.tasks[task].inputs.push_back(InputRecord {
-                    index,
-                    nr,
-                    ret,
-                    outputs,
-                });
-            }
+                .any(|&f| !self.slot(task, f).is_dead() && self.slot(task, f).consumed() <= index);
+            let record = behind.then_some(InputRecord {
+                index,
+                nr,
+                ret,
+                outputs,
+            });
+            self.tasks[task].inputs.produce(record);
         }
-        self.tasks[task].phase = Phase::Collect;
-        self.tasks[task].mirror = SigSet::default();
+        self.tasks[task].recollect();
+        self.tasks[task].signals.take_mirror();
         self.resume(task, leader, Resume::Run, SlotState::Running);
         for (f, death) in died {
             self.on_death(task, f, death)?;
@@ -940,8 +930,8 @@ impl Session {
             };
             ours.push((fd, dup, fd_cloexec(&self.be, leader_tgid, fd)));
         }
-        let ftid = self.slot(task, f).tid;
-        let mut regs = self.slot(task, f).regs;
+        let ftid = self.slot(task, f).tid();
+        let mut regs = self.slot(task, f).regs();
         regs.orig_rax = SYS_LOCKSTEP_INSTALL;
         let _ = self.be.set_regs(ftid, &regs);
         // To the install's exit: a reply alone does not prove that the install ended (a
@@ -986,7 +976,7 @@ impl Session {
                 Err(death) => return Ok(Some(death)),
             }
         }
-        let signals = self.tasks[task].mirror;
+        let signals = self.tasks[task].signals.mirror();
         let stand_in = StandIn {
             restore: None,
             ret,
@@ -1053,7 +1043,7 @@ impl Session {
 
     /// Every replica has finished its part of an all-replica call: compare the results.
     pub fn maybe_complete_all(&mut self, task: TaskId) -> Result<(), Stopped> {
-        let (nr, args, leader_first) = match self.tasks[task].phase {
+        let (nr, args, leader_first) = match self.tasks[task].phase() {
             Phase::All { nr, args } => (nr, args, false),
             Phase::Followers { nr, args } => (nr, args, true),
             _ => return Ok(()),
@@ -1061,21 +1051,21 @@ impl Session {
         let live: Vec<ReplicaId> = self
             .live_slots(task)
             .into_iter()
-            .filter(|&r| self.slot(task, r).state != SlotState::Dead)
+            .filter(|&r| self.slot(task, r).state() != SlotState::Dead)
             .collect();
-        if live.is_empty() || live.iter().any(|&r| self.slot(task, r).state != SlotState::Done) {
+        if live.is_empty() || live.iter().any(|&r| self.slot(task, r).state() != SlotState::Done) {
             return Ok(());
         }
         let leader = self.replicas.leader();
-        let lead_ret = self.slot(task, leader).result;
+        let lead_ret = self.slot(task, leader).result();
         let returns_pid = [libc::SYS_clone, libc::SYS_clone3, libc::SYS_fork, libc::SYS_vfork]
             .iter()
             .any(|&s| is_nr(nr, s));
         let waits = is_nr(nr, libc::SYS_wait4) || is_nr(nr, libc::SYS_waitid);
         if returns_pid && lead_ret > 0 {
-            if let Some(child) = self.tasks[task].spawned {
-                self.tasks[child].logical_tid = lead_ret as i32;
-                let p = self.tasks[child].process;
+            if let Some(child) = self.tasks[task].spawned() {
+                self.tasks[child].set_logical_tid(lead_ret as i32);
+                let p = self.tasks[child].process();
                 if self.processes[p].logical_pid == 0 {
                     self.processes[p].logical_pid = lead_ret as i32;
                 }
@@ -1084,7 +1074,7 @@ impl Session {
         // Results as the program sees them (pids translated to logical ones).
         let mut results = Vec::new();
         for &r in &live {
-            let own = self.slot(task, r).result;
+            let own = self.slot(task, r).result();
             let logical = if returns_pid && own > 0 {
                 if own != lead_ret {
                     self.replicas.learn_pid(r, lead_ret as i32, own as i32);
@@ -1104,7 +1094,7 @@ impl Session {
         let outputs = match (leader_first || waits, desc) {
             (true, Some(d)) => Some(data::collect_outputs(
                 &self.be,
-                self.slot(task, leader).tid,
+                self.slot(task, leader).tid(),
                 d,
                 &args,
                 lead_ret,
@@ -1112,10 +1102,10 @@ impl Session {
             _ => None,
         };
         for (i, &r) in live.iter().enumerate() {
-            let tid = self.slot(task, r).tid;
+            let tid = self.slot(task, r).tid();
             if r != leader {
                 if let (Some(o), Some(d)) = (&outputs, desc) {
-                    let own = ptrace::syscall_args(&self.slot(task, r).regs);
+                    let own = ptrace::syscall_args(&self.slot(task, r).regs());
                     data::apply_outputs(&self.be, tid, d, &own, lead_ret, o);
                 }
             }
@@ -1126,7 +1116,7 @@ impl Session {
                 }
             }
             if self.opts.compare != CompareMode::Io {
-                self.slot_mut(task, r).signature.fold_u64(results[i] as u64);
+                self.slot_mut(task, r).fold_u64(results[i] as u64);
             }
         }
         let succeeded_exec = (is_nr(nr, libc::SYS_execve) || is_nr(nr, libc::SYS_execveat)) && lead_ret == 0;
@@ -1136,9 +1126,8 @@ impl Session {
         if succeeded_exec {
             self.after_exec(task, &live);
         }
-        self.tasks[task].phase = Phase::Collect;
-        self.tasks[task].kicked = false;
-        self.tasks[task].first_arrival = None;
+        self.tasks[task].end();
+        self.tasks[task].signals.clear_kick();
         // Vote on the results: the call ran in every replica.
         let mut members = live;
         loop {
@@ -1179,7 +1168,7 @@ impl Session {
             }
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
-        self.tasks[task].mirror = SigSet::default();
+        self.tasks[task].signals.take_mirror();
         Ok(())
     }
 
@@ -1191,7 +1180,7 @@ impl Session {
         let mut order: Vec<ReplicaId> = vec![leader];
         order.extend(live.iter().copied().filter(|&r| r != leader));
         for r in order {
-            let tid = self.slot(task, r).tid;
+            let tid = self.slot(task, r).tid();
             let Some(at_random) = patch_auxv(&self.be, tid) else {
                 continue;
             };
@@ -1213,7 +1202,9 @@ impl Session {
         }
         if is_nr(nr, libc::SYS_waitid) && ret == 0 && args[2] != 0 {
             let mut pid = [0u8; 4];
-            self.be.read(self.slot(task, leader).tid, args[2] + 16, &mut pid).ok()?;
+            self.be
+                .read(self.slot(task, leader).tid(), args[2] + 16, &mut pid)
+                .ok()?;
             return Some(self.to_logical(leader, i32::from_le_bytes(pid)));
         }
         None
@@ -1223,8 +1214,8 @@ impl Session {
     /// exit rendezvous has released every replica of it, so it is about to be a zombie
     /// here too even if it is not one yet.
     fn wait_for_child(&mut self, task: TaskId, f: ReplicaId, nr: u64, pid: i32) {
-        let tid = self.slot(task, f).tid;
-        let mut regs = self.slot(task, f).regs;
+        let tid = self.slot(task, f).tid();
+        let mut regs = self.slot(task, f).regs();
         let no_hang = !(libc::WNOHANG as u64);
         if is_nr(nr, libc::SYS_wait4) {
             regs.rdi = pid as i64 as u64;
@@ -1257,8 +1248,8 @@ impl Session {
             libc::SYS_waitid if args[0] == libc::P_PID as u64 || args[0] == libc::P_PGID as u64 => &[1],
             _ => return,
         };
-        let tid = self.slot(task, r).tid;
-        let mut regs = self.slot(task, r).regs;
+        let tid = self.slot(task, r).tid();
+        let mut regs = self.slot(task, r).regs();
         let mut changed = false;
         for &i in positions {
             let old = args[i] as i64 as i32;
@@ -1280,7 +1271,9 @@ impl Session {
     /// single-threaded process. Returns true when it did (the task's replicas will
     /// arrive again at the same call).
     fn reintegrate(&mut self, task: TaskId) -> Result<bool, Stopped> {
-        let live_tasks: Vec<TaskId> = (0..self.tasks.len()).filter(|&t| !self.tasks[t].finished).collect();
+        let live_tasks: Vec<TaskId> = (0..self.tasks.len())
+            .filter(|&t| !self.tasks[t].is_finished())
+            .collect();
         if live_tasks != [task] {
             if !self.reintegration_note_given {
                 self.reintegration_note_given = true;
@@ -1300,12 +1293,12 @@ impl Session {
             .unwrap_or(self.replicas.leader());
         // A fork does not copy child processes: a source with children (even zombies it
         // has not reaped yet) would give the new replica a different wait() result.
-        if self.be.has_children(self.slot(task, source).tgid) {
+        if self.be.has_children(self.slot(task, source).tgid()) {
             return Ok(false);
         }
         let dead = self.replicas.free_cpu();
-        let stid = self.slot(task, source).tid;
-        let saved = self.slot(task, source).regs;
+        let stid = self.slot(task, source).tid();
+        let saved = self.slot(task, source).regs();
         let nr = saved.orig_rax;
         let mut inject = saved;
         inject.orig_rax = NR_CLONE;
@@ -1382,21 +1375,19 @@ impl Session {
         if let Some(cpu) = dead {
             self.be.pin(child, cpu);
         }
-        let process = self.tasks[task].process;
+        let process = self.tasks[task].process();
         let logical = self.processes[process].logical_pid;
         self.fast_off();
         let id = self.replicas.add_fork(source, dead, local_pid as i32, logical);
+        let ids = self.replicas.ids();
         for t in self.tasks.iter_mut() {
-            t.slots.push(None);
+            t.grow(ids);
         }
         for seq in self.tasks[task].clocks.values_mut() {
             seq.fork(source, id);
         }
-        let mut slot = Slot::new(child, child, SlotState::Running);
-        slot.signature = self.slot(task, source).signature;
-        slot.stops = self.slot(task, source).stops;
-        slot.consumed = self.slot(task, source).consumed;
-        self.tasks[task].slots[id as usize] = Some(slot);
+        let slot = Slot::fork_of(self.slot(task, source), child);
+        self.tasks[task].place(id, slot);
         self.by_tid.insert(child, (task, id));
         self.reintegration_due = self.replicas.short();
         if !self.reintegration_due {

@@ -14,11 +14,11 @@
 use crate::backend::{Backend, Checked, Ptrace, Resume};
 use crate::options::Options;
 use crate::replica::Removal;
-use crate::signals::{Interrupted, SigSet, StandIn};
+use crate::signals::SigSet;
 use crate::spawn;
 use crate::stats::Stats;
 use crate::Error;
-use lockstep_core::{exit, Event, EventSink, Signature};
+use lockstep_core::{exit, Event, EventSink};
 use lockstep_trace::seccomp::{Gate, Listener};
 use lockstep_trace::syscalls::Class;
 use lockstep_trace::{ptrace, Regs, Stop, Tid};
@@ -28,212 +28,10 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-pub type TaskId = usize;
-pub type ProcId = usize;
-pub type ReplicaId = u32;
-
-/// How a thread ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Death {
-    Exited(i32),
-    Killed(i32),
-}
-
-impl Death {
-    pub fn exit_status(self) -> i32 {
-        match self {
-            Death::Exited(c) => c,
-            Death::Killed(s) => exit::SIGNAL_BASE + s,
-        }
-    }
-}
-
-/// What a slot stopped at.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arrival {
-    Syscall {
-        nr: u64,
-        args: [u64; 6],
-    },
-    /// A synchronous fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP).
-    Fault {
-        sig: i32,
-        addr: u64,
-    },
-    /// A trapped RDTSC (2 bytes) or RDTSCP (3 bytes).
-    Rdtsc {
-        len: u8,
-    },
-    /// A trapped CPUID (only where the CPU supports CPUID faulting) for leaf/subleaf.
-    Cpuid {
-        leaf: u32,
-        subleaf: u32,
-    },
-    Died(Death),
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SlotState {
-    /// Auto-attached, waiting for its first stop.
-    Starting,
-    Running,
-    /// Stopped at a rendezvous (also: parked while the leader executes).
-    Arrived,
-    /// Inside a syscall we will see the exit of.
-    Executing,
-    /// Finished its part of an all-replica syscall; stopped at the syscall exit.
-    Done,
-    /// Its part was interrupted by one of its own (suppressed) signals: it runs the same
-    /// call again when it next stops at it.
-    Rerun,
-    Dead,
-}
-
-pub struct Slot {
-    pub(crate) tid: Tid,
-    /// The slot's process id (thread group) in our namespace.
-    pub(crate) tgid: Tid,
-    pub(crate) state: SlotState,
-    pub(crate) arrival: Option<Arrival>,
-    pub(crate) regs: Regs,
-    pub(crate) signature: Signature,
-    /// Intercepted syscall stops so far (for test flips).
-    pub(crate) stops: u64,
-    /// Signals we sent on purpose: let them through at their delivery stops.
-    pub(crate) deliver: SigSet,
-    /// The call this follower runs in place of its own, and what to do at its exit.
-    pub(crate) stand_in: Option<StandIn>,
-    /// Signals the thread sent itself at its current call: its own copy is let through if
-    /// it is delivered before the thread's next intercepted syscall (right after the call).
-    pub(crate) own_signals: SigSet,
-    /// Result of this slot's execution in an all-replica phase.
-    pub(crate) result: i64,
-    /// The first bytes of the buffer of the output call it arrived at (for messages),
-    /// kept from the comparison so that describing a divergence reads no memory.
-    pub(crate) preview: [u8; PREVIEW],
-    pub(crate) preview_len: u8,
-    /// `--compare io`: inputs of this task this replica has executed or been given.
-    pub(crate) consumed: u64,
-    /// A catch-up left an execution breakpoint in the thread (see `catch_up.rs`).
-    pub(crate) breakpoint_armed: bool,
-}
-
-pub use crate::data::PREVIEW;
-
-impl Slot {
-    pub fn new(tid: Tid, tgid: Tid, state: SlotState) -> Self {
-        Slot {
-            tid,
-            tgid,
-            state,
-            arrival: None,
-            // SAFETY: all-zero is a valid user_regs_struct.
-            regs: unsafe { std::mem::zeroed() },
-            signature: Signature::new(),
-            stops: 0,
-            deliver: SigSet::default(),
-            stand_in: None,
-            own_signals: SigSet::default(),
-            result: 0,
-            preview: [0; PREVIEW],
-            preview_len: 0,
-            consumed: 0,
-            breakpoint_armed: false,
-        }
-    }
-}
-
-/// Where a task is in its current rendezvous.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Phase {
-    Collect,
-    /// The leader executes an input/output/fd-creating call; followers are parked.
-    Leader {
-        nr: u64,
-        args: [u64; 6],
-        class: Class,
-    },
-    /// The leader executes a call that every replica then executes (wait4).
-    LeaderFirst {
-        nr: u64,
-        args: [u64; 6],
-    },
-    /// Followers execute after the leader.
-    Followers {
-        nr: u64,
-        args: [u64; 6],
-    },
-    /// Every replica executes the call at once.
-    All {
-        nr: u64,
-        args: [u64; 6],
-    },
-}
-
-pub struct Task {
-    pub(crate) id: TaskId,
-    pub(crate) process: ProcId,
-    /// Indexed by replica id.
-    pub(crate) slots: Vec<Option<Slot>>,
-    pub(crate) phase: Phase,
-    pub(crate) first_arrival: Option<Instant>,
-    /// Asynchronous signals waiting to be delivered at this task's next rendezvous.
-    pub(crate) pending: Vec<i32>,
-    /// Since when the first of `pending` has waited (see `catch_up.rs`).
-    pub(crate) pending_since: Option<Instant>,
-    /// Replicas being brought to a common state to take a signal (see `catch_up.rs`).
-    pub(crate) catch_up: Option<crate::catch_up::CatchUp>,
-    /// We interrupted the current execution to deliver a pending signal.
-    pub(crate) kicked: bool,
-    /// The leader's call that a signal interrupted, until the signal's delivery stop.
-    pub(crate) interrupted: Option<Interrupted>,
-    /// Signals the leader takes at the current call, for the followers when they are
-    /// released from it.
-    pub(crate) mirror: SigSet,
-    /// What the leader's own copy of each signal carried (sender, code, timer value,
-    /// child status), for the copies lockstep raises in every replica (see `signals.rs`).
-    pub(crate) leader_siginfo: Vec<(i32, libc::siginfo_t)>,
-    /// The logical child created by the clone/fork rendezvous in progress.
-    pub(crate) spawned: Option<TaskId>,
-    /// The logical thread id the program sees.
-    pub(crate) logical_tid: i32,
-    pub(crate) finished: bool,
-    /// Clock values, per clock id (see `clock.rs`).
-    pub(crate) clocks: HashMap<i32, crate::clock::Sequence>,
-    /// `--compare io`: results of inputs the leader ran ahead of the followers, in order.
-    pub(crate) inputs: std::collections::VecDeque<InputRecord>,
-    /// `--compare io`: number of inputs the leader has run so far (the next record's index).
-    pub(crate) produced: u64,
-    /// `--compare io`: bytes of results in `inputs`.
-    pub(crate) queued_bytes: u64,
-}
-
-/// The result of an input the leader ran without waiting for the followers.
-pub struct InputRecord {
-    pub(crate) index: u64,
-    pub(crate) nr: u64,
-    pub(crate) ret: i64,
-    pub(crate) outputs: crate::data::Outputs,
-}
-
-/// At most this many inputs may wait for slow followers; beyond it the leader waits too.
-pub const MAX_QUEUED_INPUTS: usize = 256;
-/// At most this many bytes of input results may wait for slow followers (per task).
-pub const MAX_QUEUED_INPUT_BYTES: u64 = 64 << 20;
-
-pub struct Process {
-    pub(crate) logical_pid: i32,
-    pub(crate) parent: Option<ProcId>,
-    pub(crate) tasks: Vec<TaskId>,
-    /// exit_group or a fatal signal is under way: deaths are expected.
-    pub(crate) exiting: bool,
-    /// Signals the program itself sent to this process (`kill`, `tgkill`, ...): a death
-    /// by one of them is the program's doing in every replica, not a fault.
-    pub(crate) sent_by_program: SigSet,
-    /// Shared file mappings: the leader's maps the file, each follower's is a private copy
-    /// (see `shared_map.rs`). Compared at msync, munmap, fsync and exit.
-    pub(crate) shared_maps: Vec<crate::shared_map::SharedMap>,
-}
+pub use crate::task::{
+    Arrival, Death, InputRecord, Phase, ProcId, Process, ReplicaId, Slot, SlotState, Task, TaskId, MAX_QUEUED_INPUTS,
+    MAX_QUEUED_INPUT_BYTES, PREVIEW,
+};
 
 /// One replica as its mechanism started it, stopped at its first intercepted syscall.
 pub struct Started {
@@ -604,7 +402,7 @@ impl Session {
             .map(|i| Box::new(i) as Box<dyn crate::injection::FaultHook>);
         let mut task = session.new_task(0, logical_pid);
         for (r, &m) in mains.iter().enumerate() {
-            task.slots[r] = Some(Slot::new(m, m, SlotState::Running));
+            task.place(r as ReplicaId, Slot::new(m, m, SlotState::Running));
             session.by_tid.insert(m, (0, r as ReplicaId));
         }
         session.tasks.push(task);
@@ -621,28 +419,7 @@ impl Session {
     }
 
     pub fn new_task(&self, process: ProcId, logical_tid: i32) -> Task {
-        let id = self.tasks.len();
-        Task {
-            id,
-            process,
-            slots: (0..self.replicas.ids()).map(|_| None).collect(),
-            phase: Phase::Collect,
-            first_arrival: None,
-            pending: Vec::new(),
-            pending_since: None,
-            catch_up: None,
-            kicked: false,
-            interrupted: None,
-            mirror: SigSet::default(),
-            leader_siginfo: Vec::new(),
-            spawned: None,
-            logical_tid,
-            finished: false,
-            clocks: HashMap::new(),
-            inputs: std::collections::VecDeque::new(),
-            produced: 0,
-            queued_bytes: 0,
-        }
+        Task::new(self.tasks.len(), process, logical_tid, self.replicas.ids())
     }
 
     /// Runs the event loop to the end and returns lockstep's exit status.
@@ -704,17 +481,12 @@ impl Session {
     /// Names the syscall during which the monitor itself failed, in an event and in the
     /// error lockstep exits with (125).
     fn internal_failure(&mut self, task: TaskId, r: ReplicaId, cause: Error) -> Error {
-        let nr = match self.tasks[task].phase {
+        let nr = match self.tasks[task].phase() {
             Phase::Leader { nr, .. }
             | Phase::LeaderFirst { nr, .. }
             | Phase::Followers { nr, .. }
             | Phase::All { nr, .. } => Some(nr),
-            Phase::Collect => match self.tasks[task]
-                .slots
-                .get(r as usize)
-                .and_then(|s| s.as_ref())
-                .and_then(|s| s.arrival)
-            {
+            Phase::Collect => match self.tasks[task].slot(r).and_then(|s| s.arrival()) {
                 Some(Arrival::Syscall { nr, .. }) => Some(nr),
                 _ => None,
             },
@@ -741,7 +513,7 @@ impl Session {
         self.processes
             .iter()
             .skip(1)
-            .filter(|p| !p.exiting && p.tasks.iter().any(|&t| !self.tasks[t].finished))
+            .filter(|p| !p.exiting && p.tasks.iter().any(|&t| !self.tasks[t].is_finished()))
             .count()
     }
 
@@ -810,16 +582,16 @@ impl Session {
         self.replicas
             .live()
             .into_iter()
-            .filter(|&r| t.slots.get(r as usize).is_some_and(|s| s.is_some()))
+            .filter(|&r| t.slot(r).is_some())
             .collect()
     }
 
     pub fn slot(&self, task: TaskId, r: ReplicaId) -> &Slot {
-        self.tasks[task].slots[r as usize].as_ref().expect("slot exists")
+        self.tasks[task].slot(r).expect("slot exists")
     }
 
     pub fn slot_mut(&mut self, task: TaskId, r: ReplicaId) -> &mut Slot {
-        self.tasks[task].slots[r as usize].as_mut().expect("slot exists")
+        self.tasks[task].slot_mut(r).expect("slot exists")
     }
 
     /// Resumes a slot; a thread that vanished meanwhile is not an error here (its death
@@ -827,12 +599,9 @@ impl Session {
     pub fn resume(&mut self, task: TaskId, r: ReplicaId, how: Resume, state: SlotState) {
         let leader = self.replicas.leader();
         let slot = self.slot_mut(task, r);
-        let arrival = slot.arrival;
-        slot.state = state;
-        if state != SlotState::Arrived {
-            slot.arrival = None;
-        }
-        let tid = slot.tid;
+        let arrival = slot.arrival();
+        slot.leave(state);
+        let tid = slot.tid();
         if let (Some(Arrival::Syscall { nr, args }), true) = (arrival, r != leader) {
             // Outputs run once, in the leader: a follower leaves one only skipped (or
             // rewritten into lockstep's own calls). One whose registers could not be set
@@ -857,7 +626,7 @@ impl Session {
             let at = self
                 .by_tid
                 .get(&tid)
-                .map(|&(t, r)| format!("task {t} replica {r} phase {:?}", self.tasks[t].phase));
+                .map(|&(t, r)| format!("task {t} replica {r} phase {:?}", self.tasks[t].phase()));
             eprintln!(
                 "lockstep debug: tid {tid} {stop:?} {}",
                 at.unwrap_or_else(|| "unknown".into())
@@ -907,9 +676,7 @@ impl Session {
                 Ok(())
             }
             Stop::Event(_) | Stop::EventStop(_) => {
-                if self.slot(task, r).state == SlotState::Starting {
-                    self.slot_mut(task, r).state = SlotState::Running;
-                }
+                self.slot_mut(task, r).started();
                 if task == 0 && matches!(stop, Stop::EventStop(_)) {
                     self.with_hook((), |hook, s| hook.at_event_stop(s, r));
                 }
@@ -945,32 +712,28 @@ impl Session {
     /// Resumes after an event stop the way the thread was running before.
     pub(crate) fn resume_same(&mut self, task: TaskId, r: ReplicaId) {
         let slot = self.slot(task, r);
-        let how = if slot.state == SlotState::Executing {
+        let how = if slot.state() == SlotState::Executing {
             Resume::ToExit
         } else {
             Resume::Run
         };
-        let _ = self.be.resume(slot.tid, how);
+        let _ = self.be.resume(slot.tid(), how);
     }
 
     fn on_seccomp(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let Ok(mut regs) = self.be.regs(tid) else {
             return Ok(());
         };
-        if self.slot(task, r).state == SlotState::Rerun {
-            self.slot_mut(task, r).state = SlotState::Executing;
+        if self.slot_mut(task, r).take_rerun() {
             let _ = self.be.resume(tid, Resume::ToExit);
             return Ok(());
         }
-        self.slot_mut(task, r).stops += 1;
-        // A signal sent to itself that was not delivered right after its call (it was
-        // blocked) is an ordinary signal from now on.
-        self.slot_mut(task, r).own_signals = SigSet::default();
+        self.slot_mut(task, r).count_stop();
         if r == self.replicas.leader() {
             // A call the kernel restarted without a delivery stop (another thread took the
             // signal): whatever interrupted it is over.
-            self.tasks[task].interrupted = None;
+            self.tasks[task].signals.clear_interrupted();
         }
         if task == 0 && ptrace::syscall_nr(&regs) == libc::SYS_exit_group as u64 {
             let cpu = Some(self.replica_cpu_now(r));
@@ -995,7 +758,7 @@ impl Session {
             // Only strict output checks stop calls made from the fast gate.
             return self.check_gate_output(task, r, nr, &args);
         }
-        let process = self.tasks[task].process;
+        let process = self.tasks[task].process();
         if self.processes[process].exiting && !self.slot(task, r).deliver.is_empty() {
             // This process is being killed by a signal we sent: do not park the thread at
             // a rendezvous; let it return so the signal is delivered.
@@ -1021,35 +784,30 @@ impl Session {
         }
         // Re-arrival during an all-replica phase: a replica whose call was interrupted
         // runs it again, unless nobody completed it, in which case all meet again.
-        if let Phase::All { .. } = self.tasks[task].phase {
+        if let Phase::All { .. } = self.tasks[task].phase() {
             let someone_done = self
                 .live_slots(task)
                 .iter()
-                .any(|&o| self.slot(task, o).state == SlotState::Done);
+                .any(|&o| self.slot(task, o).state() == SlotState::Done);
             let slot = self.slot_mut(task, r);
-            slot.regs = regs;
             if someone_done {
-                slot.state = SlotState::Executing;
+                slot.rejoin(regs);
                 let _ = self.be.resume(tid, Resume::ToExit);
                 return Ok(());
             }
-            slot.state = SlotState::Arrived;
-            slot.arrival = Some(Arrival::Syscall { nr, args });
+            slot.arrive(regs, Arrival::Syscall { nr, args });
             let all_back = self
                 .live_slots(task)
                 .iter()
-                .all(|&o| self.slot(task, o).state == SlotState::Arrived);
+                .all(|&o| self.slot(task, o).state() == SlotState::Arrived);
             if all_back {
-                self.tasks[task].phase = Phase::Collect;
+                self.tasks[task].recollect();
                 return self.try_decide(task);
             }
             return Ok(());
         }
-        let slot = self.slot_mut(task, r);
-        slot.regs = regs;
-        slot.state = SlotState::Arrived;
-        slot.arrival = Some(Arrival::Syscall { nr, args });
-        self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
+        self.slot_mut(task, r).arrive(regs, Arrival::Syscall { nr, args });
+        self.tasks[task].note_arrival();
         self.try_decide(task)
     }
 
@@ -1058,34 +816,26 @@ impl Session {
     /// becomes an ordinary arrival, and the next vote (which compares how many inputs each
     /// replica consumed) finds the divergence.
     fn consume_queued_input(&mut self, task: TaskId, r: ReplicaId, mut regs: Regs, nr: u64) -> Result<bool, Stopped> {
-        let consumed = self.slot(task, r).consumed;
-        let t = &self.tasks[task];
-        if consumed >= t.produced {
-            return Ok(false);
-        }
-        let Some(record) = t.inputs.iter().find(|rec| rec.index == consumed) else {
+        let consumed = self.slot(task, r).consumed();
+        let Some(record) = self.tasks[task].inputs.get(consumed) else {
             return Ok(false);
         };
         if record.nr != nr {
             return Ok(false);
         }
         let desc = lockstep_trace::syscalls::describe(nr).expect("recorded calls are in the table");
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let args = ptrace::syscall_args(&regs);
         if record.ret == -(libc::EFAULT as i64) {
             self.check_leader_efault(task, r, desc, &args)?;
         }
-        let record = self.tasks[task]
-            .inputs
-            .iter()
-            .find(|rec| rec.index == consumed)
-            .expect("found above");
+        let record = self.tasks[task].inputs.get(consumed).expect("found above");
         crate::data::apply_outputs(&self.be, tid, desc, &args, record.ret, &record.outputs);
         self.stats.bytes_copied += record.outputs.bytes();
         ptrace::skip_with_result(&mut regs, record.ret);
         let _ = self.be.set_regs(tid, &regs);
         let _ = self.be.resume(tid, Resume::Run);
-        self.slot_mut(task, r).consumed += 1;
+        self.slot_mut(task, r).consumed_input(consumed);
         self.trim_inputs(task);
         Ok(true)
     }
@@ -1095,22 +845,17 @@ impl Session {
         let min = self
             .live_slots(task)
             .iter()
-            .filter(|&&r| self.slot(task, r).state != SlotState::Dead)
-            .map(|&r| self.slot(task, r).consumed)
+            .filter(|&&r| !self.slot(task, r).is_dead())
+            .map(|&r| self.slot(task, r).consumed())
             .min()
             .unwrap_or(u64::MAX);
-        let t = &mut self.tasks[task];
-        while t.inputs.front().map(|rec| rec.index < min).unwrap_or(false) {
-            if let Some(rec) = t.inputs.pop_front() {
-                t.queued_bytes -= rec.outputs.bytes();
-            }
-        }
+        self.tasks[task].inputs.trim(min);
     }
 
     /// Answers a clock read at once from the task's sequence for that clock.
     fn answer_clock(&mut self, task: TaskId, r: ReplicaId, mut regs: Regs, nr: u64, args: [u64; 6], clock: i32) {
         let live = self.live_replicas();
-        let (tgid, tid) = (self.slot(task, r).tgid, self.slot(task, r).tid);
+        let (tgid, tid) = (self.slot(task, r).tgid(), self.slot(task, r).tid());
         let seq = self.tasks[task].clocks.entry(clock).or_default();
         let ts = seq.next(r, &live, || crate::clock::read(clock, tgid, tid));
         self.stats.clock_reads += 1;
@@ -1177,8 +922,8 @@ impl Session {
     pub(crate) fn replica_cpu_now(&self, r: ReplicaId) -> std::time::Duration {
         self.tasks
             .first()
-            .and_then(|t| t.slots[r as usize].as_ref())
-            .and_then(|slot| self.be.process_cpu(slot.tgid))
+            .and_then(|t| t.slot(r))
+            .and_then(|slot| self.be.process_cpu(slot.tgid()))
             .unwrap_or_default()
     }
 
@@ -1195,29 +940,26 @@ impl Session {
     }
 
     pub(crate) fn arrive(&mut self, task: TaskId, r: ReplicaId, regs: Regs, arrival: Arrival) -> Result<(), Stopped> {
-        let slot = self.slot_mut(task, r);
-        slot.regs = regs;
-        slot.state = SlotState::Arrived;
-        slot.arrival = Some(arrival);
-        self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
+        self.slot_mut(task, r).arrive(regs, arrival);
+        self.tasks[task].note_arrival();
         self.try_decide(task)
     }
 
     pub(crate) fn on_death(&mut self, task: TaskId, r: ReplicaId, death: Death) -> Result<(), Stopped> {
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         self.by_tid.remove(&tid);
-        let was_leader_executing = matches!(self.tasks[task].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. })
-            && r == self.replicas.leader();
-        let slot = self.slot_mut(task, r);
-        slot.state = SlotState::Dead;
-        slot.arrival = Some(Arrival::Died(death));
-        let process = self.tasks[task].process;
+        let was_leader_executing = matches!(
+            self.tasks[task].phase(),
+            Phase::Leader { .. } | Phase::LeaderFirst { .. }
+        ) && r == self.replicas.leader();
+        self.slot_mut(task, r).die(death);
+        let process = self.tasks[task].process();
         let expected = self.processes[process].exiting
             || matches!(death, Death::Killed(sig) if self.processes[process].sent_by_program.contains(sig));
         if was_leader_executing {
-            self.tasks[task].phase = Phase::Collect;
+            self.tasks[task].recollect();
         }
-        if let Phase::All { .. } | Phase::Followers { .. } = self.tasks[task].phase {
+        if let Phase::All { .. } | Phase::Followers { .. } = self.tasks[task].phase() {
             // The others finish their part; this replica's death is judged at the next vote.
             return self.maybe_complete_all(task);
         }
@@ -1230,18 +972,18 @@ impl Session {
             );
             return self.replica_failed(task, r, "divergence", msg);
         }
-        self.tasks[task].first_arrival.get_or_insert_with(Instant::now);
+        self.tasks[task].note_arrival();
         self.try_decide(task)
     }
 
     fn on_clone_event(&mut self, task: TaskId, r: ReplicaId, event: i32) -> Result<(), Stopped> {
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let child = self.be.event_msg(tid).map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
         let thread = event == libc::PTRACE_EVENT_CLONE && self.clone_is_thread(task);
-        let child_task = match self.tasks[task].spawned {
+        let child_task = match self.tasks[task].spawned() {
             Some(t) => t,
             None => {
-                let parent_process = self.tasks[task].process;
+                let parent_process = self.tasks[task].process();
                 let process = if thread {
                     parent_process
                 } else {
@@ -1257,22 +999,21 @@ impl Session {
                     self.processes.len() - 1
                 };
                 let t = self.new_task(process, 0);
-                let id = t.id;
+                let id = t.id();
                 self.tasks.push(t);
                 self.processes[process].tasks.push(id);
-                self.tasks[task].spawned = Some(id);
+                self.tasks[task].set_spawned(Some(id));
                 id
             }
         };
-        let tgid = if thread { self.slot(task, r).tgid } else { child };
+        let tgid = if thread { self.slot(task, r).tgid() } else { child };
         let state = if self.early_stops.remove(&child) {
             SlotState::Running
         } else {
             SlotState::Starting
         };
-        let mut slot = Slot::new(child, tgid, state);
-        slot.signature = self.slot(task, r).signature;
-        self.tasks[child_task].slots[r as usize] = Some(slot);
+        let slot = Slot::child_of(self.slot(task, r), child, tgid, state);
+        self.tasks[child_task].place(r, slot);
         self.by_tid.insert(child, (child_task, r));
         if state == SlotState::Running {
             let _ = self.be.resume(child, Resume::Run);
@@ -1281,10 +1022,10 @@ impl Session {
     }
 
     fn clone_is_thread(&self, task: TaskId) -> bool {
-        match self.tasks[task].phase {
+        match self.tasks[task].phase() {
             Phase::All { nr, args } if nr == libc::SYS_clone as u64 => args[0] & libc::CLONE_THREAD as u64 != 0,
             Phase::All { nr, args } if nr == libc::SYS_clone3 as u64 => {
-                let leader = self.slot(task, self.replicas.leader()).tid;
+                let leader = self.slot(task, self.replicas.leader()).tid();
                 let mut flags = [0u8; 8];
                 self.be.read(leader, args[0], &mut flags).is_ok()
                     && u64::from_le_bytes(flags) & libc::CLONE_THREAD as u64 != 0
@@ -1295,13 +1036,13 @@ impl Session {
 
     fn on_exec_event(&mut self, task: TaskId, r: ReplicaId) {
         // A multi-threaded exec: the execing thread takes over the thread-group id.
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let former = self.be.event_msg(tid).unwrap_or(tid as u64) as Tid;
         if former != tid {
             if let Some((t, rr)) = self.by_tid.remove(&former) {
                 debug_assert_eq!(rr, r);
                 self.by_tid.insert(tid, (t, r));
-                self.slot_mut(t, r).tid = tid;
+                self.slot_mut(t, r).took_over(tid);
             }
         }
     }
@@ -1316,23 +1057,19 @@ impl Session {
             // a call every replica runs (a follower's wait4 for a child that never exits).
             // The leader alone in the kernel (Leader, LeaderFirst) is the program waiting,
             // not a straggler.
-            let collecting = t.phase == Phase::Collect;
-            let finishing = matches!(t.phase, Phase::All { .. } | Phase::Followers { .. });
-            if t.finished || !(collecting || finishing) {
+            let collecting = t.phase() == Phase::Collect;
+            let finishing = matches!(t.phase(), Phase::All { .. } | Phase::Followers { .. });
+            if t.is_finished() || !(collecting || finishing) {
                 continue;
             }
-            let Some(first) = t.first_arrival else {
+            let Some(first) = t.waiting_since() else {
                 continue;
             };
             let waited = now.duration_since(first);
             // A replica that came with a fault while every other one waits for it in the
             // fast path's ring is judged at once (below): those ran the same code up to
             // their call without the fault, so it cannot be the program's own.
-            let fault_came = collecting
-                && t.slots
-                    .iter()
-                    .flatten()
-                    .any(|s| matches!(s.arrival, Some(Arrival::Fault { .. })));
+            let fault_came = collecting && t.slots().any(|s| matches!(s.arrival(), Some(Arrival::Fault { .. })));
             if waited < self.opts.timeout && !fault_came {
                 continue;
             }
@@ -1343,9 +1080,9 @@ impl Session {
                 .filter(|&r| {
                     let slot = self.slot(task, r);
                     if collecting {
-                        slot.arrival.is_none()
+                        slot.arrival().is_none()
                     } else {
-                        !matches!(slot.state, SlotState::Done | SlotState::Dead)
+                        !matches!(slot.state(), SlotState::Done | SlotState::Dead)
                     }
                 })
                 .collect();
@@ -1428,8 +1165,8 @@ impl Session {
         self.vote_out(r, format!("replica {r} failed"))?;
         // Its slots no longer count: rendezvous that waited only for it can go on.
         for t in 0..self.tasks.len() {
-            if !self.tasks[t].finished {
-                if self.tasks[t].phase == Phase::Collect {
+            if !self.tasks[t].is_finished() {
+                if self.tasks[t].phase() == Phase::Collect {
                     self.try_decide(t)?;
                 } else {
                     self.maybe_complete_all(t)?;
@@ -1467,9 +1204,9 @@ impl Session {
         self.fast_off();
         let removal = self.replicas.remove(r);
         for t in &self.tasks {
-            if let Some(Some(s)) = t.slots.get(r as usize) {
-                if s.state != SlotState::Dead {
-                    self.be.kill(s.tid);
+            if let Some(s) = t.slot(r) {
+                if !s.is_dead() {
+                    self.be.kill(s.tid());
                 }
             }
         }
@@ -1482,11 +1219,11 @@ impl Session {
         );
         // Every other task may have been waiting on the voted-out replica.
         for t in 0..self.tasks.len() {
-            if !self.tasks[t].finished {
-                if was_leader && matches!(self.tasks[t].phase, Phase::Leader { .. } | Phase::LeaderFirst { .. }) {
+            if !self.tasks[t].is_finished() {
+                if was_leader && matches!(self.tasks[t].phase(), Phase::Leader { .. } | Phase::LeaderFirst { .. }) {
                     // The dead leader was executing this call: the new one runs it again.
-                    self.tasks[t].phase = Phase::Collect;
-                    self.tasks[t].interrupted = None;
+                    self.tasks[t].recollect();
+                    self.tasks[t].signals.clear_interrupted();
                 }
                 self.unsettled.push(t);
             }
@@ -1503,14 +1240,10 @@ impl Session {
             self.leader_replaced_for_maps();
             // The faulty leader may have run inputs ahead that the others have not consumed:
             // those inputs were taken from the outside world and cannot be replayed.
-            let lost = self.tasks.iter().any(|t| {
-                !t.finished
-                    && t.slots
-                        .get(new as usize)
-                        .and_then(|s| s.as_ref())
-                        .map(|s| s.consumed < t.produced)
-                        .unwrap_or(false)
-            });
+            let lost = self
+                .tasks
+                .iter()
+                .any(|t| !t.is_finished() && t.slot(new).is_some_and(|s| s.consumed() < t.inputs.produced()));
             if lost {
                 return Err(self.halt("the faulty leader had run inputs ahead of the other replicas".into()));
             }
@@ -1525,7 +1258,7 @@ impl Session {
     /// calls its dead leader was executing run again with the new leader.
     fn settle_after_vote_out(&mut self) -> Result<(), Stopped> {
         while let Some(t) = self.unsettled.pop() {
-            match self.tasks[t].phase {
+            match self.tasks[t].phase() {
                 Phase::All { .. } | Phase::Followers { .. } => self.maybe_complete_all(t)?,
                 Phase::Collect => self.try_decide(t)?,
                 Phase::Leader { .. } | Phase::LeaderFirst { .. } => {}

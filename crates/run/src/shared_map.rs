@@ -62,7 +62,7 @@ fn page_up(n: u64) -> u64 {
 impl Session {
     /// Whether `munmap(args[0], args[1])` in `task`'s process removes a shared file mapping.
     pub(crate) fn unmaps_shared(&self, task: TaskId, args: &[u64; 6]) -> bool {
-        let p = self.tasks[task].process;
+        let p = self.tasks[task].process();
         self.processes[p]
             .shared_maps
             .iter()
@@ -73,7 +73,7 @@ impl Session {
     /// call `nr(args)` concerns (those in the range of `msync`/`munmap`; all of them at
     /// `fsync`, `fdatasync` and `exit_group`); `None` when it concerns none.
     pub(crate) fn shared_maps_crc(&self, task: TaskId, r: ReplicaId, nr: u64, args: &[u64; 6]) -> Option<u32> {
-        let p = self.tasks[task].process;
+        let p = self.tasks[task].process();
         let maps = &self.processes[p].shared_maps;
         if maps.is_empty() {
             return None;
@@ -85,7 +85,7 @@ impl Session {
         if !ranged && !everything {
             return None;
         }
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let mut crc = 0u32;
         let mut any = false;
         for m in maps.iter().filter(|m| everything || m.overlaps(args[0], args[1])) {
@@ -104,7 +104,7 @@ impl Session {
     /// address with the leader's current contents.
     pub(crate) fn finish_shared_map(&mut self, task: TaskId, args: [u64; 6], ret: i64) -> Result<(), Stopped> {
         let leader = self.replicas.leader();
-        let (ltid, ltgid) = (self.slot(task, leader).tid, self.slot(task, leader).tgid);
+        let (ltid, ltgid) = (self.slot(task, leader).tid(), self.slot(task, leader).tgid());
         let len = page_up(args[1]);
         let mut copy = None;
         if ret >= 0 {
@@ -132,7 +132,7 @@ impl Session {
             let pidfd = lockstep_trace::seccomp::pidfd_open(ltgid).map_err(|e| Error::Io("pidfd_open", e))?;
             let file = lockstep_trace::seccomp::pidfd_getfd(&pidfd, args[4] as i32)
                 .map_err(|e| Error::Io("pidfd_getfd", e))?;
-            let p = self.tasks[task].process;
+            let p = self.tasks[task].process();
             self.processes[p].shared_maps.push(SharedMap {
                 addr,
                 len,
@@ -144,11 +144,11 @@ impl Session {
             copy = Some(Rc::new(bytes));
         }
         for f in self.live_slots(task) {
-            if f == leader || self.slot(task, f).state != SlotState::Arrived {
+            if f == leader || self.slot(task, f).state() != SlotState::Arrived {
                 continue;
             }
-            let ftid = self.slot(task, f).tid;
-            let mut regs = self.slot(task, f).regs;
+            let ftid = self.slot(task, f).tid();
+            let mut regs = self.slot(task, f).regs();
             let Some(bytes) = copy.clone() else {
                 lockstep_trace::ptrace::skip_with_result(&mut regs, ret);
                 let _ = self.be.set_regs(ftid, &regs);
@@ -165,7 +165,7 @@ impl Session {
             self.slot_mut(task, f).stand_in = Some(StandIn {
                 restore: None,
                 ret,
-                signals: self.tasks[task].mirror,
+                signals: self.tasks[task].signals.mirror(),
                 copy: Some(MapCopy {
                     addr: ret as u64,
                     bytes,
@@ -173,8 +173,8 @@ impl Session {
             });
             self.resume(task, f, Resume::ToExit, SlotState::Executing);
         }
-        self.tasks[task].phase = crate::session::Phase::Collect;
-        self.tasks[task].mirror = Default::default();
+        self.tasks[task].recollect();
+        self.tasks[task].signals.take_mirror();
         self.resume(task, leader, Resume::Run, SlotState::Running);
         Ok(())
     }
@@ -195,7 +195,7 @@ impl Session {
             );
             return self.replica_failed(task, f, "divergence", msg);
         }
-        let tid = self.slot(task, f).tid;
+        let tid = self.slot(task, f).tid();
         if !copy.bytes.is_empty() && self.be.write(tid, copy.addr, &copy.bytes).is_err() {
             let msg = format!("could not copy the leader's shared mapping into replica {f}");
             return self.replica_failed(task, f, "divergence", msg);
@@ -217,7 +217,7 @@ impl Session {
     /// The replicas agreed at `nr(args)` of `task`: write the leader's copies that this call
     /// concerns back into their files (only where the leader's mapping is a private copy).
     pub(crate) fn agreed_on_maps(&mut self, task: TaskId, nr: u64, args: &[u64; 6]) {
-        let p = self.tasks[task].process;
+        let p = self.tasks[task].process();
         if self.processes[p].shared_maps.iter().any(|m| m.leader_private)
             && self.shared_maps_crc(task, self.replicas.leader(), nr, args).is_some()
         {
@@ -230,11 +230,11 @@ impl Session {
     /// or all) into their files.
     fn write_back(&mut self, p: usize, range: Option<(u64, u64)>) {
         use std::os::fd::AsRawFd;
-        let leader = self.replicas.leader() as usize;
+        let leader = self.replicas.leader();
         let Some(tid) = self.processes[p].tasks.iter().find_map(|&t| {
             let task = &self.tasks[t];
-            (!task.finished)
-                .then(|| task.slots.get(leader).and_then(|s| s.as_ref()).map(|s| s.tid))
+            (!task.is_finished())
+                .then(|| task.slot(leader).map(|s| s.tid()))
                 .flatten()
         }) else {
             return;
@@ -253,7 +253,7 @@ impl Session {
 
     /// After a `munmap` every replica ran: the shared mappings in its range are gone.
     pub(crate) fn forget_unmapped(&mut self, task: TaskId, args: &[u64; 6]) {
-        let p = self.tasks[task].process;
+        let p = self.tasks[task].process();
         self.processes[p].shared_maps.retain(|m| !m.overlaps(args[0], args[1]));
     }
 }

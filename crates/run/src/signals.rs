@@ -69,6 +69,80 @@ pub struct Interrupted {
     pub regs: Regs,
 }
 
+/// What a task knows about asynchronous signals on their way to it.
+#[derive(Default)]
+pub struct TaskSignals {
+    /// Signals waiting to be delivered at this task's next rendezvous.
+    pending: Vec<i32>,
+    /// Since when the first of `pending` has waited (see `catch_up.rs`).
+    pending_since: Option<std::time::Instant>,
+    /// We interrupted the current execution to deliver a pending signal.
+    kicked: bool,
+    /// The leader's call that a signal interrupted, until the signal's delivery stop.
+    interrupted: Option<Interrupted>,
+    /// Signals the leader takes at the current call, for the followers when they are
+    /// released from it.
+    mirror: SigSet,
+    /// What the leader's own copy of each signal carried (sender, code, timer value,
+    /// child status), for the copies lockstep raises in every replica.
+    leader_siginfo: Vec<(i32, libc::siginfo_t)>,
+}
+
+impl TaskSignals {
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// The oldest pending signal.
+    pub fn first_pending(&self) -> Option<i32> {
+        self.pending.first().copied()
+    }
+
+    /// Where `sig` is in the pending queue.
+    pub fn pending_index(&self, sig: i32) -> Option<usize> {
+        self.pending.iter().position(|&s| s == sig)
+    }
+
+    /// Since when the oldest pending signal has waited.
+    pub fn pending_since(&self) -> Option<std::time::Instant> {
+        self.pending_since
+    }
+
+    /// A catch-up gave up: the pending signals wait afresh.
+    pub fn restart_wait(&mut self) {
+        self.pending_since = Some(std::time::Instant::now());
+    }
+
+    /// Whether lockstep interrupted the current execution to deliver a signal.
+    pub fn kicked(&self) -> bool {
+        self.kicked
+    }
+
+    pub fn clear_kick(&mut self) {
+        self.kicked = false;
+    }
+
+    /// A signal interrupted the leader's call `it.nr`.
+    pub fn interrupt(&mut self, it: Interrupted) {
+        self.interrupted = Some(it);
+    }
+
+    /// Whatever interrupted the leader's call is over.
+    pub fn clear_interrupted(&mut self) {
+        self.interrupted = None;
+    }
+
+    /// Signals the leader takes at the current call.
+    pub fn mirror(&self) -> SigSet {
+        self.mirror
+    }
+
+    /// The current call is over: its mirrored signals were handed out.
+    pub fn take_mirror(&mut self) -> SigSet {
+        std::mem::take(&mut self.mirror)
+    }
+}
+
 /// What a follower does at the exit of the call it was given in place of its own.
 pub struct StandIn {
     /// Registers to put back (its own call's entry state) with `rax` = `ret`.
@@ -101,7 +175,7 @@ pub(crate) enum SignalFate {
 impl Session {
     /// A signal-delivery stop of replica `r`'s thread of `task`.
     pub(crate) fn on_signal(&mut self, task: TaskId, r: ReplicaId, sig: i32) -> Result<(), Stopped> {
-        let tid = self.slot(task, r).tid;
+        let tid = self.slot(task, r).tid();
         let info = self.be.siginfo(tid).ok();
         if sig == libc::SIGSYS && info.is_some_and(|i| i.si_code == SYS_USER_DISPATCH) {
             // The replica's in-process interception found a syscall site (fast path,
@@ -115,17 +189,22 @@ impl Session {
                 self.remember_leader_siginfo(task, sig, native);
             }
         }
-        if r == self.replicas.leader() && self.tasks[task].interrupted.is_some() {
+        if r == self.replicas.leader() && self.tasks[task].signals.interrupted.is_some() {
             let sent = self.slot(task, r).deliver.contains(sig);
-            let nr = self.tasks[task].interrupted.as_ref().map(|i| i.nr).unwrap_or(u64::MAX);
-            let tgid = self.slot(task, r).tgid;
+            let nr = self.tasks[task]
+                .signals
+                .interrupted
+                .as_ref()
+                .map(|i| i.nr)
+                .unwrap_or(u64::MAX);
+            let tgid = self.slot(task, r).tgid();
             if (sent || self.disposition(tgid, sig) == SignalFate::Handled) && self.followers_parked_at(task, nr) {
                 self.slot_mut(task, r).deliver.take(sig);
                 return self.deliver_interrupted(task, sig);
             }
             // Not deliverable as an interruption: the leader, already rewound, runs its
             // call again and the signal waits for the next rendezvous like any other.
-            self.tasks[task].interrupted = None;
+            self.tasks[task].signals.interrupted = None;
             if self.slot_mut(task, r).deliver.take(sig) {
                 self.async_signal(task, sig);
                 self.resume_same(task, r);
@@ -136,7 +215,7 @@ impl Session {
         // (`kill_process`): whatever stops this thread now (its own copy of the signal,
         // suppressed before the kill began, or the SIGSEGV the kernel forces on an exec
         // that such a signal interrupted), it dies by that signal, as the others do.
-        let process = self.tasks[task].process;
+        let process = self.tasks[task].process();
         if self.processes[process].exiting && !self.slot(task, r).deliver.contains(sig) {
             if let Some(fatal) = self.slot(task, r).deliver.iter().next() {
                 self.slot_mut(task, r).deliver.take(fatal);
@@ -192,7 +271,7 @@ impl Session {
     }
 
     fn remember_leader_siginfo(&mut self, task: TaskId, sig: i32, info: libc::siginfo_t) {
-        let kept = &mut self.tasks[task].leader_siginfo;
+        let kept = &mut self.tasks[task].signals.leader_siginfo;
         match kept.iter_mut().find(|(s, _)| *s == sig) {
             Some(entry) => entry.1 = info,
             None => kept.push((sig, info)),
@@ -200,11 +279,12 @@ impl Session {
     }
 
     fn forget_leader_siginfo(&mut self, task: TaskId, sig: i32) {
-        self.tasks[task].leader_siginfo.retain(|(s, _)| *s != sig);
+        self.tasks[task].signals.leader_siginfo.retain(|(s, _)| *s != sig);
     }
 
     fn leader_siginfo(&self, task: TaskId, sig: i32) -> Option<libc::siginfo_t> {
         self.tasks[task]
+            .signals
             .leader_siginfo
             .iter()
             .find(|(s, _)| *s == sig)
@@ -240,15 +320,16 @@ impl Session {
 
     /// An asynchronous signal for `task` (its leader copy, or forwarded by lockstep).
     pub(crate) fn async_signal(&mut self, task: TaskId, sig: i32) {
-        let tgid = self.slot(task, self.replicas.leader()).tgid;
+        let tgid = self.slot(task, self.replicas.leader()).tgid();
         match self.disposition(tgid, sig) {
             SignalFate::Ignored => {}
-            SignalFate::Fatal => self.kill_process(self.tasks[task].process, sig),
+            SignalFate::Fatal => self.kill_process(self.tasks[task].process(), sig),
             SignalFate::Handled => {
-                if !self.tasks[task].pending.contains(&sig) {
-                    self.tasks[task].pending.push(sig);
+                if !self.tasks[task].signals.pending.contains(&sig) {
+                    self.tasks[task].signals.pending.push(sig);
                 }
                 self.tasks[task]
+                    .signals
                     .pending_since
                     .get_or_insert_with(std::time::Instant::now);
                 self.kick(task);
@@ -259,14 +340,14 @@ impl Session {
     /// Removes the `i`th pending signal of `task`; the next one, if any, waits from now.
     pub(crate) fn take_pending(&mut self, task: TaskId, i: usize) -> i32 {
         let t = &mut self.tasks[task];
-        let sig = t.pending.remove(i);
-        t.pending_since = (!t.pending.is_empty()).then(std::time::Instant::now);
+        let sig = t.signals.pending.remove(i);
+        t.signals.pending_since = (!t.signals.pending.is_empty()).then(std::time::Instant::now);
         sig
     }
 
     /// Interrupts a task that is blocked in a syscall so a pending signal can be delivered.
     fn kick(&mut self, task: TaskId) {
-        let (nr, leader_only) = match self.tasks[task].phase {
+        let (nr, leader_only) = match self.tasks[task].phase() {
             Phase::Leader { nr, .. } | Phase::LeaderFirst { nr, .. } => (nr, true),
             Phase::All { nr, .. } => (nr, false),
             _ => {
@@ -280,10 +361,10 @@ impl Session {
         {
             return;
         }
-        self.tasks[task].kicked = true;
+        self.tasks[task].signals.kicked = true;
         for r in self.live_slots(task) {
-            if (!leader_only || r == self.replicas.leader()) && self.slot(task, r).state == SlotState::Executing {
-                let _ = self.be.interrupt(self.slot(task, r).tid);
+            if (!leader_only || r == self.replicas.leader()) && self.slot(task, r).state() == SlotState::Executing {
+                let _ = self.be.interrupt(self.slot(task, r).tid());
             }
         }
     }
@@ -302,15 +383,15 @@ impl Session {
         for t in tasks {
             for r in self.live_slots(t) {
                 let slot = self.slot(t, r);
-                if slot.state == SlotState::Dead {
+                if slot.state() == SlotState::Dead {
                     continue;
                 }
-                let (tgid, tid, state) = (slot.tgid, slot.tid, slot.state);
+                let (tgid, tid, state) = (slot.tgid(), slot.tid(), slot.state());
                 self.slot_mut(t, r).deliver.add(sig);
                 let _ = self.be.signal_thread(tgid, tid, sig);
                 if matches!(state, SlotState::Arrived | SlotState::Done) {
                     // Parked: let it return (EINTR) so the signal is delivered.
-                    let mut regs = self.slot(t, r).regs;
+                    let mut regs = self.slot(t, r).regs();
                     if state == SlotState::Arrived {
                         ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
                         let _ = self.be.set_regs(tid, &regs);
@@ -318,7 +399,7 @@ impl Session {
                     self.resume(t, r, Resume::Run, SlotState::Running);
                 }
             }
-            self.tasks[t].phase = Phase::Collect;
+            self.tasks[t].recollect();
         }
     }
 
@@ -337,13 +418,9 @@ impl Session {
                 if self.processes[p].exiting {
                     continue;
                 }
-                let leader = self.replicas.leader() as usize;
+                let leader = self.replicas.leader();
                 let target = self.processes[p].tasks.iter().copied().find(|&t| {
-                    !self.tasks[t].finished
-                        && self.tasks[t].slots[leader]
-                            .as_ref()
-                            .map(|s| s.state != SlotState::Dead)
-                            .unwrap_or(false)
+                    !self.tasks[t].is_finished() && self.tasks[t].slot(leader).is_some_and(|s| !s.is_dead())
                 });
                 if let Some(t) = target {
                     // It comes from outside, the same in every replica: no leader's copy
@@ -375,17 +452,17 @@ impl Session {
         // A signal to itself reaches each replica right after this very call, at the same
         // point in all of them: each replica's own copy is let through there, as natively
         // (a handler runs before the next instruction, `raise` works).
-        let me = self.processes[self.tasks[task].process].logical_pid;
+        let me = self.processes[self.tasks[task].process()].logical_pid;
         let to_self = match nr as i64 {
-            libc::SYS_tkill => args[0] as i32 == self.tasks[task].logical_tid,
-            libc::SYS_tgkill | libc::SYS_rt_tgsigqueueinfo => args[1] as i32 == self.tasks[task].logical_tid,
+            libc::SYS_tkill => args[0] as i32 == self.tasks[task].logical_tid(),
+            libc::SYS_tgkill | libc::SYS_rt_tgsigqueueinfo => args[1] as i32 == self.tasks[task].logical_tid(),
             _ => matches!(target, Some(pid) if pid == me || pid <= 0),
         };
         if to_self {
             for r in self.live_slots(task) {
                 // Blocked, it stays pending in every replica and is delivered where the
                 // program unblocks it (the same point everywhere): let it through then.
-                if signal_blocked(&self.be, self.slot(task, r).tid, sig) {
+                if signal_blocked(&self.be, self.slot(task, r).tid(), sig) {
                     self.slot_mut(task, r).deliver.add(sig);
                 } else {
                     self.slot_mut(task, r).own_signals.add(sig);
@@ -408,19 +485,19 @@ impl Session {
 
     /// The logical pid of the process that has logical thread `tid`.
     fn process_of_tid(&self, tid: i32) -> Option<i32> {
-        let task = self.tasks.iter().find(|t| t.logical_tid == tid && !t.finished)?;
-        Some(self.processes[task.process].logical_pid)
+        let task = self.tasks.iter().find(|t| t.logical_tid() == tid && !t.is_finished())?;
+        Some(self.processes[task.process()].logical_pid)
     }
 
     /// The logical pid a pidfd of the leader's refers to: from its fdinfo for a pidfd, or
     /// from its path for a `/proc/<pid>` directory (each replica's own /proc shows the
     /// program's pids).
     fn pidfd_target(&self, task: TaskId, fd: i32) -> Option<i32> {
-        let leader_tgid = self.slot(task, self.replicas.leader()).tgid;
+        let leader_tgid = self.slot(task, self.replicas.leader()).tgid();
         let info = self.be.proc_read(leader_tgid, &format!("fdinfo/{fd}")).ok()?;
         if let Some(real) = info.lines().find_map(|l| l.strip_prefix("Pid:")) {
             let &(task, _) = self.by_tid.get(&real.trim().parse().ok()?)?;
-            return Some(self.processes[self.tasks[task].process].logical_pid);
+            return Some(self.processes[self.tasks[task].process()].logical_pid);
         }
         let path = self.be.proc_link(leader_tgid, &format!("fd/{fd}")).ok()?;
         path.to_str()?.strip_prefix("/proc/")?.parse().ok()
@@ -448,7 +525,7 @@ impl Session {
             return Ok(());
         }
         self.stats.signals_delivered += 1;
-        self.tasks[task].kicked = false;
+        self.tasks[task].signals.kicked = false;
         if self.debug {
             eprintln!(
                 "lockstep debug: signal {sig} pending in task {task} during {}",
@@ -457,20 +534,20 @@ impl Session {
         }
         let leader = self.replicas.leader();
         self.raise(task, leader, sig);
-        self.tasks[task].mirror.add(sig);
+        self.tasks[task].signals.mirror.add(sig);
         self.execute(task, nr, args)
     }
 
     /// Sends `sig` to replica `r`'s thread of `task` and lets it through at delivery.
     pub(crate) fn raise(&mut self, task: TaskId, r: ReplicaId, sig: i32) {
-        let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
+        let (tid, tgid) = (self.slot(task, r).tid(), self.slot(task, r).tgid());
         self.slot_mut(task, r).deliver.add(sig);
         let _ = self.be.signal_thread(tgid, tid, sig);
     }
 
     /// The signals the leader took at this call, for a follower being released from it.
     pub(crate) fn raise_mirrored(&mut self, task: TaskId, f: ReplicaId) {
-        let mirror = self.tasks[task].mirror;
+        let mirror = self.tasks[task].signals.mirror;
         for sig in mirror.iter() {
             self.raise(task, f, sig);
         }
@@ -479,15 +556,15 @@ impl Session {
     /// Whether every live follower is parked at the entry of the call `nr` that the leader
     /// ran (with `--compare io`: at that very input, not behind it).
     pub(crate) fn followers_parked_at(&self, task: TaskId, nr: u64) -> bool {
-        let produced = self.tasks[task].produced;
+        let produced = self.tasks[task].inputs.produced();
         let io = self.opts.compare == CompareMode::Io;
         self.live_slots(task).iter().all(|&f| {
             let s = self.slot(task, f);
             f == self.replicas.leader()
-                || s.state == SlotState::Dead
-                || (s.state == SlotState::Arrived
-                    && matches!(s.arrival, Some(Arrival::Syscall { nr: n, .. }) if n == nr)
-                    && (!io || s.consumed == produced))
+                || s.state() == SlotState::Dead
+                || (s.state() == SlotState::Arrived
+                    && matches!(s.arrival(), Some(Arrival::Syscall { nr: n, .. }) if n == nr)
+                    && (!io || s.consumed() == produced))
         })
     }
 
@@ -498,11 +575,15 @@ impl Session {
     /// at its exit the follower's registers are put back with the leader's restart code,
     /// so the kernel ends or restarts the call as it does in the leader.
     fn deliver_interrupted(&mut self, task: TaskId, sig: i32) -> Result<(), Stopped> {
-        let it = self.tasks[task].interrupted.take().expect("an interrupted call");
+        let it = self.tasks[task]
+            .signals
+            .interrupted
+            .take()
+            .expect("an interrupted call");
         self.stats.signals_delivered += 1;
         let ret = it.regs.rax as i64;
         let leader = self.replicas.leader();
-        let ltid = self.slot(task, leader).tid;
+        let ltid = self.slot(task, leader).tid();
         let lead_args = ptrace::syscall_args(&it.regs);
         if self.debug {
             eprintln!(
@@ -510,14 +591,14 @@ impl Session {
                 syscalls::name(it.nr)
             );
         }
-        let mut signals = std::mem::take(&mut self.tasks[task].mirror);
+        let mut signals = std::mem::take(&mut self.tasks[task].signals.mirror);
         signals.add(sig);
         for f in self.live_slots(task) {
-            if f == leader || self.slot(task, f).state != SlotState::Arrived {
+            if f == leader || self.slot(task, f).state() != SlotState::Arrived {
                 continue;
             }
-            let entry = self.slot(task, f).regs;
-            let ftid = self.slot(task, f).tid;
+            let entry = self.slot(task, f).regs();
+            let ftid = self.slot(task, f).tid();
             let fargs = ptrace::syscall_args(&entry);
             copy_time_left(&self.be, ltid, ftid, it.nr, &lead_args, &fargs);
             for s in signals.iter() {
@@ -544,7 +625,7 @@ impl Session {
     /// A follower reached the exit of the call it ran in place of its own (see
     /// `deliver_interrupted`, and descriptor installs that carry signals).
     pub(crate) fn finish_stand_in(&mut self, task: TaskId, f: ReplicaId, s: StandIn) -> Result<(), Stopped> {
-        let tid = self.slot(task, f).tid;
+        let tid = self.slot(task, f).tid();
         if let Some(mut regs) = s.restore {
             regs.rax = s.ret as u64;
             let _ = self.be.set_regs(tid, &regs);
@@ -567,7 +648,7 @@ impl Session {
     /// call is skipped and rewound, so it runs again once the handler returns.
     fn deliver_before(&mut self, task: TaskId, nr: u64, sig: i32) {
         self.stats.signals_delivered += 1;
-        self.tasks[task].kicked = false;
+        self.tasks[task].signals.kicked = false;
         if self.debug {
             eprintln!(
                 "lockstep debug: delivering signal {sig} to task {task} before {}",
@@ -575,9 +656,9 @@ impl Session {
             );
         }
         for r in self.live_slots(task) {
-            let mut regs = self.slot(task, r).regs;
+            let mut regs = self.slot(task, r).regs();
             ptrace::rewind_to_syscall(&mut regs, nr);
-            let (tid, tgid) = (self.slot(task, r).tid, self.slot(task, r).tgid);
+            let (tid, tgid) = (self.slot(task, r).tid(), self.slot(task, r).tgid());
             let _ = self.be.set_regs(tid, &regs);
             self.slot_mut(task, r).deliver.add(sig);
             let _ = self.be.signal_thread(tgid, tid, sig);
