@@ -81,12 +81,12 @@ impl Injector {
     /// The hook for what the options and the environment ask for; None when nothing is.
     pub fn asked_for(s: &Session) -> Result<Option<Injector>, Error> {
         let fault = Self::read_replica_fault(s)?;
-        if fault.is_none() && s.opts.flips.is_empty() {
+        if fault.is_none() && s.options().flips.is_empty() {
             return Ok(None);
         }
         let injector = Injector {
-            flips: s.opts.flips.clone(),
-            fired: vec![false; s.opts.flips.len()],
+            flips: s.options().flips.clone(),
+            fired: vec![false; s.options().flips.len()],
             record: fault.as_ref().map(|f| f.0.record.clone()),
             fault,
             stepping: None,
@@ -105,7 +105,7 @@ impl Injector {
         };
         let fault: ReplicaFault = serde_json::from_str(&json.to_string_lossy())
             .map_err(|e| Error::Usage(format!("bad {REPLICA_FAULT_ENV}: {e}")))?;
-        let n = s.opts.replicas as u64;
+        let n = s.options().replicas as u64;
         let mut rng = Rng::new(fault.seed ^ 0x5245_504c);
         let replica = match fault.replica {
             ReplicaChoice::Leader => 0,
@@ -133,10 +133,9 @@ impl Injector {
             fault.interrupted = true;
         }
         set_tick(TICK);
-        let alive = s.replicas.is_alive(r);
+        let alive = s.replicas().is_alive(r);
         let Some((tid, state)) = s
-            .tasks
-            .first()
+            .main_task()
             .and_then(|t| t.slot(r))
             .map(|slot| (slot.tid(), slot.state()))
         else {
@@ -148,8 +147,8 @@ impl Injector {
             // it had struck just before the syscall instruction, so the vote sees the
             // corrupted call. (An interrupt would stay pending and stop the replica at an
             // unexpected moment.)
-            SlotState::Arrived if matches!(s.tasks[0].phase(), Phase::Collect) => {
-                let Ok(mut regs) = s.be.regs(tid) else {
+            SlotState::Arrived if s.main_task().map(|t| t.phase()) == Some(Phase::Collect) => {
+                let Ok(mut regs) = s.backend().regs(tid) else {
                     return;
                 };
                 self.apply_replica_fault(s, 0, r, &mut regs);
@@ -164,7 +163,7 @@ impl Injector {
                 }
             }
             _ => {
-                let _ = s.be.interrupt(tid);
+                let _ = s.backend().interrupt(tid);
             }
         }
     }
@@ -192,7 +191,7 @@ impl Injector {
     /// the kernel refuses, the 1 ms tick does the checking.
     fn arm_cpu_timer(&self, s: &Session, r: ReplicaId, us: u64) {
         set_tick(INJECTION_TICK);
-        let Some(slot) = s.tasks.first().and_then(|t| t.slot(r)) else {
+        let Some(slot) = s.main_task().and_then(|t| t.slot(r)) else {
             return;
         };
         // MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED), as in lockstep_trace::cpu.
@@ -241,12 +240,12 @@ impl Injector {
                 stepper,
                 fault,
             });
-            s.be.single_step(Some(tid));
+            s.backend().single_step(Some(tid));
             return;
         }
         let result = apply_at_stop(&fault, tgid, tid);
         if result.is_ok() {
-            if let Ok(fresh) = s.be.regs(tid) {
+            if let Ok(fresh) = s.backend().regs(tid) {
                 *regs = fresh;
             }
         }
@@ -273,7 +272,7 @@ impl Injector {
                 };
                 let place = applied
                     .ip
-                    .and_then(|ip| s.replicas.is_alive(r).then(|| code_location(s, r, ip)).flatten())
+                    .and_then(|ip| s.replicas().is_alive(r).then(|| code_location(s, r, ip)).flatten())
                     .map(|where_| format!(" at {where_}"))
                     .unwrap_or_default();
                 let msg = format!(
@@ -302,13 +301,13 @@ impl Injector {
         let (result, own) = match stop {
             Stop::Signal(libc::SIGTRAP) if st.skip > 0 => {
                 st.skip -= 1;
-                let _ = s.be.resume(tid, Resume::Run);
+                let _ = s.backend().resume(tid, Resume::Run);
                 self.stepping = Some(st);
                 return true;
             }
             Stop::Signal(libc::SIGTRAP) => match st.stepper.as_mut().map(|f| f.on_stop(tid)) {
                 Some(Ok(Progress::Step)) => {
-                    let _ = s.be.resume(tid, Resume::Run);
+                    let _ = s.backend().resume(tid, Resume::Run);
                     self.stepping = Some(st);
                     return true;
                 }
@@ -332,12 +331,12 @@ impl Injector {
             self.stepping = Some(st);
             return false;
         }
-        s.be.single_step(None);
+        s.backend().single_step(None);
         if let Some(result) = result {
             self.report_replica_fault(s, st.replica, &st.fault.record, result, "by single-stepping");
         }
         if own {
-            let _ = s.be.resume(tid, Resume::Run);
+            let _ = s.backend().resume(tid, Resume::Run);
         }
         own
     }
@@ -349,7 +348,7 @@ impl Injector {
             FlipTarget::Register(name) => {
                 let applied = Applied::flip(Model::Reg, Some(name.clone()), None, 1u64 << flip.bit);
                 if reapply(tid, &applied).is_ok() {
-                    if let Ok(fresh) = s.be.regs(tid) {
+                    if let Ok(fresh) = s.backend().regs(tid) {
                         *regs = fresh;
                     }
                 }
@@ -364,17 +363,17 @@ impl Injector {
                 format!("bit {} of the byte at {base}{offset:+} ({addr:#x})", flip.bit)
             }
             FlipTarget::Kill => {
-                s.be.kill(tid);
+                s.backend().kill(tid);
                 s.slot_mut(task, r).leave(SlotState::Running);
                 "SIGKILL".to_string()
             }
             FlipTarget::Hang => {
                 // `jmp .` at the return address, then skip the syscall: the thread spins.
-                let _ = s.be.write(tid, regs.rip, &[0xeb, 0xfe]);
+                let _ = s.backend().write(tid, regs.rip, &[0xeb, 0xfe]);
                 let mut spin = *regs;
                 ptrace::skip_with_result(&mut spin, 0);
-                let _ = s.be.set_regs(tid, &spin);
-                let _ = s.be.resume(tid, Resume::Run);
+                let _ = s.backend().set_regs(tid, &spin);
+                let _ = s.backend().resume(tid, Resume::Run);
                 s.slot_mut(task, r).leave(SlotState::Running);
                 "an endless loop".to_string()
             }
@@ -424,7 +423,7 @@ impl FaultHook for Injector {
         if self.replica_fault_due(s, r) {
             // The stop our interrupt asked for: the fault goes in wherever the replica
             // is, not only at a syscall.
-            if let Ok(mut regs) = s.be.regs(s.slot(0, r).tid()) {
+            if let Ok(mut regs) = s.backend().regs(s.slot(0, r).tid()) {
                 self.apply_replica_fault(s, 0, r, &mut regs);
             }
         }
@@ -442,7 +441,7 @@ impl FaultHook for Injector {
         if let Some(record) = &self.record {
             let _ = std::fs::write(
                 lockstep_inject::fault::detections_path(record),
-                format!("{}\n", s.report.detections()),
+                format!("{}\n", s.report().detections()),
             );
         }
     }
@@ -450,8 +449,8 @@ impl FaultHook for Injector {
 
 /// `ip` in replica `r`'s main process as "file+0xoffset" (or "[anon]+0x..."), from its maps.
 fn code_location(s: &Session, r: ReplicaId, ip: u64) -> Option<String> {
-    let pid = s.tasks.first()?.slot(r)?.tgid();
-    let maps = s.be.proc_read(pid, "maps").ok()?;
+    let pid = s.main_task()?.slot(r)?.tgid();
+    let maps = s.backend().proc_read(pid, "maps").ok()?;
     maps.lines().find_map(|line| {
         let mut fields = line.split_whitespace();
         let (start, end) = fields.next()?.split_once('-')?;

@@ -19,42 +19,36 @@
 //!   (shared with `build.rs`, which generates the shim's table from it).
 //! * [`fast_check`]: strict output checks: the monitor digests a leader's output as the
 //!   shim does and lets it run only if every follower voted that digest.
-//! * `fast_session`: what the monitor does for the fast path (hello, reports, the
-//!   consumption check at rendezvous, signals, switching the ring off).
 //! * [`front`]: the process the caller waits for, split from the monitor so that processes
 //!   outliving the program's first one stay replicated after lockstep returns.
 //! * [`replica`]: the replica set: liveness, leadership, pid translation.
 //! * [`report`]: events, queued during a stop and written after it.
-//! * [`session`]: the monitor: replicas, logical processes and tasks, the event loop.
+//! * [`session`]: the policy, one module tree with private state: the event loop, logical
+//!   processes, and in submodules the rendezvous (`session::rendezvous`), asynchronous
+//!   signals (`session::signals`, `session::catch_up`), shared file mappings
+//!   (`session::shared_map`) and what the monitor does for the fast path (hello, reports,
+//!   the consumption check at rendezvous, signals, switching the ring off).
 //! * [`task`]: a logical thread and its per-replica slots, with the transitions that
 //!   change their state.
-//! * [`rendezvous`]: what happens when all replicas of a task have arrived.
 //! * [`injection`]: `lockstep inject --replica` and `--test-flip`, reaching the monitor
 //!   through one hook.
-//! * [`signals`]: asynchronous signals, delivered at the same point in every replica.
-//! * [`shared_map`]: shared file mappings, written by the leader only and compared.
 //! * [`data`]: reading syscall arguments and copying results between replicas.
 //! * [`clock`]: clock reads, answered from per-task value sequences without a rendezvous.
 //! * [`stats`]: counters printed by `--stats`.
 
 pub mod backend;
-pub mod catch_up;
 pub mod clock;
 pub mod data;
 pub mod fast;
 pub mod fast_calls;
 pub mod fast_check;
-mod fast_session;
 pub mod front;
 pub mod injection;
 pub mod options;
-pub mod rendezvous;
 pub mod replica;
 pub mod report;
 pub mod scripted;
 pub mod session;
-pub mod shared_map;
-pub mod signals;
 pub mod spawn;
 pub mod stats;
 pub mod task;

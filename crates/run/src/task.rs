@@ -6,9 +6,9 @@
 //! dead slot stays dead; a slot that executes its part of a call has arrived first). The
 //! policy that decides the transitions lives in `session.rs` and `rendezvous.rs`; what a
 //! task knows about signals and `--compare io` inputs lives in the nouns
-//! [`crate::signals::TaskSignals`] and [`InputQueue`].
+//! [`crate::session::signals::TaskSignals`] and [`InputQueue`].
 
-use crate::signals::{SigSet, StandIn, TaskSignals};
+use crate::session::signals::{SlotSignals, TaskSignals};
 use lockstep_core::{exit, Signature};
 use lockstep_trace::syscalls::Class;
 use lockstep_trace::{Regs, Tid};
@@ -98,15 +98,10 @@ pub struct Slot {
     preview_len: u8,
     /// `--compare io`: inputs of this task this replica has executed or been given.
     consumed: u64,
-    /// Signals we sent on purpose: let them through at their delivery stops.
-    pub(crate) deliver: SigSet,
-    /// Signals the thread sent itself at its current call: its own copy is let through if
-    /// it is delivered before the thread's next intercepted syscall (right after the call).
-    pub(crate) own_signals: SigSet,
-    /// The call this follower runs in place of its own, and what to do at its exit.
-    pub(crate) stand_in: Option<StandIn>,
+    /// What it expects of signals (see `signals.rs`).
+    pub(crate) signals: SlotSignals,
     /// A catch-up left an execution breakpoint in the thread (see `catch_up.rs`).
-    pub(crate) breakpoint_armed: bool,
+    breakpoint_armed: bool,
 }
 
 impl Slot {
@@ -124,9 +119,7 @@ impl Slot {
             preview: [0; PREVIEW],
             preview_len: 0,
             consumed: 0,
-            deliver: SigSet::default(),
-            own_signals: SigSet::default(),
-            stand_in: None,
+            signals: SlotSignals::default(),
             breakpoint_armed: false,
         }
     }
@@ -235,7 +228,7 @@ impl Slot {
     /// and that were not delivered right after it are ordinary signals from now on.
     pub fn count_stop(&mut self) {
         self.stops += 1;
-        self.own_signals = SigSet::default();
+        self.signals.forget_own();
     }
 
     /// Resumed into `state`; it keeps its arrival only while it stays parked at it.
@@ -249,6 +242,16 @@ impl Slot {
         if state != SlotState::Arrived {
             self.arrival = None;
         }
+    }
+
+    /// Whether a catch-up left an execution breakpoint in it.
+    pub fn breakpoint_armed(&self) -> bool {
+        self.breakpoint_armed
+    }
+
+    /// A catch-up set (`true`) or removed (`false`) an execution breakpoint in it.
+    pub fn set_breakpoint_armed(&mut self, armed: bool) {
+        self.breakpoint_armed = armed;
     }
 
     /// Its first stop after it was auto-attached.
@@ -357,9 +360,9 @@ pub struct Task {
     /// Asynchronous signals on their way to this task (see `signals.rs`).
     pub(crate) signals: TaskSignals,
     /// Replicas being brought to a common state to take a signal (see `catch_up.rs`).
-    pub(crate) catch_up: Option<crate::catch_up::CatchUp>,
+    pub(crate) catch_up: Option<crate::session::catch_up::CatchUp>,
     /// Clock values, per clock id (see `clock.rs`).
-    pub(crate) clocks: HashMap<i32, crate::clock::Sequence>,
+    clocks: HashMap<i32, crate::clock::Sequence>,
     /// `--compare io`: the leader's inputs the followers have not all consumed.
     pub(crate) inputs: InputQueue,
 }
@@ -477,6 +480,23 @@ impl Task {
         self.first_arrival = None;
     }
 
+    /// The sequence of values of clock `id` (see `clock.rs`).
+    pub fn clock(&mut self, id: i32) -> &mut crate::clock::Sequence {
+        self.clocks.entry(id).or_default()
+    }
+
+    /// A rendezvous is a barrier for the task: clock reads start fresh sequences.
+    pub fn restart_clocks(&mut self) {
+        self.clocks.clear();
+    }
+
+    /// Replica `id` was forked from `source`: it reads the clocks `source` would read.
+    pub fn fork_clocks(&mut self, source: ReplicaId, id: ReplicaId) {
+        for seq in self.clocks.values_mut() {
+            seq.fork(source, id);
+        }
+    }
+
     pub fn spawned(&self) -> Option<TaskId> {
         self.spawned
     }
@@ -552,18 +572,4 @@ impl InputQueue {
             }
         }
     }
-}
-
-pub struct Process {
-    pub(crate) logical_pid: i32,
-    pub(crate) parent: Option<ProcId>,
-    pub(crate) tasks: Vec<TaskId>,
-    /// exit_group or a fatal signal is under way: deaths are expected.
-    pub(crate) exiting: bool,
-    /// Signals the program itself sent to this process (`kill`, `tgkill`, ...): a death
-    /// by one of them is the program's doing in every replica, not a fault.
-    pub(crate) sent_by_program: SigSet,
-    /// Shared file mappings: the leader's maps the file, each follower's is a private copy
-    /// (see `shared_map.rs`). Compared at msync, munmap, fsync and exit.
-    pub(crate) shared_maps: Vec<crate::shared_map::SharedMap>,
 }

@@ -19,8 +19,8 @@
 //! comparison reports as a divergence. `mremap` of such a region is not followed.
 
 use crate::backend::{Backend, Resume};
+use crate::session::signals::StandIn;
 use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
-use crate::signals::StandIn;
 use crate::Error;
 use std::rc::Rc;
 
@@ -162,10 +162,11 @@ impl Session {
             regs.r8 = u64::MAX;
             regs.r9 = 0;
             let _ = self.be.set_regs(ftid, &regs);
-            self.slot_mut(task, f).stand_in = Some(StandIn {
+            let signals = self.tasks[task].signals.mirror();
+            self.slot_mut(task, f).signals.stand_in(StandIn {
                 restore: None,
                 ret,
-                signals: self.tasks[task].signals.mirror(),
+                signals,
                 copy: Some(MapCopy {
                     addr: ret as u64,
                     bytes,

@@ -4,10 +4,10 @@
 use crate::backend::{Backend, Resume};
 use crate::data::{self};
 use crate::options::CompareMode;
+use crate::session::signals::{Interrupted, StandIn};
 use crate::session::{
     describe_death, Arrival, Death, InputRecord, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId,
 };
-use crate::signals::{Interrupted, StandIn};
 use crate::Error;
 use lockstep_core::{vote, Event, Verdict};
 use lockstep_trace::syscalls::{self, Class, Desc, NewFds};
@@ -388,7 +388,7 @@ impl Session {
         }
         // A rendezvous is a barrier for this task: clock reads start a fresh sequence, so
         // extra reads before it (a timing-dependent poll) cannot shift later values.
-        self.tasks[task].clocks.clear();
+        self.tasks[task].restart_clocks();
         match arrival {
             Arrival::Died(death) => {
                 self.tasks[task].finish();
@@ -586,7 +586,7 @@ impl Session {
             return Ok(());
         };
         let ret = regs.rax as i64;
-        if let Some(stand_in) = self.slot_mut(task, r).stand_in.take() {
+        if let Some(stand_in) = self.slot_mut(task, r).signals.take_stand_in() {
             return self.finish_stand_in(task, r, stand_in);
         }
         match self.tasks[task].phase() {
@@ -724,8 +724,7 @@ impl Session {
             // The leader took signal `ret` synchronously; the followers' own copies of it
             // stay pending and must not run a handler later (`signals.rs`, raise to self).
             for r in self.live_slots(task) {
-                self.slot_mut(task, r).deliver.take(ret as i32);
-                self.slot_mut(task, r).own_signals.take(ret as i32);
+                self.slot_mut(task, r).signals.taken(ret as i32);
             }
         }
         let leader = self.replicas.leader();
@@ -850,7 +849,7 @@ impl Session {
                 // Its own fault: passing over it would only make the same instruction fault
                 // again until the limit, as a busy loop.
                 Ok(Some(Stop::Signal(sig)))
-                    if crate::signals::is_synchronous_fault(sig, self.be.siginfo(ftid).ok().as_ref()) =>
+                    if crate::session::signals::is_synchronous_fault(sig, self.be.siginfo(ftid).ok().as_ref()) =>
                 {
                     return Ok(Err(self.kill_stray(ftid)))
                 }
@@ -1013,7 +1012,7 @@ impl Session {
                 Ok(Stop::Exited(code)) => return Ok(Err(Death::Exited(code))),
                 Ok(Stop::Killed(sig)) => return Ok(Err(Death::Killed(sig))),
                 Ok(Stop::Signal(sig))
-                    if crate::signals::is_synchronous_fault(sig, self.be.siginfo(ftid).ok().as_ref()) =>
+                    if crate::session::signals::is_synchronous_fault(sig, self.be.siginfo(ftid).ok().as_ref()) =>
                 {
                     return Ok(Err(self.kill_stray(ftid)))
                 }
@@ -1383,9 +1382,7 @@ impl Session {
         for t in self.tasks.iter_mut() {
             t.grow(ids);
         }
-        for seq in self.tasks[task].clocks.values_mut() {
-            seq.fork(source, id);
-        }
+        self.tasks[task].fork_clocks(source, id);
         let slot = Slot::fork_of(self.slot(task, source), child);
         self.tasks[task].place(id, slot);
         self.by_tid.insert(child, (task, id));

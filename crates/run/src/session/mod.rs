@@ -8,13 +8,21 @@
 //! * a **rendezvous** is the point where every live replica's slot of a task has stopped
 //!   at the same kind of event (a syscall, a fault, an RDTSC, its death).
 //!
+//! The replica set lives in `replica.rs`, tasks and slots in `task.rs`, each with private
+//! state; this module tree holds the policy over them and its own state is private to it.
 //! Each task moves through [`Phase`]s: `Collect` (waiting for arrivals), then one of the
 //! execution phases, then back to `Collect`. See `rendezvous.rs` for the decisions.
+
+pub mod catch_up;
+mod fast_session;
+pub mod rendezvous;
+pub mod shared_map;
+pub mod signals;
 
 use crate::backend::{Backend, Checked, Ptrace, Resume};
 use crate::options::Options;
 use crate::replica::Removal;
-use crate::signals::SigSet;
+use crate::session::signals::SigSet;
 use crate::spawn;
 use crate::stats::Stats;
 use crate::Error;
@@ -29,9 +37,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 pub use crate::task::{
-    Arrival, Death, InputRecord, Phase, ProcId, Process, ReplicaId, Slot, SlotState, Task, TaskId, MAX_QUEUED_INPUTS,
+    Arrival, Death, InputRecord, Phase, ProcId, ReplicaId, Slot, SlotState, Task, TaskId, MAX_QUEUED_INPUTS,
     MAX_QUEUED_INPUT_BYTES, PREVIEW,
 };
+
+/// A logical process: the same process in every replica.
+pub struct Process {
+    logical_pid: i32,
+    parent: Option<ProcId>,
+    tasks: Vec<TaskId>,
+    /// exit_group or a fatal signal is under way: deaths are expected.
+    exiting: bool,
+    /// Signals the program itself sent to this process (`kill`, `tgkill`, ...): a death
+    /// by one of them is the program's doing in every replica, not a fault.
+    sent_by_program: SigSet,
+    /// Shared file mappings: the leader's maps the file, each follower's is a private copy
+    /// (see `shared_map.rs`). Compared at msync, munmap, fsync and exit.
+    shared_maps: Vec<crate::session::shared_map::SharedMap>,
+}
 
 /// One replica as its mechanism started it, stopped at its first intercepted syscall.
 pub struct Started {
@@ -153,36 +176,36 @@ impl From<Error> for Stopped {
 }
 
 pub struct Session {
-    pub(crate) opts: Options,
-    pub(crate) be: Checked,
-    pub(crate) replicas: crate::replica::Replicas,
-    pub(crate) tasks: Vec<Task>,
-    pub(crate) processes: Vec<Process>,
-    pub(crate) by_tid: HashMap<Tid, (TaskId, ReplicaId)>,
+    opts: Options,
+    be: Checked,
+    replicas: crate::replica::Replicas,
+    tasks: Vec<Task>,
+    processes: Vec<Process>,
+    by_tid: HashMap<Tid, (TaskId, ReplicaId)>,
     /// Threads that stopped before we learned which task they belong to.
-    pub(crate) early_stops: HashSet<Tid>,
-    pub(crate) report: crate::report::Report,
-    pub(crate) stats: Stats,
-    pub(crate) started: Instant,
-    pub(crate) root_death: Option<Death>,
+    early_stops: HashSet<Tid>,
+    report: crate::report::Report,
+    stats: Stats,
+    started: Instant,
+    root_death: Option<Death>,
     /// Where the program's status goes if its processes outlive its first one.
-    pub(crate) front: crate::front::Front,
-    pub(crate) reintegration_due: bool,
+    front: crate::front::Front,
+    reintegration_due: bool,
     /// Tasks to settle again after a vote-out: a call the voted-out leader was executing
     /// for them (their followers are parked at it), or a meeting that may now be complete.
-    pub(crate) unsettled: Vec<TaskId>,
-    pub(crate) reintegration_note_given: bool,
-    pub(crate) scratch: Vec<u8>,
+    unsettled: Vec<TaskId>,
+    reintegration_note_given: bool,
+    scratch: Vec<u8>,
     /// LOCKSTEP_DEBUG set: trace every stop on stderr.
-    pub(crate) debug: bool,
+    debug: bool,
     /// Fault injection, when asked for (see `injection.rs`).
     hook: Option<Box<dyn crate::injection::FaultHook>>,
     /// The fast path's ring (`--backend fast`).
-    pub(crate) fast: Option<crate::fast::FastPath>,
+    fast: Option<crate::fast::FastPath>,
     /// A signal was delivered without a common state (said once; see `catch_up.rs`).
-    pub(crate) said_loose_signal: bool,
+    said_loose_signal: bool,
     /// Each replica's CPU time at its main thread's exit_group (for LOCKSTEP_CPU_REPORT).
-    pub(crate) replica_cpu: Vec<Option<std::time::Duration>>,
+    replica_cpu: Vec<Option<std::time::Duration>>,
 }
 
 /// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
@@ -572,6 +595,30 @@ impl Session {
         self.report.flush();
     }
 
+    // ----- what the fault hook (`injection.rs`) may see and steer -----
+
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    /// The mechanism: every steering failure through it is its replica's failure.
+    pub fn backend(&self) -> &Checked {
+        &self.be
+    }
+
+    pub fn replicas(&self) -> &crate::replica::Replicas {
+        &self.replicas
+    }
+
+    /// The program's first thread (task 0), where replica faults go in.
+    pub fn main_task(&self) -> Option<&Task> {
+        self.tasks.first()
+    }
+
+    pub fn report(&self) -> &crate::report::Report {
+        &self.report
+    }
+
     pub fn live_replicas(&self) -> Members {
         self.replicas.live()
     }
@@ -654,7 +701,7 @@ impl Session {
             }
             return Ok(());
         }
-        let catching_up = self.tasks[task].catch_up.is_some() || self.slot(task, r).breakpoint_armed;
+        let catching_up = self.tasks[task].catch_up.is_some() || self.slot(task, r).breakpoint_armed();
         if catching_up && self.on_catch_up_stop(task, r, &stop) {
             return Ok(());
         }
@@ -759,7 +806,7 @@ impl Session {
             return self.check_gate_output(task, r, nr, &args);
         }
         let process = self.tasks[task].process();
-        if self.processes[process].exiting && !self.slot(task, r).deliver.is_empty() {
+        if self.processes[process].exiting && self.slot(task, r).signals.expecting_any() {
             // This process is being killed by a signal we sent: do not park the thread at
             // a rendezvous; let it return so the signal is delivered.
             ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
@@ -856,7 +903,7 @@ impl Session {
     fn answer_clock(&mut self, task: TaskId, r: ReplicaId, mut regs: Regs, nr: u64, args: [u64; 6], clock: i32) {
         let live = self.live_replicas();
         let (tgid, tid) = (self.slot(task, r).tgid(), self.slot(task, r).tid());
-        let seq = self.tasks[task].clocks.entry(clock).or_default();
+        let seq = self.tasks[task].clock(clock);
         let ts = seq.next(r, &live, || crate::clock::read(clock, tgid, tid));
         self.stats.clock_reads += 1;
         let (sec, nsec) = (ts.tv_sec, ts.tv_nsec);

@@ -178,14 +178,14 @@ impl Session {
                 let _ = self.be.resume(tid, Resume::Run);
                 true
             }
-            _ if hit && self.slot(task, r).breakpoint_armed => {
+            _ if hit && self.slot(task, r).breakpoint_armed() => {
                 // A hit of a breakpoint left armed by an attempt that ended meanwhile.
                 self.disarm(task, r);
                 let _ = self.be.resume(tid, Resume::Run);
                 true
             }
             _ => {
-                if self.slot(task, r).breakpoint_armed {
+                if self.slot(task, r).breakpoint_armed() {
                     self.disarm(task, r);
                 }
                 if hunt.is_some() {
@@ -203,7 +203,7 @@ impl Session {
     fn disarm(&mut self, task: TaskId, r: ReplicaId) {
         let tid = self.slot(task, r).tid();
         let _ = self.be.set_breakpoint(tid, None);
-        self.slot_mut(task, r).breakpoint_armed = false;
+        self.slot_mut(task, r).set_breakpoint_armed(false);
     }
 
     /// Every replica has stopped where the interrupt found it, or met the target.
@@ -263,7 +263,7 @@ impl Session {
                 self.finish_catch_up(task, false);
                 return;
             }
-            self.slot_mut(task, r).breakpoint_armed = true;
+            self.slot_mut(task, r).set_breakpoint_armed(true);
             self.catch_up_mut(task).set(r, Hunt::Hunting { hits: 0 });
             let _ = self.be.resume(tid, Resume::Run);
             hunting = true;
@@ -308,7 +308,7 @@ impl Session {
             }
             self.raise(task, r, sig);
             if matches!(hunt, Hunt::Parked(_) | Hunt::Matched) {
-                if self.slot(task, r).breakpoint_armed {
+                if self.slot(task, r).breakpoint_armed() {
                     self.disarm(task, r);
                 }
                 let _ = self.be.resume(self.slot(task, r).tid(), Resume::Run);
@@ -324,7 +324,7 @@ impl Session {
         };
         for (r, hunt) in c.replicas {
             if matches!(hunt, Hunt::Parked(_) | Hunt::Matched) {
-                if self.slot(task, r).breakpoint_armed {
+                if self.slot(task, r).breakpoint_armed() {
                     self.disarm(task, r);
                 }
                 let _ = self.be.resume(self.slot(task, r).tid(), Resume::Run);

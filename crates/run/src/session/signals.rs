@@ -143,6 +143,48 @@ impl TaskSignals {
     }
 }
 
+/// What one replica's thread expects of signals.
+#[derive(Default)]
+pub struct SlotSignals {
+    /// Signals we sent on purpose: let them through at their delivery stops.
+    deliver: SigSet,
+    /// Signals the thread sent itself at its current call: its own copy is let through if
+    /// it is delivered before the thread's next intercepted syscall (right after the call).
+    own: SigSet,
+    /// The call this follower runs in place of its own, and what to do at its exit.
+    stand_in: Option<StandIn>,
+}
+
+impl SlotSignals {
+    /// Whether lockstep sent the thread a signal it has not taken yet.
+    pub fn expecting_any(&self) -> bool {
+        !self.deliver.is_empty()
+    }
+
+    /// The thread took `sig` synchronously (`rt_sigtimedwait`): no copy of it is to run a
+    /// handler later.
+    pub fn taken(&mut self, sig: i32) {
+        self.deliver.take(sig);
+        self.own.take(sig);
+    }
+
+    /// The thread reached its next intercepted call: signals it sent itself before are
+    /// ordinary signals from now on.
+    pub fn forget_own(&mut self) {
+        self.own = SigSet::default();
+    }
+
+    /// The follower runs `stand_in` in place of its own call.
+    pub fn stand_in(&mut self, stand_in: StandIn) {
+        assert!(self.stand_in.is_none(), "one stand-in call at a time");
+        self.stand_in = Some(stand_in);
+    }
+
+    pub fn take_stand_in(&mut self) -> Option<StandIn> {
+        self.stand_in.take()
+    }
+}
+
 /// What a follower does at the exit of the call it was given in place of its own.
 pub struct StandIn {
     /// Registers to put back (its own call's entry state) with `rax` = `ret`.
@@ -151,7 +193,7 @@ pub struct StandIn {
     /// Signals to raise in the follower now, before it returns to the program.
     pub signals: SigSet,
     /// A shared file mapping's contents to copy in (its stand-in was an anonymous mmap).
-    pub copy: Option<crate::shared_map::MapCopy>,
+    pub copy: Option<crate::session::shared_map::MapCopy>,
 }
 
 /// Whether a signal-delivery stop is the thread's own fault (a bad access, an illegal
@@ -190,7 +232,7 @@ impl Session {
             }
         }
         if r == self.replicas.leader() && self.tasks[task].signals.interrupted.is_some() {
-            let sent = self.slot(task, r).deliver.contains(sig);
+            let sent = self.slot(task, r).signals.deliver.contains(sig);
             let nr = self.tasks[task]
                 .signals
                 .interrupted
@@ -199,13 +241,13 @@ impl Session {
                 .unwrap_or(u64::MAX);
             let tgid = self.slot(task, r).tgid();
             if (sent || self.disposition(tgid, sig) == SignalFate::Handled) && self.followers_parked_at(task, nr) {
-                self.slot_mut(task, r).deliver.take(sig);
+                self.slot_mut(task, r).signals.deliver.take(sig);
                 return self.deliver_interrupted(task, sig);
             }
             // Not deliverable as an interruption: the leader, already rewound, runs its
             // call again and the signal waits for the next rendezvous like any other.
             self.tasks[task].signals.interrupted = None;
-            if self.slot_mut(task, r).deliver.take(sig) {
+            if self.slot_mut(task, r).signals.deliver.take(sig) {
                 self.async_signal(task, sig);
                 self.resume_same(task, r);
                 return Ok(());
@@ -216,15 +258,15 @@ impl Session {
         // suppressed before the kill began, or the SIGSEGV the kernel forces on an exec
         // that such a signal interrupted), it dies by that signal, as the others do.
         let process = self.tasks[task].process();
-        if self.processes[process].exiting && !self.slot(task, r).deliver.contains(sig) {
-            if let Some(fatal) = self.slot(task, r).deliver.iter().next() {
-                self.slot_mut(task, r).deliver.take(fatal);
+        if self.processes[process].exiting && !self.slot(task, r).signals.deliver.contains(sig) {
+            if let Some(fatal) = self.slot(task, r).signals.deliver.iter().next() {
+                self.slot_mut(task, r).signals.deliver.take(fatal);
                 let _ = self.be.resume(tid, Resume::Signal(fatal));
                 return Ok(());
             }
         }
         // `deliver` before `own_signals`: one delivery consumes one mark, in this order.
-        if self.slot_mut(task, r).deliver.take(sig) {
+        if self.slot_mut(task, r).signals.deliver.take(sig) {
             // Lockstep's own copy (tgkill) stands in for the leader's: the handler sees
             // what the leader's copy carried, in every replica.
             if let Some(leader_info) = self
@@ -236,7 +278,7 @@ impl Session {
             let _ = self.be.resume(tid, Resume::Signal(sig));
             return Ok(());
         }
-        if self.slot_mut(task, r).own_signals.take(sig) {
+        if self.slot_mut(task, r).signals.own.take(sig) {
             let _ = self.be.resume(tid, Resume::Signal(sig));
             return Ok(());
         }
@@ -387,7 +429,7 @@ impl Session {
                     continue;
                 }
                 let (tgid, tid, state) = (slot.tgid(), slot.tid(), slot.state());
-                self.slot_mut(t, r).deliver.add(sig);
+                self.slot_mut(t, r).signals.deliver.add(sig);
                 let _ = self.be.signal_thread(tgid, tid, sig);
                 if matches!(state, SlotState::Arrived | SlotState::Done) {
                     // Parked: let it return (EINTR) so the signal is delivered.
@@ -463,9 +505,9 @@ impl Session {
                 // Blocked, it stays pending in every replica and is delivered where the
                 // program unblocks it (the same point everywhere): let it through then.
                 if signal_blocked(&self.be, self.slot(task, r).tid(), sig) {
-                    self.slot_mut(task, r).deliver.add(sig);
+                    self.slot_mut(task, r).signals.deliver.add(sig);
                 } else {
-                    self.slot_mut(task, r).own_signals.add(sig);
+                    self.slot_mut(task, r).signals.own.add(sig);
                 }
             }
         }
@@ -541,7 +583,7 @@ impl Session {
     /// Sends `sig` to replica `r`'s thread of `task` and lets it through at delivery.
     pub(crate) fn raise(&mut self, task: TaskId, r: ReplicaId, sig: i32) {
         let (tid, tgid) = (self.slot(task, r).tid(), self.slot(task, r).tgid());
-        self.slot_mut(task, r).deliver.add(sig);
+        self.slot_mut(task, r).signals.deliver.add(sig);
         let _ = self.be.signal_thread(tgid, tid, sig);
     }
 
@@ -609,12 +651,14 @@ impl Session {
             regs.orig_rax = libc::SYS_ppoll as u64;
             (regs.rdi, regs.rsi, regs.rdx, regs.r10, regs.r8) = (0, 0, 0, mask, size);
             let _ = self.be.set_regs(ftid, &regs);
-            self.slot_mut(task, f).stand_in = Some(crate::signals::StandIn {
-                restore: Some(entry),
-                ret,
-                signals: SigSet::default(),
-                copy: None,
-            });
+            self.slot_mut(task, f)
+                .signals
+                .stand_in(crate::session::signals::StandIn {
+                    restore: Some(entry),
+                    ret,
+                    signals: SigSet::default(),
+                    copy: None,
+                });
             self.resume(task, f, Resume::ToExit, SlotState::Executing);
         }
         let _ = self.be.set_regs(ltid, &it.regs);
@@ -660,7 +704,7 @@ impl Session {
             ptrace::rewind_to_syscall(&mut regs, nr);
             let (tid, tgid) = (self.slot(task, r).tid(), self.slot(task, r).tgid());
             let _ = self.be.set_regs(tid, &regs);
-            self.slot_mut(task, r).deliver.add(sig);
+            self.slot_mut(task, r).signals.deliver.add(sig);
             let _ = self.be.signal_thread(tgid, tid, sig);
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
