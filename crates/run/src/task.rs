@@ -573,3 +573,142 @@ impl InputQueue {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::Outputs;
+
+    fn regs_at(nr: u64) -> Regs {
+        // SAFETY: all-zero is a valid user_regs_struct.
+        let mut regs: Regs = unsafe { std::mem::zeroed() };
+        regs.orig_rax = nr;
+        regs
+    }
+
+    fn syscall(nr: u64) -> Arrival {
+        Arrival::Syscall { nr, args: [0; 6] }
+    }
+
+    #[test]
+    fn a_slot_keeps_its_arrival_only_while_it_stays_parked() {
+        let mut slot = Slot::new(10, 10, SlotState::Running);
+        slot.arrive(regs_at(1), syscall(1));
+        assert_eq!((slot.state(), slot.arrival()), (SlotState::Arrived, Some(syscall(1))));
+        slot.leave(SlotState::Arrived);
+        assert_eq!(slot.arrival(), Some(syscall(1)));
+        slot.leave(SlotState::Executing);
+        assert_eq!((slot.state(), slot.arrival()), (SlotState::Executing, None));
+        slot.finish(-4);
+        assert_eq!((slot.state(), slot.result()), (SlotState::Done, -4));
+    }
+
+    #[test]
+    #[should_panic(expected = "arrives after its death")]
+    fn a_dead_slot_never_arrives_again() {
+        let mut slot = Slot::new(10, 10, SlotState::Running);
+        slot.die(Death::Killed(9));
+        assert_eq!(slot.arrival(), Some(Arrival::Died(Death::Killed(9))));
+        slot.arrive(regs_at(1), syscall(1));
+    }
+
+    #[test]
+    #[should_panic(expected = "resumed after its death")]
+    fn a_dead_slot_is_never_resumed() {
+        let mut slot = Slot::new(10, 10, SlotState::Running);
+        slot.die(Death::Exited(0));
+        slot.leave(SlotState::Running);
+    }
+
+    #[test]
+    fn a_fault_while_parked_changes_the_call_the_vote_sees() {
+        let mut slot = Slot::new(10, 10, SlotState::Running);
+        slot.arrive(regs_at(1), syscall(1));
+        let mut flipped = regs_at(3);
+        flipped.rdi = 7;
+        slot.rearrive(flipped);
+        assert_eq!(
+            slot.arrival(),
+            Some(Arrival::Syscall {
+                nr: 3,
+                args: [7, 0, 0, 0, 0, 0]
+            })
+        );
+    }
+
+    #[test]
+    fn children_and_forks_continue_their_source_s_history() {
+        let mut parent = Slot::new(10, 10, SlotState::Running);
+        parent.arrive(regs_at(1), syscall(1));
+        let folded = parent.fold_call(1, 0xabcd, true, None);
+        parent.count_stop();
+        parent.consumed_input(0);
+        let mut child = Slot::child_of(&parent, 11, 10, SlotState::Starting);
+        assert_eq!(child.fold_call(1, 0, false, None), folded);
+        assert_eq!((child.stops(), child.consumed()), (0, 0));
+        let fork = Slot::fork_of(&parent, 12);
+        assert_eq!((fork.stops(), fork.consumed(), fork.tgid()), (1, 1, 12));
+    }
+
+    #[test]
+    fn a_task_runs_one_call_at_a_time() {
+        let mut task = Task::new(0, 0, 100, 2);
+        let call = Phase::LeaderFirst { nr: 61, args: [0; 6] };
+        task.note_arrival();
+        task.begin(call);
+        task.hand_to_followers();
+        assert_eq!(task.phase(), Phase::Followers { nr: 61, args: [0; 6] });
+        assert!(task.waiting_since().is_some(), "the followers' part is timed");
+        task.end();
+        assert_eq!((task.phase(), task.waiting_since()), (Phase::Collect, None));
+        let result = std::panic::catch_unwind(move || {
+            let mut task = Task::new(0, 0, 100, 2);
+            task.begin(call);
+            task.begin(call);
+        });
+        assert!(result.is_err(), "a second call while one executes is refused");
+    }
+
+    #[test]
+    #[should_panic(expected = "one thread per replica")]
+    fn a_task_has_one_thread_per_replica() {
+        let mut task = Task::new(0, 0, 100, 2);
+        task.place(1, Slot::new(10, 10, SlotState::Running));
+        task.place(1, Slot::new(11, 11, SlotState::Running));
+    }
+
+    fn record(index: u64, bytes: usize) -> InputRecord {
+        InputRecord {
+            index,
+            nr: 0,
+            ret: bytes as i64,
+            outputs: Outputs {
+                pieces: vec![(0x1000, vec![0; bytes])],
+                passed_fds: Vec::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn the_input_queue_is_bounded_and_trimmed_in_order() {
+        let mut queue = InputQueue::default();
+        queue.produce(None);
+        for i in 1..MAX_QUEUED_INPUTS as u64 {
+            assert!(queue.has_room());
+            queue.produce(Some(record(i, 1)));
+        }
+        assert!(queue.has_room(), "one slot left");
+        queue.produce(Some(record(MAX_QUEUED_INPUTS as u64, 1)));
+        assert!(!queue.has_room(), "at most {MAX_QUEUED_INPUTS} inputs wait");
+        assert_eq!(queue.get(5).map(|r| r.index), Some(5));
+        queue.trim(200);
+        assert!(queue.get(199).is_none() && queue.get(200).is_some());
+        assert!(queue.has_room());
+
+        let mut big = InputQueue::default();
+        big.produce(Some(record(0, MAX_QUEUED_INPUT_BYTES as usize)));
+        assert!(!big.has_room(), "at most {MAX_QUEUED_INPUT_BYTES} bytes wait");
+        big.trim(1);
+        assert!(big.has_room());
+    }
+}
