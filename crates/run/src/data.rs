@@ -213,8 +213,11 @@ pub fn digest_call(
 /// Where two replicas' buffers first differ: (offset, length of each), reading both in
 /// [`CHUNK`]-sized pieces. None when they are identical (as far as both are readable).
 pub fn first_difference(be: &dyn Backend, a: (Tid, u64, usize), b: (Tid, u64, usize)) -> Option<usize> {
-    let (mut ca, mut cb) = (vec![0u8; CHUNK], vec![0u8; CHUNK]);
     let common = a.2.min(b.2);
+    // Sized to what is compared: most outputs are far smaller than a chunk, and this runs
+    // while the healthy replicas wait for the vote-out.
+    let size = common.min(CHUNK);
+    let (mut ca, mut cb) = (vec![0u8; size], vec![0u8; size]);
     let mut done = 0;
     while done < common {
         let n = (common - done).min(CHUNK);

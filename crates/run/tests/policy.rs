@@ -150,6 +150,14 @@ fn tmr_votes_out_a_divergent_follower_and_masks_the_fault() {
     );
     assert!(o.machine.gone(TIDS[2]));
     assert!(o.messages().contains("replica 2 diverged"), "{}", o.messages());
+    // Masking latency: the healthy leader goes on before the faulty replica is killed
+    // (killing wakes the victim, which could take the monitor's CPU first).
+    let actions = o.machine.actions();
+    let last = |wanted: &str| actions.iter().rposition(|a| a == wanted);
+    let kill = last(&format!("kill {}", TIDS[2])).expect("the faulty replica is killed");
+    // The leader's last call that it runs to its exit is the write.
+    let write = last(&format!("resume {} ToExit", TIDS[0])).expect("the leader runs its output");
+    assert!(write < kill, "{actions:?}");
 }
 
 #[test]

@@ -206,6 +206,9 @@ pub struct Session {
     said_loose_signal: bool,
     /// Each replica's CPU time at its main thread's exit_group (for LOCKSTEP_CPU_REPORT).
     replica_cpu: Vec<Option<std::time::Duration>>,
+    /// Threads of voted-out replicas, killed once the stop at hand is handled: the healthy
+    /// replicas go on first (killing wakes the victim, which can take the CPU from us).
+    doomed: Vec<Tid>,
 }
 
 /// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
@@ -396,6 +399,7 @@ impl Session {
             be: Checked::new(be),
             said_loose_signal: false,
             replica_cpu: vec![None; want as usize],
+            doomed: Vec::new(),
             replicas,
             tasks: Vec::new(),
             processes: vec![Process {
@@ -432,6 +436,7 @@ impl Session {
         // Every replica is stopped at its first execve: record those arrivals.
         for &m in &mains {
             let handled = session.on_stop(m, Stop::Seccomp);
+            session.kill_voted_out();
             session.flush_events();
             handled.map_err(|s| match s {
                 Stopped::Failure(e) => e,
@@ -477,6 +482,7 @@ impl Session {
             self.check_ring_progress()?;
             self.catch_up_signals();
             self.with_hook((), |hook, s| hook.before_wait(s));
+            self.kill_voted_out();
             self.flush_events();
             let Some((tid, stop)) = self.be.wait_any().map_err(|e| Error::Io("waitpid", e))? else {
                 continue;
@@ -484,6 +490,7 @@ impl Session {
             let t0 = Instant::now();
             let at = self.by_tid.get(&tid).copied();
             let handled = self.on_stop(tid, stop);
+            self.kill_voted_out();
             self.stats.monitor_time += t0.elapsed();
             let handled = handled
                 .and_then(|()| self.fail_unsteerable())
@@ -576,6 +583,7 @@ impl Session {
     }
 
     pub fn kill_everything(&mut self) {
+        self.kill_voted_out();
         for (&tid, _) in self.by_tid.iter() {
             self.be.kill(tid);
         }
@@ -1253,7 +1261,7 @@ impl Session {
         for t in &self.tasks {
             if let Some(s) = t.slot(r) {
                 if !s.is_dead() {
-                    self.be.kill(s.tid());
+                    self.doomed.push(s.tid());
                 }
             }
         }
@@ -1299,6 +1307,13 @@ impl Session {
             self.reintegration_due = true;
         }
         Ok(())
+    }
+
+    /// Kills the threads of the replicas voted out while the last stop was handled.
+    fn kill_voted_out(&mut self) {
+        for tid in std::mem::take(&mut self.doomed) {
+            self.be.kill(tid);
+        }
     }
 
     /// After a vote-out: meetings that were waiting for the voted-out replica decide, and
