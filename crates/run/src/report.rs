@@ -21,11 +21,18 @@ impl Report {
         }
     }
 
-    pub fn emit(&mut self, event: Event) {
+    /// Queues `event`; returns its place in the queue, valid until the next flush.
+    pub fn emit(&mut self, event: Event) -> usize {
         if matches!(event.kind, "divergence" | "timeout" | "halt") {
             self.detections += 1;
         }
         self.queued.push(event);
+        self.queued.len() - 1
+    }
+
+    /// Completes the queued event at `index` (see [`Report::emit`]).
+    pub fn amend(&mut self, index: usize, complete: impl FnOnce(&mut Event)) {
+        complete(&mut self.queued[index]);
     }
 
     /// Writes the queued events.

@@ -150,6 +150,15 @@ fn tmr_votes_out_a_divergent_follower_and_masks_the_fault() {
     );
     assert!(o.machine.gone(TIDS[2]));
     assert!(o.messages().contains("replica 2 diverged"), "{}", o.messages());
+    // The divergence is described after the healthy replicas went on, from what each
+    // replica arrived with and the victim's memory, and still comes first in the report.
+    assert!(o.messages().contains("first difference at byte 0"), "{}", o.messages());
+    let kinds = o.kinds();
+    let place = |k: &str| kinds.iter().position(|x| x == k);
+    assert!(
+        place("divergence/vote") < place("vote/kill") && place("vote/kill") < place("mask/continue"),
+        "{kinds:?}"
+    );
     // Masking latency: the healthy leader goes on before the faulty replica is killed
     // (killing wakes the victim, which could take the monitor's CPU first).
     let actions = o.machine.actions();

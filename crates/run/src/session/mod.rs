@@ -209,6 +209,8 @@ pub struct Session {
     /// Threads of voted-out replicas, killed once the stop at hand is handled: the healthy
     /// replicas go on first (killing wakes the victim, which can take the CPU from us).
     doomed: Vec<Tid>,
+    /// Divergence events whose messages are written after the stop (see `rendezvous.rs`).
+    divergences: Vec<rendezvous::PendingDivergence>,
 }
 
 /// Resolves CMD like execvp would, so a missing binary is reported before anything starts.
@@ -400,6 +402,7 @@ impl Session {
             said_loose_signal: false,
             replica_cpu: vec![None; want as usize],
             doomed: Vec::new(),
+            divergences: Vec::new(),
             replicas,
             tasks: Vec::new(),
             processes: vec![Process {
@@ -436,7 +439,7 @@ impl Session {
         // Every replica is stopped at its first execve: record those arrivals.
         for &m in &mains {
             let handled = session.on_stop(m, Stop::Seccomp);
-            session.kill_voted_out();
+            session.finish_vote_outs();
             session.flush_events();
             handled.map_err(|s| match s {
                 Stopped::Failure(e) => e,
@@ -482,7 +485,7 @@ impl Session {
             self.check_ring_progress()?;
             self.catch_up_signals();
             self.with_hook((), |hook, s| hook.before_wait(s));
-            self.kill_voted_out();
+            self.finish_vote_outs();
             self.flush_events();
             let Some((tid, stop)) = self.be.wait_any().map_err(|e| Error::Io("waitpid", e))? else {
                 continue;
@@ -490,7 +493,7 @@ impl Session {
             let t0 = Instant::now();
             let at = self.by_tid.get(&tid).copied();
             let handled = self.on_stop(tid, stop);
-            self.kill_voted_out();
+            self.finish_vote_outs();
             self.stats.monitor_time += t0.elapsed();
             let handled = handled
                 .and_then(|()| self.fail_unsteerable())
@@ -583,7 +586,7 @@ impl Session {
     }
 
     pub fn kill_everything(&mut self) {
-        self.kill_voted_out();
+        self.finish_vote_outs();
         for (&tid, _) in self.by_tid.iter() {
             self.be.kill(tid);
         }
@@ -600,6 +603,7 @@ impl Session {
     }
 
     pub fn flush_events(&mut self) {
+        self.describe_divergences();
         self.report.flush();
     }
 
@@ -1309,8 +1313,10 @@ impl Session {
         Ok(())
     }
 
-    /// Kills the threads of the replicas voted out while the last stop was handled.
-    fn kill_voted_out(&mut self) {
+    /// Describes the divergences found while the last stop was handled, then kills the
+    /// threads of the replicas voted out (their memory is read for the description).
+    fn finish_vote_outs(&mut self) {
+        self.describe_divergences();
         for tid in std::mem::take(&mut self.doomed) {
             self.be.kill(tid);
         }

@@ -2,7 +2,7 @@
 //! syscall according to its class, deliver a fault or a signal, or emulate RDTSC.
 
 use crate::backend::{Backend, Resume};
-use crate::data::{self};
+use crate::data::{self, PREVIEW};
 use crate::options::CompareMode;
 use crate::session::signals::{Interrupted, StandIn};
 use crate::session::{
@@ -60,6 +60,30 @@ const NR_CLONE: u64 = libc::SYS_clone as u64;
 
 fn is_nr(nr: u64, sys: libc::c_long) -> bool {
     nr == sys as u64
+}
+
+/// What a replica arrived with at a vote, kept to describe a divergence after the vote.
+#[derive(Clone, Copy)]
+pub(super) struct Seen {
+    replica: ReplicaId,
+    tid: Tid,
+    arrival: Arrival,
+    preview: [u8; PREVIEW],
+    preview_len: u8,
+    signature: lockstep_core::Signature,
+}
+
+/// A divergence event queued by a vote that voted a replica out, whose message is written
+/// once the healthy replicas have gone on: masking does not wait for the description.
+/// The victim stays stopped until then (`Session::finish_vote_outs`).
+pub(super) struct PendingDivergence {
+    /// The event's place in the report's queue.
+    event: usize,
+    task: TaskId,
+    /// Indexes into `seen` of the voted-out replica and one of the majority.
+    faulty: usize,
+    other: usize,
+    seen: Vec<Seen>,
 }
 
 impl Session {
@@ -224,22 +248,37 @@ impl Session {
         Key { met, inputs }
     }
 
+    /// What replica `r` arrived with at this rendezvous, for describing it later.
+    fn seen(&self, task: TaskId, r: ReplicaId) -> Seen {
+        let slot = self.slot(task, r);
+        let kept = slot.preview();
+        let mut preview = [0; PREVIEW];
+        preview[..kept.len()].copy_from_slice(kept);
+        Seen {
+            replica: r,
+            tid: slot.tid(),
+            arrival: slot.arrival().expect("arrived"),
+            preview,
+            preview_len: kept.len() as u8,
+            signature: *slot.signature(),
+        }
+    }
+
     /// Descriptions of what each member arrived with: bare, and as "replica N: ..." values.
-    fn arrival_texts(&self, task: TaskId, members: &[ReplicaId]) -> (Vec<String>, Vec<String>) {
-        let texts: Vec<String> = members.iter().map(|&m| self.describe_arrival(task, m)).collect();
-        let values = members
+    fn arrival_texts(&self, seen: &[Seen]) -> (Vec<String>, Vec<String>) {
+        let texts: Vec<String> = seen.iter().map(|s| self.describe_seen(s)).collect();
+        let values = seen
             .iter()
             .zip(&texts)
-            .map(|(m, t)| format!("replica {m}: {t}"))
+            .map(|(s, t)| format!("replica {}: {t}", s.replica))
             .collect();
         (texts, values)
     }
 
-    /// What replica `r` arrived with, for event messages. Only called when a vote fails,
-    /// so the hot path builds no strings.
-    fn describe_arrival(&self, task: TaskId, r: ReplicaId) -> String {
-        let slot = self.slot(task, r);
-        match slot.arrival().expect("arrived") {
+    /// What a replica arrived with, for event messages. Only called when a vote fails, so
+    /// the hot path builds no strings.
+    fn describe_seen(&self, seen: &Seen) -> String {
+        match seen.arrival {
             Arrival::Died(d) => describe_death(d),
             Arrival::Fault { sig, addr } => format!("signal {sig} at {addr:#x}"),
             Arrival::Rdtsc { .. } => "rdtsc".into(),
@@ -249,10 +288,10 @@ impl Session {
                 let desc = syscalls::describe(nr);
                 match desc {
                     Some(_) if is_output(nr, desc, &args) => {
-                        let kept = slot.preview();
+                        let kept = &seen.preview[..seen.preview_len as usize];
                         format!("{name}({}) {}", args[0] as i64, data::escape_preview(kept))
                     }
-                    _ if self.opts.compare != CompareMode::Io => format!("{name} signature {}", slot.signature()),
+                    _ if self.opts.compare != CompareMode::Io => format!("{name} signature {}", seen.signature),
                     _ => name,
                 }
             }
@@ -262,11 +301,10 @@ impl Session {
     /// Where the data two replicas pass to the same call first differ: their lengths, the
     /// offset of the first differing byte, and up to 16 bytes from a little before it in
     /// each (for divergence messages; empty when they are not at the same call).
-    fn first_difference(&self, task: TaskId, a: ReplicaId, b: ReplicaId) -> String {
+    fn first_difference(&self, a: &Seen, b: &Seen) -> String {
         const BEFORE: usize = 8;
         const SHOWN: usize = 16;
-        let (Some(Arrival::Syscall { nr, args }), Some(Arrival::Syscall { nr: nr_b, args: args_b })) =
-            (self.slot(task, a).arrival(), self.slot(task, b).arrival())
+        let (Arrival::Syscall { nr, args }, Arrival::Syscall { nr: nr_b, args: args_b }) = (a.arrival, b.arrival)
         else {
             return String::new();
         };
@@ -275,15 +313,14 @@ impl Session {
         }
         let desc = syscalls::describe(nr);
         let mut chunk = Vec::new();
-        let mut first_buffer = |r: ReplicaId, args: &[u64; 6]| {
-            let tid = self.slot(task, r).tid();
+        let mut first_buffer = |tid: Tid, args: &[u64; 6]| {
             let d = data::digest_call(&self.be, tid, nr, desc, args, &mut chunk);
             // Only the (first) buffer: the number and plain values are shown elsewhere.
             d.first_buffer
                 .map(|(addr, len)| (tid, addr, len))
                 .unwrap_or((tid, 0, 0))
         };
-        let (fa, fb) = (first_buffer(a, &args), first_buffer(b, &args_b));
+        let (fa, fb) = (first_buffer(a.tid, &args), first_buffer(b.tid, &args_b));
         let Some(at) = data::first_difference(&self.be, fa, fb) else {
             return format!(
                 "; {} bytes each, identical data (the difference is in the history or the arguments)",
@@ -297,12 +334,32 @@ impl Session {
             data::escape_preview(&bytes)
         };
         format!(
-            "; replica {a} passes {} bytes, replica {b} {}; first difference at byte {at}: {} / {} (from byte {from})",
+            "; replica {} passes {} bytes, replica {} {}; first difference at byte {at}: {} / {} (from byte {from})",
+            a.replica,
             fa.2,
+            b.replica,
             fb.2,
             show(fa),
             show(fb)
         )
+    }
+
+    /// Writes the messages of the divergence events that votes left for later (see
+    /// [`PendingDivergence`]), while the voted-out replicas are still stopped.
+    pub(super) fn describe_divergences(&mut self) {
+        for pending in std::mem::take(&mut self.divergences) {
+            let (texts, values) = self.arrival_texts(&pending.seen);
+            let (faulty, other) = (&pending.seen[pending.faulty], &pending.seen[pending.other]);
+            let diff = self.first_difference(faulty, other);
+            let message = format!(
+                "replica {} diverged at task {}: {}; the majority has {}{diff}",
+                faulty.replica, pending.task, texts[pending.faulty], texts[pending.other]
+            );
+            self.report.amend(pending.event, |event| {
+                event.values = values;
+                event.message = message;
+            });
+        }
     }
 
     fn decide(&mut self, task: TaskId, live: &[ReplicaId]) -> Result<(), Stopped> {
@@ -311,7 +368,7 @@ impl Session {
         let mut keys: Vec<Key> = members.iter().map(|&r| self.key(task, r)).collect();
         if self.debug {
             for (m, k) in members.iter().zip(&keys) {
-                let text = self.describe_arrival(task, *m);
+                let text = self.describe_seen(&self.seen(task, *m));
                 eprintln!("lockstep debug: rendezvous task {task} replica {m}: {k:?} {text}");
             }
         }
@@ -344,29 +401,32 @@ impl Session {
                     detected.get_or_insert_with(Instant::now);
                     let r = members[i];
                     self.stats.divergences += 1;
-                    let (texts, values) = self.arrival_texts(task, &members);
-                    let what = &texts[i];
-                    let other = members[if i == 0 { 1 } else { 0 }];
-                    let majority = &texts[if i == 0 { 1 } else { 0 }];
-                    let diff = self.first_difference(task, r, other);
-                    self.emit(
+                    // Describing the divergence reads memory and builds strings: it waits
+                    // until the healthy replicas go on (`describe_divergences`), with what
+                    // each replica arrived with kept here and the victim kept stopped.
+                    let seen: Vec<Seen> = members.iter().map(|&m| self.seen(task, m)).collect();
+                    let event = self.report.emit(
                         Event::new("run", "divergence", "vote")
                             .replica(r)
                             .object(format!("task {task}"))
-                            .values(values)
-                            .duration_us(t0.elapsed().as_micros() as u64)
-                            .message(format!(
-                                "replica {r} diverged at task {task}: {what}; the majority has {majority}{diff}"
-                            )),
+                            .duration_us(t0.elapsed().as_micros() as u64),
                     );
+                    self.divergences.push(PendingDivergence {
+                        event,
+                        task,
+                        faulty: i,
+                        other: if i == 0 { 1 } else { 0 },
+                        seen,
+                    });
                     self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
                     members.remove(i);
                     keys.remove(i);
                 }
                 Verdict::NoConsensus => {
                     self.stats.divergences += 1;
-                    let (_, values) = self.arrival_texts(task, &members);
-                    let diff = self.first_difference(task, members[0], members[1]);
+                    let seen: Vec<Seen> = members.iter().map(|&m| self.seen(task, m)).collect();
+                    let (_, values) = self.arrival_texts(&seen);
+                    let diff = self.first_difference(&seen[0], &seen[1]);
                     self.emit(
                         Event::new("run", "divergence", "halt")
                             .object(format!("task {task}"))
