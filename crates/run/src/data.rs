@@ -245,7 +245,7 @@ pub fn escape_preview(bytes: &[u8]) -> String {
 }
 
 /// The buffers the kernel filled in the leader's call, in a fixed order (see
-/// [`locations`]), plus any file descriptors passed in SCM_RIGHTS control messages
+/// `locations`), plus any file descriptors passed in SCM_RIGHTS control messages
 /// (which must be installed too).
 pub struct Outputs {
     pub pieces: Vec<(u64, Vec<u8>)>,

@@ -402,15 +402,11 @@ impl Session {
             "replica(s) {stragglers:?} ran for {:.1} s without moving in the fast path's ring while another replica waited",
             self.opts.timeout.as_secs_f64()
         );
-        self.detected(
-            Event::new("run", "timeout", "vote")
-                .object(format!("task {task}"))
-                .message(msg),
-        );
-        self.vote_out_or_halt(
+        self.stragglers_timed_out(
+            task,
             &stragglers,
             live.len(),
-            |r| format!("replica {r} is a straggler"),
+            msg,
             format!("no majority kept up in the fast path's ring of task {task}"),
         )
     }

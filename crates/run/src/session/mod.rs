@@ -1161,15 +1161,11 @@ impl Session {
                 "replica(s) {missing:?} did not reach the rendezvous of task {task} within {:.1} s",
                 self.opts.timeout.as_secs_f64()
             );
-            self.detected(
-                Event::new("run", "timeout", "vote")
-                    .object(format!("task {task}"))
-                    .message(msg),
-            );
-            self.vote_out_or_halt(
+            self.stragglers_timed_out(
+                task,
                 &missing,
                 live.len(),
-                |r| format!("replica {r} is a straggler"),
+                msg,
                 format!("no majority reached the rendezvous of task {task} in time"),
             )?;
             if collecting {
@@ -1187,6 +1183,25 @@ impl Session {
     pub(crate) fn detected(&mut self, event: Event) {
         self.stats.divergences += 1;
         self.emit(event);
+    }
+
+    /// `stragglers` (of `live` replicas) did not keep up with `task` (`what` says how): a
+    /// timeout event, then the straggler voted out when the others are a majority, else a
+    /// halt (`halt_why`).
+    pub(crate) fn stragglers_timed_out(
+        &mut self,
+        task: TaskId,
+        stragglers: &[ReplicaId],
+        live: usize,
+        what: String,
+        halt_why: String,
+    ) -> Result<(), Stopped> {
+        self.detected(
+            Event::new("run", "timeout", "vote")
+                .object(format!("task {task}"))
+                .message(what),
+        );
+        self.vote_out_or_halt(stragglers, live, |r| format!("replica {r} is a straggler"), halt_why)
     }
 
     /// `culprits` (of `live` replicas) failed: the one voted out (`vote_why` says why)
