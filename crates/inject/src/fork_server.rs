@@ -116,9 +116,12 @@ impl ForkServer {
         let mut in_syscall = true;
         ptrace::cont_syscall(pid, 0)?;
         let (mut stopping, mut tries) = (false, 0u32);
+        // After a stop that could not be a snapshot, the next try waits for some progress:
+        // a SIGSTOP sent at once would be taken at the same place.
+        let mut retry_at = Duration::ZERO;
         while self.snapshots.len() < SNAPSHOTS as usize - 1 {
             let next = step * (self.snapshots.len() as u32 + 1);
-            let stop = match next_stop(pid, deadline, || !stopping && cpu() >= next)? {
+            let stop = match next_stop(pid, deadline, || !stopping && cpu() >= next.max(retry_at))? {
                 Some(stop) => stop,
                 None if Instant::now() >= deadline => return Ok(()),
                 None => {
@@ -141,8 +144,12 @@ impl ForkServer {
                     if tries > STOP_TRIES_MAX {
                         return Ok(());
                     }
+                    let taken = self.snapshots.len();
                     if let Chain::Done = self.snapshot_here(child, cpu())? {
                         return Ok(());
+                    }
+                    if self.snapshots.len() == taken {
+                        retry_at = cpu() + step / 16;
                     }
                 }
                 // Any other signal, event or end: the program does more than a copy may.
