@@ -60,6 +60,8 @@ impl Drop for ForkServer {
 /// Where the snapshot run stands.
 enum Chain {
     Running,
+    /// Stopped where a copy cannot start (inside a syscall): try again a little later.
+    NotHere,
     /// The program did something a copy could not repeat (or ended): no more snapshots.
     Done,
 }
@@ -144,12 +146,10 @@ impl ForkServer {
                     if tries > STOP_TRIES_MAX {
                         return Ok(());
                     }
-                    let taken = self.snapshots.len();
-                    if let Chain::Done = self.snapshot_here(child, cpu())? {
-                        return Ok(());
-                    }
-                    if self.snapshots.len() == taken {
-                        retry_at = cpu() + step / 16;
+                    match self.snapshot_here(child, cpu())? {
+                        Chain::Done => return Ok(()),
+                        Chain::NotHere => retry_at = cpu() + step / 16,
+                        Chain::Running => {}
                     }
                 }
                 // Any other signal, event or end: the program does more than a copy may.
@@ -165,7 +165,7 @@ impl ForkServer {
     fn snapshot_here(&mut self, child: &Child, cpu: Duration) -> io::Result<Chain> {
         let pid = child.pid;
         if ptrace::get_regs(pid)?.orig_rax != u64::MAX {
-            return Ok(Chain::Running); // interrupted in a syscall: not here
+            return Ok(Chain::NotHere); // interrupted in a syscall
         }
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
         if !alone_with_standard_fds(pid, &status) || !copies_fit_in_memory(&status) {

@@ -80,9 +80,8 @@ pub(super) struct PendingDivergence {
     /// The event's place in the report's queue.
     event: usize,
     task: TaskId,
-    /// Indexes into `seen` of the voted-out replica and one of the majority.
+    /// Index into `seen` of the voted-out replica.
     faulty: usize,
-    other: usize,
     seen: Vec<Seen>,
 }
 
@@ -349,11 +348,13 @@ impl Session {
     pub(super) fn describe_divergences(&mut self) {
         for pending in std::mem::take(&mut self.divergences) {
             let (texts, values) = self.arrival_texts(&pending.seen);
-            let (faulty, other) = (&pending.seen[pending.faulty], &pending.seen[pending.other]);
-            let diff = self.first_difference(faulty, other);
+            // Compared with one of the majority: the first replica that is not the faulty one.
+            let other = if pending.faulty == 0 { 1 } else { 0 };
+            let faulty = &pending.seen[pending.faulty];
+            let diff = self.first_difference(faulty, &pending.seen[other]);
             let message = format!(
                 "replica {} diverged at task {}: {}; the majority has {}{diff}",
-                faulty.replica, pending.task, texts[pending.faulty], texts[pending.other]
+                faulty.replica, pending.task, texts[pending.faulty], texts[other]
             );
             self.report.amend(pending.event, |event| {
                 event.values = values;
@@ -415,7 +416,6 @@ impl Session {
                         event,
                         task,
                         faulty: i,
-                        other: if i == 0 { 1 } else { 0 },
                         seen,
                     });
                     self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
