@@ -21,8 +21,18 @@ use std::process::Command;
 
 /// Numbers of the shared layout: (name, value, what it is). Changing one changes both sides.
 const LAYOUT: &[(&str, u64, &str)] = &[
-    ("VERSION", 2, "layout version, checked by the hello call"),
+    ("VERSION", 3, "layout version, checked by the hello call"),
     ("MAX_REPLICAS", 3, "regions in the ring file"),
+    (
+        "LANES",
+        16,
+        "threads of one process that can use the ring at once (one lane each)",
+    ),
+    (
+        "HELLO_LANE_SHIFT",
+        8,
+        "a hello's answer: the replica's region, and the lane from this bit on",
+    ),
     ("SLOTS", 16, "records in a leader's ring"),
     ("PAYLOAD_MAX", 256 * 1024, "bytes of output buffers one record carries"),
     (

@@ -64,6 +64,8 @@
 #include <ucontext.h>
 #include <unistd.h>
 #include <linux/futex.h>
+#include <dlfcn.h>
+#include <pthread.h>
 
 #include "lockstep_fast_layout.h"
 
@@ -89,6 +91,7 @@
 /* lockstep_fast(op, ...) */
 #define OP_HELLO 1
 #define OP_DIVERGED 2
+#define OP_HELLO_THREAD 3
 #define DIVERGED_CRC 0xffffffffUL /* in place of the leader's number: the record is corrupt */
 #define DIVERGED_LEADER 0xfffffffeUL /* the leader's record does not match its call's result */
 
@@ -121,6 +124,8 @@ struct lf_header {
     int32_t cpu[4]; /* each replica's CPU, -1 if not pinned */
     uint32_t strict; /* 1: the monitor checks every output before it runs */
     uint32_t epoch;  /* this ring's place in LOCKSTEP_FAST_RING's list */
+    uint32_t lanes, pad;  /* lanes: LF_LANES */
+    uint64_t clocks_size; /* bytes of one lane's clock area */
 };
 
 struct lf_time {
@@ -174,7 +179,8 @@ struct lf_region {
     struct lf_record records[LF_SLOTS];
 };
 
-/* Per process; on a page that a fork wipes, so a child never touches the parent's ring. */
+/* Per lane (one thread's share of the ring), in each replica; on a page that a fork wipes,
+ * so a child never touches the parent's ring. */
 struct lf_state {
     volatile struct lf_header *hdr; /* NULL: no ring */
     struct lf_clock *clocks;
@@ -184,7 +190,8 @@ struct lf_state {
     uint64_t seq; /* the last replicated call */
     uint64_t clock_next[LF_CLOCKS];
     unsigned char *stack; /* RING_STACK bytes above a guard page */
-    long owner_tid;       /* the ring thread */
+    long owner_tid;       /* the thread that uses this lane */
+    uint32_t lane;
 };
 
 struct kernel_sigaction {
@@ -194,18 +201,22 @@ struct kernel_sigaction {
     uint64_t mask;
 };
 
-/* The SUD selector: BLOCK sends every syscall from outside page 0 to SIGSYS. */
-static volatile char lf_selector = SELECTOR_ALLOW;
+/* The SUD selector, one per thread (an ALLOW window opened by one thread must not let
+ * another's calls past): BLOCK sends every syscall from outside page 0 to SIGSYS. */
+static __thread volatile char lf_selector __attribute__((tls_model("initial-exec"))) = SELECTOR_ALLOW;
 static int lf_active;
 static int lf_report;
 static unsigned long lf_counts[MAX_NR];
 static unsigned long lf_sites;
 static unsigned long lf_unrewritable;
 static unsigned long lf_windows;
-static struct lf_state *lf_st;
-/* A vfork-like clone happened: until the ring thread shows its own tid again, a call may
- * come from the child that borrows its memory, which must not touch the ring. */
-static volatile int lf_vfork_seen;
+/* The lanes of the ring in use (LF_LANES states), and the calling thread's lane (NULL: the
+ * thread goes to the monitor for every call). */
+static struct lf_state *lf_lanes;
+static __thread struct lf_state *lf_my __attribute__((tls_model("initial-exec")));
+/* A vfork-like clone happened in this thread: until it shows its own tid again, a call may
+ * come from the child that borrows its memory (and its TLS), which must not touch the ring. */
+static __thread volatile int lf_vfork_seen __attribute__((tls_model("initial-exec")));
 /* Rings: the monitor creates one per epoch up front (LOCKSTEP_FAST_RING lists them). When
  * the replica set changes the ring in use is switched off; once the set is whole again
  * the monitor writes the next epoch into lf_reattach_to in every replica, all stopped at
@@ -214,7 +225,7 @@ static volatile int lf_vfork_seen;
 static char lf_ring_paths[LF_RINGS][128];
 static uint32_t lf_ring_count, lf_ring_epoch;
 static volatile uint32_t lf_reattach_to;
-static unsigned char *lf_ring_stack; /* kept across epochs and re-integration forks */
+static unsigned char *lf_ring_stacks; /* one per lane; kept across epochs and re-integration forks */
 static long after_slow_call(long ret);
 
 /* Test hooks (LOCKSTEP_FAST_TEST, tests/run_fast.rs): "corrupt:N" makes the leader damage
@@ -227,7 +238,8 @@ static long after_slow_call(long ret);
  * the seccomp backstop sees the program's calls. */
 static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash;
 static int lf_test_selector_allow;
-/* The thread that owns the ring: the main thread of the image that attached it. */
+/* The thread that attached the ring (lane 0): the main thread of the image. Later epochs'
+ * rings are attached through it. */
 static __thread int lf_ring_thread __attribute__((tls_model("initial-exec")));
 
 long lf_raw(long nr, long a1, long a2, long a3, long a4, long a5, long a6);
@@ -820,7 +832,7 @@ static int local_call(long nr, const long *a)
  * monitor from one still on its way. */
 static long slow_call(struct lf_state *st, long nr, const long *a)
 {
-    if (st == NULL || st->hdr == NULL || !lf_ring_thread || local_call(nr, a))
+    if (st == NULL || st->hdr == NULL || local_call(nr, a))
         return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
     struct lf_region *own = st->regions[st->me];
     store(&own->h.slow_calls, own->h.slow_calls + 1);
@@ -1158,8 +1170,8 @@ long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
     keep_sigsys_deliverable(nr, a, &masks);
     if (nr >= 0 && nr < MAX_NR)
         lf_counts[nr]++;
-    struct lf_state *st = lf_st;
-    if (st == NULL || st->hdr == NULL || !lf_ring_thread)
+    struct lf_state *st = lf_my;
+    if (st == NULL || st->hdr == NULL)
         return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
     if (lf_vfork_seen) {
         if (lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid) {
@@ -1172,21 +1184,48 @@ long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
     return on_ring_stack(&call);
 }
 
-/* Rewrites the `syscall` that ends at `after` into `call *%rax`. Returns 0 on success. */
+/* Code edits (site rewrites, stubs) happen one at a time: two threads that make the same
+ * page writable and read-only again in turn would fault. The holder blocks every signal
+ * but SIGSYS meanwhile, so that no handler of the program can interrupt it and wait for
+ * the lock on the same thread. */
+static int lf_code_lock;
+
+static uint64_t lock_code(void)
+{
+    uint64_t all = ~SIGSYS_BIT, old = 0;
+    lf_fast(SYS_rt_sigprocmask, SIG_BLOCK, (long)&all, (long)&old, sizeof all, 0, 0);
+    while (__atomic_exchange_n(&lf_code_lock, 1, __ATOMIC_ACQUIRE))
+        cpu_relax();
+    return old;
+}
+
+static void unlock_code(uint64_t old)
+{
+    __atomic_store_n(&lf_code_lock, 0, __ATOMIC_RELEASE);
+    lf_fast(SYS_rt_sigprocmask, SIG_SETMASK, (long)&old, 0, sizeof old, 0, 0);
+}
+
+/* Rewrites the `syscall` that ends at `after` into `call *%rax`. Returns 0 when the site is
+ * rewritten, by this call or, meanwhile, by another thread that trapped there too (its
+ * call must not run unreplicated from a stub). */
 static int rewrite_site(unsigned char *after)
 {
     unsigned char *site = after - 2;
-    if (site[0] != 0x0f || site[1] != 0x05)
-        return -1;
-    uintptr_t page = (uintptr_t)site & ~(uintptr_t)4095;
-    size_t len = ((uintptr_t)site + 2 > page + 4096) ? 8192 : 4096;
-    if (lf_raw(SYS_mprotect, (long)page, (long)len, PROT_READ | PROT_WRITE | PROT_EXEC, 0, 0, 0) != 0)
-        return -1;
-    site[0] = 0xff;
-    site[1] = 0xd0;
-    lf_raw(SYS_mprotect, (long)page, (long)len, PROT_READ | PROT_EXEC, 0, 0, 0);
-    lf_sites++;
-    return 0;
+    uint64_t mask = lock_code();
+    int rewritten = site[0] == 0xff && site[1] == 0xd0;
+    if (!rewritten && site[0] == 0x0f && site[1] == 0x05) {
+        uintptr_t page = (uintptr_t)site & ~(uintptr_t)4095;
+        size_t len = ((uintptr_t)site + 2 > page + 4096) ? 8192 : 4096;
+        if (lf_raw(SYS_mprotect, (long)page, (long)len, PROT_READ | PROT_WRITE | PROT_EXEC, 0, 0, 0) == 0) {
+            site[0] = 0xff;
+            site[1] = 0xd0;
+            lf_raw(SYS_mprotect, (long)page, (long)len, PROT_READ | PROT_EXEC, 0, 0, 0);
+            lf_sites++;
+            rewritten = 1;
+        }
+    }
+    unlock_code(mask);
+    return rewritten ? 0 : -1;
 }
 
 /* Calls that are never rewritten run from a stub of their own site on page 1 (inside
@@ -1199,13 +1238,11 @@ static int rewrite_site(unsigned char *after)
 #define MAX_STUBS (4096 / STUB_SIZE)
 static uintptr_t lf_stub_sites[MAX_STUBS];
 static unsigned lf_stub_count;
-static int lf_stub_lock;
 
 static uintptr_t stub_for(uintptr_t site_end)
 {
     uintptr_t stub = 0;
-    while (__atomic_exchange_n(&lf_stub_lock, 1, __ATOMIC_ACQUIRE))
-        cpu_relax();
+    uint64_t mask = lock_code();
     for (unsigned i = 0; i < lf_stub_count && stub == 0; i++)
         if (lf_stub_sites[i] == site_end)
             stub = STUB_PAGE + i * STUB_SIZE;
@@ -1220,7 +1257,7 @@ static uintptr_t stub_for(uintptr_t site_end)
         stub = STUB_PAGE + lf_stub_count * STUB_SIZE;
         lf_stub_count++;
     }
-    __atomic_store_n(&lf_stub_lock, 0, __ATOMIC_RELEASE);
+    unlock_code(mask);
     return stub;
 }
 
@@ -1235,7 +1272,8 @@ static int vfork_like(long nr, const greg_t *g)
         copy_bytes(&flags, (const void *)g[REG_RDI], sizeof flags);
     else
         return 0;
-    return (flags & CLONE_VM) && !(flags & CLONE_THREAD);
+    /* A thread without a TLS of its own would run with this thread's lane as well. */
+    return (flags & CLONE_VM) && (!(flags & CLONE_THREAD) || !(flags & CLONE_SETTLS));
 }
 
 static void on_sigsys(int sig, siginfo_t *info, void *context)
@@ -1331,9 +1369,38 @@ static void *map_shared(int fd, uint64_t offset, uint64_t len, int prot)
     return (void *)addr;
 }
 
-/* Attaches ring `epoch` of the list. Every call here goes through the fast gate, so the
- * replicas do it on their own (same fds, same addresses), except the hello, which meets
- * the monitor and returns this replica's number in that ring. */
+/* Each lane's state has a page of its own. */
+static struct lf_state *lane_state(struct lf_state *lanes, uint32_t lane)
+{
+    _Static_assert(sizeof(struct lf_state) <= 4096, "a lane's state fits its page");
+    return (struct lf_state *)((unsigned char *)lanes + lane * 4096);
+}
+
+static long hello(long op, long last)
+{
+    return lf_raw(LF_SYS_FAST, op, LF_VERSION, sizeof(struct lf_header), sizeof(struct lf_record), sizeof(struct lf_region),
+                  last);
+}
+
+/* The lanes' ring stacks, made once per process (kept across epochs). */
+static int make_ring_stacks(void)
+{
+    if (lf_ring_stacks != NULL)
+        return 0;
+    const long one = RING_STACK + 4096;
+    long stacks = lf_fast(SYS_mmap, 0, one * LF_LANES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (stacks < 0 && stacks > -4096)
+        return -1;
+    for (unsigned lane = 0; lane < LF_LANES; lane++)
+        lf_fast(SYS_mprotect, stacks + lane * one, 4096, PROT_NONE, 0, 0, 0);
+    lf_ring_stacks = (unsigned char *)stacks;
+    return 0;
+}
+
+/* Attaches ring `epoch` of the list through lane 0, and lays out every lane of it. Every
+ * call here goes through the fast gate, so the replicas do it on their own (same fds, same
+ * addresses), except the hello, which meets the monitor and returns this replica's number
+ * in that ring. */
 static void attach_ring(uint32_t epoch)
 {
     if (epoch >= lf_ring_count)
@@ -1345,55 +1412,139 @@ static void attach_ring(uint32_t epoch)
     struct lf_header *hdr = map_shared((int)fd, 0, LF_HEADER_SIZE, PROT_READ);
     long me = -1;
     if (hdr != NULL && hdr->magic == RING_MAGIC && hdr->version == LF_VERSION && hdr->replicas <= LF_MAX_REPLICAS &&
-        hdr->region_size >= sizeof(struct lf_region) && hdr->epoch == epoch)
-        me = lf_raw(LF_SYS_FAST, OP_HELLO, LF_VERSION, sizeof(struct lf_header), sizeof(struct lf_record),
-                    sizeof(struct lf_region), (long)&lf_reattach_to);
-    long st_page = lf_fast(SYS_mmap, 0, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (me < 0 || me >= (long)hdr->replicas || (st_page < 0 && st_page > -4096)) {
+        hdr->region_size >= sizeof(struct lf_region) && hdr->epoch == epoch && hdr->lanes == LF_LANES)
+        me = hello(OP_HELLO, (long)&lf_reattach_to);
+    const long states_len = LF_LANES * 4096;
+    long states = lf_fast(SYS_mmap, 0, states_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (me < 0 || (me >> LF_HELLO_LANE_SHIFT) != 0 || (me & 0xff) >= (long)hdr->replicas ||
+        (states < 0 && states > -4096) || make_ring_stacks() != 0) {
         lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
         return;
     }
-    lf_fast(SYS_madvise, st_page, 4096, MADV_WIPEONFORK, 0, 0, 0);
-    struct lf_state *st = (struct lf_state *)st_page;
-    if (lf_ring_stack == NULL) {
-        long stack = lf_fast(SYS_mmap, 0, RING_STACK + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (stack < 0 && stack > -4096) {
-            lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
-            return;
-        }
-        lf_fast(SYS_mprotect, stack, 4096, PROT_NONE, 0, 0, 0);
-        lf_ring_stack = (unsigned char *)stack + 4096;
-    }
-    st->stack = lf_ring_stack;
-    st->me = (uint32_t)me;
-    st->leader = hdr->leader;
-    st->replicas = hdr->replicas;
-    /* A replica that shares its CPU with another never spins: the one it waits for (or
-     * the one that waits for it) may need that CPU. */
-    st->spin = hdr->spin;
-    for (uint32_t r = 0; r < st->replicas; r++)
-        if (r != st->me && hdr->cpu[st->me] >= 0 && hdr->cpu[r] == hdr->cpu[st->me])
-            st->spin = 0;
-    st->escalate_seen = hdr->escalate;
-    st->owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
-    st->clocks = map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);
-    int ok = st->clocks != NULL;
-    for (uint32_t r = 0; r < st->replicas; r++) {
-        int prot = r == st->me ? PROT_READ | PROT_WRITE : PROT_READ;
-        st->regions[r] = map_shared((int)fd, hdr->regions_offset + r * hdr->region_size, hdr->region_size, prot);
-        ok = ok && st->regions[r] != NULL;
+    lf_fast(SYS_madvise, states, states_len, MADV_WIPEONFORK, 0, 0, 0);
+    struct lf_clock *clocks =
+        map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);
+    unsigned char *regions[LF_MAX_REPLICAS];
+    int ok = clocks != NULL;
+    const uint64_t replica_len = LF_LANES * hdr->region_size;
+    for (uint32_t r = 0; r < hdr->replicas; r++) {
+        int prot = r == (uint32_t)me ? PROT_READ | PROT_WRITE : PROT_READ;
+        regions[r] = map_shared((int)fd, hdr->regions_offset + r * replica_len, replica_len, prot);
+        ok = ok && regions[r] != NULL;
     }
     lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
     if (!ok)
         return;
-    st->hdr = hdr;
-    lf_st = st;
+    struct lf_state *lanes = (struct lf_state *)states;
+    for (uint32_t lane = 0; lane < LF_LANES; lane++) {
+        struct lf_state *st = lane_state(lanes, lane);
+        st->lane = lane;
+        st->stack = lf_ring_stacks + lane * (RING_STACK + 4096) + 4096;
+        st->me = (uint32_t)me;
+        st->leader = hdr->leader;
+        st->replicas = hdr->replicas;
+        /* A replica that shares its CPU with another never spins: the one it waits for (or
+         * the one that waits for it) may need that CPU. */
+        st->spin = hdr->spin;
+        for (uint32_t r = 0; r < st->replicas; r++)
+            if (r != st->me && hdr->cpu[st->me] >= 0 && hdr->cpu[r] == hdr->cpu[st->me])
+                st->spin = 0;
+        st->escalate_seen = hdr->escalate;
+        st->clocks = (struct lf_clock *)((unsigned char *)clocks + lane * hdr->clocks_size);
+        for (uint32_t r = 0; r < st->replicas; r++)
+            st->regions[r] = (struct lf_region *)(regions[r] + lane * hdr->region_size);
+        st->hdr = hdr;
+    }
+    lanes[0].owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
+    lf_lanes = lanes;
+    lf_my = &lanes[0];
     lf_ring_thread = 1;
     /* A replica forked by re-integration does not inherit Syscall User Dispatch: turn it on
      * again (a no-op in the others), or its calls from sites not rewritten yet would go to
      * the monitor while the others' take the ring. */
     if (epoch > 0 && lf_active)
         lf_fast(SYS_prctl, PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, STUB_PAGE + 4096, (long)&lf_selector, 0);
+}
+
+/* A thread the program started, before its own start routine: it asks the monitor for a
+ * lane of the ring in use (the monitor matches threads across replicas by creation order,
+ * so each replica's copy gets the same lane) and turns Syscall User Dispatch on for itself
+ * (a new thread does not inherit it), so that every call it makes comes through the shim.
+ * Without a lane it goes to the monitor for every call, as before. */
+static void attach_thread(void)
+{
+    struct lf_state *lanes = lf_lanes;
+    if (!lf_active || lanes == NULL || lanes[0].hdr == NULL)
+        return; /* the same in every replica: nothing to ask */
+    long ret = hello(OP_HELLO_THREAD, lf_ring_epoch);
+    long lane = ret >> LF_HELLO_LANE_SHIFT;
+    if (ret < 0 || lane <= 0 || lane >= (long)LF_LANES || (uint32_t)(ret & 0xff) != lanes[0].me)
+        return;
+    struct lf_state *st = lane_state(lanes, (uint32_t)lane);
+    st->owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
+    st->escalate_seen = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
+    lf_my = st;
+    if (lf_fast(SYS_prctl, PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, STUB_PAGE + 4096, (long)&lf_selector, 0) ==
+        0)
+        lf_selector = lf_test_selector_allow ? SELECTOR_ALLOW : SELECTOR_BLOCK;
+}
+
+/* pthread_create, so that each new thread attaches to the ring before the program's code
+ * runs in it (a deterministic point, the same in every replica). Threads made with a bare
+ * clone go to the monitor.
+ *
+ * The start routine and its argument travel in a slot of a fixed table, not on the heap:
+ * a free() in the new thread would make glibc set up that thread's malloc arena there,
+ * whose first-time `openat` of /sys/devices/system/cpu/online lands in whichever thread
+ * gets there first, which differs between replicas. A parent that finds every slot taken
+ * (that many threads created and not started yet) waits for one. */
+#define START_SLOTS 64
+struct thread_start {
+    void *(*routine)(void *);
+    void *arg;
+    int taken;
+};
+static struct thread_start lf_starts[START_SLOTS];
+
+static struct thread_start *take_start_slot(void)
+{
+    for (;;) {
+        for (unsigned i = 0; i < START_SLOTS; i++)
+            if (!__atomic_load_n(&lf_starts[i].taken, __ATOMIC_RELAXED) &&
+                !__atomic_exchange_n(&lf_starts[i].taken, 1, __ATOMIC_ACQUIRE))
+                return &lf_starts[i];
+        lf_fast(SYS_sched_yield, 0, 0, 0, 0, 0, 0);
+    }
+}
+
+static void *start_thread_with_lane(void *p)
+{
+    struct thread_start *slot = p;
+    void *(*routine)(void *) = slot->routine;
+    void *arg = slot->arg;
+    __atomic_store_n(&slot->taken, 0, __ATOMIC_RELEASE);
+    attach_thread();
+    return routine(arg);
+}
+
+typedef int (*pthread_create_fn)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+
+int pthread_create(pthread_t *thread, const pthread_attr_t *attr, void *(*routine)(void *), void *arg)
+{
+    static pthread_create_fn real;
+    if (real == NULL)
+        real = (pthread_create_fn)dlsym(RTLD_NEXT, "pthread_create");
+    if (real == NULL)
+        return EAGAIN;
+    if (!lf_active || lf_lanes == NULL || lf_lanes[0].hdr == NULL)
+        return real(thread, attr, routine, arg);
+    struct thread_start *slot = take_start_slot();
+    slot->routine = routine;
+    slot->arg = arg;
+    int err = real(thread, attr, start_thread_with_lane, slot);
+    if (err != 0)
+        __atomic_store_n(&slot->taken, 0, __ATOMIC_RELEASE);
+    return err;
 }
 
 /* After a call made through the monitor: the monitor may have asked for the next ring. */

@@ -39,6 +39,9 @@ static SHIM: &[u8] = include_bytes!(env!("LOCKSTEP_FAST_SHIM"));
 /// `lockstep_fast(op, ...)` operations (see the shim).
 pub const OP_HELLO: u64 = 1;
 pub const OP_DIVERGED: u64 = 2;
+pub const OP_HELLO_THREAD: u64 = 3;
+/// A hello's answer: the replica's region in the low bits, the lane from this bit on.
+pub const HELLO_LANE_SHIFT: u32 = layout::HELLO_LANE_SHIFT as u32;
 /// In place of the leader's syscall number in a DIVERGED report: the record was corrupt.
 pub const DIVERGED_CRC: u64 = 0xffff_ffff;
 /// In place of the leader's syscall number in a DIVERGED report from the leader itself:
@@ -68,6 +71,12 @@ struct Header {
     strict: u32,
     /// This ring's place in the list of rings (`LOCKSTEP_FAST_RING`).
     epoch: u32,
+    /// Threads that can use the ring at once: each lane has its clock area and one region
+    /// per replica (`layout::LANES`).
+    lanes: u32,
+    pad: u32,
+    /// Bytes of one lane's clock area.
+    clocks_size: u64,
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -101,6 +110,9 @@ const CLOCK_SIZE: u64 = 16 + 16 * layout::CLOCK_RING;
 const CLOCKS_SIZE: u64 = round_up(layout::CLOCKS * CLOCK_SIZE, layout::PAGE);
 const RECORD_SIZE: u64 = layout::RECORD_HEAD + layout::PAYLOAD_MAX;
 const REGION_SIZE: u64 = round_up(layout::REGION_HEAD + layout::SLOTS * RECORD_SIZE, layout::PAGE);
+/// A ring's lanes, as a type: a lane is one thread's share of the ring.
+pub type Lane = usize;
+pub const LANES: usize = layout::LANES as usize;
 
 /// Rings created for a run: the first, and one for each time the replica set becomes
 /// whole again after a change (a vote-out, a death, a re-integration); see [`FastPath`].
@@ -137,8 +149,10 @@ impl Ring {
             layout::MAX_REPLICAS
         );
         let file = memfd(c"lockstep-ring")?;
-        let regions_offset = layout::HEADER_SIZE + CLOCKS_SIZE;
-        let total = regions_offset + layout::MAX_REPLICAS * REGION_SIZE;
+        // Header, every lane's clock area, then each replica's regions, one per lane, side
+        // by side: a replica maps its own regions with one mapping, another's with one.
+        let regions_offset = layout::HEADER_SIZE + layout::LANES * CLOCKS_SIZE;
+        let total = regions_offset + layout::MAX_REPLICAS * layout::LANES * REGION_SIZE;
         // SAFETY: ftruncate and mmap of our own memfd; checked below.
         let base = unsafe {
             if libc::ftruncate(file.as_raw_fd(), total as libc::off_t) != 0 {
@@ -179,6 +193,9 @@ impl Ring {
                 cpu: std::array::from_fn(|r| placement.get(r).map_or(-1, |&c| c as i32)),
                 strict: strict as u32,
                 epoch,
+                lanes: layout::LANES as u32,
+                pad: 0,
+                clocks_size: CLOCKS_SIZE,
             })
         };
         Ok(ring)
@@ -212,9 +229,10 @@ impl Ring {
         unsafe { AtomicU64::from_ptr(field as *const u64 as *mut u64) }
     }
 
-    fn region(&self, r: u32) -> &RegionHead {
+    fn region(&self, lane: Lane, r: u32) -> &RegionHead {
         assert!(r < self.replicas, "replica {r} has no region");
-        let offset = self.header().regions_offset + r as u64 * REGION_SIZE;
+        assert!(lane < LANES, "lane {lane} is past the ring's {LANES}");
+        let offset = self.header().regions_offset + (r as u64 * layout::LANES + lane as u64) * REGION_SIZE;
         // SAFETY: inside the mapping (checked at creation); regions are page-aligned.
         unsafe { &*self.base.add(offset as usize).cast::<RegionHead>() }
     }
@@ -239,10 +257,12 @@ impl Ring {
     /// through the monitor. Sleepers are woken so that they see it.
     pub fn switch_off(&self) {
         self.word32(&self.header().off).store(1, Ordering::Release);
-        for r in 0..self.replicas {
-            let region = self.region(r);
-            futex_wake(self.word32(&region.progress));
-            futex_wake(self.word32(&region.published_word));
+        for lane in 0..LANES {
+            for r in 0..self.replicas {
+                let region = self.region(lane, r);
+                futex_wake(self.word32(&region.progress));
+                futex_wake(self.word32(&region.published_word));
+            }
         }
     }
 
@@ -252,18 +272,18 @@ impl Ring {
     }
 
     /// Calls the leader has published.
-    pub fn published(&self, r: u32) -> u64 {
-        self.word64(&self.region(r).published).load(Ordering::Acquire)
+    pub fn published(&self, lane: Lane, r: u32) -> u64 {
+        self.word64(&self.region(lane, r).published).load(Ordering::Acquire)
     }
 
     /// Records follower `r` has consumed.
-    pub fn consumed(&self, r: u32) -> u64 {
-        self.word64(&self.region(r).consumed).load(Ordering::Acquire)
+    pub fn consumed(&self, lane: Lane, r: u32) -> u64 {
+        self.word64(&self.region(lane, r).consumed).load(Ordering::Acquire)
     }
 
     /// Follower `r`'s latest vote on an output: (the call's sequence number, its digest).
-    pub fn vote(&self, r: u32) -> (u64, u64) {
-        let region = self.region(r);
+    pub fn vote(&self, lane: Lane, r: u32) -> (u64, u64) {
+        let region = self.region(lane, r);
         // The follower writes the digest first and publishes the sequence with release.
         let seq = self.word64(&region.vote_seq).load(Ordering::Acquire);
         (seq, self.word64(&region.vote_digest).load(Ordering::Acquire))
@@ -271,29 +291,29 @@ impl Ring {
 
     /// A number that grows whenever replica `r` moves on in the ring (publishes, votes or
     /// consumes).
-    pub fn position(&self, r: u32) -> u64 {
-        let region = self.region(r);
+    pub fn position(&self, lane: Lane, r: u32) -> u64 {
+        let region = self.region(lane, r);
         self.word64(&region.published).load(Ordering::Acquire)
             + self.word64(&region.consumed).load(Ordering::Acquire)
             + self.word64(&region.vote_seq).load(Ordering::Acquire)
     }
 
     /// Whether replica `r` sleeps waiting for another one in the ring.
-    pub fn sleeping(&self, r: u32) -> bool {
-        self.word32(&self.region(r).sleeping).load(Ordering::Acquire) != 0
+    pub fn sleeping(&self, lane: Lane, r: u32) -> bool {
+        self.word32(&self.region(lane, r).sleeping).load(Ordering::Acquire) != 0
     }
 
     /// The call leader `r` entered the kernel for last: (sequence number, syscall number).
-    pub fn in_flight(&self, r: u32) -> (u64, u64) {
-        let region = self.region(r);
+    pub fn in_flight(&self, lane: Lane, r: u32) -> (u64, u64) {
+        let region = self.region(lane, r);
         // The leader writes the number first and the sequence with release.
         let seq = self.word64(&region.in_flight).load(Ordering::Acquire);
         (seq, self.word64(&region.in_flight_nr).load(Ordering::Acquire))
     }
 
     /// Calls replica `r` completed on the fast path.
-    pub fn fast_calls(&self, r: u32) -> u64 {
-        self.word64(&self.region(r).fast_calls).load(Ordering::Acquire)
+    pub fn fast_calls(&self, lane: Lane, r: u32) -> u64 {
+        self.word64(&self.region(lane, r).fast_calls).load(Ordering::Acquire)
     }
 }
 
@@ -359,19 +379,22 @@ pub struct FastPath {
     pending: Option<Vec<u32>>,
     /// Where each replica's shim reads the epoch to attach next (same address in all).
     pub reattach_word: Option<u64>,
-    /// The task whose main thread attached the ring (at its hello), if one did.
-    pub task: Option<usize>,
-    /// Per region: its last ring position, and since when it has not moved while running
-    /// and while another replica waited (the watchdog, `fast_session.rs`).
-    pub watch: Vec<(u64, Option<std::time::Instant>)>,
+    /// The task in each lane: lane 0 is the thread that attached the ring (the main thread
+    /// of the program's first image, at its hello); the others are threads of the same
+    /// process that said hello when they started. A lane is free again once its task ended.
+    lanes: [Option<usize>; LANES],
+    /// Per lane, per region: its last ring position, and since when it has not moved while
+    /// running and while another replica waited (the watchdog, `fast_session.rs`).
+    pub watch: Vec<[(u64, Option<std::time::Instant>); layout::MAX_REPLICAS as usize]>,
     /// Where strict output checks read the leader's buffers (`fast_check::CHUNK` bytes).
     pub scratch: Vec<u8>,
     /// Outputs the monitor checked and let run (strict output checks).
     pub checked_outputs: u64,
-    /// The sequence number of the last output the monitor let run, in the current ring.
-    pub approved: u64,
-    /// Since when every replica has waited for another in the ring, nobody moving.
-    pub deadlock_since: Option<std::time::Instant>,
+    /// Per lane: the sequence number of the last output the monitor let run, in the
+    /// current ring.
+    pub approved: [u64; LANES],
+    /// Per lane: since when every replica has waited for another in the ring, nobody moving.
+    pub deadlock_since: [Option<std::time::Instant>; LANES],
 }
 
 impl FastPath {
@@ -419,12 +442,12 @@ impl FastPath {
             members: (0..opts.replicas).collect(),
             pending: None,
             reattach_word: None,
-            task: None,
-            watch: vec![(0, None); opts.replicas as usize],
+            lanes: [None; LANES],
+            watch: vec![Default::default(); LANES],
             scratch: vec![0; crate::fast_check::CHUNK],
             checked_outputs: 0,
-            approved: 0,
-            deadlock_since: None,
+            approved: [0; LANES],
+            deadlock_since: [None; LANES],
         }))
     }
 
@@ -467,9 +490,53 @@ impl FastPath {
         self.current
     }
 
-    /// The ring's task, while the ring is on.
-    pub fn active_task(&self) -> Option<usize> {
-        self.task.filter(|_| self.ring().is_on())
+    /// The lane of `task`, while the ring is on.
+    pub fn active_lane(&self, task: usize) -> Option<Lane> {
+        self.lane_of(task).filter(|_| self.ring().is_on())
+    }
+
+    /// The lane of `task`, whether or not the ring is on.
+    pub fn lane_of(&self, task: usize) -> Option<Lane> {
+        self.lanes.iter().position(|&t| t == Some(task))
+    }
+
+    /// The task of lane `lane`.
+    pub fn task_of(&self, lane: Lane) -> Option<usize> {
+        self.lanes[lane]
+    }
+
+    /// Tasks with a lane, while the ring is on: (lane, task).
+    pub fn active_lanes(&self) -> impl Iterator<Item = (Lane, usize)> + '_ {
+        let on = self.ring().is_on();
+        self.lanes
+            .iter()
+            .enumerate()
+            .filter_map(move |(lane, t)| t.filter(|_| on).map(|t| (lane, t)))
+    }
+
+    /// Gives `task` a lane: lane 0 for the ring's first thread, the first free one after.
+    /// None when every lane is taken.
+    pub fn take_lane(&mut self, task: usize, first: bool) -> Option<Lane> {
+        if let Some(lane) = self.lane_of(task) {
+            return Some(lane);
+        }
+        let lane = if first {
+            Some(0).filter(|_| self.lanes[0].is_none())
+        } else {
+            (1..LANES).find(|&l| self.lanes[l].is_none())
+        }?;
+        self.lanes[lane] = Some(task);
+        self.watch[lane] = Default::default();
+        self.deadlock_since[lane] = None;
+        Some(lane)
+    }
+
+    /// `task` ended in every replica: its lane can serve another thread. Lane 0 stays the
+    /// first thread's (the next epoch's ring is attached through it).
+    pub fn release_lane(&mut self, task: usize) {
+        if let Some(lane) = self.lane_of(task).filter(|&l| l != 0) {
+            self.lanes[lane] = None;
+        }
     }
 
     /// Replica `r`'s region in the current ring.
@@ -482,41 +549,42 @@ impl FastPath {
         self.members.get(self.ring().leader() as usize).copied()
     }
 
-    /// Calls replica `r` published as the ring's leader.
-    pub fn published(&self, r: u32) -> Option<u64> {
-        self.region(r).map(|i| self.ring().published(i))
+    /// Calls replica `r` published as the leader of `lane`.
+    pub fn published(&self, lane: Lane, r: u32) -> Option<u64> {
+        self.region(r).map(|i| self.ring().published(lane, i))
     }
 
-    /// Records follower `r` consumed.
-    pub fn consumed(&self, r: u32) -> Option<u64> {
-        self.region(r).map(|i| self.ring().consumed(i))
+    /// Records follower `r` consumed in `lane`.
+    pub fn consumed(&self, lane: Lane, r: u32) -> Option<u64> {
+        self.region(r).map(|i| self.ring().consumed(lane, i))
     }
 
-    /// The call leader `r` entered the kernel for last: (sequence number, syscall number).
-    pub fn in_flight(&self, r: u32) -> Option<(u64, u64)> {
-        self.region(r).map(|i| self.ring().in_flight(i))
+    /// The call leader `r` entered the kernel for last in `lane`: (sequence number,
+    /// syscall number).
+    pub fn in_flight(&self, lane: Lane, r: u32) -> Option<(u64, u64)> {
+        self.region(r).map(|i| self.ring().in_flight(lane, i))
     }
 
-    /// Follower `r`'s latest vote: (sequence number, digest).
-    pub fn vote(&self, r: u32) -> Option<(u64, u64)> {
-        self.region(r).map(|i| self.ring().vote(i))
+    /// Follower `r`'s latest vote in `lane`: (sequence number, digest).
+    pub fn vote(&self, lane: Lane, r: u32) -> Option<(u64, u64)> {
+        self.region(r).map(|i| self.ring().vote(lane, i))
     }
 
-    /// A number that grows whenever replica `r` moves on in the ring.
-    pub fn position(&self, r: u32) -> Option<u64> {
-        self.region(r).map(|i| self.ring().position(i))
+    /// A number that grows whenever replica `r` moves on in `lane`.
+    pub fn position(&self, lane: Lane, r: u32) -> Option<u64> {
+        self.region(r).map(|i| self.ring().position(lane, i))
     }
 
-    /// Whether replica `r` sleeps waiting for another one in the ring.
-    pub fn sleeping(&self, r: u32) -> bool {
-        self.region(r).is_some_and(|i| self.ring().sleeping(i))
+    /// Whether replica `r` sleeps in `lane`, waiting for another one.
+    pub fn sleeping(&self, lane: Lane, r: u32) -> bool {
+        self.region(r).is_some_and(|i| self.ring().sleeping(lane, i))
     }
 
-    /// Calls the leaders completed on the fast path, over every epoch so far.
+    /// Calls the leaders completed on the fast path, over every lane and epoch so far.
     pub fn fast_calls(&self) -> u64 {
         self.rings[..=self.current]
             .iter()
-            .map(|ring| ring.fast_calls(ring.leader()))
+            .flat_map(|ring| (0..LANES).map(move |lane| ring.fast_calls(lane, ring.leader())))
             .sum()
     }
 
@@ -543,8 +611,14 @@ impl FastPath {
             return false;
         };
         self.current += 1;
-        self.approved = 0;
-        self.watch = vec![(0, None); members.len()];
+        // Only the first thread attaches a later epoch's ring (re-integration needs a
+        // program with one thread); other threads that start later take lanes in it.
+        let first = self.lanes[0];
+        self.lanes = [None; LANES];
+        self.lanes[0] = first;
+        self.approved = [0; LANES];
+        self.watch = vec![Default::default(); LANES];
+        self.deadlock_since = [None; LANES];
         self.members = members;
         true
     }
@@ -570,13 +644,14 @@ mod tests {
 
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {
-        assert_eq!(std::mem::size_of::<Header>(), 88);
+        assert_eq!(std::mem::size_of::<Header>(), 104);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
         let ring = Ring::create(0, 2, 10, &[0, 1], true).unwrap();
         assert!(ring.is_on());
         assert_eq!(ring.leader(), 0);
-        assert_eq!(ring.published(0), 0);
+        assert_eq!(ring.published(0, 0), 0);
+        assert_eq!(ring.published(LANES - 1, 1), 0);
         ring.switch_off();
         assert!(!ring.is_on());
     }

@@ -1,9 +1,11 @@
 //! What the monitor does for the fast path (`fast.rs` holds the ring itself):
 //!
-//! * the shim's hello: each replica learns its number, and the ring gets its task;
+//! * the shim's hellos: each replica learns its number, the ring's first thread gets lane
+//!   0, and each thread the program starts later gets a free lane of its own (its records,
+//!   votes and clock values), matched across replicas by creation order;
 //! * a follower's DIVERGED report: a record that does not match the follower's own call;
-//! * at every rendezvous of the ring's task, every follower must have consumed exactly
-//!   what the leader published (a replica that skipped or added fast-path calls differs);
+//! * at every rendezvous of a task with a lane, every follower must have consumed exactly
+//!   what the leader published in it (a replica that skipped or added calls differs);
 //! * signals: a signal to deliver brings the leader's next call to the monitor, and a
 //!   leader blocked in a fast call is interrupted so that it gets there;
 //! * strict output checks: a leader's output from the fast gate runs only after the
@@ -12,7 +14,7 @@
 //!   again, the replicas attach the next epoch's ring (`arm_next_ring`).
 
 use crate::backend::{Backend, Resume};
-use crate::fast::{DIVERGED_CRC, DIVERGED_LEADER, OP_DIVERGED, OP_HELLO};
+use crate::fast::{Lane, DIVERGED_CRC, DIVERGED_LEADER, OP_DIVERGED, OP_HELLO, OP_HELLO_THREAD};
 use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
 use lockstep_core::events::Event;
 use lockstep_trace::{syscalls, Regs, FAST_GATE, SYS_LOCKSTEP_FAST};
@@ -61,38 +63,61 @@ impl Session {
         self.replica_failed(task, r, "divergence", msg)
     }
 
-    /// The shim's hello: each replica gets its number in the ring (its region) if the
-    /// ring is for this task: the first ring, by the main thread of the program's first
-    /// image with the replica set untouched; a later one, after the monitor armed it.
-    /// `args[5]`: where the shim reads the epoch to attach next.
+    /// The shim's hello: each replica gets its number in the ring (its region) and the
+    /// calling thread a lane.
+    /// * `OP_HELLO` attaches a ring through lane 0: the first ring, by the main thread of
+    ///   the program's first image with the replica set untouched; a later one, after the
+    ///   monitor armed it. `args[5]`: where the shim reads the epoch to attach next.
+    /// * `OP_HELLO_THREAD`, from a thread the program started (the shim's start routine,
+    ///   before the program's own): a free lane of the ring in use, if the thread belongs
+    ///   to the ring's process. `args[5]`: the epoch the shim uses.
     pub(crate) fn fast_hello(&mut self, task: TaskId, args: &[u64; 6]) -> i64 {
         let live = self.live_replicas();
         let leader = self.replicas.leader();
+        let ring_process = self
+            .fast
+            .as_ref()
+            .and_then(|f| f.task_of(0))
+            .map(|t| self.tasks[t].process());
+        let process = self.tasks[task].process();
         let Some(fast) = &mut self.fast else {
             return -(libc::ENOSYS as i64);
         };
-        if args[0] != OP_HELLO || !fast.ring().layout_matches(args[1], args[2], args[3], args[4]) {
+        if (args[0] != OP_HELLO && args[0] != OP_HELLO_THREAD)
+            || !fast.ring().layout_matches(args[1], args[2], args[3], args[4])
+        {
             return -(libc::EINVAL as i64);
         }
+        if args[0] == OP_HELLO_THREAD {
+            let usable = fast.armed_epoch().is_none()
+                && args[5] == fast.epoch() as u64
+                && fast.ring().is_on()
+                && fast.leader() == Some(leader)
+                && ring_process == Some(process);
+            return match usable.then(|| fast.take_lane(task, false)).flatten() {
+                Some(_) => 0, // replaced by each replica's own number
+                None => -(libc::EBUSY as i64),
+            };
+        }
         if fast.armed_epoch().is_some() {
-            if fast.task != Some(task) || !fast.enter_armed() || fast.leader() != Some(leader) {
+            if fast.lane_of(task) != Some(0) || !fast.enter_armed() || fast.leader() != Some(leader) {
                 return -(libc::EBUSY as i64);
             }
             return 0; // replaced by each replica's own number
         }
-        let first_image = self.tasks[task].process() == 0 && task == 0;
+        let first_image = process == 0 && task == 0;
         let untouched =
             live.len() == self.opts.replicas as usize && live.iter().enumerate().all(|(i, &r)| i == r as usize);
-        if fast.task.is_some()
+        if fast.task_of(0).is_some()
             || fast.epoch() != 0
             || !first_image
             || !untouched
             || !fast.ring().is_on()
             || fast.leader() != Some(leader)
+            || fast.take_lane(task, true).is_none()
         {
             return -(libc::EBUSY as i64);
         }
-        fast.task = Some(task);
         fast.reattach_word = Some(args[5]).filter(|&a| a != 0);
         0 // replaced by each replica's own number
     }
@@ -109,7 +134,7 @@ impl Session {
         let Some(word) = fast.reattach_word else {
             return;
         };
-        if fast.task != Some(task) || fast.ring().is_on() || !live.contains(&leader) {
+        if fast.lane_of(task) != Some(0) || fast.ring().is_on() || !live.contains(&leader) {
             return;
         }
         let mut members = vec![leader];
@@ -139,15 +164,15 @@ impl Session {
         let Some(fast) = &self.fast else {
             return Ok(false);
         };
-        if fast.active_task() != Some(task) {
+        let Some(lane) = fast.active_lane(task) else {
             return Ok(false);
-        }
+        };
         let leader = self.replicas.leader();
-        let published = fast.published(leader).unwrap_or(0);
+        let published = fast.published(lane, leader).unwrap_or(0);
         let behind: Vec<(ReplicaId, u64)> = live
             .iter()
             .filter(|&&f| f != leader)
-            .map(|&f| (f, fast.consumed(f).unwrap_or(0)))
+            .map(|&f| (f, fast.consumed(lane, f).unwrap_or(0)))
             .filter(|&(_, consumed)| consumed != published)
             .collect();
         if behind.is_empty() {
@@ -204,41 +229,43 @@ impl Session {
         let followers = live.iter().copied().filter(|&f| f != r);
         let verdict = match self.fast.as_mut() {
             None => Err("there is no fast path".to_string()),
-            Some(fast) if fast.task != Some(task) => Err(format!("task {task} does not use the ring")),
             Some(fast) if fast.leader() != Some(r) || self.replicas.leader() != r => {
                 Err(format!("replica {r} is not the ring's leader"))
             }
-            Some(fast) => {
-                let be = &self.be;
-                let mut read = |addr: u64, buf: &mut [u8]| be.read(tid, addr, buf);
-                let seq = fast.published(r).unwrap_or(0) + 1;
-                let mut scratch = std::mem::take(&mut fast.scratch);
-                let digest = crate::fast_check::output_digest(nr, args, &mut scratch, &mut read);
-                fast.scratch = scratch;
-                digest.and_then(|digest| -> Result<u64, String> {
-                    let wrong: Vec<String> = followers
-                        .filter_map(|f| {
-                            let (vote_seq, vote) = fast.vote(f).unwrap_or((0, 0));
-                            (vote_seq != seq || vote != digest)
-                                .then(|| format!("replica {f} voted {vote:016x} for call #{vote_seq}"))
-                        })
-                        .collect();
-                    if wrong.is_empty() {
-                        Ok(seq)
-                    } else {
-                        Err(format!(
-                            "its digest is {digest:016x} for call #{seq}; {}",
-                            wrong.join(", ")
-                        ))
-                    }
-                })
-            }
+            Some(fast) => match fast.lane_of(task) {
+                None => Err(format!("task {task} does not use the ring")),
+                Some(lane) => {
+                    let be = &self.be;
+                    let mut read = |addr: u64, buf: &mut [u8]| be.read(tid, addr, buf);
+                    let seq = fast.published(lane, r).unwrap_or(0) + 1;
+                    let mut scratch = std::mem::take(&mut fast.scratch);
+                    let digest = crate::fast_check::output_digest(nr, args, &mut scratch, &mut read);
+                    fast.scratch = scratch;
+                    digest.and_then(|digest| -> Result<(Lane, u64), String> {
+                        let wrong: Vec<String> = followers
+                            .filter_map(|f| {
+                                let (vote_seq, vote) = fast.vote(lane, f).unwrap_or((0, 0));
+                                (vote_seq != seq || vote != digest)
+                                    .then(|| format!("replica {f} voted {vote:016x} for call #{vote_seq}"))
+                            })
+                            .collect();
+                        if wrong.is_empty() {
+                            Ok((lane, seq))
+                        } else {
+                            Err(format!(
+                                "its digest is {digest:016x} for call #{seq}; {}",
+                                wrong.join(", ")
+                            ))
+                        }
+                    })
+                }
+            },
         };
         match verdict {
-            Ok(seq) => {
+            Ok((lane, seq)) => {
                 if let Some(fast) = self.fast.as_mut() {
                     fast.checked_outputs += 1;
-                    fast.approved = seq;
+                    fast.approved[lane] = seq;
                 }
                 // A failed resume is recorded by the backend and fails the replica.
                 let _ = self.be.resume(tid, Resume::Run);
@@ -272,20 +299,22 @@ impl Session {
             libc::SYS_getrandom,
         ];
         let fast = self.fast.as_ref()?;
-        fast.task?;
-        let (seq, nr) = fast.in_flight(r)?;
-        if seq <= fast.published(r)? || REPEATABLE.contains(&(nr as i64)) {
-            return None;
-        }
         let strict = self.opts.output_check == crate::OutputCheck::Strict;
-        if crate::fast_check::is_fast_output(nr) && strict && fast.approved != seq {
-            return None;
-        }
-        Some(format!(
-            "leader {r} failed after its fast-path call #{seq} ({}) may have run and before it published the result; \
-             running it again could lose the input it took or repeat the output",
-            syscalls::name(nr)
-        ))
+        (0..crate::fast::LANES).find_map(|lane| {
+            let task = fast.task_of(lane)?;
+            let (seq, nr) = fast.in_flight(lane, r)?;
+            if seq <= fast.published(lane, r)? || REPEATABLE.contains(&(nr as i64)) {
+                return None;
+            }
+            if crate::fast_check::is_fast_output(nr) && strict && fast.approved[lane] != seq {
+                return None;
+            }
+            Some(format!(
+                "leader {r} failed after its fast-path call #{seq} ({}) of task {task} may have run and before it \
+                 published the result; running it again could lose the input it took or repeat the output",
+                syscalls::name(nr)
+            ))
+        })
     }
 
     /// A signal waits for the ring's task: its leader brings its next replicated call to
@@ -294,7 +323,7 @@ impl Session {
         let Some(fast) = &self.fast else {
             return false;
         };
-        if fast.active_task() != Some(task) {
+        if fast.active_lane(task).is_none() {
             return false;
         }
         fast.ring().request_escalation();
@@ -312,7 +341,7 @@ impl Session {
         let Some(fast) = &self.fast else {
             return;
         };
-        if fast.active_task() != Some(task) || r != self.replicas.leader() {
+        if fast.active_lane(task).is_none() || r != self.replicas.leader() {
             return;
         }
         let tid = self.slot(task, r).tid();
@@ -325,13 +354,22 @@ impl Session {
         }
     }
 
-    /// The watchdog: a replica that, for the straggler timeout, runs (in user space) without
-    /// moving in the ring while another replica waits there is a straggler, as one that
-    /// does not reach a rendezvous is.
+    /// The watchdog, for every lane in use.
     pub(crate) fn check_ring_progress(&mut self) -> Result<(), Stopped> {
-        let Some(task) = self.fast.as_ref().and_then(|f| f.active_task()) else {
-            return Ok(());
+        let lanes: Vec<(Lane, TaskId)> = match &self.fast {
+            Some(fast) => fast.active_lanes().collect(),
+            None => return Ok(()),
         };
+        for (lane, task) in lanes {
+            self.check_lane_progress(lane, task)?;
+        }
+        Ok(())
+    }
+
+    /// A replica that, for the straggler timeout, runs (in user space) without moving in
+    /// `task`'s lane while another replica waits there is a straggler, as one that does
+    /// not reach a rendezvous is.
+    fn check_lane_progress(&mut self, lane: Lane, task: TaskId) -> Result<(), Stopped> {
         let live: Vec<ReplicaId> = self.live_slots(task).to_vec();
         let now = std::time::Instant::now();
         // Ring reads first (memory); /proc only for a replica that has stood still while
@@ -339,16 +377,16 @@ impl Session {
         let Some(fast) = self.fast.as_mut() else {
             return Ok(());
         };
-        let someone_waits = live.iter().any(|&r| fast.sleeping(r));
-        let everyone_waits = live.iter().all(|&r| fast.sleeping(r));
+        let someone_waits = live.iter().any(|&r| fast.sleeping(lane, r));
+        let everyone_waits = live.iter().all(|&r| fast.sleeping(lane, r));
         let mut standing = Vec::new();
         let mut moved = false;
         for &r in &live {
-            let (Some(position), Some(region)) = (fast.position(r), fast.region(r)) else {
+            let (Some(position), Some(region)) = (fast.position(lane, r), fast.region(r)) else {
                 continue;
             };
-            let sleeping = fast.sleeping(r);
-            let entry = &mut fast.watch[region as usize];
+            let sleeping = fast.sleeping(lane, r);
+            let entry = &mut fast.watch[lane][region as usize];
             moved |= position != entry.0;
             if position != entry.0 || !someone_waits || sleeping {
                 *entry = (position, None);
@@ -359,8 +397,8 @@ impl Session {
         // Every replica waits for another one in the ring and nobody moves: a cycle of
         // waits that only a divergence explains (each is at a different call).
         if !everyone_waits || moved {
-            fast.deadlock_since = None;
-        } else if now.duration_since(*fast.deadlock_since.get_or_insert(now)) >= self.opts.timeout {
+            fast.deadlock_since[lane] = None;
+        } else if now.duration_since(*fast.deadlock_since[lane].get_or_insert(now)) >= self.opts.timeout {
             fast.ring().switch_off();
             let msg = format!(
                 "every replica of task {task} waited for another in the fast path's ring for {:.1} s",
@@ -382,7 +420,7 @@ impl Session {
             let Some(region) = fast.region(r) else {
                 continue;
             };
-            let entry = &mut fast.watch[region as usize];
+            let entry = &mut fast.watch[lane][region as usize];
             if !running {
                 entry.1 = None;
                 continue;
@@ -399,7 +437,8 @@ impl Session {
         }
         fast.ring().switch_off();
         let msg = format!(
-            "replica(s) {stragglers:?} ran for {:.1} s without moving in the fast path's ring while another replica waited",
+            "replica(s) {stragglers:?} ran for {:.1} s without moving in the fast path's ring of task {task} \
+             while another replica waited",
             self.opts.timeout.as_secs_f64()
         );
         self.stragglers_timed_out(
@@ -413,9 +452,10 @@ impl Session {
 
     /// Whether every replica of `missing` sleeps in `task`'s ring, waiting for another one.
     pub(crate) fn waiting_in_ring(&self, task: TaskId, missing: &[ReplicaId]) -> bool {
-        self.fast
-            .as_ref()
-            .is_some_and(|f| f.active_task() == Some(task) && missing.iter().all(|&r| f.sleeping(r)))
+        self.fast.as_ref().is_some_and(|f| {
+            f.active_lane(task)
+                .is_some_and(|lane| missing.iter().all(|&r| f.sleeping(lane, r)))
+        })
     }
 
     /// Replicas `came` reached the monitor while the others of `task` wait for them in the
@@ -475,15 +515,17 @@ impl Session {
             self.answer_each(task, |_| result);
             return Ok(());
         };
+        let lane = fast.lane_of(task).unwrap_or(0);
         if self.debug && result == 0 {
             eprintln!(
-                "lockstep debug: the fast path's ring {} is attached to task {task}",
+                "lockstep debug: the fast path's ring {} gave lane {lane} to task {task}",
                 fast.epoch()
             );
         }
         let regions: Vec<Option<u32>> = (0..self.replicas.ids() as ReplicaId).map(|r| fast.region(r)).collect();
+        // The answer: the replica's region, and the lane above it (`HELLO_LANE_SHIFT`).
         self.answer_each(task, |r| match regions.get(r as usize).copied().flatten() {
-            Some(region) if result == 0 => region as i64,
+            Some(region) if result == 0 => region as i64 | ((lane as i64) << crate::fast::HELLO_LANE_SHIFT),
             _ if result == 0 => -(libc::EBUSY as i64),
             _ => result,
         });
@@ -493,7 +535,7 @@ impl Session {
     /// Calls the leaders completed on the fast path, for `--stats`.
     pub(crate) fn fast_calls(&self) -> Option<u64> {
         let fast = self.fast.as_ref()?;
-        fast.task?;
+        fast.task_of(0)?;
         Some(fast.fast_calls())
     }
 }

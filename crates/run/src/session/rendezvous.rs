@@ -452,6 +452,9 @@ impl Session {
         match arrival {
             Arrival::Died(death) => {
                 self.tasks[task].finish();
+                if let Some(fast) = self.fast.as_mut() {
+                    fast.release_lane(task);
+                }
                 if task == 0 {
                     self.root_death = Some(death);
                 }
