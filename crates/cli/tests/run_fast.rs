@@ -111,6 +111,90 @@ fn socket_sends_and_receives_without_an_address_take_the_fast_path() {
     assert!(fast >= 6000, "{fast} fast-path calls\n{}", out.context());
 }
 
+fn lanes(threads: u32, rounds: u32, start: &str) -> Vec<std::ffi::OsString> {
+    vec![
+        fixture("lanes").into_os_string(),
+        threads.to_string().into(),
+        rounds.to_string().into(),
+        start.into(),
+    ]
+}
+
+#[test]
+fn each_thread_takes_a_lane_of_the_ring() {
+    // Four workers at once, each with its own reads and writes: every call of theirs
+    // skips the monitor, in DMR and TMR, with either output check.
+    let prog = lanes(4, 300, "together");
+    let native = native_stdout(&prog);
+    for opts in [&["-r", "2"][..], &["-r", "3"], &["-r", "2", "--output-check", "fast"]] {
+        let mut all = opts.to_vec();
+        all.extend([FAST, "--stats"]);
+        let out = run(lockstep_run(&all, &prog));
+        out.assert_code(0).assert_stdout(&native);
+        assert!(!out.stderr.contains("[divergence]"), "{}", out.context());
+        let (fast, intercepted) = fast_and_intercepted(&out);
+        assert!(
+            fast >= 4 * 300 * 2,
+            "{fast} fast-path calls, {intercepted} intercepted\n{}",
+            out.context()
+        );
+        assert!(
+            intercepted < 300,
+            "{intercepted} calls met the monitor\n{}",
+            out.context()
+        );
+    }
+}
+
+#[test]
+fn threads_beyond_the_lanes_go_through_the_monitor_and_ended_threads_free_theirs() {
+    let lanes_per_process = lockstep_run::fast::LANES as u64;
+    // More threads at once than lanes: the first ones (the main thread has lane 0) take
+    // the ring, the others meet the monitor at every call, and the output is native.
+    let prog = lanes(20, 100, "together");
+    let out = run(lockstep_run(&["-r", "2", FAST, "--stats"], &prog));
+    out.assert_code(0).assert_stdout(&native_stdout(&prog));
+    let (fast, intercepted) = fast_and_intercepted(&out);
+    assert!(
+        fast >= (lanes_per_process - 1) * 200,
+        "{fast} fast-path calls\n{}",
+        out.context()
+    );
+    assert!(intercepted >= 200, "{intercepted} intercepted\n{}", out.context());
+    // More threads than lanes, one after another: each takes the lane the last one freed.
+    let prog = lanes(40, 100, "one-by-one");
+    let out = run(lockstep_run(&["-r", "2", FAST, "--stats"], &prog));
+    out.assert_code(0).assert_stdout(&native_stdout(&prog));
+    let (fast, _) = fast_and_intercepted(&out);
+    assert!(fast >= 40 * 200, "{fast} fast-path calls\n{}", out.context());
+}
+
+#[test]
+fn a_worker_threads_corrupted_output_is_caught_in_its_lane() {
+    // Worker 1's 10th line is corrupted in one replica (its getppid carries the line).
+    let prog = lanes(3, 50, "together");
+    let native = native_stdout(&prog);
+    for faulty in [1u32, 0] {
+        let ev = events_path("lanes");
+        let ev_arg = ev.to_string_lossy().into_owned();
+        let flip = format!("{faulty}:getppid:mem:rdi+0:2");
+        let out = run(lockstep_run(
+            &["-r", "3", FAST, "--events", &ev_arg, "--test-flip", &flip],
+            &prog,
+        ));
+        let events = read_events_of(&ev, &out);
+        out.assert_code(0).assert_stdout(&native);
+        assert_event(&events, "divergence", None, &out);
+        assert_event(&events, "mask", None, &out);
+        assert_no_event(&events, "halt", &out);
+    }
+    let out = run(lockstep_run(
+        &["-r", "2", FAST, "--test-flip", "1:getppid:mem:rdi+0:2"],
+        &prog,
+    ));
+    out.assert_code(86);
+}
+
 #[test]
 fn dmr_stops_a_corrupted_output_before_it_leaves() {
     let native = fast_target_native();
@@ -209,8 +293,9 @@ fn strict_checks_agree_with_the_shim_on_every_fast_output() {
             .lines()
             .find_map(|l| l.trim().strip_prefix("outputs checked:"))
             .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok());
-        // 50 rounds of writev, pwrite64, pwritev, sendto and write, and the last write.
-        assert_eq!(checked, Some(251), "{}", out.context());
+        // 50 rounds of writev, pwrite64, pwritev, sendto, write, sendmsg and write, and
+        // the last write.
+        assert_eq!(checked, Some(351), "{}", out.context());
     }
     let out = run(lockstep_run(
         &["-r", "2", FAST, "--output-check", "fast", "--stats"],

@@ -60,6 +60,7 @@
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -102,7 +103,7 @@
 /* --- the generated table ------------------------------------------------------------ */
 #define LF_MAX_NR MAX_NR
 enum { F_SLOW = 0, F_INPUT, F_OUTPUT, F_CLOCK, F_LOCAL };
-enum { A_IGNORE = 0, A_VAL, A_IN, A_OUT, A_INOUT, A_IOV_IN, A_IOV_OUT, A_NULL_ONLY };
+enum { A_IGNORE = 0, A_VAL, A_IN, A_OUT, A_INOUT, A_IOV_IN, A_IOV_OUT, A_NULL_ONLY, A_MSG_IN };
 enum { L_FIXED = 0, L_ARG, L_RET };
 struct lf_arg {
     unsigned char kind, len_kind, len_arg;
@@ -124,7 +125,8 @@ struct lf_header {
     int32_t cpu[4]; /* each replica's CPU, -1 if not pinned */
     uint32_t strict; /* 1: the monitor checks every output before it runs */
     uint32_t epoch;  /* this ring's place in LOCKSTEP_FAST_RING's list */
-    uint32_t lanes, pad;  /* lanes: LF_LANES */
+    uint32_t lanes;       /* LF_LANES */
+    uint32_t leader_lost; /* the leader was removed: what it had in flight never comes */
     uint64_t clocks_size; /* bytes of one lane's clock area */
 };
 
@@ -186,6 +188,7 @@ struct lf_state {
     struct lf_clock *clocks;
     struct lf_region *regions[LF_MAX_REPLICAS];
     uint32_t me, leader, replicas, escalate_seen, spin;
+    uint32_t spin_budget; /* this lane's current spin (adaptive, at most `spin`) */
     uint32_t wake_pending; /* a leader sharing its CPU published without waking (below) */
     uint64_t seq; /* the last replicated call */
     uint64_t clock_next[LF_CLOCKS];
@@ -390,6 +393,22 @@ static int iov_count(const struct lf_arg *g, const long *a)
     return n >= 0 && (uint64_t)n <= LF_MAX_IOVECS ? (int)n : -1;
 }
 
+/* Argument `i`'s iovecs and their count (-1: not a fast-path argument): an iovec array, or
+ * the one a `struct msghdr` to send names, when it has no address and no control data. */
+static const struct iovec *iovecs(const struct lf_arg *g, const long *a, int i, int *count)
+{
+    if (g->kind != A_MSG_IN) {
+        *count = iov_count(g, a);
+        return (const struct iovec *)a[i];
+    }
+    const struct msghdr *m = (const struct msghdr *)a[i];
+    *count = -1;
+    if (m == NULL || m->msg_name != NULL || m->msg_controllen != 0 || m->msg_iovlen > LF_MAX_IOVECS)
+        return NULL;
+    *count = (int)m->msg_iovlen;
+    return m->msg_iov;
+}
+
 /* The digest of a call (its number, values and input buffers) and the most bytes its output
  * buffers can take; -1 when the call cannot take the fast path (a NULL_ONLY argument that
  * is not NULL, a NULL buffer of nonzero length, too many iovecs). */
@@ -431,15 +450,16 @@ static long inspect(long nr, const struct lf_desc *d, const long *a, uint64_t *d
             break;
         }
         case A_IOV_IN:
-        case A_IOV_OUT: {
-            int count = iov_count(g, a);
-            const struct iovec *iov = (const struct iovec *)a[i];
+        case A_IOV_OUT:
+        case A_MSG_IN: {
+            int count;
+            const struct iovec *iov = iovecs(g, a, i, &count);
             if (count < 0 || (count > 0 && iov == NULL))
                 return -1;
             uint64_t total = 0;
             for (int k = 0; k < count; k++) {
                 digest_word(&dg, iov[k].iov_len);
-                if (g->kind == A_IOV_IN) {
+                if (g->kind != A_IOV_OUT) {
                     if (iov[k].iov_len > LF_PAYLOAD_MAX || (iov[k].iov_len > 0 && iov[k].iov_base == NULL))
                         return -1;
                     digest_bytes(&dg, iov[k].iov_base, iov[k].iov_len);
@@ -550,10 +570,14 @@ static int plausible_result(long nr, const struct lf_desc *d, const volatile lon
         return (unsigned long)ret <= (unsigned long)a[1];
     for (int i = 0; i < d->nargs; i++) {
         const struct lf_arg *g = &d->args[i];
-        if (g->kind == A_IOV_IN || g->kind == A_IOV_OUT) {
-            const volatile struct iovec *iov = (const volatile struct iovec *)a[i];
+        if (g->kind == A_IOV_IN || g->kind == A_IOV_OUT || g->kind == A_MSG_IN) {
+            long args[6];
+            for (int k = 0; k < 6; k++)
+                args[k] = a[k];
+            int count;
+            const volatile struct iovec *iov = iovecs(g, args, i, &count);
             uint64_t total = 0;
-            for (long k = 0; k < a[g->len_arg] && k < (long)LF_MAX_IOVECS; k++)
+            for (long k = 0; k < count && iov != NULL; k++)
                 total += iov[k].iov_len;
             return (uint64_t)ret <= total;
         }
@@ -626,17 +650,50 @@ typedef int (*ready_fn)(const struct wait_for *);
  * each such wake-up is a pair of context switches for nothing). */
 enum { AWAKE = 0, WAKE_ON_ANY = 1, WAKE_ON_VOTE = 2 };
 
-/* Spins, then sleeps on `word` (in the other replica's region) with a timeout, so that a
- * lost wake-up costs only latency and `off` is always seen. */
+/* Spinning threads per process: one at a time. With a lane per thread, a server's idle
+ * threads (an event loop each, waiting for the leader's next record while it blocks in
+ * the kernel) would otherwise spin side by side and take the CPUs from the ones at work. */
+static int lf_spinner;
+
+/* How long a lane spins adapts to how its waits end: one that ended while spinning keeps
+ * (or doubles) the budget, one that had to sleep halves it, down to a floor that still
+ * catches a record that comes within a few microseconds. */
+#define SPIN_FLOOR 256
+#ifndef LF_MAX_SPINNERS
+#define LF_MAX_SPINNERS 1
+#endif
+
+static int spin_for(const struct wait_for *w, ready_fn ready)
+{
+    struct lf_state *st = w->st;
+    if (st->spin == 0)
+        return NOT_YET;
+    if (__atomic_fetch_add(&lf_spinner, 1, __ATOMIC_ACQUIRE) >= LF_MAX_SPINNERS) {
+        __atomic_fetch_sub(&lf_spinner, 1, __ATOMIC_RELEASE);
+        return NOT_YET;
+    }
+    uint32_t budget = st->spin_budget < SPIN_FLOOR ? SPIN_FLOOR : st->spin_budget;
+    if (budget > st->spin)
+        budget = st->spin;
+    int r = NOT_YET;
+    for (uint32_t i = 0; i < budget && r == NOT_YET; i++) {
+        r = ready(w);
+        if (r == NOT_YET)
+            cpu_relax();
+    }
+    __atomic_fetch_sub(&lf_spinner, 1, __ATOMIC_RELEASE);
+    st->spin_budget = r != NOT_YET ? budget * 2 : budget / 2;
+    return r;
+}
+
+/* Spins (see spin_for), then sleeps on `word` (in the other replica's region) with a
+ * timeout, so that a lost wake-up costs only latency and `off` is always seen. */
 static int wait_until(ready_fn ready, const struct wait_for *w, volatile uint32_t *word, uint32_t wake_on)
 {
     struct lf_state *st = w->st;
-    for (uint32_t i = 0; i < st->spin; i++) {
-        int r = ready(w);
-        if (r != NOT_YET)
-            return r;
-        cpu_relax();
-    }
+    int spun = spin_for(w, ready);
+    if (spun != NOT_YET)
+        return spun;
     volatile uint32_t *sleeping = &st->regions[st->me]->h.sleeping;
     for (;;) {
         uint32_t seen = load32(word);
@@ -691,7 +748,7 @@ static void flush_wakes(struct lf_state *st)
     }
 }
 
-static int is_off(const struct lf_state *st) { return __atomic_load_n(&st->hdr->off, __ATOMIC_ACQUIRE) != 0; }
+static int is_off(const struct lf_state *st) { return __atomic_load_n(&st->hdr->off, __ATOMIC_SEQ_CST) != 0; }
 
 /* A follower that is in a call the monitor handles cannot take part until the leader gets
  * there too. A follower still on its way out of a call the leader made too (the monitor
@@ -730,11 +787,21 @@ static int voted(const struct wait_for *w)
     return follower_state(w, 0);
 }
 
+/* A follower gives up on a record only where the leader does too, so that every replica
+ * of the lane meets the monitor at the same call: once the ring is off, a call the leader
+ * had already entered (it marks `in_flight` before it looks at `off` a last time) is still
+ * published, unless the monitor removed the leader (`leader_lost`). */
 static int published(const struct wait_for *w)
 {
-    if (load(&w->st->regions[w->who]->h.published) >= w->target)
+    const struct lf_region_head *l = &w->st->regions[w->who]->h;
+    if (load(&l->published) >= w->target)
         return READY;
-    return is_off(w->st) ? GIVE_UP_OFF : NOT_YET;
+    if (!is_off(w->st))
+        return NOT_YET;
+    if (!__atomic_load_n(&w->st->hdr->leader_lost, __ATOMIC_SEQ_CST) &&
+        __atomic_load_n(&l->in_flight, __ATOMIC_SEQ_CST) >= w->target)
+        return NOT_YET;
+    return load(&l->published) >= w->target ? READY : GIVE_UP_OFF;
 }
 
 /* Waits for every follower; the first reason to give up, or READY. */
@@ -928,7 +995,9 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     if (may_wait_long(nr, a))
         flush_wakes(st); /* the followers catch up while we wait */
     own->h.in_flight_nr = (uint64_t)nr;
-    store(&own->h.in_flight, s);
+    __atomic_store_n(&own->h.in_flight, s, __ATOMIC_SEQ_CST);
+    if (is_off(st)) /* a follower may have given up on this call already: all meet the monitor */
+        return escalate(st, rec, s, nr, digest, a, NULL);
     long third = s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2];
     long ret_copy = 0;
     long ret = lf_fast_dup(nr, a[0], a[1], third, a[3], a[4], a[5], &ret_copy);
@@ -1446,6 +1515,7 @@ static void attach_ring(uint32_t epoch)
         /* A replica that shares its CPU with another never spins: the one it waits for (or
          * the one that waits for it) may need that CPU. */
         st->spin = hdr->spin;
+        st->spin_budget = hdr->spin;
         for (uint32_t r = 0; r < st->replicas; r++)
             if (r != st->me && hdr->cpu[st->me] >= 0 && hdr->cpu[r] == hdr->cpu[st->me])
                 st->spin = 0;

@@ -74,7 +74,8 @@ struct Header {
     /// Threads that can use the ring at once: each lane has its clock area and one region
     /// per replica (`layout::LANES`).
     lanes: u32,
-    pad: u32,
+    /// The leader was removed: followers stop waiting for a call it had in flight.
+    leader_lost: u32,
     /// Bytes of one lane's clock area.
     clocks_size: u64,
 }
@@ -194,7 +195,7 @@ impl Ring {
                 strict: strict as u32,
                 epoch,
                 lanes: layout::LANES as u32,
-                pad: 0,
+                leader_lost: 0,
                 clocks_size: CLOCKS_SIZE,
             })
         };
@@ -210,6 +211,7 @@ impl Ring {
         let header = unsafe { &mut *self.base.cast::<Header>() };
         header.replicas = replicas;
         header.leader = 0;
+        header.leader_lost = 0;
         header.cpu = std::array::from_fn(|r| placement.get(r).copied().flatten().map_or(-1, |c| c as i32));
     }
 
@@ -255,15 +257,28 @@ impl Ring {
 
     /// Switches this ring off for good: from the next call on, every replica goes
     /// through the monitor. Sleepers are woken so that they see it.
-    pub fn switch_off(&self) {
-        self.word32(&self.header().off).store(1, Ordering::Release);
-        for lane in 0..LANES {
+    /// `lanes`: the lanes in use (others have no sleepers, and reading a page of them
+    /// would allocate it: about 4 µs each, while a vote masks a fault).
+    pub fn switch_off(&self, lanes: impl Iterator<Item = Lane>) {
+        self.word32(&self.header().off).store(1, Ordering::SeqCst);
+        // Only sleepers need waking (a wake-up is a syscall): a replica sets `sleeping`
+        // before it looks at `off` one last time, so one that this misses sees `off`
+        // itself (and sleeps with a timeout anyway).
+        for lane in lanes {
             for r in 0..self.replicas {
                 let region = self.region(lane, r);
-                futex_wake(self.word32(&region.progress));
-                futex_wake(self.word32(&region.published_word));
+                if self.word32(&region.sleeping).load(Ordering::SeqCst) != 0 {
+                    futex_wake(self.word32(&region.progress));
+                    futex_wake(self.word32(&region.published_word));
+                }
             }
         }
+    }
+
+    /// The leader is being removed: followers waiting for a call it had in flight go to
+    /// the monitor once the ring is off (set before switching off).
+    pub fn mark_leader_lost(&self) {
+        self.word32(&self.header().leader_lost).store(1, Ordering::SeqCst);
     }
 
     /// Asks the leader to bring its next replicated call to the monitor.
@@ -508,10 +523,15 @@ impl FastPath {
     /// Tasks with a lane, while the ring is on: (lane, task).
     pub fn active_lanes(&self) -> impl Iterator<Item = (Lane, usize)> + '_ {
         let on = self.ring().is_on();
+        self.lanes_in_use().filter(move |_| on)
+    }
+
+    /// Tasks with a lane, the ring on or off: (lane, task).
+    pub fn lanes_in_use(&self) -> impl Iterator<Item = (Lane, usize)> + '_ {
         self.lanes
             .iter()
             .enumerate()
-            .filter_map(move |(lane, t)| t.filter(|_| on).map(|t| (lane, t)))
+            .filter_map(|(lane, t)| t.map(|t| (lane, t)))
     }
 
     /// Gives `task` a lane: lane 0 for the ring's first thread, the first free one after.
@@ -537,6 +557,11 @@ impl FastPath {
         if let Some(lane) = self.lane_of(task).filter(|&l| l != 0) {
             self.lanes[lane] = None;
         }
+    }
+
+    /// Switches the current ring off (see [`Ring::switch_off`]).
+    pub fn switch_off(&self) {
+        self.ring().switch_off(self.lanes_in_use().map(|(lane, _)| lane));
     }
 
     /// Replica `r`'s region in the current ring.
@@ -652,7 +677,7 @@ mod tests {
         assert_eq!(ring.leader(), 0);
         assert_eq!(ring.published(0, 0), 0);
         assert_eq!(ring.published(LANES - 1, 1), 0);
-        ring.switch_off();
+        ring.switch_off(0..LANES);
         assert!(!ring.is_on());
     }
 }

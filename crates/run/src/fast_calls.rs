@@ -28,6 +28,7 @@ pub const FAST_OUTPUTS: &[i64] = &[
     libc::SYS_writev,
     libc::SYS_pwritev,
     libc::SYS_sendto,
+    libc::SYS_sendmsg,
 ];
 
 /// Clock reads, answered from the ring's clock area.
@@ -46,6 +47,9 @@ pub enum ArgKind {
     InOut,
     IovIn,
     IovOut,
+    /// A `struct msghdr` to send: its iovecs, as `IovIn`; without an address or control
+    /// data (anything else is the monitor's).
+    MsgIn,
 }
 
 /// How a buffer's length is found (`L_*` in the C table).
@@ -97,6 +101,7 @@ impl FastArg {
             ArgKind::InOut => "A_INOUT",
             ArgKind::IovIn => "A_IOV_IN",
             ArgKind::IovOut => "A_IOV_OUT",
+            ArgKind::MsgIn => "A_MSG_IN",
         };
         let len = match self.len {
             LenKind::Fixed => "L_FIXED",
@@ -149,6 +154,7 @@ pub fn fast_arg(nr: i64, i: usize, arg: &Arg) -> FastArg {
             len_arg: *a as usize,
             size: 1,
         },
+        Arg::MsgIn => FastArg::plain(ArgKind::MsgIn),
         Arg::IovOut(a) => FastArg {
             kind: ArgKind::IovOut,
             len: LenKind::Arg,

@@ -119,8 +119,12 @@ pub fn output_digest(nr: u64, args: &[u64; 6], scratch: &mut [u8], read: &mut Re
                 }
             }
             ArgKind::Out => d.word((p != 0) as u64),
-            ArgKind::IovIn | ArgKind::IovOut => {
-                let count = args[g.len_arg];
+            ArgKind::IovIn | ArgKind::IovOut | ArgKind::MsgIn => {
+                let (p, count) = if g.kind == ArgKind::MsgIn {
+                    sendable_iovecs(p, read).map_err(|e| format!("argument {i}: {e}"))?
+                } else {
+                    (p, args[g.len_arg])
+                };
                 if count > layout::MAX_IOVECS || (count > 0 && p == 0) {
                     return Err(format!("argument {i} has {count} iovecs"));
                 }
@@ -130,7 +134,7 @@ pub fn output_digest(nr: u64, args: &[u64; 6], scratch: &mut [u8], read: &mut Re
                     let base = u64::from_le_bytes(iov[..8].try_into().expect("8 bytes"));
                     let len = u64::from_le_bytes(iov[8..].try_into().expect("8 bytes"));
                     d.word(len);
-                    if g.kind == ArgKind::IovIn {
+                    if g.kind != ArgKind::IovOut {
                         if len > layout::PAYLOAD_MAX || (len > 0 && base == 0) {
                             return Err(format!("iovec {k} ({len} bytes) is not a fast-path buffer"));
                         }
@@ -141,6 +145,22 @@ pub fn output_digest(nr: u64, args: &[u64; 6], scratch: &mut [u8], read: &mut Re
         }
     }
     Ok(d.value())
+}
+
+/// A `struct msghdr`'s iovecs (address, count), if the shim would send it on the fast path:
+/// no address (`msg_name`) and no control data.
+fn sendable_iovecs(msghdr: u64, read: &mut Reader<'_>) -> Result<(u64, u64), String> {
+    let mut m = [0u8; 56];
+    if msghdr == 0 {
+        return Err("no msghdr".into());
+    }
+    read(msghdr, &mut m).map_err(|e| format!("its msghdr cannot be read ({e})"))?;
+    let field = |at: usize| u64::from_le_bytes(m[at..at + 8].try_into().expect("8 bytes"));
+    let (name, iov, iovlen, controllen) = (field(0), field(16), field(24), field(40));
+    if name != 0 || controllen != 0 {
+        return Err("its msghdr has an address or control data".into());
+    }
+    Ok((iov, iovlen))
 }
 
 #[cfg(test)]

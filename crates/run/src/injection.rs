@@ -17,9 +17,9 @@ use lockstep_trace::{ptrace, Regs, Stop, Tid};
 pub trait FaultHook {
     /// Before each wait for the next stop: a time-based fault whose moment has come.
     fn before_wait(&mut self, s: &mut Session);
-    /// Replica `r`'s first thread stopped at a syscall entry with `regs` (refreshed if
+    /// Replica `r`'s thread of `task` stopped at a syscall entry with `regs` (refreshed if
     /// the hook changed them). False: the replica will not arrive at this call.
-    fn at_syscall(&mut self, s: &mut Session, r: ReplicaId, regs: &mut Regs) -> bool;
+    fn at_syscall(&mut self, s: &mut Session, task: TaskId, r: ReplicaId, regs: &mut Regs) -> bool;
     /// Replica `r`'s first thread stopped at an event stop (the hook's interrupt).
     fn at_event_stop(&mut self, s: &mut Session, r: ReplicaId);
     /// A stop the hook may own (its single-steps). True: handled, the monitor ignores it.
@@ -394,13 +394,14 @@ impl FaultHook for Injector {
         self.interrupt_for_replica_fault(s);
     }
 
-    fn at_syscall(&mut self, s: &mut Session, r: ReplicaId, regs: &mut Regs) -> bool {
-        let stops = s.slot(0, r).stops();
+    fn at_syscall(&mut self, s: &mut Session, task: TaskId, r: ReplicaId, regs: &mut Regs) -> bool {
+        let stops = s.slot(task, r).stops();
         let nr = ptrace::syscall_nr(regs);
         let mut flips = Vec::new();
         for (flip, fired) in self.flips.iter().zip(self.fired.iter_mut()) {
+            // Stops are counted in the first thread; a first call is any thread's.
             let due = match flip.at {
-                FlipAt::Stop(k) => k == stops,
+                FlipAt::Stop(k) => task == 0 && k == stops,
                 FlipAt::FirstCall(n) => n == nr && !*fired,
             };
             if flip.replica == r && due {
@@ -409,11 +410,11 @@ impl FaultHook for Injector {
             }
         }
         for flip in flips {
-            if !self.apply_flip(s, 0, r, &flip, regs) {
+            if !self.apply_flip(s, task, r, &flip, regs) {
                 return false; // the replica was killed or set spinning
             }
         }
-        if self.replica_fault_due(s, r) {
+        if task == 0 && self.replica_fault_due(s, r) {
             self.apply_replica_fault(s, 0, r, regs);
         }
         true

@@ -89,15 +89,15 @@ pub enum FlipTarget {
 }
 
 /// Where a test-only fault strikes: the K-th intercepted syscall of a replica's main
-/// thread, or its first intercepted call of one syscall (which stays put when the number
-/// of calls before it changes, as with the fast backend).
+/// thread, or the first intercepted call of one syscall by any of its threads (which
+/// stays put when the number of calls before it changes, as with the fast backend).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlipAt {
     Stop(u64),
     FirstCall(u64),
 }
 
-/// A deterministic, test-only fault: at `at` in `replica`'s main thread, flip `bit` of
+/// A deterministic, test-only fault: at `at` in `replica`, flip `bit` of
 /// `target`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FlipSpec {

@@ -32,7 +32,7 @@ impl Session {
         let Some(fast) = &self.fast else {
             return Ok(()); // not ours: the call fails with ENOSYS at its rendezvous
         };
-        fast.ring().switch_off();
+        fast.switch_off();
         let (seq, own_nr, own_digest, lead_nr, lead_digest) = (args[1], args[2], args[3], args[4], args[5]);
         let own = syscalls::name(own_nr);
         let leader = self.replicas.leader();
@@ -178,7 +178,7 @@ impl Session {
         if behind.is_empty() {
             return Ok(false);
         }
-        fast.ring().switch_off();
+        fast.switch_off();
         // Every follower differs from the leader: with two or more of them, the leader is
         // the odd one out.
         let followers = live.len() - 1;
@@ -282,13 +282,42 @@ impl Session {
         }
     }
 
-    /// Leader `r` is leaving the ring. A call it made from the fast path that may have run
-    /// in the kernel, but whose record it never published, would run again in its
-    /// successor: the data a read took would be lost, an output would go out twice. Such
-    /// a call is the reason to stop the run instead, returned here. Calls that take
-    /// nothing from the outside world may run again; an output that the monitor's strict
-    /// check did not let run did not run.
-    pub(crate) fn unpublished_leader_call(&self, r: ReplicaId) -> Option<String> {
+    /// Leader `r` is leaving the ring (voted out or dead): its threads are settled and the
+    /// ring goes off, so that every follower gives up at the same call of each lane (the
+    /// ring's followers wait for a call the leader had in flight until `leader_lost`).
+    ///
+    /// A call it made from the fast path that may have run in the kernel, but whose
+    /// record it never published, would run again in its successor: the data a read took
+    /// would be lost, an output would go out twice. Such a call is the reason to stop the
+    /// run instead, returned here. Calls that take nothing from the outside world may run
+    /// again; an output that the monitor's strict check did not let run did not run; a
+    /// call its thread is inside of in the kernel is interrupted before it completes.
+    /// A thread that was on its way to publish a completed call is let run until it did
+    /// (its other threads, running on as usual until they are stopped, are the common
+    /// case: the fault was found in one thread of the leader, and the others were busy).
+    pub(crate) fn lose_leader(&mut self, r: ReplicaId) -> Option<String> {
+        let lanes: Vec<(Lane, TaskId)> = self.fast.as_ref()?.lanes_in_use().collect();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        let unsettled = lanes.into_iter().find_map(|(lane, task)| {
+            let seq = self.settle_lane(lane, task, r, deadline)?;
+            let nr = self.fast.as_ref()?.in_flight(lane, r)?.1;
+            Some(format!(
+                "leader {r} failed after its fast-path call #{seq} ({}) of task {task} may have run and before it \
+                 published the result; running it again could lose the input it took or repeat the output",
+                syscalls::name(nr)
+            ))
+        });
+        if let Some(fast) = &self.fast {
+            fast.ring().mark_leader_lost();
+        }
+        self.fast_off();
+        unsettled
+    }
+
+    /// Stops leader `r`'s thread of `task` (it is being removed, so its stops are never
+    /// handed on) once its call in `lane` is settled; returns the call's number if it is
+    /// not (see `lose_leader`) by `deadline`.
+    fn settle_lane(&self, lane: Lane, task: TaskId, r: ReplicaId, deadline: std::time::Instant) -> Option<u64> {
         const REPEATABLE: [i64; 7] = [
             libc::SYS_poll,
             libc::SYS_epoll_wait,
@@ -300,21 +329,45 @@ impl Session {
         ];
         let fast = self.fast.as_ref()?;
         let strict = self.opts.output_check == crate::OutputCheck::Strict;
-        (0..crate::fast::LANES).find_map(|lane| {
-            let task = fast.task_of(lane)?;
+        let slot = self.slot(task, r);
+        let tid = slot.tid();
+        // Only a thread that runs on its own is stopped here, and let run to its record;
+        // one the monitor holds (at a rendezvous, a fault) is judged as it is.
+        let mut may_run = matches!(slot.state(), SlotState::Running) && !slot.is_dead();
+        loop {
+            if may_run && !self.stop_thread(tid, deadline) {
+                may_run = false; // gone, or no stop in time: judged as it is
+            }
             let (seq, nr) = fast.in_flight(lane, r)?;
-            if seq <= fast.published(lane, r)? || REPEATABLE.contains(&(nr as i64)) {
+            let settled = seq <= fast.published(lane, r)?
+                || REPEATABLE.contains(&(nr as i64))
+                || (crate::fast_check::is_fast_output(nr) && strict && fast.approved[lane] != seq)
+                || self.be.regs(tid).is_ok_and(|regs| in_fast_gate_restart(&regs));
+            if settled {
                 return None;
             }
-            if crate::fast_check::is_fast_output(nr) && strict && fast.approved[lane] != seq {
-                return None;
+            if !may_run || std::time::Instant::now() >= deadline || self.be.resume(tid, Resume::Run).is_err() {
+                return Some(seq);
             }
-            Some(format!(
-                "leader {r} failed after its fast-path call #{seq} ({}) of task {task} may have run and before it \
-                 published the result; running it again could lose the input it took or repeat the output",
-                syscalls::name(nr)
-            ))
-        })
+            while fast.published(lane, r)? < seq && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+    }
+
+    /// Interrupts a running thread and waits (until `deadline`) for it to stop.
+    fn stop_thread(&self, tid: lockstep_trace::Tid, deadline: std::time::Instant) -> bool {
+        if self.be.interrupt(tid).is_err() {
+            return false;
+        }
+        loop {
+            match self.be.wait_tid_or_tick(tid) {
+                Ok(Some(lockstep_trace::Stop::Exited(_) | lockstep_trace::Stop::Killed(_))) | Err(_) => return false,
+                Ok(Some(_)) => return true,
+                Ok(None) if std::time::Instant::now() < deadline => {}
+                Ok(None) => return false,
+            }
+        }
     }
 
     /// A signal waits for the ring's task: its leader brings its next replicated call to
@@ -399,7 +452,7 @@ impl Session {
         if !everyone_waits || moved {
             fast.deadlock_since[lane] = None;
         } else if now.duration_since(*fast.deadlock_since[lane].get_or_insert(now)) >= self.opts.timeout {
-            fast.ring().switch_off();
+            fast.switch_off();
             let msg = format!(
                 "every replica of task {task} waited for another in the fast path's ring for {:.1} s",
                 self.opts.timeout.as_secs_f64()
@@ -435,7 +488,7 @@ impl Session {
         if stragglers.is_empty() {
             return Ok(());
         }
-        fast.ring().switch_off();
+        fast.switch_off();
         let msg = format!(
             "replica(s) {stragglers:?} ran for {:.1} s without moving in the fast path's ring of task {task} \
              while another replica waited",
@@ -505,7 +558,7 @@ impl Session {
     /// later epoch's ring may take over once the set is whole again: `arm_next_ring`).
     pub(crate) fn fast_off(&mut self) {
         if let Some(fast) = &self.fast {
-            fast.ring().switch_off();
+            fast.switch_off();
         }
     }
 

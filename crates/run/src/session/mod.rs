@@ -802,7 +802,7 @@ impl Session {
             }
             self.replica_cpu[r as usize] = cpu;
         }
-        if task == 0 && !self.with_hook(true, |hook, s| hook.at_syscall(s, r, &mut regs)) {
+        if !self.with_hook(true, |hook, s| hook.at_syscall(s, task, r, &mut regs)) {
             return Ok(()); // the replica was killed or set spinning
         }
         let nr = ptrace::syscall_nr(&regs);
@@ -1271,7 +1271,7 @@ impl Session {
         let t0 = Instant::now();
         let was_leader = r == self.replicas.leader();
         if was_leader {
-            if let Some(why) = self.unpublished_leader_call(r) {
+            if let Some(why) = self.lose_leader(r) {
                 return Err(self.halt(why));
             }
         }
