@@ -184,6 +184,15 @@ def read_file(path):
         return ""
 
 
+def port_accepts(port):
+    """Whether a TCP connection to 127.0.0.1:port succeeds within a second."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -64,7 +64,6 @@ import platform
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,7 +72,7 @@ import time
 import benchproc
 from benchproc import (BIN, ROOT, anomaly, bin_id, check_bin_unchanged, cleanup_all, fmt,
                        free_port, install_signal_cleanup, kill_leftovers, killpg, median, pct,
-                       read_file, reap, sh, spawn)
+                       port_accepts, read_file, reap, sh, spawn)
 
 SRC = os.path.join(ROOT, "bench", "http_load.c")
 URL_PATH = "/index.html"
@@ -127,14 +126,6 @@ def parse_stats(stderr):
             break
     st["intercepted_by_class"] = classes
     return st
-
-
-def port_accepts(port):
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def write_conf(rdir, port, www):

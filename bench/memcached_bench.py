@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""memcached under `lockstep run`, side by side with native memcached in the same invocation.
+
+Each round starts memcached 1.6 (Debian's) on a free port, in three thread set-ups, each
+natively and under every lockstep configuration below:
+  - `t1`: one worker thread, background threads off (`-t 1 -o no_lru_crawler,
+    no_lru_maintainer,no_hashexpand,no_slab_reassign`): the main thread and one worker;
+  - `t4`: four worker threads, background threads off;
+  - `default`: memcached's defaults (four workers, LRU maintainer and crawler, hash and
+    slab threads); its background threads' timing can make replicas diverge (issue 17).
+It waits until the port accepts connections, runs `memcaslap -s 127.0.0.1:P -T 1 -c 8
+-t Ss` against it, reads memcaslap's final TPS, and stops the server with SIGINT.
+Reported per set-up and configuration: the median TPS, the share of native (median of
+the per-round ratios against the native run of the same round and set-up), the fraction
+of syscalls that took the fast path (--stats), and runs that diverged or failed
+(anomalies; they do not stop the bench). Nothing here asserts on timing.
+
+Usage (from anywhere):
+    cargo build --release --locked -p lockstep-cli
+    python3 bench/memcached_bench.py [--rounds R] [--seconds S] [--out DIR] [--quick]
+--quick is --rounds 1 --seconds 3. Writes DIR/memcached.json (default bench/out) with every
+raw number, and prints a markdown summary. Needs memcached and memcaslap (libmemcached-tools).
+"""
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+import tempfile
+import time
+
+import benchproc
+from benchproc import (BIN, anomaly, bin_id, check_bin_unchanged, cleanup_all, fmt, free_port,
+                       install_signal_cleanup, kill_leftovers, killpg, median, pct, port_accepts,
+                       read_file, reap, sh, spawn)
+
+NO_BACKGROUND = "no_lru_crawler,no_lru_maintainer,no_hashexpand,no_slab_reassign"
+SETUPS = {
+    "t1": ["-t", "1", "-o", NO_BACKGROUND],
+    "t4": ["-t", "4", "-o", NO_BACKGROUND],
+    "default": [],
+}
+OPTIONS = {
+    "fast -r 2": ["-r", "2", "--backend", "fast"],
+    "fast -r 2 --output-check fast": ["-r", "2", "--backend", "fast", "--output-check", "fast"],
+    "fast -r 3": ["-r", "3", "--backend", "fast"],
+    "ptrace -r 2": ["-r", "2", "--backend", "ptrace"],
+}
+CONFIGS = ["native"] + list(OPTIONS)
+
+TPS_RE = re.compile(r"TPS:\s+(\d+)")
+FAST_RE = re.compile(r"fast-path calls:\s+(\d+)")
+INTERCEPTED_RE = re.compile(r"syscalls intercepted:\s+(\d+)")
+
+
+def server_cmd(setup, config, port):
+    memcached = ["memcached", "-u", "root", "-p", str(port), "-l", "127.0.0.1"] + SETUPS[setup]
+    if config == "native":
+        return memcached
+    return [BIN, "run"] + OPTIONS[config] + ["--stats", "--"] + memcached
+
+
+def one(setup, config, args, tmp, where):
+    port = free_port()
+    cmd = server_cmd(setup, config, port)
+    load = ["memcaslap", "-s", f"127.0.0.1:{port}", "-T", "1", "-c", "8", "-t", f"{args.seconds}s"]
+    rec = {"command": cmd, "load_command": load, "tps": None}
+    err_path = os.path.join(tmp, where.replace(" ", "_") + ".err")
+    print(f"  {where}: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
+    with open(os.devnull, "wb") as fo, open(err_path, "wb") as fe:
+        p = spawn(cmd, fo, fe)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and p.poll() is None and not port_accepts(port):
+            time.sleep(0.1)
+        if p.poll() is not None or not port_accepts(port):
+            rec["error"] = "server did not accept connections"
+            anomaly(where, rec["error"], cmd, read_file(err_path))
+            return rec
+        try:
+            out = sh(load, or_stderr=True)
+        except Exception as e:  # a timeout or a missing tool: recorded, the bench goes on
+            out = str(e)
+        m = TPS_RE.findall(out or "")
+        rec["tps"] = int(m[-1]) if m else None
+        if rec["tps"] is None:
+            anomaly(where, f"no TPS in memcaslap's output: {benchproc.tail(out or '', 3)!r}", load)
+        if p.poll() is not None:
+            rec["error"] = f"server exited with status {p.returncode} during the load"
+            anomaly(where, rec["error"], cmd, read_file(err_path))
+            rec["tps"] = None
+        else:
+            p.send_signal(2)
+            try:
+                rec["rc"] = p.wait(timeout=30)
+            except Exception:
+                killpg(p.pid)
+                p.wait()
+                rec["rc"] = p.returncode
+                anomaly(where, "did not exit within 30 s of SIGINT; SIGKILLed", cmd, read_file(err_path))
+    finally:
+        if p.poll() is None:
+            killpg(p.pid)
+            p.wait()
+        reap(p)
+    err = read_file(err_path)
+    if config != "native":
+        f, i = FAST_RE.search(err), INTERCEPTED_RE.search(err)
+        if f and i:
+            fast, intercepted = int(f.group(1)), int(i.group(1))
+            rec.update({"fast_path_calls": fast, "intercepted": intercepted,
+                        "fast_fraction": fast / (fast + intercepted) if fast + intercepted else None})
+        if "[divergence]" in err:
+            rec["diverged"] = True
+            anomaly(where, "divergence reported", cmd, err)
+    print(f"    TPS={rec['tps']} fast={rec.get('fast_path_calls')} intercepted={rec.get('intercepted')}",
+          file=sys.stderr, flush=True)
+    return rec
+
+
+def markdown(meta, rounds, summary):
+    lines = [f"# memcached under lockstep run ({meta['commit']})", "",
+             f"- commit: `{meta['commit']}`{' (dirty tree)' if meta['dirty'] else ''}, kernel "
+             f"`{meta['uname_r']}`, nproc {meta['nproc']}, rounds {meta['rounds']}, "
+             f"memcaslap -T 1 -c 8 -t {meta['seconds']}s", f"- wall time: {meta['wall']:.0f} s", "",
+             "Commands (interleaved in this order every round, for each set-up):", "", "```"]
+    lines += meta["commands"] + ["```", ""]
+    for setup in SETUPS:
+        lines += [f"## `{setup}`: memcached {' '.join(SETUPS[setup]) or '(defaults)'}", "",
+                  "| config | TPS (median) | % of native | fast-path fraction | diverged runs |",
+                  "|---|---:|---:|---:|---:|"]
+        for config in CONFIGS:
+            s = summary[setup][config]
+            lines.append(f"| {config} | {fmt(s['tps_median'], '.0f')} | {pct(s['ratio_median'])} | "
+                         f"{pct(s['fast_fraction_median'], 2) if config.startswith('fast') else '-'} | "
+                         f"{s['diverged']} |")
+        lines.append("")
+    lines += benchproc.anomalies_markdown()
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=int, default=5, help="memcaslap -t")
+    ap.add_argument("--out", default=os.path.join(benchproc.ROOT, "bench", "out"))
+    ap.add_argument("--quick", action="store_true", help="--rounds 1 --seconds 3")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.seconds = 1, 3
+    if args.rounds < 1 or args.seconds < 1:
+        ap.error("--rounds and --seconds must be positive")
+    if not os.access(BIN, os.X_OK):
+        sys.exit(f"{BIN} not found: run `cargo build --release --locked -p lockstep-cli` first")
+    install_signal_cleanup()
+    start = time.monotonic()
+    commit = sh(["git", "rev-parse", "--short", "HEAD"])
+    dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
+    bin_start = bin_id()
+    commands = [f"memcached -u root -p P -l 127.0.0.1 <set-up options>"]
+    commands += [f"{BIN} run {' '.join(o)} --stats -- memcached ..." for o in OPTIONS.values()]
+    commands += [f"(each) memcaslap -s 127.0.0.1:P -T 1 -c 8 -t {args.seconds}s; SIGINT to the server"]
+    rounds = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="memcached_bench.") as tmp:
+            for r in range(args.rounds):
+                row = {setup: {config: one(setup, config, args, tmp, f"round {r + 1} {setup} {config}")
+                               for config in CONFIGS} for setup in SETUPS}
+                rounds.append(row)
+    finally:
+        cleanup_all()
+    kill_leftovers()
+    check_bin_unchanged(bin_start)
+    summary = {}
+    for setup in SETUPS:
+        summary[setup] = {}
+        for config in CONFIGS:
+            recs = [row[setup][config] for row in rounds]
+            ratios = [rec["tps"] / row[setup]["native"]["tps"] for rec, row in zip(recs, rounds)
+                      if rec["tps"] is not None and row[setup]["native"]["tps"]]
+            summary[setup][config] = {
+                "tps_median": median([rec["tps"] for rec in recs]),
+                "ratio_median": median(ratios),
+                "fast_fraction_median": median([rec.get("fast_fraction") for rec in recs]),
+                "diverged": sum(bool(rec.get("diverged")) for rec in recs),
+            }
+    meta = {"commit": commit, "dirty": dirty, "uname_r": platform.release(), "nproc": sh(["nproc"]),
+            "rounds": args.rounds, "seconds": args.seconds, "commands": commands,
+            "lockstep_binary": bin_start, "wall": time.monotonic() - start,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.makedirs(args.out, exist_ok=True)
+    out_json = os.path.join(args.out, "memcached.json")
+    with open(out_json, "w") as f:
+        json.dump({"meta": meta, "rounds": rounds, "summary": summary,
+                   "anomalies": benchproc.ANOMALIES}, f, indent=1)
+        f.write("\n")
+    print(markdown(meta, rounds, summary), end="")
+    print(f"(raw numbers: {out_json})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
