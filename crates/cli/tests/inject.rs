@@ -541,6 +541,58 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
     assert_event(&events, "mask", Some("continue"), &out);
 }
 
+#[test]
+fn a_time_based_replica_fault_strikes_the_thread_that_uses_the_cpu() {
+    // lanes: the main thread waits in pthread_join while three workers do the work, so a
+    // time-based fault drawn CPU-weighted lands in a worker.
+    use lockstep_inject::fault::{ReplicaChoice, ReplicaFault, REPLICA_FAULT_ENV};
+    let prog: Vec<std::ffi::OsString> = vec![fixture("lanes").into(), "3".into(), "3000".into(), "together".into()];
+    let native = native_stdout(&prog);
+    let mut in_a_thread = 0;
+    for seed in 0..4u64 {
+        let dir = scratch_dir("replica-fault-thread");
+        let record = dir.join("applied.json");
+        let fault = ReplicaFault {
+            model: Model::Reg,
+            width: Width::One,
+            region: Region::All,
+            libs: false,
+            replica: ReplicaChoice::Any,
+            at_stop: None,
+            after_us: Some(20_000),
+            seed,
+            record: record.clone(),
+            steps: 0,
+            replay: None,
+            interrupted: false,
+        };
+        let ev = events_path("replica-fault-thread");
+        let evs = ev.to_string_lossy().into_owned();
+        let mut cmd = lockstep_run(&["-r", "3", "--events", &evs], &prog);
+        cmd.env(REPLICA_FAULT_ENV, serde_json::to_string(&fault).unwrap());
+        let out = run(cmd);
+        // Masked, or stopped (86: some flips make the replicas disagree with no majority);
+        // never a wrong output.
+        match out.code() {
+            0 => {
+                out.assert_stdout(&native);
+            }
+            86 => {}
+            other => panic!("exit {other}\n{}", out.context()),
+        }
+        let events = read_events_of(&ev, &out);
+        let inject = events
+            .iter()
+            .find(|e| e["kind"] == "inject")
+            .unwrap_or_else(|| panic!("no inject event\n{}", events_summary(&events)));
+        in_a_thread += inject["message"].as_str().unwrap_or("").contains("(a thread)") as u32;
+    }
+    assert!(
+        in_a_thread >= 2,
+        "only {in_a_thread} of 4 faults went into a worker thread"
+    );
+}
+
 /// Time-based `ip` faults in a follower that spends its time in descriptor-creating
 /// calls: the fault often lands at the call's stop while the monitor's interrupt is still
 /// pending, the interrupt cuts the follower's descriptor install short, and the follower

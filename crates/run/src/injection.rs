@@ -20,8 +20,8 @@ pub trait FaultHook {
     /// Replica `r`'s thread of `task` stopped at a syscall entry with `regs` (refreshed if
     /// the hook changed them). False: the replica will not arrive at this call.
     fn at_syscall(&mut self, s: &mut Session, task: TaskId, r: ReplicaId, regs: &mut Regs) -> bool;
-    /// Replica `r`'s first thread stopped at an event stop (the hook's interrupt).
-    fn at_event_stop(&mut self, s: &mut Session, r: ReplicaId);
+    /// Replica `r`'s thread of `task` stopped at an event stop (the hook's interrupt).
+    fn at_event_stop(&mut self, s: &mut Session, task: TaskId, r: ReplicaId);
     /// A stop the hook may own (its single-steps). True: handled, the monitor ignores it.
     fn at_stop(&mut self, s: &mut Session, tid: Tid, stop: Stop) -> bool;
     /// Whether a thread is being single-stepped now (catch-ups wait for it).
@@ -75,6 +75,8 @@ pub struct Injector {
     stepping: Option<Stepping>,
     /// Where the injector wants the applied fault (and, beside it, the detections).
     record: Option<std::path::PathBuf>,
+    /// The thread a time-based replica fault goes into, chosen when its moment comes.
+    victim: TaskId,
 }
 
 impl Injector {
@@ -90,6 +92,7 @@ impl Injector {
             record: fault.as_ref().map(|f| f.0.record.clone()),
             fault,
             stepping: None,
+            victim: 0,
         };
         if let Some((us, r)) = injector.fault.as_ref().and_then(|f| Some((f.0.after_us?, f.1))) {
             injector.arm_cpu_timer(s, r, us);
@@ -115,9 +118,39 @@ impl Injector {
         Ok(Some((fault, replica)))
     }
 
+    /// The thread of replica `r` a time-based fault goes into: one of its live threads,
+    /// with a chance proportional to the CPU time it has used (as `lockstep inject`
+    /// chooses its victim in a process tree), drawn from the fault's seed. A replay
+    /// draws again, so with several busy threads it may strike another one.
+    fn choose_victim(s: &Session, r: ReplicaId, seed: u64) -> TaskId {
+        let threads = s.live_threads(r);
+        let cpu = |tid| -> u64 {
+            let stat = s.backend().proc_read(tid, "stat").unwrap_or_default();
+            let fields: Vec<&str> = stat
+                .rsplit_once(')')
+                .map_or(vec![], |(_, rest)| rest.split_whitespace().collect());
+            // utime and stime are the 14th and 15th fields; 12th and 13th after the name.
+            let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+            tick(11) + tick(12) + 1
+        };
+        let weights: Vec<(TaskId, u64)> = threads.iter().map(|&(task, tid)| (task, cpu(tid))).collect();
+        let total: u64 = weights.iter().map(|w| w.1).sum();
+        if total == 0 {
+            return 0;
+        }
+        let mut pick = lockstep_inject::fault::Rng::new(seed ^ 0x7468_7265_6164).below(total);
+        for (task, w) in weights {
+            if pick < w {
+                return task;
+            }
+            pick -= w;
+        }
+        0
+    }
+
     /// A time-based replica fault whose moment has come is applied where the replica is:
-    /// its main thread is interrupted (PTRACE_INTERRUPT) and the fault goes in at that
-    /// stop, unless it reaches a syscall stop first.
+    /// the victim thread (`choose_victim`) is interrupted (PTRACE_INTERRUPT) and the fault
+    /// goes in at that stop, unless it reaches a syscall stop first.
     fn interrupt_for_replica_fault(&mut self, s: &mut Session) {
         let Some((fault, r)) = &self.fault else {
             return;
@@ -134,11 +167,10 @@ impl Injector {
         }
         set_tick(TICK);
         let alive = s.replicas().is_alive(r);
-        let Some((tid, state)) = s
-            .main_task()
-            .and_then(|t| t.slot(r))
-            .map(|slot| (slot.tid(), slot.state()))
-        else {
+        let seed = self.fault.as_ref().map_or(0, |f| f.0.seed);
+        let victim = if alive { Self::choose_victim(s, r, seed) } else { 0 };
+        self.victim = victim;
+        let Some((tid, state)) = s.task(victim).slot(r).map(|slot| (slot.tid(), slot.state())) else {
             return;
         };
         match state {
@@ -147,12 +179,12 @@ impl Injector {
             // it had struck just before the syscall instruction, so the vote sees the
             // corrupted call. (An interrupt would stay pending and stop the replica at an
             // unexpected moment.)
-            SlotState::Arrived if s.main_task().map(|t| t.phase()) == Some(Phase::Collect) => {
+            SlotState::Arrived if s.task(victim).phase() == Phase::Collect => {
                 let Ok(mut regs) = s.backend().regs(tid) else {
                     return;
                 };
-                self.apply_replica_fault(s, 0, r, &mut regs);
-                s.slot_mut(0, r).rearrive(regs);
+                self.apply_replica_fault(s, victim, r, &mut regs);
+                s.slot_mut(victim, r).rearrive(regs);
             }
             // Parked after its call was decided (a follower while the leader executes, or
             // a replica waiting for the others to finish): a register flipped now would
@@ -168,7 +200,8 @@ impl Injector {
         }
     }
 
-    fn replica_fault_due(&self, s: &Session, r: ReplicaId) -> bool {
+    /// Whether the replica fault goes in now, at a stop of replica `r`'s thread of `task`.
+    fn replica_fault_due(&self, s: &Session, task: TaskId, r: ReplicaId) -> bool {
         let Some((fault, target)) = &self.fault else {
             return false;
         };
@@ -177,12 +210,12 @@ impl Injector {
         }
         let stops = s.slot(0, r).stops();
         match (fault.at_stop, fault.after_us) {
-            (Some(k), _) => stops == k,
+            (Some(k), _) => task == 0 && stops == k,
             // Time-based faults go in at the stop the monitor's interrupt causes, wherever
-            // the replica is then, not at the next syscall (which would bias them towards
-            // syscall boundaries).
-            (None, Some(_)) => fault.interrupted,
-            (None, None) => stops == 1,
+            // the victim thread is then, not at the next syscall (which would bias them
+            // towards syscall boundaries).
+            (None, Some(_)) => task == self.victim && fault.interrupted,
+            (None, None) => task == 0 && stops == 1,
         }
     }
 
@@ -249,7 +282,13 @@ impl Injector {
                 *regs = fresh;
             }
         }
-        let at = format!("at syscall stop {}", s.slot(task, r).stops());
+        let at = match task {
+            0 => format!("at syscall stop {}", s.slot(task, r).stops()),
+            _ => format!(
+                "in task {task} (a thread) at its syscall stop {}",
+                s.slot(task, r).stops()
+            ),
+        };
         self.report_replica_fault(s, r, &fault.record, result, &at);
     }
 
@@ -414,18 +453,18 @@ impl FaultHook for Injector {
                 return false; // the replica was killed or set spinning
             }
         }
-        if task == 0 && self.replica_fault_due(s, r) {
-            self.apply_replica_fault(s, 0, r, regs);
+        if self.replica_fault_due(s, task, r) {
+            self.apply_replica_fault(s, task, r, regs);
         }
         true
     }
 
-    fn at_event_stop(&mut self, s: &mut Session, r: ReplicaId) {
-        if self.replica_fault_due(s, r) {
-            // The stop our interrupt asked for: the fault goes in wherever the replica
-            // is, not only at a syscall.
-            if let Ok(mut regs) = s.backend().regs(s.slot(0, r).tid()) {
-                self.apply_replica_fault(s, 0, r, &mut regs);
+    fn at_event_stop(&mut self, s: &mut Session, task: TaskId, r: ReplicaId) {
+        if self.replica_fault_due(s, task, r) {
+            // The stop our interrupt asked for: the fault goes in wherever the thread is,
+            // not only at a syscall.
+            if let Ok(mut regs) = s.backend().regs(s.slot(task, r).tid()) {
+                self.apply_replica_fault(s, task, r, &mut regs);
             }
         }
     }

@@ -622,9 +622,25 @@ impl Session {
         &self.replicas
     }
 
-    /// The program's first thread (task 0), where replica faults go in.
+    /// The program's first thread (task 0), where replica faults counted in syscall
+    /// stops go in.
     pub fn main_task(&self) -> Option<&Task> {
         self.tasks.first()
+    }
+
+    /// The threads of replica `r` that are alive (time-based replica faults choose among
+    /// them): (task, tid).
+    pub fn live_threads(&self, r: ReplicaId) -> Vec<(TaskId, lockstep_trace::Tid)> {
+        self.tasks
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.is_finished())
+            .filter_map(|(i, t)| t.slot(r).filter(|s| !s.is_dead()).map(|s| (i, s.tid())))
+            .collect()
+    }
+
+    pub fn task(&self, task: TaskId) -> &Task {
+        &self.tasks[task]
     }
 
     pub fn report(&self) -> &crate::report::Report {
@@ -736,8 +752,8 @@ impl Session {
             }
             Stop::Event(_) | Stop::EventStop(_) => {
                 self.slot_mut(task, r).started();
-                if task == 0 && matches!(stop, Stop::EventStop(_)) {
-                    self.with_hook((), |hook, s| hook.at_event_stop(s, r));
+                if matches!(stop, Stop::EventStop(_)) {
+                    self.with_hook((), |hook, s| hook.at_event_stop(s, task, r));
                 }
                 if matches!(stop, Stop::EventStop(_)) {
                     self.at_fast_interrupt(task, r);
