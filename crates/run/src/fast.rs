@@ -313,6 +313,11 @@ impl Ring {
             + self.word64(&region.vote_seq).load(Ordering::Acquire)
     }
 
+    /// The record follower `r` waits for (0: none).
+    pub fn awaiting(&self, lane: Lane, r: u32) -> u64 {
+        self.word64(&self.region(lane, r).awaiting).load(Ordering::Acquire)
+    }
+
     /// Whether replica `r` sleeps waiting for another one in the ring.
     pub fn sleeping(&self, lane: Lane, r: u32) -> bool {
         self.word32(&self.region(lane, r).sleeping).load(Ordering::Acquire) != 0
@@ -598,6 +603,11 @@ impl FastPath {
     /// A number that grows whenever replica `r` moves on in `lane`.
     pub fn position(&self, lane: Lane, r: u32) -> Option<u64> {
         self.region(r).map(|i| self.ring().position(lane, i))
+    }
+
+    /// The record follower `r` waits for in `lane` (0: none).
+    pub fn awaiting(&self, lane: Lane, r: u32) -> Option<u64> {
+        self.region(r).map(|i| self.ring().awaiting(lane, i))
     }
 
     /// Whether replica `r` sleeps in `lane`, waiting for another one.

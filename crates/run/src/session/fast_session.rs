@@ -504,10 +504,19 @@ impl Session {
     }
 
     /// Whether every replica of `missing` sleeps in `task`'s ring, waiting for another one.
+    /// A follower whose record the leader has published is not waiting for anyone: it has
+    /// yet to wake and take it (a leader that brought an escalated call here published an
+    /// ESCALATE record first, which sends its followers here too).
     pub(crate) fn waiting_in_ring(&self, task: TaskId, missing: &[ReplicaId]) -> bool {
+        let leader = self.replicas.leader();
         self.fast.as_ref().is_some_and(|f| {
-            f.active_lane(task)
-                .is_some_and(|lane| missing.iter().all(|&r| f.sleeping(lane, r)))
+            f.active_lane(task).is_some_and(|lane| {
+                let published = f.published(lane, leader).unwrap_or(0);
+                missing.iter().all(|&r| {
+                    let awaiting = f.awaiting(lane, r).unwrap_or(0);
+                    f.sleeping(lane, r) && (r == leader || awaiting == 0 || awaiting > published)
+                })
+            })
         })
     }
 
