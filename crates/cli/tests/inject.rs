@@ -506,27 +506,39 @@ fn replicas_turn_native_sdc_into_masked_faults() {
     assert_eq!(activated["activated"], 60, "every replica fault was applied");
 }
 
+/// A fault for the run monitor (what `lockstep inject --replica` passes), one bit wide.
+fn replica_fault(
+    model: Model,
+    replica: lockstep_inject::fault::ReplicaChoice,
+    at_stop: Option<u64>,
+    after_us: Option<u64>,
+    seed: u64,
+    record: &std::path::Path,
+) -> lockstep_inject::fault::ReplicaFault {
+    lockstep_inject::fault::ReplicaFault {
+        model,
+        width: Width::One,
+        region: Region::All,
+        libs: false,
+        replica,
+        at_stop,
+        after_us,
+        seed,
+        record: record.to_path_buf(),
+        steps: 0,
+        replay: None,
+        interrupted: false,
+    }
+}
+
 #[test]
 fn a_replica_fault_is_masked_and_shows_in_the_events() {
-    use lockstep_inject::fault::{ReplicaChoice, ReplicaFault, REPLICA_FAULT_ENV};
+    use lockstep_inject::fault::{ReplicaChoice, REPLICA_FAULT_ENV};
     // Pick a seed whose first draw selects r12 (index 11 of the register list).
     let seed = (0..10_000u64).find(|&s| Rng::new(s).below(15) == 11).unwrap();
     let dir = scratch_dir("replica-fault");
     let record = dir.join("applied.json");
-    let fault = ReplicaFault {
-        model: Model::Reg,
-        width: Width::One,
-        region: Region::All,
-        libs: false,
-        replica: ReplicaChoice::Follower,
-        at_stop: Some(9),
-        after_us: None,
-        seed,
-        record: record.clone(),
-        steps: 0,
-        replay: None,
-        interrupted: false,
-    };
+    let fault = replica_fault(Model::Reg, ReplicaChoice::Follower, Some(9), None, seed, &record);
     let ev = events_path("replica-fault");
     let evs = ev.to_string_lossy().into_owned();
     let mut cmd = lockstep_run(&["-r", "3", "--events", &evs], &[fixture("flip_target")]);
@@ -545,27 +557,14 @@ fn a_replica_fault_is_masked_and_shows_in_the_events() {
 fn a_time_based_replica_fault_strikes_the_thread_that_uses_the_cpu() {
     // lanes: the main thread waits in pthread_join while three workers do the work, so a
     // time-based fault drawn CPU-weighted lands in a worker.
-    use lockstep_inject::fault::{ReplicaChoice, ReplicaFault, REPLICA_FAULT_ENV};
+    use lockstep_inject::fault::{ReplicaChoice, REPLICA_FAULT_ENV};
     let prog: Vec<std::ffi::OsString> = vec![fixture("lanes").into(), "3".into(), "3000".into(), "together".into()];
     let native = native_stdout(&prog);
     let mut in_a_thread = 0;
     for seed in 0..4u64 {
         let dir = scratch_dir("replica-fault-thread");
         let record = dir.join("applied.json");
-        let fault = ReplicaFault {
-            model: Model::Reg,
-            width: Width::One,
-            region: Region::All,
-            libs: false,
-            replica: ReplicaChoice::Any,
-            at_stop: None,
-            after_us: Some(20_000),
-            seed,
-            record: record.clone(),
-            steps: 0,
-            replay: None,
-            interrupted: false,
-        };
+        let fault = replica_fault(Model::Reg, ReplicaChoice::Any, None, Some(20_000), seed, &record);
         let ev = events_path("replica-fault-thread");
         let evs = ev.to_string_lossy().into_owned();
         let mut cmd = lockstep_run(&["-r", "3", "--events", &evs], &prog);
@@ -675,26 +674,13 @@ fn ctrl_c_kills_running_targets_and_keeps_results() {
 
 #[test]
 fn dest_and_addr_replica_faults_are_stepped_by_the_monitor_and_masked() {
-    use lockstep_inject::fault::{ReplicaChoice, ReplicaFault, REPLICA_FAULT_ENV};
+    use lockstep_inject::fault::{ReplicaChoice, REPLICA_FAULT_ENV};
     let golden = golden_of(&argv("step_target", &[])).stdout;
     for (model, seed) in [(Model::Dest, 1), (Model::Dest, 2), (Model::Addr, 3)] {
         let dir = scratch_dir("replica-step");
         let record = dir.join("applied.json");
         // Stop 1 is the replica's execve, stop 2 the getppid right before the probe.
-        let fault = ReplicaFault {
-            model,
-            width: Width::One,
-            region: Region::All,
-            libs: false,
-            replica: ReplicaChoice::Follower,
-            at_stop: Some(2),
-            after_us: None,
-            seed,
-            record: record.clone(),
-            steps: 0,
-            replay: None,
-            interrupted: false,
-        };
+        let fault = replica_fault(model, ReplicaChoice::Follower, Some(2), None, seed, &record);
         let ev = events_path("replica-step");
         let evs = ev.to_string_lossy().into_owned();
         let mut cmd = lockstep_run(&["-r", "3", "--events", &evs], &[fixture("step_target")]);
