@@ -8,6 +8,7 @@ here, once per process: the scripts read them as benchproc.ANOMALIES etc. Standa
 only; the scripts import it as `benchproc` (a script's own directory is on sys.path when it
 is run as `python3 bench/SCRIPT.py`, from any directory).
 """
+import json
 import os
 import re
 import shlex
@@ -182,6 +183,16 @@ def read_file(path):
             return f.read()
     except OSError:
         return ""
+
+
+def write_results(out_dir, name, data):
+    """Writes `data` and the anomalies so far as OUT_DIR/NAME (indented JSON); returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump({**data, "anomalies": ANOMALIES}, f, indent=1)
+        f.write("\n")
+    return path
 
 
 def port_accepts(port):

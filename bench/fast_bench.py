@@ -495,12 +495,8 @@ def main():
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "seconds": time.monotonic() - t_start}
     report = markdown(meta, a, b, c)
-    os.makedirs(args.out, exist_ok=True)
-    out_json = os.path.join(args.out, "fast.json")
-    with open(out_json, "w") as f:
-        json.dump({"meta": meta, "per_call": a, "redis": b, "masking": c,
-                   "anomalies": benchproc.ANOMALIES}, f, indent=1)
-        f.write("\n")
+    out_json = benchproc.write_results(args.out, "fast.json",
+                                       {"meta": meta, "per_call": a, "redis": b, "masking": c})
     print(report, end="")
     print(f"(raw numbers: {out_json})", file=sys.stderr)
 

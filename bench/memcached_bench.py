@@ -22,7 +22,6 @@ Usage (from anywhere):
 raw number, and prints a markdown summary. Needs memcached and memcaslap (libmemcached-tools).
 """
 import argparse
-import json
 import os
 import platform
 import re
@@ -191,12 +190,8 @@ def main():
             "rounds": args.rounds, "seconds": args.seconds, "commands": commands,
             "lockstep_binary": bin_start, "wall": time.monotonic() - start,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    os.makedirs(args.out, exist_ok=True)
-    out_json = os.path.join(args.out, "memcached.json")
-    with open(out_json, "w") as f:
-        json.dump({"meta": meta, "rounds": rounds, "summary": summary,
-                   "anomalies": benchproc.ANOMALIES}, f, indent=1)
-        f.write("\n")
+    out_json = benchproc.write_results(args.out, "memcached.json",
+                                       {"meta": meta, "rounds": rounds, "summary": summary})
     print(markdown(meta, rounds, summary), end="")
     print(f"(raw numbers: {out_json})", file=sys.stderr)
 

@@ -58,7 +58,6 @@ backend needs root (see docs/run.md).
 import argparse
 import base64
 import http.client
-import json
 import os
 import platform
 import re
@@ -485,12 +484,7 @@ def main():
             "loadavg_start": load_start, "loadavg_end": loadavg(),
             "seconds": time.monotonic() - t_start}
     report = markdown(meta, res)
-    os.makedirs(args.out, exist_ok=True)
-    out_json = os.path.join(args.out, "nginx.json")
-    with open(out_json, "w") as f:
-        json.dump({"meta": meta, "nginx": res, "events": NOTES,
-                   "anomalies": benchproc.ANOMALIES}, f, indent=1)
-        f.write("\n")
+    out_json = benchproc.write_results(args.out, "nginx.json", {"meta": meta, "nginx": res, "events": NOTES})
     print(report, end="")
     print(f"(raw numbers: {out_json})", file=sys.stderr)
 

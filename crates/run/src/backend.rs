@@ -98,6 +98,10 @@ pub trait Backend {
     fn has_children(&self, pid: Tid) -> bool;
     /// The CPU time (all threads) process `pid` has used so far; None once it is gone.
     fn process_cpu(&self, pid: Tid) -> Option<std::time::Duration>;
+    /// The CPU time thread `tid` alone has used so far; None when it is gone or unknown.
+    fn thread_cpu(&self, _tid: Tid) -> Option<std::time::Duration> {
+        None
+    }
     /// Pins thread `tid` to one CPU; a failure leaves its current placement.
     fn pin(&self, tid: Tid, cpu: usize);
     /// Reaps every child that is left after `Action::Kill`s, within a bounded time.
@@ -233,6 +237,9 @@ impl Backend for Ptrace {
     }
     fn process_cpu(&self, pid: Tid) -> Option<std::time::Duration> {
         lockstep_trace::cpu::process_cpu(pid)
+    }
+    fn thread_cpu(&self, tid: Tid) -> Option<std::time::Duration> {
+        lockstep_trace::cpu::thread_cpu(tid)
     }
     fn pin(&self, tid: Tid, cpu: usize) {
         // SAFETY: a zeroed set with one CPU; failure leaves the thread where it was.
@@ -373,6 +380,9 @@ impl Backend for Checked {
     }
     fn process_cpu(&self, pid: Tid) -> Option<std::time::Duration> {
         self.inner.process_cpu(pid)
+    }
+    fn thread_cpu(&self, tid: Tid) -> Option<std::time::Duration> {
+        self.inner.thread_cpu(tid)
     }
     fn pin(&self, tid: Tid, cpu: usize) {
         self.inner.pin(tid, cpu)

@@ -124,15 +124,8 @@ impl Injector {
     /// draws again, so with several busy threads it may strike another one.
     fn choose_victim(s: &Session, r: ReplicaId, seed: u64) -> TaskId {
         let threads = s.live_threads(r);
-        let cpu = |tid| -> u64 {
-            let stat = s.backend().proc_read(tid, "stat").unwrap_or_default();
-            let fields: Vec<&str> = stat
-                .rsplit_once(')')
-                .map_or(vec![], |(_, rest)| rest.split_whitespace().collect());
-            // utime and stime are the 14th and 15th fields; 12th and 13th after the name.
-            let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
-            tick(11) + tick(12) + 1
-        };
+        // Microseconds, plus one so that a thread that has not run yet can be drawn too.
+        let cpu = |tid| s.backend().thread_cpu(tid).map_or(0, |t| t.as_micros() as u64) + 1;
         let weights: Vec<(TaskId, u64)> = threads.iter().map(|&(task, tid)| (task, cpu(tid))).collect();
         let total: u64 = weights.iter().map(|w| w.1).sum();
         if total == 0 {

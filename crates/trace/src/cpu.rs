@@ -5,14 +5,25 @@
 use crate::Tid;
 use std::time::Duration;
 
-/// CPUCLOCK_SCHED: the scheduler's precise runtime (user + system) of the process.
+/// CPUCLOCK_SCHED: the scheduler's precise runtime (user + system).
 const CPUCLOCK_SCHED: libc::clockid_t = 2;
+/// CPUCLOCK_PERTHREAD_MASK: the clock of one thread, not of its whole process.
+const CPUCLOCK_PERTHREAD: libc::clockid_t = 4;
 
 /// The CPU time (all threads, user + system) process `pid` has used so far; None once it
 /// is gone. The kernel lets any process read another process's CPU clock.
 pub fn process_cpu(pid: Tid) -> Option<Duration> {
     // MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) from the kernel's posix-timers.h.
-    let clock = ((!pid) << 3) | CPUCLOCK_SCHED;
+    read_clock(((!pid) << 3) | CPUCLOCK_SCHED)
+}
+
+/// The CPU time thread `tid` alone has used so far; None once it is gone.
+pub fn thread_cpu(tid: Tid) -> Option<Duration> {
+    // MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED).
+    read_clock(((!tid) << 3) | CPUCLOCK_SCHED | CPUCLOCK_PERTHREAD)
+}
+
+fn read_clock(clock: libc::clockid_t) -> Option<Duration> {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: clock_gettime writes one timespec.
     if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
@@ -36,5 +47,7 @@ mod tests {
         std::hint::black_box(x);
         assert!(process_cpu(me).unwrap() > before);
         assert_eq!(process_cpu(4_194_000), None, "no such process");
+        let own = thread_cpu(unsafe { libc::gettid() }).expect("own thread clock");
+        assert!(own > Duration::ZERO && own <= process_cpu(me).unwrap());
     }
 }
