@@ -21,7 +21,7 @@ use std::process::Command;
 
 /// Numbers of the shared layout: (name, value, what it is). Changing one changes both sides.
 const LAYOUT: &[(&str, u64, &str)] = &[
-    ("VERSION", 3, "layout version, checked by the hello call"),
+    ("VERSION", 4, "layout version, checked by the hello call"),
     ("MAX_REPLICAS", 3, "regions in the ring file"),
     (
         "LANES",
@@ -43,6 +43,11 @@ const LAYOUT: &[(&str, u64, &str)] = &[
     ("CLOCK_RING", 1024, "values kept per clock"),
     ("PAGE", 4096, "alignment of every region"),
     ("HEADER_SIZE", 4096, "the monitor's header page"),
+    (
+        "MAILBOX_OFFSET",
+        2048,
+        "where the header page's signal mailboxes start (one per lane, 16 bytes each)",
+    ),
     ("RECORD_HEAD", 160, "bytes of a record before its payload"),
     ("REGION_HEAD", 4096, "bytes of a replica region before its records"),
     ("MAX_IOVECS", 1024, "iovecs one call may carry on the fast path"),

@@ -48,6 +48,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <link.h>
 #include <signal.h>
 #include <stddef.h>
@@ -99,6 +100,17 @@
 #define RING_MAGIC 0x4c4f434b53544550ULL /* "LOCKSTEP" */
 #define KIND_RESULT 1
 #define KIND_ESCALATE 2
+#define KIND_SIGNAL 3 /* a signal goes in before this call (see deliver_signal) */
+/* A SIGNAL record's `signal` word: the number, what happens to the call afterwards, and
+ * the kernel's restart code when the signal interrupted it. */
+#define SIGNAL_NUMBER 0xffULL
+#define SIGNAL_RESTART (1ULL << 8)     /* the call is made (again) after the handler */
+#define SIGNAL_INTERRUPTED (1ULL << 9) /* it had entered the kernel; otherwise it returns EINTR */
+#define SIGNAL_CODE_SHIFT 16
+#define ERESTARTSYS 512
+#define ERESTARTNOINTR 513
+/* ring_call: the call is made again as a new record (after a signal's handler). */
+#define LF_AGAIN LONG_MIN
 
 /* --- the generated table ------------------------------------------------------------ */
 #define LF_MAX_NR MAX_NR
@@ -120,7 +132,7 @@ struct lf_header {
     uint64_t magic;
     uint32_t version, replicas;
     uint32_t leader, off;
-    uint32_t escalate, spin;
+    uint32_t unused, spin;
     uint64_t clocks_offset, regions_offset, region_size, total_size;
     int32_t cpu[4]; /* each replica's CPU, -1 if not pinned */
     uint32_t strict; /* 1: the monitor checks every output before it runs */
@@ -129,6 +141,15 @@ struct lf_header {
     uint32_t leader_lost; /* the leader was removed: what it had in flight never comes */
     uint64_t clocks_size; /* bytes of one lane's clock area */
 };
+
+/* The monitor's request to deliver a signal in one lane: `request` grows by one per request,
+ * `sig` is 0 when the monitor delivered it otherwise meanwhile, `code` the kernel's restart
+ * code of the call it interrupted for it (0: none). In the header page, read-only here. */
+struct lf_mailbox {
+    uint32_t request, sig;
+    int64_t code;
+};
+_Static_assert(LF_MAILBOX_OFFSET + LF_LANES * sizeof(struct lf_mailbox) <= LF_HEADER_SIZE, "mailboxes");
 
 struct lf_time {
     int64_t sec, nsec;
@@ -147,7 +168,8 @@ struct lf_record {
     int64_t ret;
     uint32_t len, crc;
     uint64_t clock_sync[LF_CLOCKS];
-    uint64_t reserved[3];
+    uint64_t signal; /* KIND_SIGNAL: SIGNAL_* */
+    uint64_t reserved[2];
     unsigned char payload[LF_PAYLOAD_MAX];
 };
 _Static_assert(offsetof(struct lf_record, payload) == LF_RECORD_HEAD, "record head");
@@ -174,6 +196,8 @@ struct lf_region_head {
      * `in_flight_nr`); `published` catches up once the record is out. A leader lost in
      * between may have run the call: the monitor then stops the run (see fast_session.rs). */
     uint64_t in_flight, in_flight_nr;
+    /* written as the leader: the last signal request of the monitor it took */
+    uint64_t signal_seen;
 };
 struct lf_region {
     struct lf_region_head h;
@@ -187,7 +211,9 @@ struct lf_state {
     volatile struct lf_header *hdr; /* NULL: no ring */
     struct lf_clock *clocks;
     struct lf_region *regions[LF_MAX_REPLICAS];
-    uint32_t me, leader, replicas, escalate_seen, spin;
+    const volatile struct lf_mailbox *mailbox;
+    uint32_t me, leader, replicas, spin;
+    uint32_t signal_seen; /* the mailbox's last request taken */
     uint32_t spin_budget; /* this lane's current spin (adaptive, at most `spin`) */
     uint32_t wake_pending; /* a leader sharing its CPU published without waking (below) */
     uint64_t seq; /* the last replicated call */
@@ -237,9 +263,11 @@ static long after_slow_call(long ret);
  * "result:N" flips a bit of call N's result on its way from the kernel into the record;
  * "wild-result:N" flips bit 40 of call N's result before any copy of it is taken;
  * "crash:N" makes the leader fault right after call N returned, before its record is out;
+ * "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
+ * never posted, as a corrupted mailbox check would;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
-static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash;
+static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal;
 static int lf_test_selector_allow;
 /* The thread that attached the ring (lane 0): the main thread of the image. Later epochs'
  * rings are attached through it. */
@@ -628,7 +656,7 @@ static int unpack(const struct lf_desc *d, const long *a, const unsigned char *p
 static uint32_t record_crc(const struct lf_record *r, uint64_t s)
 {
     uint32_t crc = crc_bytes(~0u, (const unsigned char *)r + 8, offsetof(struct lf_record, crc) - 8);
-    crc = crc_bytes(crc, (const unsigned char *)r->clock_sync, sizeof r->clock_sync);
+    crc = crc_bytes(crc, (const unsigned char *)r->clock_sync, LF_RECORD_HEAD - offsetof(struct lf_record, clock_sync));
     crc = crc_u64(crc, s);
     return crc_bytes(crc, r->payload, r->len);
 }
@@ -973,6 +1001,111 @@ static long escalate(struct lf_state *st, struct lf_record *rec, uint64_t s, lon
     return slow_call(st, nr, a);
 }
 
+/* --- signals as records ----------------------------------------------------------------
+ * The monitor sees every signal first (the replicas are traced). One the leader's thread is
+ * to take goes into this lane's mailbox; the leader takes it at its next replicated call
+ * (or right away if the monitor interrupted that call for it), publishes a SIGNAL record in
+ * place of the call, and raises the signal on itself with tgkill from the fast gate; each
+ * follower does the same when it reaches the record. The monitor lets those raises through
+ * with the leader's siginfo, so the kernel runs the program's handler, with its own mask,
+ * flags and stack, at the same call in every replica. Then the call is made again as a new
+ * record, or returns EINTR where the kernel would not have restarted it. */
+
+/* Signals whose handler was installed with SA_RESTART (bit N-1 for signal N), as the
+ * program's rt_sigaction calls left them: the same in every replica. */
+static volatile uint64_t lf_sa_restart;
+
+static void note_sigaction(long nr, const long *a, const struct kernel_sigaction *act, long ret)
+{
+    if (nr != SYS_rt_sigaction || ret != 0 || a[1] == 0 || a[0] < 1 || a[0] > 64)
+        return;
+    uint64_t bit = 1ULL << (a[0] - 1);
+    int restarts = (act->flags & SA_RESTART) && act->handler != SIG_DFL && act->handler != SIG_IGN;
+    __atomic_store_n(&lf_sa_restart, restarts ? lf_sa_restart | bit : lf_sa_restart & ~bit, __ATOMIC_RELAXED);
+}
+
+/* The mailbox's signal, if the monitor posted one since we last looked (0: none). With
+ * `interrupted`, only one the monitor interrupted a call for (it wrote the restart code
+ * before it let the call return). A signal the thread blocks now (it arrived before a
+ * handler or a sigprocmask blocked it) stays in the mailbox until it is unblocked, as it
+ * would stay pending in the kernel. */
+static int take_signal(struct lf_state *st, int64_t *code, int interrupted)
+{
+    uint32_t request = __atomic_load_n(&st->mailbox->request, __ATOMIC_SEQ_CST);
+    if (request == st->signal_seen || (interrupted && st->mailbox->code == 0))
+        return 0;
+    uint32_t sig = st->mailbox->sig;
+    int valid = sig >= 1 && sig <= 64 && sig != SIGSYS;
+    uint64_t blocked = 0;
+    if (valid && lf_fast(SYS_rt_sigprocmask, SIG_BLOCK, 0, (long)&blocked, sizeof blocked, 0, 0) == 0 &&
+        (blocked >> (sig - 1)) & 1)
+        return 0;
+    st->signal_seen = request;
+    *code = st->mailbox->code;
+    store(&st->regions[st->me]->h.signal_seen, request);
+    return valid ? (int)sig : 0;
+}
+
+/* The kernel delivers `sig` here, as it would have where the leader took it: unblocked for
+ * the moment (it was not blocked where it arrived), raised, and the mask restored. */
+static void raise_in_place(int sig)
+{
+    uint64_t bit = 1ULL << (sig - 1), old = 0;
+    lf_fast(SYS_rt_sigprocmask, SIG_UNBLOCK, (long)&bit, (long)&old, sizeof bit, 0, 0);
+    lf_fast(SYS_tgkill, lf_fast(SYS_getpid, 0, 0, 0, 0, 0, 0), lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0), sig, 0, 0, 0);
+    lf_fast(SYS_rt_sigprocmask, SIG_SETMASK, (long)&old, 0, sizeof old, 0, 0);
+}
+
+/* What becomes of a call a signal interrupted, as the kernel decides it natively. */
+static int restarts(int sig, int64_t code)
+{
+    return code == -ERESTARTNOINTR || (code == -ERESTARTSYS && ((lf_sa_restart >> (sig - 1)) & 1));
+}
+
+/* The leader: SIGNAL for call `s` in place of its result, then the handler. `d` is given
+ * when the call was interrupted: what the kernel wrote into its in-out buffers meanwhile
+ * goes to the followers too (as for ESCALATE). */
+static long deliver_signal(struct lf_state *st, struct lf_record *rec, uint64_t s, long nr, uint64_t digest,
+                           const long *a, const struct lf_desc *d, int sig, int64_t code)
+{
+    uint64_t word = (uint64_t)sig | ((uint64_t)(-code) << SIGNAL_CODE_SHIFT);
+    if (d != NULL)
+        word |= SIGNAL_INTERRUPTED;
+    if (d == NULL || restarts(sig, code))
+        word |= SIGNAL_RESTART;
+    rec->nr = (uint32_t)nr;
+    rec->kind = KIND_SIGNAL;
+    rec->digest = digest;
+    rec->ret = 0;
+    rec->signal = word;
+    rec->len = d != NULL ? pack(d, a, 0, rec->payload) : 0;
+    for (unsigned c = 0; c < LF_CLOCKS; c++)
+        rec->clock_sync[c] = 0;
+    publish(st, rec, s, d, a, 0);
+    raise_in_place(sig);
+    return (word & SIGNAL_RESTART) ? LF_AGAIN : -EINTR;
+}
+
+/* A follower at a SIGNAL record that matches its call: the same signal, the same outcome.
+ * 0 when the record is not one this replica can follow. */
+static long follow_signal(struct lf_state *st, const struct lf_record *rec, uint64_t s, const struct lf_desc *d,
+                          const long *a)
+{
+    uint64_t word = rec->signal;
+    int sig = (int)(word & SIGNAL_NUMBER);
+    int64_t code = -(int64_t)(word >> SIGNAL_CODE_SHIFT);
+    int interrupted = (word & SIGNAL_INTERRUPTED) != 0;
+    int restart = !interrupted || restarts(sig, code);
+    if (sig < 1 || sig > 64 || sig == SIGSYS || restart != ((word & SIGNAL_RESTART) != 0) ||
+        (rec->len > 0 && !unpack(d, a, rec->payload, rec->len)))
+        return 0;
+    struct lf_region *own = st->regions[st->me];
+    store(&own->h.consumed, s);
+    signal_progress(st, &own->h.progress, st->leader, 0);
+    raise_in_place(sig);
+    return restart ? LF_AGAIN : -EINTR;
+}
+
 /* An event loop's waiting point: a poll or an epoll wait with a timeout. */
 static int may_wait_long(long nr, const long *a)
 {
@@ -987,11 +1120,12 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         own->h.unrecorded++;
         return slow_call(st, nr, a); /* no record: the monitor finds out why */
     }
-    uint32_t request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
-    if (request != st->escalate_seen || bound > (long)LF_PAYLOAD_MAX) {
-        st->escalate_seen = request;
+    int64_t code = 0;
+    int sig = take_signal(st, &code, 0);
+    if (sig != 0 || s == lf_test_signal)
+        return deliver_signal(st, rec, s, nr, digest, a, NULL, sig != 0 ? sig : SIGUSR1, 0);
+    if (bound > (long)LF_PAYLOAD_MAX)
         return escalate(st, rec, s, nr, digest, a, NULL);
-    }
     if (d->fast == F_OUTPUT) {
         store(&own->h.vote_wanted, s);
         int got = wait_followers(st, voted, s);
@@ -1018,6 +1152,10 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     __atomic_store_n(&own->h.in_flight, s, __ATOMIC_SEQ_CST);
     if (is_off(st)) /* a follower may have given up on this call already: all meet the monitor */
         return escalate(st, rec, s, nr, digest, a, NULL);
+    /* A signal posted meanwhile: the monitor, which looks at in_flight after posting, may
+     * not interrupt this call, so it is taken now. */
+    if ((sig = take_signal(st, &code, 0)) != 0)
+        return deliver_signal(st, rec, s, nr, digest, a, NULL, sig, 0);
     long third = s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2];
     long ret_copy = 0;
     long ret = lf_fast_dup(nr, a[0], a[1], third, a[3], a[4], a[5], &ret_copy);
@@ -1027,11 +1165,10 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         __asm__ volatile("movb $1, 0x10" ::: "memory"); /* test: the leader faults after the call ran (page 0 is read-only) */
     if (s == lf_test_wild_result)
         ret = ret_copy = ret_copy ^ (1L << 40); /* test: the result register changed first */
-    request = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
-    if (ret == -EINTR && request != st->escalate_seen) {
-        /* The monitor interrupted the call to deliver a signal: it did not happen. */
-        st->escalate_seen = request;
-        return escalate(st, rec, s, nr, digest, a, d);
+    if (ret == -EINTR && (sig = take_signal(st, &code, 1)) != 0) {
+        /* The monitor interrupted the call to deliver a signal: the kernel's verdict on it
+         * (restart or EINTR) comes after the handler, as natively. */
+        return deliver_signal(st, rec, s, nr, digest, a, d, sig, code);
     }
     rec->nr = (uint32_t)nr;
     rec->kind = KIND_RESULT;
@@ -1087,6 +1224,14 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
         store(&own->h.consumed, s);
         signal_progress(st, &own->h.progress, st->leader, 0);
         return slow_call(st, nr, a);
+    }
+    if (rec->kind == KIND_SIGNAL) {
+        long after = rec->nr == (uint32_t)nr && rec->digest == digest ? follow_signal(st, rec, s, d, a) : 0;
+        if (after == 0) {
+            report_divergence(s, nr, digest, rec->nr, rec->digest);
+            return slow_call(st, nr, a);
+        }
+        return after;
     }
     if (rec->nr != (uint32_t)nr || rec->digest != digest ||
         (rec->ret >= 0 && !unpack(d, a, rec->payload, rec->len))) {
@@ -1151,14 +1296,16 @@ static long ring_call(struct ring_call *c)
     note_lane(st->lane);
     if (d->fast == F_CLOCK)
         return clock_call(st, nr, a);
-    uint64_t digest;
-    long bound = inspect(nr, d, a, &digest);
-    if (bound < 0)
-        return slow_call(st, nr, a);
-    uint64_t s = ++st->seq;
-    if (st->me == st->leader)
-        return lead(st, s, nr, d, a, digest, bound);
-    return follow(st, s, nr, d, a, digest);
+    for (;;) { /* again after a signal's handler (its buffers may have changed) */
+        uint64_t digest;
+        long bound = inspect(nr, d, a, &digest);
+        if (bound < 0)
+            return slow_call(st, nr, a);
+        uint64_t s = ++st->seq;
+        long ret = st->me == st->leader ? lead(st, s, nr, d, a, digest, bound) : follow(st, s, nr, d, a, digest);
+        if (ret != LF_AGAIN)
+            return ret;
+    }
 }
 
 /* The leader and a follower run different code for the same call. On the program's stack
@@ -1261,8 +1408,11 @@ long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
     if (nr >= 0 && nr < MAX_NR)
         lf_counts[nr]++;
     struct lf_state *st = lf_my;
-    if (st == NULL || st->hdr == NULL)
-        return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
+    if (st == NULL || st->hdr == NULL) {
+        long ret = after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
+        note_sigaction(nr, a, &masks.act, ret);
+        return ret;
+    }
     if (lf_vfork_seen) {
         if (lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid) {
             st->regions[st->me]->h.bypassed++;
@@ -1271,7 +1421,9 @@ long lf_dispatch(long nr, long a1, long a2, long a3, long a4, long a5, long a6)
         lf_vfork_seen = 0;
     }
     struct ring_call call = {st, nr, a};
-    return on_ring_stack(&call);
+    long ret = on_ring_stack(&call);
+    note_sigaction(nr, a, &masks.act, ret);
+    return ret;
 }
 
 /* Code edits (site rewrites, stubs) happen one at a time: two threads that make the same
@@ -1501,9 +1653,15 @@ static void attach_ring(uint32_t epoch)
         return;
     struct lf_header *hdr = map_shared((int)fd, 0, LF_HEADER_SIZE, PROT_READ);
     long me = -1;
+    uint32_t seen[LF_LANES]; /* before the hello: a signal posted after it is new */
     if (hdr != NULL && hdr->magic == RING_MAGIC && hdr->version == LF_VERSION && hdr->replicas <= LF_MAX_REPLICAS &&
-        hdr->region_size >= sizeof(struct lf_region) && hdr->epoch == epoch && hdr->lanes == LF_LANES)
+        hdr->region_size >= sizeof(struct lf_region) && hdr->epoch == epoch && hdr->lanes == LF_LANES) {
+        const volatile struct lf_mailbox *boxes =
+            (const volatile struct lf_mailbox *)((const unsigned char *)hdr + LF_MAILBOX_OFFSET);
+        for (uint32_t lane = 0; lane < LF_LANES; lane++)
+            seen[lane] = __atomic_load_n(&boxes[lane].request, __ATOMIC_ACQUIRE);
         me = hello(OP_HELLO, (long)&lf_reattach_to);
+    }
     const long states_len = LF_LANES * 4096;
     long states = lf_fast(SYS_mmap, 0, states_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (me < 0 || (me >> LF_HELLO_LANE_SHIFT) != 0 || (me & 0xff) >= (long)hdr->replicas ||
@@ -1540,7 +1698,8 @@ static void attach_ring(uint32_t epoch)
         for (uint32_t r = 0; r < st->replicas; r++)
             if (r != st->me && hdr->cpu[st->me] >= 0 && hdr->cpu[r] == hdr->cpu[st->me])
                 st->spin = 0;
-        st->escalate_seen = hdr->escalate;
+        st->mailbox = (const volatile struct lf_mailbox *)((const unsigned char *)hdr + LF_MAILBOX_OFFSET) + lane;
+        st->signal_seen = seen[lane];
         st->clocks = (struct lf_clock *)((unsigned char *)clocks + lane * hdr->clocks_size);
         for (uint32_t r = 0; r < st->replicas; r++)
             st->regions[r] = (struct lf_region *)(regions[r] + lane * hdr->region_size);
@@ -1567,13 +1726,17 @@ static void attach_thread(void)
     struct lf_state *lanes = lf_lanes;
     if (!lf_active || lanes == NULL || lanes[0].hdr == NULL)
         return; /* the same in every replica: nothing to ask */
+    /* Before the hello: a signal the monitor posts for this lane after it is new. */
+    uint32_t seen[LF_LANES];
+    for (uint32_t k = 0; k < LF_LANES; k++)
+        seen[k] = __atomic_load_n(&lane_state(lanes, k)->mailbox->request, __ATOMIC_ACQUIRE);
     long ret = hello(OP_HELLO_THREAD, lf_ring_epoch);
     long lane = ret >> LF_HELLO_LANE_SHIFT;
     if (ret < 0 || lane <= 0 || lane >= (long)LF_LANES || (uint32_t)(ret & 0xff) != lanes[0].me)
         return;
     struct lf_state *st = lane_state(lanes, (uint32_t)lane);
     st->owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
-    st->escalate_seen = __atomic_load_n(&st->hdr->escalate, __ATOMIC_ACQUIRE);
+    st->signal_seen = seen[lane];
     lf_my = st;
     if (lf_fast(SYS_prctl, PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, STUB_PAGE + 4096, (long)&lf_selector, 0) ==
         0)
@@ -1687,6 +1850,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_wild_result = strtoull(test + 12, NULL, 10);
     if (test != NULL && strncmp(test, "crash:", 6) == 0)
         lf_test_crash = strtoull(test + 6, NULL, 10);
+    if (test != NULL && strncmp(test, "signal:", 7) == 0)
+        lf_test_signal = strtoull(test + 7, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
     if (map_page_zero() != 0)

@@ -60,7 +60,7 @@ struct Header {
     replicas: u32,
     leader: u32,
     off: u32,
-    escalate: u32,
+    unused: u32,
     spin: u32,
     clocks_offset: u64,
     regions_offset: u64,
@@ -100,7 +100,39 @@ struct RegionHead {
     vote_wanted: u64,
     in_flight: u64,
     in_flight_nr: u64,
+    /// The last signal request of this lane's mailbox the leader took.
+    signal_seen: u64,
 }
+
+/// A lane's signal mailbox in the header page; same fields as `struct lf_mailbox`.
+#[repr(C)]
+struct Mailbox {
+    /// Grows by one per signal posted.
+    request: u32,
+    /// The signal (0: withdrawn, delivered otherwise).
+    sig: u32,
+    /// The kernel's restart code (an i64) of the leader's call interrupted for it (0: none).
+    code: u64,
+}
+
+/// The head of a record; same fields as `struct lf_record` up to its `signal` word.
+#[repr(C)]
+struct RecordHead {
+    seq: u64,
+    nr: u32,
+    kind: u32,
+    digest: u64,
+    ret: i64,
+    len: u32,
+    crc: u32,
+    clock_sync: [u64; layout::CLOCKS as usize],
+    signal: u64,
+}
+
+/// A record that delivers a signal before its call (`KIND_SIGNAL` in the shim).
+const KIND_SIGNAL: u32 = 3;
+/// The signal number in a SIGNAL record's `signal` word.
+const SIGNAL_NUMBER: u64 = 0xff;
 
 const fn round_up(n: u64, to: u64) -> u64 {
     n.div_ceil(to) * to
@@ -185,7 +217,7 @@ impl Ring {
                 replicas,
                 leader: 0,
                 off: 0,
-                escalate: 0,
+                unused: 0,
                 spin,
                 clocks_offset: layout::HEADER_SIZE,
                 regions_offset,
@@ -281,9 +313,53 @@ impl Ring {
         self.word32(&self.header().leader_lost).store(1, Ordering::SeqCst);
     }
 
-    /// Asks the leader to bring its next replicated call to the monitor.
-    pub fn request_escalation(&self) {
-        self.word32(&self.header().escalate).fetch_add(1, Ordering::AcqRel);
+    fn mailbox(&self, lane: Lane) -> &Mailbox {
+        assert!(lane < LANES, "lane {lane} is past the ring's {LANES}");
+        let offset = layout::MAILBOX_OFFSET as usize + lane * std::mem::size_of::<Mailbox>();
+        // SAFETY: inside the header page (the layout test checks that every lane's fits).
+        unsafe { &*self.base.add(offset).cast::<Mailbox>() }
+    }
+
+    /// Asks `lane`'s leader to take `sig` at its next replicated call (see the shim's
+    /// "signals as records"). Returns the request's number.
+    pub fn post_signal(&self, lane: Lane, sig: i32) -> u32 {
+        let mailbox = self.mailbox(lane);
+        self.word64(&mailbox.code).store(0, Ordering::Relaxed);
+        self.word32(&mailbox.sig).store(sig as u32, Ordering::Relaxed);
+        // SeqCst: against the leader's store of `in_flight` and its look at the mailbox
+        // after it (see `FastPath::leader_in_call`).
+        self.word32(&mailbox.request)
+            .fetch_add(1, Ordering::SeqCst)
+            .wrapping_add(1)
+    }
+
+    /// Takes back a posted signal the leader has not taken (it was delivered otherwise).
+    pub fn withdraw_signal(&self, lane: Lane) {
+        self.word32(&self.mailbox(lane).sig).store(0, Ordering::Release);
+    }
+
+    /// The leader's call was interrupted for the posted signal with this restart code.
+    pub fn set_signal_code(&self, lane: Lane, code: i64) {
+        self.word64(&self.mailbox(lane).code)
+            .store(code as u64, Ordering::Release);
+    }
+
+    /// The last mailbox request leader `r` of `lane` took.
+    pub fn signal_seen(&self, lane: Lane, r: u32) -> u32 {
+        self.word64(&self.region(lane, r).signal_seen).load(Ordering::Acquire) as u32
+    }
+
+    /// The signal that leader `r`'s record `seq` in `lane` delivers, if it is a SIGNAL
+    /// record with that sequence number. (Its CRC is the followers' to check.)
+    pub fn signal_record(&self, lane: Lane, r: u32, seq: u64) -> Option<i32> {
+        let region = self.region(lane, r) as *const RegionHead as *const u8;
+        let offset = layout::REGION_HEAD + (seq % layout::SLOTS) * RECORD_SIZE;
+        // SAFETY: a record inside the region (SLOTS records follow its head).
+        let head = unsafe { &*region.add(offset as usize).cast::<RecordHead>() };
+        let kind = self.word32(&head.kind).load(Ordering::Acquire);
+        let signal = self.word64(&head.signal).load(Ordering::Acquire);
+        (self.word64(&head.seq).load(Ordering::Acquire) == seq && kind == KIND_SIGNAL)
+            .then_some((signal & SIGNAL_NUMBER) as i32)
     }
 
     /// Calls the leader has published.
@@ -415,7 +491,19 @@ pub struct FastPath {
     pub approved: [u64; LANES],
     /// Per lane: since when every replica has waited for another in the ring, nobody moving.
     pub deadlock_since: [Option<std::time::Instant>; LANES],
+    /// Per lane: the signal in its mailbox that the leader may not have taken yet
+    /// (request number, signal).
+    posted: [Option<(u32, i32, std::time::Instant)>; LANES],
+    /// Per lane: the latest signals the ring delivered (the leader's record, signal), so
+    /// that a follower that raises one late is let through too.
+    delivered: [[(u64, i32); DELIVERED_KEPT]; LANES],
+    /// Per lane: the leader's ring position when the catch-up last looked.
+    catch_up_seen: [u64; LANES],
 }
+
+/// Ring signals remembered per lane for followers that raise them late: a follower is at
+/// most `SLOTS` records behind its leader, and each signal takes a record.
+const DELIVERED_KEPT: usize = layout::SLOTS as usize;
 
 impl FastPath {
     /// The fast path for a run, when it was asked for and can work; otherwise None, with
@@ -468,6 +556,9 @@ impl FastPath {
             checked_outputs: 0,
             approved: [0; LANES],
             deadlock_since: [None; LANES],
+            posted: [None; LANES],
+            delivered: [[(0, 0); DELIVERED_KEPT]; LANES],
+            catch_up_seen: [0; LANES],
         }))
     }
 
@@ -561,6 +652,9 @@ impl FastPath {
     pub fn release_lane(&mut self, task: usize) {
         if let Some(lane) = self.lane_of(task).filter(|&l| l != 0) {
             self.lanes[lane] = None;
+            if let Some((_, sig, _)) = self.posted[lane] {
+                self.withdraw_signal(lane, sig);
+            }
         }
     }
 
@@ -654,8 +748,109 @@ impl FastPath {
         self.approved = [0; LANES];
         self.watch = vec![Default::default(); LANES];
         self.deadlock_since = [None; LANES];
+        self.posted = [None; LANES];
+        self.delivered = [[(0, 0); DELIVERED_KEPT]; LANES];
         self.members = members;
         true
+    }
+
+    /// Posts `sig` to `lane`'s leader unless a signal waits there already. Whether it did.
+    pub fn post_signal(&mut self, lane: Lane, sig: i32) -> bool {
+        if self.posted[lane].is_some() {
+            return false;
+        }
+        self.posted[lane] = Some((self.ring().post_signal(lane, sig), sig, std::time::Instant::now()));
+        true
+    }
+
+    /// Whether `lane`'s leader has a call in flight (about to enter the kernel, or blocked
+    /// there) that it has not published. After a post: the leader stores `in_flight`
+    /// before it looks at the mailbox a last time, so one that this misses saw the post.
+    pub fn leader_in_call(&self, lane: Lane) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let Some(leader) = self.leader() else {
+            return false;
+        };
+        match (self.in_flight(lane, leader), self.published(lane, leader)) {
+            (Some((seq, _)), Some(published)) => seq > published,
+            _ => false,
+        }
+    }
+
+    /// Lanes whose posted signal has waited untaken for `patience`, with a fresh wait
+    /// started for each (the watchdog interrupts their leaders again).
+    pub fn overdue_signals(&mut self, patience: std::time::Duration) -> Vec<Lane> {
+        let now = std::time::Instant::now();
+        let overdue: Vec<Lane> = (0..LANES)
+            .filter(|&lane| {
+                self.posted[lane].is_some_and(|(_, _, at)| now.duration_since(at) >= patience)
+                    && self.posted_untaken(lane).is_some()
+            })
+            .collect();
+        for &lane in &overdue {
+            if let Some(posted) = &mut self.posted[lane] {
+                posted.2 = now;
+            }
+        }
+        overdue
+    }
+
+    /// The signal posted to `lane` that the leader has not taken.
+    pub fn posted_untaken(&self, lane: Lane) -> Option<i32> {
+        let (request, sig, _) = self.posted[lane]?;
+        let leader = self.region(self.leader()?)?;
+        (self.ring().signal_seen(lane, leader) != request).then_some(sig)
+    }
+
+    /// The signal posted to `lane` that the leader took (and published as a record).
+    pub fn posted_taken(&self, lane: Lane) -> Option<i32> {
+        let (request, sig, _) = self.posted[lane]?;
+        let leader = self.region(self.leader()?)?;
+        (self.ring().signal_seen(lane, leader) == request).then_some(sig)
+    }
+
+    /// Takes back `lane`'s posted signal, if it is `sig` (it was delivered otherwise).
+    pub fn withdraw_signal(&mut self, lane: Lane, sig: i32) {
+        if self.posted[lane].is_some_and(|(_, s, _)| s == sig) {
+            self.ring().withdraw_signal(lane);
+            self.posted[lane] = None;
+        }
+    }
+
+    /// The ring delivers `sig` at the leader's record `seq` of `lane`.
+    pub fn commit_signal(&mut self, lane: Lane, seq: u64, sig: i32) {
+        self.posted[lane] = None;
+        let kept = &mut self.delivered[lane];
+        kept.rotate_right(1);
+        kept[0] = (seq, sig);
+    }
+
+    /// Whether the ring delivered `sig` at record `seq` of `lane`.
+    pub fn delivered_signal(&self, lane: Lane, seq: u64, sig: i32) -> bool {
+        seq != 0 && self.delivered[lane].contains(&(seq, sig))
+    }
+
+    /// Whether `lane`'s leader moved in the ring since the last call of this (the
+    /// catch-up's look: a leader that makes calls takes a posted signal at one of them).
+    pub fn leader_moved(&mut self, lane: Lane) -> bool {
+        let Some(position) = self.leader().and_then(|l| self.position(lane, l)) else {
+            return false;
+        };
+        let moved = position != self.catch_up_seen[lane];
+        self.catch_up_seen[lane] = position;
+        moved
+    }
+
+    /// The signal that the leader's record `seq` of `lane` delivers, if it is one.
+    pub fn signal_record(&self, lane: Lane, seq: u64) -> Option<i32> {
+        let leader = self.region(self.leader()?)?;
+        self.ring().signal_record(lane, leader, seq)
+    }
+
+    /// The leader's call in `lane` was interrupted for the posted signal: `code` is the
+    /// kernel's restart code, for the shim to decide as the kernel would.
+    pub fn set_signal_code(&self, lane: Lane, code: i64) {
+        self.ring().set_signal_code(lane, code);
     }
 }
 
@@ -682,11 +877,19 @@ mod tests {
         assert_eq!(std::mem::size_of::<Header>(), 104);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
+        assert!(layout::MAILBOX_OFFSET >= std::mem::size_of::<Header>() as u64);
+        assert!(layout::MAILBOX_OFFSET + layout::LANES * std::mem::size_of::<Mailbox>() as u64 <= layout::HEADER_SIZE);
+        assert_eq!(std::mem::size_of::<RecordHead>(), 40 + 8 * layout::CLOCKS as usize + 8);
+        assert!(std::mem::size_of::<RecordHead>() as u64 <= layout::RECORD_HEAD);
         let ring = Ring::create(0, 2, 10, &[0, 1], true).unwrap();
         assert!(ring.is_on());
         assert_eq!(ring.leader(), 0);
         assert_eq!(ring.published(0, 0), 0);
         assert_eq!(ring.published(LANES - 1, 1), 0);
+        assert_eq!(ring.post_signal(3, libc::SIGUSR1), 1);
+        assert_eq!(ring.post_signal(3, libc::SIGALRM), 2);
+        assert_eq!(ring.signal_seen(3, 0), 0);
+        assert_eq!(ring.signal_record(3, 0, 1), None);
         ring.switch_off(0..LANES);
         assert!(!ring.is_on());
     }

@@ -16,6 +16,8 @@ pub struct Stats {
     /// state every replica met, or where each replica was.
     pub signals_met: u64,
     pub signals_loose: u64,
+    /// Of those, delivered as records of the fast path's ring (no rendezvous).
+    pub signals_in_ring: u64,
     pub divergences: u64,
     /// Calls the leader completed on the fast path, when it was attached.
     pub fast_calls: Option<u64>,
@@ -81,6 +83,12 @@ impl Stats {
         s.push_str(&format!("  bytes compared:       {}\n", self.bytes_compared));
         s.push_str(&format!("  bytes copied:         {}\n", self.bytes_copied));
         s.push_str(&format!("  signals delivered:    {}\n", self.signals_delivered));
+        if self.signals_in_ring > 0 {
+            s.push_str(&format!(
+                "    in the ring:        {} (records of the fast path, no rendezvous)\n",
+                self.signals_in_ring
+            ));
+        }
         if self.signals_met + self.signals_loose > 0 {
             s.push_str(&format!(
                 "    outside syscalls:   {} at a met state, {} where each replica was\n",

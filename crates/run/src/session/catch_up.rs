@@ -104,6 +104,12 @@ impl Session {
                 .signals
                 .pending_since()
                 .is_some_and(|since| now.duration_since(since) >= CATCH_UP_AFTER);
+            if due && self.ring_takes_signals(task) {
+                // The leader makes calls on the fast path: it takes the signal at one.
+                self.tasks[task].signals.restart_wait();
+                continue;
+            }
+            let t = &self.tasks[task];
             if !due
                 || t.is_finished()
                 || t.catch_up.is_some()

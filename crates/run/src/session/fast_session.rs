@@ -167,6 +167,11 @@ impl Session {
         let Some(lane) = fast.active_lane(task) else {
             return Ok(false);
         };
+        if self.processes[self.tasks[task].process()].exiting {
+            // Killed by a fatal signal in every replica (`kill_process`): each died where
+            // it was, not at a common call.
+            return Ok(false);
+        }
         let leader = self.replicas.leader();
         let published = fast.published(lane, leader).unwrap_or(0);
         let behind: Vec<(ReplicaId, u64)> = live
@@ -370,49 +375,195 @@ impl Session {
         }
     }
 
-    /// A signal waits for the ring's task: its leader brings its next replicated call to
-    /// the monitor, and is interrupted if it is blocked in one. Whether the task uses the ring.
+    /// A signal waits for the ring's task: the oldest pending one goes into the lane's
+    /// mailbox, and the leader is interrupted in case it is blocked in a fast call. The
+    /// leader takes it at its next replicated call (or at the interrupted one) as a SIGNAL
+    /// record, which each replica raises on itself at the same call (`at_ring_raise`).
+    /// A signal still pending when the task meets the monitor (the ring went off, or the
+    /// thread runs without calls) is delivered there as with ptrace, and taken back from
+    /// the mailbox (`withdraw_ring_signal`). Whether the task uses the ring.
     pub(crate) fn fast_kick(&mut self, task: TaskId) -> bool {
-        let Some(fast) = &self.fast else {
+        let Some(sig) = self.tasks[task].signals.first_pending() else {
             return false;
         };
-        if fast.active_lane(task).is_none() {
+        let Some(fast) = &mut self.fast else {
             return false;
+        };
+        let Some(lane) = fast.active_lane(task) else {
+            return false;
+        };
+        if !fast.post_signal(lane, sig) {
+            return true; // the one posted earlier comes first; this one follows it
         }
-        fast.ring().request_escalation();
+        if self.debug {
+            eprintln!("lockstep debug: signal {sig} posted to lane {lane} of task {task}");
+        }
         let leader = self.replicas.leader();
-        let slot = self.slot(task, leader);
-        if matches!(slot.state(), SlotState::Running) {
-            let _ = self.be.interrupt(slot.tid());
+        // Stopped here now (at its own copy's delivery stop), a fast call it was blocked
+        // in ends at once, without an interrupt.
+        let stopped = self.be.regs(self.slot(task, leader).tid()).is_ok();
+        if !(stopped && self.at_fast_interrupt(task, leader)) {
+            self.interrupt_ring_leader(task, lane);
         }
         true
     }
 
-    /// The ring's leader stopped by our interrupt: a fast call it was blocked in returns
-    /// EINTR instead of restarting, and the shim brings it to the monitor.
-    pub(crate) fn at_fast_interrupt(&mut self, task: TaskId, r: ReplicaId) {
+    /// Interrupts `task`'s leader if it is blocked in a fast call (or about to enter the
+    /// kernel for one) while a posted signal waits for it: the call then ends with EINTR
+    /// (`at_fast_interrupt`) and the leader takes the signal.
+    fn interrupt_ring_leader(&mut self, task: TaskId, lane: Lane) {
         let Some(fast) = &self.fast else {
             return;
         };
-        if fast.active_lane(task).is_none() || r != self.replicas.leader() {
+        if fast.posted_untaken(lane).is_none() || !fast.leader_in_call(lane) {
             return;
         }
+        let slot = self.slot(task, self.replicas.leader());
+        if matches!(slot.state(), SlotState::Running) {
+            // Fails only for a thread that is gone, whose death is handled at its stop.
+            let _ = self.be.interrupt(slot.tid());
+        }
+    }
+
+    /// Whether `task`'s pending signal is posted to a ring leader that moved in the ring
+    /// since the last look, so that it will take it without a catch-up.
+    pub(crate) fn ring_takes_signals(&mut self, task: TaskId) -> bool {
+        let Some(fast) = &mut self.fast else {
+            return false;
+        };
+        match fast.active_lane(task) {
+            Some(lane) => fast.ring().is_on() && fast.posted_untaken(lane).is_some() && fast.leader_moved(lane),
+            None => false,
+        }
+    }
+
+    /// A pending signal of `task` was delivered through the monitor: it no longer waits
+    /// in the ring's mailbox.
+    pub(crate) fn withdraw_ring_signal(&mut self, task: TaskId, sig: i32) {
+        if let Some(fast) = &mut self.fast {
+            if let Some(lane) = fast.lane_of(task) {
+                fast.withdraw_signal(lane, sig);
+            }
+        }
+    }
+
+    /// The ring's leader stopped by our interrupt: a fast call it was blocked in returns
+    /// EINTR instead of restarting when a posted signal waits for it, and the shim learns
+    /// the kernel's restart code, to end the call after the handler as natively. Without
+    /// a posted signal (an interrupt of the fault injector's) the call just restarts.
+    /// Whether it ended such a call.
+    pub(crate) fn at_fast_interrupt(&mut self, task: TaskId, r: ReplicaId) -> bool {
+        let Some(fast) = &self.fast else {
+            return false;
+        };
+        let Some(lane) = fast.active_lane(task) else {
+            return false;
+        };
+        let Some(sig) = fast.posted_untaken(lane).filter(|_| r == self.replicas.leader()) else {
+            return false;
+        };
         let tid = self.slot(task, r).tid();
         let Ok(mut regs) = self.be.regs(tid) else {
-            return;
+            return false;
         };
-        if in_fast_gate_restart(&regs) {
-            regs.rax = -(libc::EINTR as i64) as u64;
-            let _ = self.be.set_regs(tid, &regs);
+        // A signal the thread blocks now waits in the mailbox (the shim takes it once it
+        // is unblocked): the call goes on.
+        if !in_fast_gate_restart(&regs) || super::signals::signal_blocked(&self.be, tid, sig) {
+            return false;
         }
+        fast.set_signal_code(lane, regs.rax as i64);
+        regs.rax = -(libc::EINTR as i64) as u64;
+        // A failed write is that replica's failure (`Checked`); the call would restart.
+        self.be.set_regs(tid, &regs).is_ok()
+    }
+
+    /// A signal-delivery stop that is the shim raising a ring signal on its own thread
+    /// (tgkill from the fast gate, after a SIGNAL record): let through with the leader's
+    /// siginfo when the record is at the replica's place in the ring and the monitor
+    /// posted that signal. None when the stop is not such a raise.
+    pub(crate) fn at_ring_raise(
+        &mut self,
+        task: TaskId,
+        r: ReplicaId,
+        sig: i32,
+        info: Option<&libc::siginfo_t>,
+    ) -> Option<Result<(), Stopped>> {
+        let lane = self.fast.as_ref()?.lane_of(task)?;
+        let tid = self.slot(task, r).tid();
+        // Known by the registers, not by the siginfo: a copy of the same signal that was
+        // pending already (the replica's own timer's, say) absorbs the raise, and is what
+        // this stop shows. Nothing else calls tgkill from the fast gate (the program's own
+        // tgkill goes to the monitor), and a handler's return clears orig_rax.
+        let regs = self.be.regs(tid).ok()?;
+        if regs.rip != FAST_GATE + 2 || regs.orig_rax != libc::SYS_tgkill as u64 || regs.rdx != sig as u64 {
+            return None;
+        }
+        let fast = self.fast.as_mut()?;
+        let leader = fast.leader()?;
+        let seq = if r == leader {
+            fast.published(lane, r)?
+        } else {
+            fast.consumed(lane, r)?
+        };
+        if fast.signal_record(lane, seq) != Some(sig) {
+            let msg = format!(
+                "replica {r} raised signal {sig} at fast-path record #{seq} of task {task}, where the leader's ring \
+                 delivers no such signal"
+            );
+            return Some(self.replica_failed(task, r, "divergence", msg));
+        }
+        if !fast.delivered_signal(lane, seq, sig) {
+            if fast.posted_taken(lane) != Some(sig) {
+                // A SIGNAL record the monitor never asked for: the leader's fault. The
+                // raise is dropped; the followers drop theirs too.
+                if r != leader {
+                    // A failed resume is recorded by the backend and fails the replica.
+                    let _ = self.be.resume(tid, Resume::Run);
+                    if !self.live_slots(task).contains(&leader) {
+                        return Some(Ok(())); // blamed already
+                    }
+                }
+                let msg = format!(
+                    "leader {leader} published signal {sig} at fast-path record #{seq} of task {task}, which was \
+                     never sent to it"
+                );
+                return Some(self.replica_failed(task, leader, "divergence", msg));
+            }
+            fast.commit_signal(lane, seq, sig);
+            // A catch-up started just before the leader took it: the ring delivered it.
+            self.abandon_catch_up(task);
+            if let Some(i) = self.tasks[task].signals.pending_index(sig) {
+                self.take_pending(task, i);
+            }
+            self.stats.signals_delivered += 1;
+            self.stats.signals_in_ring += 1;
+            self.fast_kick(task); // the next pending signal, if any
+        }
+        if self.debug {
+            eprintln!("lockstep debug: ring signal {sig} at record #{seq} of lane {lane} raised by replica {r}");
+        }
+        let delivered = self
+            .leader_siginfo(task, sig)
+            .unwrap_or_else(|| forwarded_siginfo(sig, info));
+        let _ = self.be.set_siginfo(tid, &delivered);
+        // A failed resume is recorded by the backend and fails the replica.
+        let _ = self.be.resume(tid, Resume::Signal(sig));
+        Some(Ok(()))
     }
 
     /// The watchdog, for every lane in use.
     pub(crate) fn check_ring_progress(&mut self) -> Result<(), Stopped> {
-        let lanes: Vec<(Lane, TaskId)> = match &self.fast {
-            Some(fast) => fast.active_lanes().collect(),
+        let (lanes, overdue): (Vec<(Lane, TaskId)>, Vec<Lane>) = match &mut self.fast {
+            Some(fast) => (fast.active_lanes().collect(), fast.overdue_signals(SIGNAL_PATIENCE)),
             None => return Ok(()),
         };
+        // An interrupt that landed just before the leader entered the kernel (after its
+        // last look at the mailbox) did not end the call: interrupt again.
+        for lane in overdue {
+            if let Some(&(_, task)) = lanes.iter().find(|(l, _)| *l == lane) {
+                self.interrupt_ring_leader(task, lane);
+            }
+        }
         for (lane, task) in lanes {
             self.check_lane_progress(lane, task)?;
         }
@@ -601,6 +752,27 @@ impl Session {
         Some(fast.fast_calls())
     }
 }
+
+/// A signal lockstep forwards, as the monitor's own tgkill would show it: SI_TKILL from a
+/// sender outside the replica's PID namespace (pid 0), with lockstep's uid.
+fn forwarded_siginfo(sig: i32, seen: Option<&libc::siginfo_t>) -> libc::siginfo_t {
+    // SAFETY: an all-zero siginfo_t is valid; the fields written below are those of the
+    // kill/tkill layout (signo, errno, code, a pad word, then pid and uid).
+    unsafe {
+        let mut info: libc::siginfo_t = seen.copied().unwrap_or_else(|| std::mem::zeroed());
+        let words = (&raw mut info).cast::<i32>();
+        words.write(sig);
+        words.add(1).write(0);
+        words.add(2).write(libc::SI_TKILL);
+        words.add(4).write(0);
+        words.add(5).write(libc::getuid() as i32);
+        info
+    }
+}
+
+/// How long a signal posted to a ring's leader waits untaken before the watchdog
+/// interrupts the leader again.
+const SIGNAL_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20);
 
 fn in_fast_gate_restart(regs: &Regs) -> bool {
     regs.rip == FAST_GATE + 2 && lockstep_trace::ptrace::is_restart(regs.rax as i64)

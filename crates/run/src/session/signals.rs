@@ -226,6 +226,9 @@ impl Session {
             let _ = self.be.resume(tid, Resume::Signal(sig));
             return Ok(());
         }
+        if let Some(done) = self.at_ring_raise(task, r, sig, info.as_ref()) {
+            return done;
+        }
         if r == self.replicas.leader() {
             if let Some(native) = info.filter(|i| !raised_by_lockstep(i) && !is_synchronous_fault(sig, Some(i))) {
                 self.remember_leader_siginfo(task, sig, native);
@@ -324,7 +327,7 @@ impl Session {
         self.tasks[task].signals.leader_siginfo.retain(|(s, _)| *s != sig);
     }
 
-    fn leader_siginfo(&self, task: TaskId, sig: i32) -> Option<libc::siginfo_t> {
+    pub(crate) fn leader_siginfo(&self, task: TaskId, sig: i32) -> Option<libc::siginfo_t> {
         self.tasks[task]
             .signals
             .leader_siginfo
@@ -384,6 +387,7 @@ impl Session {
         let t = &mut self.tasks[task];
         let sig = t.signals.pending.remove(i);
         t.signals.pending_since = (!t.signals.pending.is_empty()).then(std::time::Instant::now);
+        self.withdraw_ring_signal(task, sig);
         sig
     }
 
@@ -722,7 +726,7 @@ fn raised_by_lockstep(info: &libc::siginfo_t) -> bool {
 const SYS_USER_DISPATCH: i32 = 2;
 
 /// Whether thread `tid` blocks `sig` (its `SigBlk` in /proc).
-fn signal_blocked(be: &dyn Backend, tid: Tid, sig: i32) -> bool {
+pub(super) fn signal_blocked(be: &dyn Backend, tid: Tid, sig: i32) -> bool {
     let Ok(status) = be.proc_read(tid, "status") else {
         return false;
     };
