@@ -195,6 +195,78 @@ fn a_worker_threads_corrupted_output_is_caught_in_its_lane() {
     out.assert_code(86);
 }
 
+/// `tests/fixtures/ring_signals.c`: N fast-path writes under a 1 ms SIGALRM timer whose
+/// handler makes calls too, then a pipe read the timer interrupts.
+fn ring_signals(restart: &str) -> Vec<std::ffi::OsString> {
+    vec![
+        fixture("ring_signals").into_os_string(),
+        "4000".into(),
+        "1000".into(),
+        restart.into(),
+    ]
+}
+
+/// "in the ring: N" from `--stats`.
+fn signals_in_ring(out: &Output) -> u64 {
+    out.stderr
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("in the ring:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn signals_are_records_of_the_ring_taken_at_the_same_call_in_every_replica() {
+    // Each replica prints the sum of the loop indices its handler interrupted: equal
+    // outputs (no divergence) mean each replica took each signal at the same call. The
+    // pipe read ends as natively: restarted under SA_RESTART, EINTR without it.
+    for (replicas, restart, check) in [
+        ("2", "restart", "strict"),
+        ("3", "norestart", "strict"),
+        ("3", "restart", "fast"),
+        ("2", "norestart", "fast"),
+    ] {
+        let prog = ring_signals(restart);
+        let native = String::from_utf8(native_stdout(&prog)).unwrap();
+        let out = run(lockstep_run(
+            &["-r", replicas, FAST, "--output-check", check, "--stats"],
+            &prog,
+        ));
+        out.assert_code(0);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.starts_with("phase 1: 4000 writes, "), "{}", out.context());
+        assert_eq!(stdout.lines().nth(1), native.lines().nth(1), "{}", out.context());
+        assert!(signals_in_ring(&out) >= 3, "no signal took the ring\n{}", out.context());
+        assert!(out.stderr.contains("divergences:          0"), "{}", out.context());
+    }
+}
+
+#[test]
+fn a_signal_record_the_monitor_never_posted_is_the_leaders_fault() {
+    // `signal:40`: the leader publishes a SIGUSR1 record at its 40th call, as a corrupted
+    // look at its mailbox would. Under DMR the run stops; under TMR the leader is voted
+    // out and the followers drop the signal, so the program never sees it.
+    let prog = ring_signals("restart");
+    let mut cmd = lockstep_run(&["-r", "2", FAST], &prog);
+    cmd.env("LOCKSTEP_FAST_TEST", "signal:40");
+    let out = run(cmd);
+    out.assert_code(86);
+    assert!(out.stderr.contains("which was never sent to it"), "{}", out.context());
+
+    let ev = events_path("ring-signal");
+    let ev_arg = ev.to_string_lossy().into_owned();
+    let mut cmd = lockstep_run(&["-r", "3", FAST, "--events", &ev_arg], &prog);
+    cmd.env("LOCKSTEP_FAST_TEST", "signal:40");
+    let out = run(cmd);
+    let events = read_events_of(&ev, &out);
+    out.assert_code(0);
+    assert_event(&events, "divergence", None, &out);
+    assert_no_event(&events, "halt", &out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains(", 0 usr1\n"), "{}", out.context());
+}
+
 #[test]
 fn dmr_stops_a_corrupted_output_before_it_leaves() {
     let native = fast_target_native();

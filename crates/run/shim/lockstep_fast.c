@@ -1120,10 +1120,12 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         own->h.unrecorded++;
         return slow_call(st, nr, a); /* no record: the monitor finds out why */
     }
+    if (s == lf_test_signal && lf_ring_epoch == 0)
+        return deliver_signal(st, rec, s, nr, digest, a, NULL, SIGUSR1, 0);
     int64_t code = 0;
     int sig = take_signal(st, &code, 0);
-    if (sig != 0 || s == lf_test_signal)
-        return deliver_signal(st, rec, s, nr, digest, a, NULL, sig != 0 ? sig : SIGUSR1, 0);
+    if (sig != 0)
+        return deliver_signal(st, rec, s, nr, digest, a, NULL, sig, 0);
     if (bound > (long)LF_PAYLOAD_MAX)
         return escalate(st, rec, s, nr, digest, a, NULL);
     if (d->fast == F_OUTPUT) {
@@ -1297,6 +1299,8 @@ static long ring_call(struct ring_call *c)
     if (d->fast == F_CLOCK)
         return clock_call(st, nr, a);
     for (;;) { /* again after a signal's handler (its buffers may have changed) */
+        if (st->hdr == NULL) /* the handler ran in a fork of the replica (re-integration) */
+            return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
         uint64_t digest;
         long bound = inspect(nr, d, a, &digest);
         if (bound < 0)

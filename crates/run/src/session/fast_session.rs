@@ -337,8 +337,9 @@ impl Session {
         let slot = self.slot(task, r);
         let tid = slot.tid();
         // Only a thread that runs on its own is stopped here, and let run to its record;
-        // one the monitor holds (at a rendezvous, a fault) is judged as it is.
-        let mut may_run = matches!(slot.state(), SlotState::Running) && !slot.is_dead();
+        // one the monitor holds (at a rendezvous, a fault, or the very stop at hand: its
+        // registers can be read only while it is stopped) is judged as it is.
+        let mut may_run = matches!(slot.state(), SlotState::Running) && !slot.is_dead() && self.be.regs(tid).is_err();
         loop {
             if may_run && !self.stop_thread(tid, deadline) {
                 may_run = false; // gone, or no stop in time: judged as it is

@@ -1376,6 +1376,12 @@ impl Session {
             .resume(stid, Resume::ToExit)
             .map_err(|e| Error::Io("PTRACE_SYSCALL", e))?;
         let mut child: Tid = 0;
+        // A signal of the source's own pending when the fork starts (a timer that fired
+        // while it waited at this meeting) fails it with ERESTARTNOINTR. The kernel then
+        // delivers that signal (suppressed below) and runs the fork again: a few tries
+        // here, or a timer faster than a meeting would postpone it at every meeting.
+        const ERESTARTNOINTR: i64 = 513;
+        let mut tries = 0;
         loop {
             match self.be.wait_tid(stid).map_err(|e| Error::Io("waitpid", e))? {
                 lockstep_trace::Stop::Event(libc::PTRACE_EVENT_FORK) => {
@@ -1383,6 +1389,19 @@ impl Session {
                         .be
                         .event_msg(stid)
                         .map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
+                    let _ = self.be.resume(stid, Resume::ToExit);
+                }
+                // The failed fork's exit, then (after the signal) the retried fork's entry,
+                // which a syscall stop shows with -ENOSYS in rax.
+                lockstep_trace::Stop::SyscallExit
+                    if child == 0
+                        && tries < 8
+                        && self.be.regs(stid).is_ok_and(|r| {
+                            r.rax as i64 == -ERESTARTNOINTR
+                                || (r.rax as i64 == -(libc::ENOSYS as i64) && r.orig_rax == NR_CLONE)
+                        }) =>
+                {
+                    tries += 1;
                     let _ = self.be.resume(stid, Resume::ToExit);
                 }
                 lockstep_trace::Stop::SyscallExit => break,
@@ -1408,9 +1427,8 @@ impl Session {
         ptrace::rewind_to_syscall(&mut rewound, nr);
         let _ = self.be.set_regs(stid, &rewound);
         if child <= 0 || local_pid <= 0 {
-            // A signal of the source's own that came during the fork (ERESTARTNOINTR)
+            // A signal of the source's own that came during every try (ERESTARTNOINTR)
             // only postpones it to the next meeting; anything else ends the attempts.
-            const ERESTARTNOINTR: i64 = 513;
             if local_pid != -ERESTARTNOINTR {
                 self.emit(
                     Event::new("run", "reintegrate", "fail")
