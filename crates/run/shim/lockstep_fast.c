@@ -29,8 +29,11 @@
  *    when every digest equals its own, then publishes the result;
  *  - clock reads are answered from per-clock value sequences in the clock area, as the
  *    monitor does (clock.rs), re-aligned at every output.
+ *  - a signal the monitor posts to the lane's mailbox becomes a SIGNAL record in place of
+ *    the leader's next call, and every replica raises it on itself there (see "signals as
+ *    records" below).
  * Anything else, and any doubt, goes through the slow gate to the monitor: a mismatch on
- * an output or a monitor request (a signal to deliver) makes the leader publish ESCALATE,
+ * an output makes the leader publish ESCALATE,
  * and every replica then makes that call through the monitor, which votes as always; a
  * follower that finds a record that does not match its call reports it (lockstep_fast
  * DIVERGED). The monitor switches the ring off (`off`) when the replica set changes;
@@ -38,8 +41,9 @@
  * writes the next epoch into lf_reattach_to and the shim attaches that epoch's ring.
  *
  * Limits (docs/run.md): page 0 is mapped; the `call` writes 8 bytes below the stack
- * pointer; only the main thread of the first image uses the ring (other threads, forked
- * children and exec'd programs go to the monitor); a fast-path call given an unreadable
+ * pointer; the main thread of the first image and up to LF_LANES - 1 threads it starts with
+ * pthread_create use the ring (other threads, forked children and exec'd programs go to
+ * the monitor); a fast-path call given an unreadable
  * buffer faults in the shim where the kernel would return EFAULT; the clock area is
  * writable by every replica.
  *

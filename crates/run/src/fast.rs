@@ -13,8 +13,8 @@
 //!   clock area, and one region per replica (its records as leader, its consumed and voted
 //!   sequence numbers as follower). The monitor reads it to check, at every rendezvous of
 //!   the ring's task, that each follower consumed exactly what the leader published; it
-//!   switches the ring off when the replica set changes, and asks the leader to bring its
-//!   next call to the monitor when a signal is to be delivered.
+//!   switches the ring off when the replica set changes, and posts each signal to deliver
+//!   to the lane's mailbox in the header page (the shim makes it a SIGNAL record).
 //! * The shim itself, embedded in this binary and handed to the replicas as a memfd too,
 //!   so `lockstep run` needs no file beside it.
 //!

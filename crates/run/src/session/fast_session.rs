@@ -6,8 +6,9 @@
 //! * a follower's DIVERGED report: a record that does not match the follower's own call;
 //! * at every rendezvous of a task with a lane, every follower must have consumed exactly
 //!   what the leader published in it (a replica that skipped or added calls differs);
-//! * signals: a signal to deliver brings the leader's next call to the monitor, and a
-//!   leader blocked in a fast call is interrupted so that it gets there;
+//! * signals: a signal to deliver is posted to the lane's mailbox; the leader takes it as a
+//!   SIGNAL record at its next call (a blocked fast call is ended for it), and every
+//!   replica raises it on itself there (`at_ring_raise` lets those raises through);
 //! * strict output checks: a leader's output from the fast gate runs only after the
 //!   monitor compared it with every follower's vote (`fast_check.rs`);
 //! * a change of the replica set switches the ring off; once re-integration makes it whole
