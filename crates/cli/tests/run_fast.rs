@@ -268,6 +268,44 @@ fn a_signal_record_the_monitor_never_posted_is_the_leaders_fault() {
 }
 
 #[test]
+fn a_leader_blocked_in_a_fast_call_when_the_ring_goes_off_still_takes_its_signals_there() {
+    // Phase 2 of ring_signals blocks in a pipe read that only the timer's handler ends
+    // (ticks every 300 ms). A follower killed meanwhile switches the ring off; the leader,
+    // still in the read it began on the ring, takes the first signal there as a record,
+    // with the other follower, rather than "where each replica is" after 200 ms.
+    let prog: Vec<std::ffi::OsString> = vec![
+        fixture("ring_signals").into_os_string(),
+        "500".into(),
+        "300000".into(),
+        "norestart".into(),
+    ];
+    let mut r = spawn(lockstep_run(&["-r", "3", FAST, "--no-reintegrate", "--stats"], &prog));
+    r.wait_for_stdout("phase 1:", Duration::from_secs(30));
+    let mut replicas: Vec<ProcInfo> = r
+        .marked_processes()
+        .into_iter()
+        .filter(|p| p.argv0() == "ring_signals")
+        .collect();
+    replicas.sort_by_key(|p| p.pid);
+    assert_eq!(replicas.len(), 3, "{replicas:#?}");
+    // SAFETY: kill(2) of a replica of this test's own run.
+    assert_eq!(unsafe { libc::kill(replicas[2].pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let out = r.finish(RUN_TIMEOUT);
+    out.assert_code(0);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.ends_with("phase 2: read 'x', interrupted: yes\n"),
+        "{}",
+        out.context()
+    );
+    assert!(out.stderr.contains("[vote]"), "{}", out.context());
+    assert!(!out.stderr.contains("[signal]"), "{}", out.context());
+    // The first tick ends the read begun on the ring (a record); the reads after it meet
+    // the monitor, which delivers the next ticks there.
+    assert!(signals_in_ring(&out) >= 1, "{}", out.context());
+}
+
+#[test]
 fn dmr_stops_a_corrupted_output_before_it_leaves() {
     let native = fast_target_native();
     for faulty in ["0", "1"] {

@@ -391,9 +391,15 @@ impl Session {
         let Some(fast) = &mut self.fast else {
             return false;
         };
-        let Some(lane) = fast.active_lane(task) else {
+        let Some(lane) = fast.lane_of(task) else {
             return false;
         };
+        // With the ring off, only a leader blocked in a fast call it entered before needs
+        // the ring: its followers still wait for that call's record. Any other call of the
+        // task meets the monitor, which delivers the signal there.
+        if !fast.ring().is_on() && !fast.leader_in_call(lane) {
+            return false;
+        }
         if !fast.post_signal(lane, sig) {
             return true; // the one posted earlier comes first; this one follows it
         }
@@ -428,14 +434,23 @@ impl Session {
     }
 
     /// Whether `task`'s pending signal is posted to a ring leader that moved in the ring
-    /// since the last look, so that it will take it without a catch-up.
+    /// since the last look (or, the ring off, is blocked in a fast call), so that it will
+    /// take it without a catch-up.
     pub(crate) fn ring_takes_signals(&mut self, task: TaskId) -> bool {
         let Some(fast) = &mut self.fast else {
             return false;
         };
-        match fast.active_lane(task) {
-            Some(lane) => fast.ring().is_on() && fast.posted_untaken(lane).is_some() && fast.leader_moved(lane),
-            None => false,
+        let Some(lane) = fast.lane_of(task) else {
+            return false;
+        };
+        if fast.posted_untaken(lane).is_none() {
+            return false;
+        }
+        // A leader blocked in a fast call after the ring went off is interrupted again and
+        // again by the watchdog until it takes the signal.
+        match fast.ring().is_on() {
+            true => fast.leader_moved(lane),
+            false => fast.leader_in_call(lane),
         }
     }
 
@@ -458,7 +473,7 @@ impl Session {
         let Some(fast) = &self.fast else {
             return false;
         };
-        let Some(lane) = fast.active_lane(task) else {
+        let Some(lane) = fast.lane_of(task) else {
             return false;
         };
         let Some(sig) = fast.posted_untaken(lane).filter(|_| r == self.replicas.leader()) else {
@@ -555,16 +570,19 @@ impl Session {
 
     /// The watchdog, for every lane in use.
     pub(crate) fn check_ring_progress(&mut self) -> Result<(), Stopped> {
-        let (lanes, overdue): (Vec<(Lane, TaskId)>, Vec<Lane>) = match &mut self.fast {
-            Some(fast) => (fast.active_lanes().collect(), fast.overdue_signals(SIGNAL_PATIENCE)),
+        type Lanes = Vec<(Lane, TaskId)>;
+        let (lanes, overdue): (Lanes, Lanes) = match &mut self.fast {
+            Some(fast) => {
+                let overdue = fast.overdue_signals(SIGNAL_PATIENCE);
+                let tasks: Vec<(Lane, TaskId)> = fast.lanes_in_use().filter(|(l, _)| overdue.contains(l)).collect();
+                (fast.active_lanes().collect(), tasks)
+            }
             None => return Ok(()),
         };
         // An interrupt that landed just before the leader entered the kernel (after its
         // last look at the mailbox) did not end the call: interrupt again.
-        for lane in overdue {
-            if let Some(&(_, task)) = lanes.iter().find(|(l, _)| *l == lane) {
-                self.interrupt_ring_leader(task, lane);
-            }
+        for (lane, task) in overdue {
+            self.interrupt_ring_leader(task, lane);
         }
         for (lane, task) in lanes {
             self.check_lane_progress(lane, task)?;
