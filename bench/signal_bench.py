@@ -26,6 +26,7 @@ summary.
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -87,6 +88,7 @@ def main():
                     rec["us_per_signal"] = (timed[1] - quiet[1]) * args.writes / 1000 / timed[0]
                 rows.setdefault((name, config), []).append(rec)
     cleanup_all()
+    shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n| binary | config | ns/write, no timer | ns/write, {args.us} µs timer | signals | µs per signal |")
     print("|---|---|---:|---:|---:|---:|")
     nq = median([r[0][1] for r in native if r[0]])
