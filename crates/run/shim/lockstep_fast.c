@@ -1651,6 +1651,12 @@ static int make_ring_stacks(void)
  * call here goes through the fast gate, so the replicas do it on their own (same fds, same
  * addresses), except the hello, which meets the monitor and returns this replica's number
  * in that ring. */
+/* Lane `lane`'s signal mailbox in the ring's header page. */
+static const volatile struct lf_mailbox *mailbox_of(const struct lf_header *hdr, uint32_t lane)
+{
+    return (const volatile struct lf_mailbox *)((const unsigned char *)hdr + LF_MAILBOX_OFFSET) + lane;
+}
+
 static void attach_ring(uint32_t epoch)
 {
     if (epoch >= lf_ring_count)
@@ -1664,10 +1670,8 @@ static void attach_ring(uint32_t epoch)
     uint32_t seen[LF_LANES]; /* before the hello: a signal posted after it is new */
     if (hdr != NULL && hdr->magic == RING_MAGIC && hdr->version == LF_VERSION && hdr->replicas <= LF_MAX_REPLICAS &&
         hdr->region_size >= sizeof(struct lf_region) && hdr->epoch == epoch && hdr->lanes == LF_LANES) {
-        const volatile struct lf_mailbox *boxes =
-            (const volatile struct lf_mailbox *)((const unsigned char *)hdr + LF_MAILBOX_OFFSET);
         for (uint32_t lane = 0; lane < LF_LANES; lane++)
-            seen[lane] = __atomic_load_n(&boxes[lane].request, __ATOMIC_ACQUIRE);
+            seen[lane] = __atomic_load_n(&mailbox_of(hdr, lane)->request, __ATOMIC_ACQUIRE);
         me = hello(OP_HELLO, (long)&lf_reattach_to);
     }
     const long states_len = LF_LANES * 4096;
@@ -1706,7 +1710,7 @@ static void attach_ring(uint32_t epoch)
         for (uint32_t r = 0; r < st->replicas; r++)
             if (r != st->me && hdr->cpu[st->me] >= 0 && hdr->cpu[r] == hdr->cpu[st->me])
                 st->spin = 0;
-        st->mailbox = (const volatile struct lf_mailbox *)((const unsigned char *)hdr + LF_MAILBOX_OFFSET) + lane;
+        st->mailbox = mailbox_of(hdr, lane);
         st->signal_seen = seen[lane];
         st->clocks = (struct lf_clock *)((unsigned char *)clocks + lane * hdr->clocks_size);
         for (uint32_t r = 0; r < st->replicas; r++)

@@ -795,18 +795,22 @@ impl FastPath {
         overdue
     }
 
-    /// The signal posted to `lane` that the leader has not taken.
-    pub fn posted_untaken(&self, lane: Lane) -> Option<i32> {
+    /// The signal posted to `lane`, and whether the leader took it (and published it as
+    /// a record).
+    fn posted(&self, lane: Lane) -> Option<(i32, bool)> {
         let (request, sig, _) = self.posted[lane]?;
         let leader = self.region(self.leader()?)?;
-        (self.ring().signal_seen(lane, leader) != request).then_some(sig)
+        Some((sig, self.ring().signal_seen(lane, leader) == request))
     }
 
-    /// The signal posted to `lane` that the leader took (and published as a record).
+    /// The signal posted to `lane` that the leader has not taken.
+    pub fn posted_untaken(&self, lane: Lane) -> Option<i32> {
+        self.posted(lane).filter(|&(_, taken)| !taken).map(|(sig, _)| sig)
+    }
+
+    /// The signal posted to `lane` that the leader took.
     pub fn posted_taken(&self, lane: Lane) -> Option<i32> {
-        let (request, sig, _) = self.posted[lane]?;
-        let leader = self.region(self.leader()?)?;
-        (self.ring().signal_seen(lane, leader) == request).then_some(sig)
+        self.posted(lane).filter(|&(_, taken)| taken).map(|(sig, _)| sig)
     }
 
     /// Takes back `lane`'s posted signal, if it is `sig` (it was delivered otherwise).
@@ -845,12 +849,6 @@ impl FastPath {
     pub fn signal_record(&self, lane: Lane, seq: u64) -> Option<i32> {
         let leader = self.region(self.leader()?)?;
         self.ring().signal_record(lane, leader, seq)
-    }
-
-    /// The leader's call in `lane` was interrupted for the posted signal: `code` is the
-    /// kernel's restart code, for the shim to decide as the kernel would.
-    pub fn set_signal_code(&self, lane: Lane, code: i64) {
-        self.ring().set_signal_code(lane, code);
     }
 }
 

@@ -408,9 +408,9 @@ impl Session {
         }
         let leader = self.replicas.leader();
         // Stopped here now (at its own copy's delivery stop), a fast call it was blocked
-        // in ends at once, without an interrupt.
-        let stopped = self.be.regs(self.slot(task, leader).tid()).is_ok();
-        if !(stopped && self.at_fast_interrupt(task, leader)) {
+        // in ends at once, without an interrupt (`at_fast_interrupt` reads the registers,
+        // which only a stopped thread has).
+        if !self.at_fast_interrupt(task, leader) {
             self.interrupt_ring_leader(task, lane);
         }
         true
@@ -488,7 +488,7 @@ impl Session {
         if !in_fast_gate_restart(&regs) || super::signals::signal_blocked(&self.be, tid, sig) {
             return false;
         }
-        fast.set_signal_code(lane, regs.rax as i64);
+        fast.ring().set_signal_code(lane, regs.rax as i64);
         regs.rax = -(libc::EINTR as i64) as u64;
         // A failed write is that replica's failure (`Checked`); the call would restart.
         self.be.set_regs(tid, &regs).is_ok()
