@@ -14,9 +14,9 @@ use std::time::Duration;
 
 const AFTER_HELP: &str = "\
 How it works:
-  K golden runs fix the expected output and the runtime. Each injection then starts the
-  program under ptrace, runs it to the injection point, applies one fault, lets it go, and
-  classifies the result:
+  K golden runs (J at a time) fix the expected output, the runtime and the CPU time. Each
+  injection then starts the program under ptrace, runs it to the injection point, applies
+  one fault, lets it go, and classifies the result:
   masked, detected (exit 86), crash, hang, program-error, sdc, not-activated.
 
 Fault models (--fault):

@@ -231,12 +231,21 @@ extern "C" fn on_sigint(_: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
 }
 
-/// Runs the program `k` times without faults and checks that its behaviour is stable.
-pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
-    let ws = Workspace::of(cfg, "golden", 0);
-    let mut first: Option<Golden> = None;
-    let (mut total, mut startup, mut whole, mut cpu) = (Duration::ZERO, Duration::ZERO, Duration::ZERO, Duration::ZERO);
-    let (mut least_cpu, mut most_cpu) = (Duration::MAX, Duration::ZERO);
+/// One golden run's outcome and the CPU time it counts (a replica's in `--replica` mode).
+struct GoldenRun {
+    outcome: target::Outcome,
+    cpu: Duration,
+    whole: Duration,
+}
+
+/// Runs the program once without faults in worker `worker`'s golden workspace.
+fn golden_run(cfg: &Config, worker: usize, i: u32, limit: Duration) -> Result<GoldenRun, String> {
+    let name = if worker == 0 {
+        "golden".to_string()
+    } else {
+        format!("golden-{worker}")
+    };
+    let ws = Workspace::of(cfg, &name, worker);
     // In --replica mode the run monitor reports its replicas' CPU time.
     let report = ws.dir.join("replica-cpu.json");
     let env = match cfg.replica {
@@ -246,23 +255,61 @@ pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
         )],
         None => Vec::new(),
     };
+    let t0 = Instant::now();
+    let _ = std::fs::remove_file(&report);
+    let outcome =
+        run_target(cfg, &ws, &Plan::None, limit.into(), &env).map_err(|e| format!("cannot run the target: {e}"))?;
+    let whole = t0.elapsed();
+    let cpu = match cfg.replica {
+        Some(_) => replica_cpu(&report).ok_or_else(|| {
+            format!(
+                "the run monitor did not report its replicas' CPU time in golden run {} (is the target `lockstep run`?)",
+                i + 1
+            )
+        })?,
+        None => outcome.cpu,
+    };
+    Ok(GoldenRun { outcome, cpu, whole })
+}
+
+/// Runs the program `k` times without faults and checks that its behaviour is stable.
+///
+/// The golden runs run `--jobs` at a time, as the injected runs do: a program's CPU time
+/// depends on the load it runs under (on a 2-vCPU VM a server that waits for its client
+/// uses twice the CPU time alone as beside another run, since idle CPUs' wake-ups are
+/// charged to it), and time-based injection points must fall inside the injected runs.
+pub fn golden_runs(cfg: &Config) -> Result<Reference, String> {
+    let mut first: Option<Golden> = None;
+    let (mut total, mut startup, mut whole, mut cpu) = (Duration::ZERO, Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let (mut least_cpu, mut most_cpu) = (Duration::MAX, Duration::ZERO);
     let limit = cfg.timeout.unwrap_or(Duration::from_secs(300));
     let k = cfg.golden_runs.max(1);
-    for i in 0..k {
-        let t0 = Instant::now();
-        let _ = std::fs::remove_file(&report);
-        let o =
-            run_target(cfg, &ws, &Plan::None, limit.into(), &env).map_err(|e| format!("cannot run the target: {e}"))?;
-        whole += t0.elapsed();
-        let run_cpu = match cfg.replica {
-            Some(_) => replica_cpu(&report).ok_or_else(|| {
-                format!(
-                    "the run monitor did not report its replicas' CPU time in golden run {} (is the target `lockstep run`?)",
-                    i + 1
-                )
-            })?,
-            None => o.cpu,
-        };
+    let workers = cfg.jobs.clamp(1, k as usize);
+    let mut runs: Vec<Option<Result<GoldenRun, String>>> = (0..k).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|w| {
+                scope.spawn(move || {
+                    (w..k as usize)
+                        .step_by(workers)
+                        .map(|i| (i, golden_run(cfg, w, i as u32, limit)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            for (i, r) in h.join().expect("a golden-run worker panicked") {
+                runs[i] = Some(r);
+            }
+        }
+    });
+    for (i, run) in runs.into_iter().enumerate() {
+        let GoldenRun {
+            outcome: o,
+            cpu: run_cpu,
+            whole: run_whole,
+        } = run.expect("every golden run ran")?;
+        whole += run_whole;
         cpu += run_cpu;
         least_cpu = least_cpu.min(run_cpu);
         most_cpu = most_cpu.max(run_cpu);
