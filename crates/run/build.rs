@@ -21,7 +21,7 @@ use std::process::Command;
 
 /// Numbers of the shared layout: (name, value, what it is). Changing one changes both sides.
 const LAYOUT: &[(&str, u64, &str)] = &[
-    ("VERSION", 4, "layout version, checked by the hello call"),
+    ("VERSION", 5, "layout version, checked by the hello call"),
     ("MAX_REPLICAS", 3, "regions in the ring file"),
     (
         "LANES",
@@ -51,6 +51,21 @@ const LAYOUT: &[(&str, u64, &str)] = &[
     ("RECORD_HEAD", 160, "bytes of a record before its payload"),
     ("REGION_HEAD", 4096, "bytes of a replica region before its records"),
     ("MAX_IOVECS", 1024, "iovecs one call may carry on the fast path"),
+    (
+        "SYNC_NR_BASE",
+        0x10000,
+        "a synchronisation record's number: this plus the operation (SYNC_* in the shim)",
+    ),
+    (
+        "ORDER_SLOTS",
+        1024,
+        "indices of the leader's order of events a follower may be behind",
+    ),
+    (
+        "ORDER_SIZE",
+        28672,
+        "bytes of one replica's order area (head, entries, done marks), page-aligned",
+    ),
 ];
 
 fn layout_value(name: &str) -> u64 {

@@ -72,6 +72,7 @@
 #include <linux/futex.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <semaphore.h>
 
 #include "lockstep_fast_layout.h"
 
@@ -105,6 +106,7 @@
 #define KIND_RESULT 1
 #define KIND_ESCALATE 2
 #define KIND_SIGNAL 3 /* a signal goes in before this call (see deliver_signal) */
+#define KIND_SYNC 4   /* a synchronisation operation of the program (see "synchronisation") */
 /* A SIGNAL record's `signal` word: the number, what happens to the call afterwards, and
  * the kernel's restart code when the signal interrupted it. */
 #define SIGNAL_NUMBER 0xffULL
@@ -144,6 +146,7 @@ struct lf_header {
     uint32_t lanes;       /* LF_LANES */
     uint32_t leader_lost; /* the leader was removed: what it had in flight never comes */
     uint64_t clocks_size; /* bytes of one lane's clock area */
+    uint64_t orders_offset; /* where each replica's `struct lf_order` starts (LF_ORDER_SIZE apart) */
 };
 
 /* The monitor's request to deliver a signal in one lane: `request` grows by one per request,
@@ -173,7 +176,8 @@ struct lf_record {
     uint32_t len, crc;
     uint64_t clock_sync[LF_CLOCKS];
     uint64_t signal; /* KIND_SIGNAL: SIGNAL_* */
-    uint64_t reserved[2];
+    uint64_t order;  /* the record's place in the leader's order of events across lanes */
+    uint64_t reserved[1];
     unsigned char payload[LF_PAYLOAD_MAX];
 };
 _Static_assert(offsetof(struct lf_record, payload) == LF_RECORD_HEAD, "record head");
@@ -202,7 +206,37 @@ struct lf_region_head {
     uint64_t in_flight, in_flight_nr;
     /* written as the leader: the last signal request of the monitor it took */
     uint64_t signal_seen;
+    /* written as a follower: nonzero while this lane's thread waits in a futex call */
+    uint64_t in_futex;
 };
+/* The order of events (issue 17). Threads of the leader run as they will; each record of
+ * any lane claims the next index of the leader's order when it is published (an event
+ * that hands something to another thread, such as unlocking a mutex, before it does so;
+ * one that takes something, such as a call's result or a lock, after), and names its lane
+ * and record there. A follower's thread takes each of its records only in its turn, once
+ * every earlier index is done in its replica, so that its threads meet in the order the
+ * leader's did: a lock taken first there is taken first here. One per replica. */
+struct lf_order_entry {
+    uint64_t index; /* index + 1 once written */
+    uint64_t what;  /* lane << ORDER_LANE_SHIFT | record */
+};
+#define ORDER_LANE_SHIFT 56
+struct lf_order_head {
+    uint64_t claimed; /* as the leader: the next index */
+    uint64_t pad0[7];
+    uint64_t consumed;  /* as a follower: every index below this one is done */
+    uint32_t turn_word; /* futex word, bumped when `consumed` moves */
+    uint32_t sleepers;  /* threads asleep on turn_word */
+    uint64_t skipped;   /* records taken before their turn (see take_turn) */
+    uint64_t pad1[5];
+};
+struct lf_order {
+    struct lf_order_head h;
+    struct lf_order_entry entries[LF_ORDER_SLOTS]; /* as the leader, at index % LF_ORDER_SLOTS */
+    uint64_t done[LF_ORDER_SLOTS];                 /* as a follower: index + 1 once taken */
+};
+_Static_assert(sizeof(struct lf_order) <= LF_ORDER_SIZE, "order size");
+
 struct lf_region {
     struct lf_region_head h;
     unsigned char pad[LF_REGION_HEAD - sizeof(struct lf_region_head)];
@@ -215,6 +249,7 @@ struct lf_state {
     volatile struct lf_header *hdr; /* NULL: no ring */
     struct lf_clock *clocks;
     struct lf_region *regions[LF_MAX_REPLICAS];
+    struct lf_order *orders[LF_MAX_REPLICAS];
     const volatile struct lf_mailbox *mailbox;
     uint32_t me, leader, replicas, spin;
     uint32_t signal_seen; /* the mailbox's last request taken */
@@ -872,6 +907,96 @@ static int wait_followers(struct lf_state *st, ready_fn ready, uint64_t target)
     return READY;
 }
 
+/* --- the order of events across lanes (see struct lf_order) ---------------------------- */
+
+static struct lf_state *lane_state(struct lf_state *lanes, uint32_t lane);
+
+/* When a follower's thread takes its record out of turn anyway: the thread whose turn it is
+ * still waits in a futex call after one of futex_wait's 10 ms sleeps (a lock the program
+ * took without a record, such as stdio's, is held here by a thread that came first in this
+ * replica only; a lock the order hands on is free within microseconds), or nothing moved
+ * for ORDER_PATIENCE such sleeps. Either is counted. */
+#define ORDER_PATIENCE 20
+
+/* The leader: the next index of its order for record `s` of this lane. Waits while the
+ * slowest follower is ORDER_SLOTS behind (only a follower whose threads took turns out of
+ * order can be: each lane is at most SLOTS records ahead). */
+static uint64_t claim_turn(struct lf_state *st, uint64_t s)
+{
+    struct lf_order *o = st->orders[st->me];
+    uint64_t idx = __atomic_fetch_add(&o->h.claimed, 1, __ATOMIC_SEQ_CST);
+    for (uint32_t r = 0; r < st->replicas; r++) {
+        if (r == st->me)
+            continue;
+        volatile struct lf_order_head *f = &st->orders[r]->h;
+        while (idx >= load(&f->consumed) + LF_ORDER_SLOTS && !is_off(st))
+            futex_wait(&f->turn_word, load32(&f->turn_word));
+    }
+    struct lf_order_entry *e = &o->entries[idx % LF_ORDER_SLOTS];
+    store(&e->what, ((uint64_t)st->lane << ORDER_LANE_SHIFT) | s);
+    store(&e->index, idx + 1);
+    return idx;
+}
+
+/* A follower: index `idx` is done here; `consumed` moves over every index done in a row. */
+static void turn_done(struct lf_state *st, uint64_t idx)
+{
+    struct lf_order *o = st->orders[st->me];
+    __atomic_store_n(&o->done[idx % LF_ORDER_SLOTS], idx + 1, __ATOMIC_SEQ_CST);
+    uint64_t c = __atomic_load_n(&o->h.consumed, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&o->done[c % LF_ORDER_SLOTS], __ATOMIC_SEQ_CST) == c + 1)
+        if (__atomic_compare_exchange_n(&o->h.consumed, &c, c + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            c++;
+    __atomic_fetch_add(&o->h.turn_word, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&o->h.sleepers, __ATOMIC_SEQ_CST) != 0)
+        futex_wake(&o->h.turn_word);
+}
+
+/* Whether the thread whose turn it is in this replica (the leader's entry at `consumed`)
+ * waits in a futex call. */
+static int turn_holder_blocked(struct lf_state *st, uint64_t consumed)
+{
+    const struct lf_order_entry *e = &st->orders[st->leader]->entries[consumed % LF_ORDER_SLOTS];
+    if (load(&e->index) != consumed + 1 || lf_lanes == NULL)
+        return 0;
+    uint64_t lane = load(&e->what) >> ORDER_LANE_SHIFT;
+    if (lane >= LF_LANES || lane == st->lane)
+        return 0;
+    return load(&lane_state(lf_lanes, (uint32_t)lane)->regions[st->me]->h.in_futex) != 0;
+}
+
+/* A follower's thread before it takes the record at index `idx` of the leader's order:
+ * waits until every earlier index is done in this replica, then marks it done. */
+static void take_turn(struct lf_state *st, uint64_t idx)
+{
+    struct lf_order *o = st->orders[st->me];
+    uint64_t c = load(&o->h.consumed);
+    if (c != idx) {
+        uint32_t budget = st->spin == 0 ? 0 : SPIN_FLOOR * 4;
+        for (uint32_t i = 0; i < budget && (c = load(&o->h.consumed)) != idx; i++)
+            cpu_relax();
+        uint64_t last = c;
+        unsigned still = 0;
+        while (c != idx && c < idx) {
+            if (is_off(st))
+                break;
+            if (still >= ORDER_PATIENCE || (still >= 1 && turn_holder_blocked(st, c))) {
+                __atomic_fetch_add(&o->h.skipped, 1, __ATOMIC_RELAXED);
+                break;
+            }
+            uint32_t seen = load32(&o->h.turn_word);
+            __atomic_fetch_add(&o->h.sleepers, 1, __ATOMIC_SEQ_CST);
+            if (load(&o->h.consumed) == c)
+                futex_wait(&o->h.turn_word, seen);
+            __atomic_fetch_sub(&o->h.sleepers, 1, __ATOMIC_SEQ_CST);
+            c = load(&o->h.consumed);
+            still = c == last ? still + 1 : 0;
+            last = c;
+        }
+    }
+    turn_done(st, idx);
+}
+
 /* --- clocks ---------------------------------------------------------------------------- */
 
 /* The i-th read of a clock returns the i-th value in every replica, produced by whichever
@@ -949,8 +1074,28 @@ static int local_call(long nr, const long *a)
 /* A call the monitor handles. A follower's calls that meet the leader there are counted
  * and marked (slow_seq), so that a leader waiting for it can tell a follower held in the
  * monitor from one still on its way. */
+/* A futex call that can wait for another thread of this replica. */
+static int futex_waits(long nr, const long *a)
+{
+    if (nr == SYS_futex_waitv)
+        return 1;
+    if (nr != SYS_futex)
+        return 0;
+    long cmd = a[1] & FUTEX_CMD_MASK;
+    return cmd == FUTEX_WAIT || cmd == FUTEX_WAIT_BITSET || cmd == FUTEX_LOCK_PI || cmd == FUTEX_LOCK_PI2 ||
+           cmd == FUTEX_WAIT_REQUEUE_PI;
+}
+
 static long slow_call(struct lf_state *st, long nr, const long *a)
 {
+    if (st != NULL && st->hdr != NULL && futex_waits(nr, a)) {
+        /* Seen by a sibling thread waiting for its turn behind this one (take_turn). */
+        volatile uint64_t *in_futex = &st->regions[st->me]->h.in_futex;
+        store(in_futex, 1);
+        long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+        store(in_futex, 0);
+        return after_slow_call(ret);
+    }
     if (st == NULL || st->hdr == NULL || local_call(nr, a))
         return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
     struct lf_region *own = st->regions[st->me];
@@ -980,6 +1125,7 @@ static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s, cons
         report_divergence(s, rec->nr, rec->digest, DIVERGED_LEADER, 0);
         return;
     }
+    rec->order = claim_turn(st, s);
     rec->crc = record_crc(rec, s);
     if (s == lf_test_corrupt)
         rec->ret ^= 1;
@@ -1220,6 +1366,7 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
         report_divergence(s, nr, digest, DIVERGED_CRC, 0);
         return slow_call(st, nr, a);
     }
+    take_turn(st, rec->order);
     long ret;
     if (rec->kind == KIND_ESCALATE) {
         int same = rec->nr == (uint32_t)nr && rec->digest == digest;
@@ -1290,12 +1437,92 @@ struct ring_call {
     const long *a;
 };
 
+/* --- synchronisation ---------------------------------------------------------------------
+ * The program's pthread mutex, condition variable and POSIX semaphore operations are
+ * records of the lane,
+ * in the leader's order (struct lf_order). The leader runs each operation as it comes and
+ * records it: an operation that hands something on (unlock, wait's release, signal) before
+ * it runs, one that takes something (lock, wait's return) after, with its result. A
+ * follower's thread runs it in its turn: a lock then finds the mutex free, as the leader's
+ * thread did. A follower never waits on a condition variable: it releases the mutex, and
+ * takes it again when the leader's order says the wait returned, with the leader's result
+ * (0, or ETIMEDOUT for a timed wait that timed out). Locks glibc takes inside its own code
+ * (stdio's, malloc's) are not seen; see take_turn for what happens when one of them is
+ * taken in another order in a follower. */
+enum { SYNC_LOCK = 1, SYNC_TRYLOCK, SYNC_UNLOCK, SYNC_WAIT_ENTER, SYNC_WAIT_RETURN, SYNC_WAKE, SYNC_SEM_WAIT, SYNC_SEM_POST, SYNC_OPS };
+#define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
+
+static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret)
+{
+    struct lf_region *own = st->regions[st->me];
+    struct lf_record *rec = &own->records[s % LF_SLOTS];
+    int got;
+    /* A follower in a call the monitor handles comes back (or the monitor switches the
+     * ring off): a synchronisation record never goes to the monitor. */
+    while ((got = wait_followers(st, slot_free, s)) == GIVE_UP_SLOW)
+        futex_wait(&st->regions[st->me]->h.published_word, load32(&st->regions[st->me]->h.published_word));
+    if (got != READY)
+        return SYNC_NONE;
+    rec->nr = nr;
+    rec->kind = KIND_SYNC;
+    rec->digest = nr;
+    rec->ret = ret;
+    rec->len = 0;
+    rec->signal = 0;
+    for (unsigned c = 0; c < LF_CLOCKS; c++)
+        rec->clock_sync[c] = 0;
+    publish(st, rec, s, NULL, NULL, ret);
+    return ret;
+}
+
+static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr)
+{
+    struct lf_region *own = st->regions[st->me];
+    struct lf_region *leader = st->regions[st->leader];
+    struct lf_record *rec = &leader->records[s % LF_SLOTS];
+    store(&own->h.awaiting, s);
+    struct wait_for w = {st, st->leader, s};
+    int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
+    store(&own->h.awaiting, 0);
+    if (got != READY)
+        return SYNC_NONE;
+    if (load(&rec->seq) != s || rec->crc != record_crc(rec, s)) {
+        report_divergence(s, nr, nr, DIVERGED_CRC, 0);
+        return SYNC_NONE;
+    }
+    if (rec->kind != KIND_SYNC || rec->nr != nr) {
+        report_divergence(s, nr, nr, rec->nr, rec->digest);
+        return SYNC_NONE;
+    }
+    take_turn(st, rec->order);
+    long ret = rec->ret;
+    store(&own->h.consumed, s);
+    signal_progress(st, &own->h.progress, st->leader, 0);
+    return ret;
+}
+
+/* A synchronisation record (`nr`: LF_SYNC_NR_BASE + SYNC_*) on the ring stack: the
+ * leader's result `a[0]` recorded, or the leader's result taken. `a[1]`: the role the
+ * caller took (1: leader); a leader change meanwhile makes it SYNC_NONE. */
+static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
+{
+    uint64_t s = ++st->seq; /* in every replica, as for a call: the lanes stay aligned */
+    int lead_role = st->me == st->leader;
+    if (lead_role != (a[1] == 1))
+        return SYNC_NONE;
+    return lead_role ? lead_sync(st, s, nr, a[0]) : follow_sync(st, s, nr);
+}
+
+/* --- the ring thread's call ------------------------------------------------------------- */
+
 /* The ring thread's call: replicated through the ring, or passed to the monitor. */
 static long ring_call(struct ring_call *c)
 {
     struct lf_state *st = c->st;
     long nr = c->nr;
     const long *a = c->a;
+    if (nr >= (long)LF_SYNC_NR_BASE && nr < (long)LF_SYNC_NR_BASE + SYNC_OPS)
+        return sync_call(st, (uint32_t)nr, a);
     if (nr < 0 || nr >= MAX_NR || lf_table[nr].fast == F_SLOW || lf_table[nr].fast == F_LOCAL)
         return slow_call(st, nr, a);
     const struct lf_desc *d = &lf_table[nr];
@@ -1325,6 +1552,7 @@ static long ring_call(struct ring_call *c)
 long lf_switch_stack(struct ring_call *c, long (*fn)(struct ring_call *), void *top);
 __asm__(".text\n"
         ".globl lf_switch_stack\n.type lf_switch_stack,@function\nlf_switch_stack:\n"
+        ".globl lf_switch_stack_any\n.type lf_switch_stack_any,@function\nlf_switch_stack_any:\n"
         "  push %rbp\n  mov %rsp, %rbp\n"
         "  mov %rdx, %rsp\n"
         "  call *%rsi\n"
@@ -1669,7 +1897,8 @@ static void attach_ring(uint32_t epoch)
     long me = -1;
     uint32_t seen[LF_LANES]; /* before the hello: a signal posted after it is new */
     if (hdr != NULL && hdr->magic == RING_MAGIC && hdr->version == LF_VERSION && hdr->replicas <= LF_MAX_REPLICAS &&
-        hdr->region_size >= sizeof(struct lf_region) && hdr->epoch == epoch && hdr->lanes == LF_LANES) {
+        hdr->region_size >= sizeof(struct lf_region) && hdr->epoch == epoch && hdr->lanes == LF_LANES &&
+        hdr->orders_offset >= hdr->regions_offset + LF_MAX_REPLICAS * LF_LANES * hdr->region_size) {
         for (uint32_t lane = 0; lane < LF_LANES; lane++)
             seen[lane] = __atomic_load_n(&mailbox_of(hdr, lane)->request, __ATOMIC_ACQUIRE);
         me = hello(OP_HELLO, (long)&lf_reattach_to);
@@ -1685,12 +1914,14 @@ static void attach_ring(uint32_t epoch)
     struct lf_clock *clocks =
         map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);
     unsigned char *regions[LF_MAX_REPLICAS];
+    struct lf_order *orders[LF_MAX_REPLICAS];
     int ok = clocks != NULL;
     const uint64_t replica_len = LF_LANES * hdr->region_size;
     for (uint32_t r = 0; r < hdr->replicas; r++) {
         int prot = r == (uint32_t)me ? PROT_READ | PROT_WRITE : PROT_READ;
         regions[r] = map_shared((int)fd, hdr->regions_offset + r * replica_len, replica_len, prot);
-        ok = ok && regions[r] != NULL;
+        orders[r] = map_shared((int)fd, hdr->orders_offset + r * LF_ORDER_SIZE, LF_ORDER_SIZE, prot);
+        ok = ok && regions[r] != NULL && orders[r] != NULL;
     }
     lf_fast(SYS_close, fd, 0, 0, 0, 0, 0);
     if (!ok)
@@ -1713,8 +1944,10 @@ static void attach_ring(uint32_t epoch)
         st->mailbox = mailbox_of(hdr, lane);
         st->signal_seen = seen[lane];
         st->clocks = (struct lf_clock *)((unsigned char *)clocks + lane * hdr->clocks_size);
-        for (uint32_t r = 0; r < st->replicas; r++)
+        for (uint32_t r = 0; r < st->replicas; r++) {
             st->regions[r] = (struct lf_region *)(regions[r] + lane * hdr->region_size);
+            st->orders[r] = orders[r];
+        }
         st->hdr = hdr;
     }
     lanes[0].owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
@@ -1811,6 +2044,288 @@ int pthread_create(pthread_t *thread, const pthread_attr_t *attr, void *(*routin
     if (err != 0)
         __atomic_store_n(&slot->taken, 0, __ATOMIC_RELEASE);
     return err;
+}
+
+/* --- the program's synchronisation operations (see "synchronisation" above) ------------- */
+
+enum { ROLE_NONE, ROLE_LEAD, ROLE_FOLLOW };
+
+/* Whether the calling thread records its operations, and as which. Independent of `off`,
+ * which every replica may see at a different moment: the record (or its absence) decides. */
+static int sync_role(void)
+{
+    struct lf_state *st = lf_my;
+    if (!lf_active || st == NULL || st->hdr == NULL)
+        return ROLE_NONE;
+    if (lf_vfork_seen && lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid)
+        return ROLE_NONE; /* a vfork child */
+    return st->me == st->leader ? ROLE_LEAD : ROLE_FOLLOW;
+}
+
+/* Operation `op` as a record of the thread's lane: the leader's result `ret` recorded, or
+ * (a follower) the leader's result once it is this thread's turn; SYNC_NONE without one. */
+static long sync_event(int op, long ret, int role)
+{
+    long a[6] = {ret, role == ROLE_LEAD, 0, 0, 0, 0};
+    struct ring_call call = {lf_my, (long)LF_SYNC_NR_BASE + op, a};
+    return on_ring_stack(&call);
+}
+
+/* The next definition of a libc function (`version`: NULL for the default one). */
+static void *real_fn(void *volatile *slot, const char *name, const char *version)
+{
+    void *fn = *slot;
+    if (fn == NULL) {
+        fn = version != NULL ? dlvsym(RTLD_NEXT, name, version) : dlsym(RTLD_NEXT, name);
+        if (fn == NULL)
+            fn = dlsym(RTLD_NEXT, name);
+        *slot = fn;
+    }
+    return fn;
+}
+
+typedef int (*mutex_fn)(pthread_mutex_t *);
+typedef int (*cond_fn)(pthread_cond_t *);
+typedef int (*cond_wait_fn)(pthread_cond_t *, pthread_mutex_t *);
+typedef int (*cond_timedwait_fn)(pthread_cond_t *, pthread_mutex_t *, const struct timespec *);
+typedef int (*sem_fn)(sem_t *);
+typedef int (*sem_timed_fn)(sem_t *, const struct timespec *);
+typedef int (*sem_clock_fn)(sem_t *, clockid_t, const struct timespec *);
+static void *volatile lf_real_lock, *volatile lf_real_trylock, *volatile lf_real_unlock;
+static void *volatile lf_real_wait, *volatile lf_real_timedwait, *volatile lf_real_signal, *volatile lf_real_broadcast;
+static void *volatile lf_real_sem_wait, *volatile lf_real_sem_trywait, *volatile lf_real_sem_timedwait,
+    *volatile lf_real_sem_clockwait, *volatile lf_real_sem_post;
+#define REAL_LOCK ((mutex_fn)real_fn(&lf_real_lock, "pthread_mutex_lock", NULL))
+#define REAL_TRYLOCK ((mutex_fn)real_fn(&lf_real_trylock, "pthread_mutex_trylock", NULL))
+#define REAL_UNLOCK ((mutex_fn)real_fn(&lf_real_unlock, "pthread_mutex_unlock", NULL))
+#define REAL_SEM_WAIT ((sem_fn)real_fn(&lf_real_sem_wait, "sem_wait", NULL))
+#define COND_VERSION "GLIBC_2.3.2" /* the condition variables of today's glibc, not 2.2.5's */
+
+/* One operation's arguments. The operations run on the lane's ring stack: the leader and
+ * a follower run different code for the same operation, which on the program's stack would
+ * leave different bytes below its stack pointer (see RING_STACK). */
+struct sync_args {
+    void *obj;  /* the mutex, condition variable or semaphore */
+    void *obj2; /* a condition variable's mutex */
+    const void *arg;
+    int (*native_sem)(sem_t *, const void *);
+    void *volatile *slot; /* the real function, for signal and broadcast */
+    const char *name;
+};
+
+long lf_switch_stack_any(void *p, long (*fn)(void *), void *top); /* lf_switch_stack's code */
+
+static long on_lane_stack(long (*body)(void *), struct sync_args *p)
+{
+    struct lf_state *st = lf_my;
+    if (st == NULL || st->stack == NULL)
+        return body(p);
+    uintptr_t here = (uintptr_t)__builtin_frame_address(0);
+    uintptr_t low = (uintptr_t)st->stack, high = low + RING_STACK;
+    if (here >= low && here < high)
+        return body(p);
+    return lf_switch_stack_any(p, body, (void *)high);
+}
+
+/* A lock the leader's thread took (result 0, or EOWNERDEAD for a robust mutex whose owner
+ * died): the follower's thread takes it too, in its turn, where it is free. */
+static int lock_taken(long ret) { return ret == 0 || ret == EOWNERDEAD; }
+
+/* lock and trylock: `op` SYNC_LOCK or SYNC_TRYLOCK. */
+static long lock_op(struct sync_args *p, int op, mutex_fn native)
+{
+    pthread_mutex_t *m = p->obj;
+    int role = sync_role();
+    if (role == ROLE_FOLLOW) {
+        long ret = sync_event(op, 0, role);
+        if (ret == SYNC_NONE)
+            return native(m);
+        if (lock_taken(ret))
+            REAL_LOCK(m); /* free in its turn, or about to be */
+        return ret;
+    }
+    int ret = native(m);
+    if (role == ROLE_LEAD)
+        sync_event(op, ret, role);
+    return ret;
+}
+
+static long lock_body(void *p) { return lock_op(p, SYNC_LOCK, REAL_LOCK); }
+static long trylock_body(void *p) { return lock_op(p, SYNC_TRYLOCK, REAL_TRYLOCK); }
+
+static long unlock_body(void *p)
+{
+    int role = sync_role();
+    if (role != ROLE_NONE)
+        sync_event(SYNC_UNLOCK, 0, role);
+    return REAL_UNLOCK(((struct sync_args *)p)->obj);
+}
+
+static int native_wait(pthread_cond_t *c, pthread_mutex_t *m, const struct timespec *abstime)
+{
+    if (abstime == NULL)
+        return ((cond_wait_fn)real_fn(&lf_real_wait, "pthread_cond_wait", COND_VERSION))(c, m);
+    return ((cond_timedwait_fn)real_fn(&lf_real_timedwait, "pthread_cond_timedwait", COND_VERSION))(c, m, abstime);
+}
+
+/* Two records: the release of the mutex as the wait starts, and the wait's return. A
+ * follower waits for nothing but the second: the leader's order says when the wait
+ * returned, and how. */
+static long cond_wait_body(void *v)
+{
+    struct sync_args *p = v;
+    pthread_cond_t *c = p->obj;
+    pthread_mutex_t *m = p->obj2;
+    int role = sync_role();
+    if (role == ROLE_NONE)
+        return native_wait(c, m, p->arg);
+    long entered = sync_event(SYNC_WAIT_ENTER, 0, role);
+    if (role == ROLE_FOLLOW && entered != SYNC_NONE) {
+        REAL_UNLOCK(m);
+        long ret = sync_event(SYNC_WAIT_RETURN, 0, role);
+        REAL_LOCK(m);
+        return ret == SYNC_NONE ? 0 : ret; /* without the leader's word: a spurious wake-up */
+    }
+    int ret = native_wait(c, m, p->arg);
+    sync_event(SYNC_WAIT_RETURN, ret, role);
+    return ret;
+}
+
+static long wake_body(void *v)
+{
+    struct sync_args *p = v;
+    cond_fn real = (cond_fn)real_fn(p->slot, p->name, COND_VERSION);
+    int role = sync_role();
+    if (role != ROLE_NONE)
+        sync_event(SYNC_WAKE, 0, role);
+    return real(p->obj);
+}
+
+/* Semaphores: a wait (blocking, try or timed) takes the leader's outcome (0, or -errno:
+ * EAGAIN, ETIMEDOUT, EINTR) in its turn, and a follower then takes the count the leader's
+ * thread took (posted in an earlier turn, so at hand); a post hands one on. The bodies
+ * return 0 or -errno. */
+static long sem_outcome(int ret) { return ret == 0 ? 0 : -(long)errno; }
+
+static long sem_wait_body(void *v)
+{
+    struct sync_args *p = v;
+    sem_t *sem = p->obj;
+    int role = sync_role();
+    if (role == ROLE_FOLLOW) {
+        long outcome = sync_event(SYNC_SEM_WAIT, 0, role);
+        if (outcome == SYNC_NONE)
+            return sem_outcome(p->native_sem(sem, p->arg));
+        if (outcome == 0)
+            while (REAL_SEM_WAIT(sem) != 0 && errno == EINTR)
+                ;
+        return outcome;
+    }
+    long outcome = sem_outcome(p->native_sem(sem, p->arg));
+    if (role == ROLE_LEAD)
+        sync_event(SYNC_SEM_WAIT, outcome, role);
+    return outcome;
+}
+
+static long sem_post_body(void *v)
+{
+    struct sync_args *p = v;
+    sem_fn post = (sem_fn)real_fn(&lf_real_sem_post, "sem_post", NULL);
+    int role = sync_role();
+    if (role != ROLE_NONE)
+        sync_event(SYNC_SEM_POST, 0, role);
+    return sem_outcome(post(p->obj));
+}
+
+static int sem_result(long outcome)
+{
+    if (outcome == 0)
+        return 0;
+    errno = (int)-outcome;
+    return -1;
+}
+
+struct clock_wait {
+    clockid_t clock;
+    const struct timespec *abstime;
+};
+static int native_sem_wait(sem_t *sem, const void *arg) { return (void)arg, REAL_SEM_WAIT(sem); }
+static int native_sem_trywait(sem_t *sem, const void *arg)
+{
+    return (void)arg, ((sem_fn)real_fn(&lf_real_sem_trywait, "sem_trywait", NULL))(sem);
+}
+static int native_sem_timedwait(sem_t *sem, const void *arg)
+{
+    return ((sem_timed_fn)real_fn(&lf_real_sem_timedwait, "sem_timedwait", NULL))(sem, arg);
+}
+static int native_sem_clockwait(sem_t *sem, const void *arg)
+{
+    const struct clock_wait *w = arg;
+    return ((sem_clock_fn)real_fn(&lf_real_sem_clockwait, "sem_clockwait", NULL))(sem, w->clock, w->abstime);
+}
+
+/* The interposed functions: the same code in every replica up to on_lane_stack. */
+int pthread_mutex_lock(pthread_mutex_t *m)
+{
+    struct sync_args p = {.obj = m};
+    return (int)on_lane_stack(lock_body, &p);
+}
+
+int pthread_mutex_trylock(pthread_mutex_t *m)
+{
+    struct sync_args p = {.obj = m};
+    return (int)on_lane_stack(trylock_body, &p);
+}
+
+int pthread_mutex_unlock(pthread_mutex_t *m)
+{
+    struct sync_args p = {.obj = m};
+    return (int)on_lane_stack(unlock_body, &p);
+}
+
+int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
+{
+    struct sync_args p = {.obj = c, .obj2 = m};
+    return (int)on_lane_stack(cond_wait_body, &p);
+}
+
+int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const struct timespec *abstime)
+{
+    struct sync_args p = {.obj = c, .obj2 = m, .arg = abstime};
+    return (int)on_lane_stack(cond_wait_body, &p);
+}
+
+int pthread_cond_signal(pthread_cond_t *c)
+{
+    struct sync_args p = {.obj = c, .slot = &lf_real_signal, .name = "pthread_cond_signal"};
+    return (int)on_lane_stack(wake_body, &p);
+}
+
+int pthread_cond_broadcast(pthread_cond_t *c)
+{
+    struct sync_args p = {.obj = c, .slot = &lf_real_broadcast, .name = "pthread_cond_broadcast"};
+    return (int)on_lane_stack(wake_body, &p);
+}
+
+static int sem_waits(sem_t *sem, int (*native)(sem_t *, const void *), const void *arg)
+{
+    struct sync_args p = {.obj = sem, .arg = arg, .native_sem = native};
+    return sem_result(on_lane_stack(sem_wait_body, &p));
+}
+
+int sem_wait(sem_t *sem) { return sem_waits(sem, native_sem_wait, NULL); }
+int sem_trywait(sem_t *sem) { return sem_waits(sem, native_sem_trywait, NULL); }
+int sem_timedwait(sem_t *sem, const struct timespec *abstime) { return sem_waits(sem, native_sem_timedwait, abstime); }
+int sem_clockwait(sem_t *sem, clockid_t clock, const struct timespec *abstime)
+{
+    struct clock_wait w = {clock, abstime};
+    return sem_waits(sem, native_sem_clockwait, &w);
+}
+
+int sem_post(sem_t *sem)
+{
+    struct sync_args p = {.obj = sem};
+    return sem_result(on_lane_stack(sem_post_body, &p));
 }
 
 /* After a call made through the monitor: the monitor may have asked for the next ring. */

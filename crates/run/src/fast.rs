@@ -78,6 +78,9 @@ struct Header {
     leader_lost: u32,
     /// Bytes of one lane's clock area.
     clocks_size: u64,
+    /// Where each replica's order area starts (`layout::ORDER_SIZE` apart): the leader's
+    /// order of events across its lanes, and each follower's turns (issue 17).
+    orders_offset: u64,
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -102,6 +105,22 @@ struct RegionHead {
     in_flight_nr: u64,
     /// The last signal request of this lane's mailbox the leader took.
     signal_seen: u64,
+    /// A follower's thread waits in a futex call (its siblings may then take their turn).
+    in_futex: u64,
+}
+
+/// The start of a replica's order area; same fields as `struct lf_order_head`.
+#[repr(C)]
+struct OrderHead {
+    /// As the leader: places of its order taken so far.
+    claimed: u64,
+    pad0: [u64; 7],
+    /// As a follower: every place below this one is done.
+    consumed: u64,
+    turn_word: u32,
+    sleepers: u32,
+    /// As a follower: records its threads took out of turn.
+    skipped: u64,
 }
 
 /// A lane's signal mailbox in the header page; same fields as `struct lf_mailbox`.
@@ -127,6 +146,28 @@ struct RecordHead {
     crc: u32,
     clock_sync: [u64; layout::CLOCKS as usize],
     signal: u64,
+}
+
+/// The program's synchronisation operations that are records of the ring, by their
+/// number in a record (`layout::SYNC_NR_BASE` + `SYNC_*` in the shim).
+const SYNC_NAMES: [&str; 8] = [
+    "pthread_mutex_lock",
+    "pthread_mutex_trylock",
+    "pthread_mutex_unlock",
+    "pthread_cond_wait (release)",
+    "pthread_cond_wait (return)",
+    "pthread_cond_signal/broadcast",
+    "sem_wait",
+    "sem_post",
+];
+
+/// The name of what a record or a DIVERGED report calls number `nr`: a syscall, or one
+/// of the program's synchronisation operations.
+pub fn call_name(nr: u64) -> String {
+    match nr.checked_sub(layout::SYNC_NR_BASE + 1) {
+        Some(op) if (op as usize) < SYNC_NAMES.len() => SYNC_NAMES[op as usize].to_string(),
+        _ => lockstep_trace::syscalls::name(nr),
+    }
 }
 
 /// A record that delivers a signal before its call (`KIND_SIGNAL` in the shim).
@@ -185,7 +226,8 @@ impl Ring {
         // Header, every lane's clock area, then each replica's regions, one per lane, side
         // by side: a replica maps its own regions with one mapping, another's with one.
         let regions_offset = layout::HEADER_SIZE + layout::LANES * CLOCKS_SIZE;
-        let total = regions_offset + layout::MAX_REPLICAS * layout::LANES * REGION_SIZE;
+        let orders_offset = regions_offset + layout::MAX_REPLICAS * layout::LANES * REGION_SIZE;
+        let total = orders_offset + layout::MAX_REPLICAS * layout::ORDER_SIZE;
         // SAFETY: ftruncate and mmap of our own memfd; checked below.
         let base = unsafe {
             if libc::ftruncate(file.as_raw_fd(), total as libc::off_t) != 0 {
@@ -229,6 +271,7 @@ impl Ring {
                 lanes: layout::LANES as u32,
                 leader_lost: 0,
                 clocks_size: CLOCKS_SIZE,
+                orders_offset,
             })
         };
         Ok(ring)
@@ -410,6 +453,25 @@ impl Ring {
     /// Calls replica `r` completed on the fast path.
     pub fn fast_calls(&self, lane: Lane, r: u32) -> u64 {
         self.word64(&self.region(lane, r).fast_calls).load(Ordering::Acquire)
+    }
+
+    fn order(&self, r: u32) -> &OrderHead {
+        assert!(r < self.replicas, "replica {r} of {}", self.replicas);
+        let offset = self.header().orders_offset + r as u64 * layout::ORDER_SIZE;
+        assert!(offset + layout::ORDER_SIZE <= self.len as u64);
+        // SAFETY: inside our live mapping (checked above); page-aligned.
+        unsafe { &*self.base.add(offset as usize).cast::<OrderHead>() }
+    }
+
+    /// (places of the leader's order taken, records followers took out of turn).
+    pub fn order_counts(&self) -> (u64, u64) {
+        let leader = self.leader();
+        let claimed = self.word64(&self.order(leader).claimed).load(Ordering::Acquire);
+        let skipped = (0..self.replicas)
+            .filter(|&r| r != leader)
+            .map(|r| self.word64(&self.order(r).skipped).load(Ordering::Acquire))
+            .sum();
+        (claimed, skipped)
     }
 }
 
@@ -717,6 +779,14 @@ impl FastPath {
             .sum()
     }
 
+    /// Places of the leaders' orders and records taken out of turn, over every epoch so far.
+    pub fn order_counts(&self) -> (u64, u64) {
+        self.rings[..=self.current]
+            .iter()
+            .map(Ring::order_counts)
+            .fold((0, 0), |(a, b), (c, d)| (a + c, b + d))
+    }
+
     /// Prepares the next epoch's ring for `members` (the leader first), each with its CPU
     /// if pinned. False when every ring has been used.
     pub fn arm_next(&mut self, members: Vec<u32>, placement: &[Option<usize>]) -> bool {
@@ -872,9 +942,11 @@ mod tests {
 
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {
-        assert_eq!(std::mem::size_of::<Header>(), 104);
+        assert_eq!(std::mem::size_of::<Header>(), 112);
+        assert_eq!(std::mem::size_of::<OrderHead>(), 88);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
+        assert_eq!(layout::ORDER_SIZE % layout::PAGE, 0);
         assert!(layout::MAILBOX_OFFSET >= std::mem::size_of::<Header>() as u64);
         assert!(layout::MAILBOX_OFFSET + layout::LANES * std::mem::size_of::<Mailbox>() as u64 <= layout::HEADER_SIZE);
         assert_eq!(std::mem::size_of::<RecordHead>(), 40 + 8 * layout::CLOCKS as usize + 8);
@@ -888,6 +960,7 @@ mod tests {
         assert_eq!(ring.post_signal(3, libc::SIGALRM), 2);
         assert_eq!(ring.signal_seen(3, 0), 0);
         assert_eq!(ring.signal_record(3, 0, 1), None);
+        assert_eq!(ring.order_counts(), (0, 0));
         ring.switch_off(0..LANES);
         assert!(!ring.is_on());
     }

@@ -23,6 +23,9 @@ pub struct Stats {
     pub fast_calls: Option<u64>,
     /// Of those, outputs the monitor checked before they ran (strict output checks).
     pub checked_outputs: Option<u64>,
+    /// Places of the leader's order of events across threads, and records the followers'
+    /// threads took out of turn (fast backend).
+    pub order: Option<(u64, u64)>,
     pub reintegrations: u64,
     pub monitor_time: Duration,
 }
@@ -72,6 +75,11 @@ impl Stats {
         if let Some(n) = self.checked_outputs {
             s.push_str(&format!(
                 "    outputs checked:    {n} (by the monitor before they ran: --output-check strict)\n"
+            ));
+        }
+        if let Some((events, skipped)) = self.order {
+            s.push_str(&format!(
+                "  ordered events:       {events} ({skipped} taken out of turn)\n"
             ));
         }
         s.push_str(&format!("  rdtsc emulated:       {}\n", self.rdtsc));

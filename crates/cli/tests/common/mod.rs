@@ -128,7 +128,7 @@ pub fn fixture_flags(name: &str) -> &'static [&'static str] {
             "-fno-pie",
             "-no-pie",
         ],
-        "threads" | "lanes" => &["-pthread"],
+        "threads" | "lanes" | "sync_order" => &["-pthread"],
         // Static: a short, fixed list of intercepted syscalls (msync is stop 9).
         "shared_counter" => &["-static"],
         // Static: the main thread's write of "main\n" is its 9th intercepted stop.

@@ -35,7 +35,7 @@ impl Session {
         };
         fast.switch_off();
         let (seq, own_nr, own_digest, lead_nr, lead_digest) = (args[1], args[2], args[3], args[4], args[5]);
-        let own = syscalls::name(own_nr);
+        let own = crate::fast::call_name(own_nr);
         let leader = self.replicas.leader();
         if lead_nr == DIVERGED_CRC || lead_nr == DIVERGED_LEADER {
             // The leader's call ran, and what it gave is known to nobody for sure: no
@@ -59,7 +59,7 @@ impl Session {
         let msg = format!(
             "replica {r} diverged at task {task}: fast-path call #{seq} is {own} with digest {own_digest:016x}; \
              leader {leader} ran {} with digest {lead_digest:016x}",
-            syscalls::name(lead_nr)
+            crate::fast::call_name(lead_nr)
         );
         self.replica_failed(task, r, "divergence", msg)
     }
@@ -770,6 +770,13 @@ impl Session {
         let fast = self.fast.as_ref()?;
         fast.task_of(0)?;
         Some(fast.fast_calls())
+    }
+
+    /// The leaders' orders of events, for `--stats`.
+    pub(crate) fn order_counts(&self) -> Option<(u64, u64)> {
+        let fast = self.fast.as_ref()?;
+        fast.task_of(0)?;
+        Some(fast.order_counts())
     }
 }
 

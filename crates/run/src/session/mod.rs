@@ -1380,6 +1380,7 @@ impl Session {
     fn print_stats(&mut self) {
         if self.opts.stats {
             self.stats.fast_calls = self.fast_calls();
+            self.stats.order = self.order_counts();
             self.stats.checked_outputs = self
                 .fast
                 .as_ref()

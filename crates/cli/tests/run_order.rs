@@ -1,0 +1,66 @@
+//! The leader's order of events (issue 17, docs/run.md "Threads: the leader's order"):
+//! under `--backend fast`, the threads of every follower take their records, and the
+//! program's mutex and condition variable operations, in the order in which the leader's
+//! threads made them. `tests/fixtures/sync_order.c`'s threads write lines whose contents
+//! depend on who takes a lock first or who is woken for which item: natively they differ
+//! from run to run, under lockstep every replica must write the same ones.
+
+mod common;
+use common::*;
+
+const FAST: &str = "--backend=fast";
+
+fn sync_order(threads: u32, rounds: u32, mode: &str) -> Vec<String> {
+    vec![
+        fixture("sync_order").to_string_lossy().into_owned(),
+        threads.to_string(),
+        rounds.to_string(),
+        mode.to_string(),
+    ]
+}
+
+/// The lines of a complete run: every ticket (or item) 1..=threads*rounds exactly once,
+/// then main's total.
+fn check_complete(out: &Output, threads: u32, rounds: u32, word: &str) {
+    let n = (threads * rounds) as usize;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), n + 1, "{}", out.context());
+    let mut seen = vec![false; n + 1];
+    for l in &lines[..n] {
+        let parts: Vec<&str> = l.split_whitespace().collect();
+        assert_eq!(parts.len(), 4, "line {l:?}\n{}", out.context());
+        assert_eq!(parts[2], word, "line {l:?}\n{}", out.context());
+        let w: u32 = parts[1].parse().unwrap();
+        assert!(w < threads, "line {l:?}");
+        let t: usize = parts[3].parse().unwrap();
+        assert!(
+            (1..=n).contains(&t) && !seen[t],
+            "line {l:?} repeats or is out of range\n{}",
+            out.context()
+        );
+        seen[t] = true;
+    }
+    assert_eq!(lines[n], format!("total {n} ({threads} threads)"), "{}", out.context());
+}
+
+#[test]
+fn threads_take_locks_in_the_leaders_order_in_every_replica() {
+    // Four workers contend for one mutex (lock, trylock) and take items from a queue with
+    // condition variables: which worker gets which ticket or item depends on timing, and
+    // a follower that let its threads run in their own order would write other lines.
+    for (mode, word) in [("lock", "ticket"), ("trylock", "ticket"), ("queue", "item")] {
+        let prog = sync_order(4, 60, mode);
+        for replicas in ["2", "3"] {
+            for _ in 0..3 {
+                let ev = events_path("order");
+                let ev_arg = ev.to_string_lossy().into_owned();
+                let out = run(lockstep_run(&["-r", replicas, FAST, "--events", &ev_arg], &prog));
+                let events = read_events_of(&ev, &out);
+                out.assert_code(0);
+                assert_no_event(&events, "divergence", &out);
+                check_complete(&out, 4, 60, word);
+            }
+        }
+    }
+}
