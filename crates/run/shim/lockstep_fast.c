@@ -31,7 +31,10 @@
  *    monitor does (clock.rs), re-aligned at every output.
  *  - a signal the monitor posts to the lane's mailbox becomes a SIGNAL record in place of
  *    the leader's next call, and every replica raises it on itself there (see "signals as
- *    records" below).
+ *    records" below);
+ *  - the program's pthread mutex, condition variable and semaphore operations are SYNC
+ *    records (see "synchronisation"), and every record of every lane has a place in the
+ *    leader's order, which followers' threads keep (struct lf_order).
  * Anything else, and any doubt, goes through the slow gate to the monitor: a mismatch on
  * an output makes the leader publish ESCALATE,
  * and every replica then makes that call through the monitor, which votes as always; a
