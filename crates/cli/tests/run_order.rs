@@ -46,10 +46,15 @@ fn check_complete(out: &Output, threads: u32, rounds: u32, word: &str) {
 
 #[test]
 fn threads_take_locks_in_the_leaders_order_in_every_replica() {
-    // Four workers contend for one mutex (lock, trylock) and take items from a queue with
-    // condition variables: which worker gets which ticket or item depends on timing, and
+    // Four workers contend for one mutex (lock, trylock) or semaphore (sem: blocking, try
+    // and timed waits) and take items from a queue with condition variables: which worker gets which ticket or item depends on timing, and
     // a follower that let its threads run in their own order would write other lines.
-    for (mode, word) in [("lock", "ticket"), ("trylock", "ticket"), ("queue", "item")] {
+    for (mode, word) in [
+        ("lock", "ticket"),
+        ("trylock", "ticket"),
+        ("queue", "item"),
+        ("sem", "ticket"),
+    ] {
         let prog = sync_order(4, 60, mode);
         for replicas in ["2", "3"] {
             for _ in 0..3 {
@@ -63,4 +68,15 @@ fn threads_take_locks_in_the_leaders_order_in_every_replica() {
             }
         }
     }
+}
+
+#[test]
+fn a_data_race_is_still_a_divergence_named_by_its_calls() {
+    // Workers bump a counter without a lock: no order of events repairs a race, and the
+    // replicas' lines differ. DMR stops; the message shows both replicas' writes.
+    let prog = sync_order(4, 60, "race");
+    let out = run(lockstep_run(&["-r", "2", FAST], &prog));
+    out.assert_code(86);
+    assert!(out.stderr.contains("[divergence]"), "{}", out.context());
+    assert!(out.stderr.contains("ticket"), "{}", out.context());
 }
