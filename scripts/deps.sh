@@ -5,7 +5,7 @@ set -euo pipefail
 # protobuf-compiler: raft-rs generates its message types with protoc at build time.
 want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache python3-pylibmc libmemcached-tools memcached protobuf-compiler git postmark fio nginx-light redis-server redis-tools libpython3.11-testsuite parallel munge slurmctld slurmd slurm-client)
 if [ "${1:-test}" = bench ]; then
-    want+=(xz-utils bc bindfs)
+    want+=(xz-utils bc bindfs zstd pigz)
 fi
 missing=()
 for p in "${want[@]}"; do
