@@ -54,6 +54,7 @@ fn threads_take_locks_in_the_leaders_order_in_every_replica() {
         ("trylock", "ticket"),
         ("queue", "item"),
         ("sem", "ticket"),
+        ("rwlock", "ticket"),
     ] {
         let prog = sync_order(4, 60, mode);
         for replicas in ["2", "3"] {
@@ -71,9 +72,41 @@ fn threads_take_locks_in_the_leaders_order_in_every_replica() {
 }
 
 #[test]
+fn the_serial_thread_of_a_barrier_is_the_leaders() {
+    // Which worker pthread_barrier_wait makes the serial one depends on who arrives last;
+    // it writes the phase's line, so a follower whose threads met the barrier in another
+    // order would write it from another worker.
+    let (threads, phases) = (4u32, 40u32);
+    let prog = sync_order(threads, phases, "barrier");
+    for replicas in ["2", "3"] {
+        for _ in 0..3 {
+            let ev = events_path("order-barrier");
+            let ev_arg = ev.to_string_lossy().into_owned();
+            let out = run(lockstep_run(&["-r", replicas, FAST, "--events", &ev_arg], &prog));
+            let events = read_events_of(&ev, &out);
+            out.assert_code(0);
+            assert_no_event(&events, "divergence", &out);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let lines: Vec<&str> = stdout.lines().collect();
+            assert_eq!(lines.len(), phases as usize + 1, "{}", out.context());
+            let mut sum = 0;
+            for (p, l) in lines[..phases as usize].iter().enumerate() {
+                sum += (0..threads).map(|w| w + p as u32).sum::<u32>();
+                assert!(
+                    l.ends_with(&format!(" phase {p} sum {sum}")),
+                    "line {l:?}\n{}",
+                    out.context()
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn a_data_race_is_still_a_divergence_named_by_its_calls() {
-    // Workers bump a counter without a lock: no order of events repairs a race, and the
-    // replicas' lines differ. DMR stops; the message shows both replicas' writes.
+    // Workers count how often they spin before main's flag, set without any lock, reaches
+    // them: no order of events repairs a race, and the replicas' lines differ. DMR stops;
+    // the message shows both replicas' writes.
     let prog = sync_order(4, 60, "race");
     let out = run(lockstep_run(&["-r", "2", FAST], &prog));
     out.assert_code(86);

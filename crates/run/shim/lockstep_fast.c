@@ -1441,8 +1441,8 @@ struct ring_call {
 };
 
 /* --- synchronisation ---------------------------------------------------------------------
- * The program's pthread mutex, condition variable and POSIX semaphore operations are
- * records of the lane,
+ * The program's pthread mutex, condition variable, read-write lock and barrier operations
+ * and its POSIX semaphore operations are records of the lane,
  * in the leader's order (struct lf_order). The leader runs each operation as it comes and
  * records it: an operation that hands something on (unlock, wait's release, signal) before
  * it runs, one that takes something (lock, wait's return) after, with its result. A
@@ -1452,7 +1452,22 @@ struct ring_call {
  * (0, or ETIMEDOUT for a timed wait that timed out). Locks glibc takes inside its own code
  * (stdio's, malloc's) are not seen; see take_turn for what happens when one of them is
  * taken in another order in a follower. */
-enum { SYNC_LOCK = 1, SYNC_TRYLOCK, SYNC_UNLOCK, SYNC_WAIT_ENTER, SYNC_WAIT_RETURN, SYNC_WAKE, SYNC_SEM_WAIT, SYNC_SEM_POST, SYNC_OPS };
+enum {
+    SYNC_LOCK = 1,
+    SYNC_TRYLOCK,
+    SYNC_UNLOCK,
+    SYNC_WAIT_ENTER,
+    SYNC_WAIT_RETURN,
+    SYNC_WAKE,
+    SYNC_SEM_WAIT,
+    SYNC_SEM_POST,
+    SYNC_RDLOCK,
+    SYNC_WRLOCK,
+    SYNC_RW_UNLOCK,
+    SYNC_BARRIER_ARRIVE,
+    SYNC_BARRIER_DEPART,
+    SYNC_OPS
+};
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
 
 static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret)
@@ -2204,6 +2219,76 @@ static long wake_body(void *v)
     return real(p->obj);
 }
 
+/* Read-write locks: as mutexes (`p->arg` non-NULL: the try variant). */
+typedef int (*rwlock_fn)(pthread_rwlock_t *);
+static void *volatile lf_real_rdlock, *volatile lf_real_tryrdlock, *volatile lf_real_wrlock, *volatile lf_real_trywrlock,
+    *volatile lf_real_rw_unlock, *volatile lf_real_barrier_wait;
+
+static long rw_op(struct sync_args *p, int op, rwlock_fn native, rwlock_fn blocking)
+{
+    pthread_rwlock_t *l = p->obj;
+    int role = sync_role();
+    if (role == ROLE_FOLLOW) {
+        long ret = sync_event(op, 0, role);
+        if (ret == SYNC_NONE)
+            return native(l);
+        if (ret == 0)
+            blocking(l); /* free for us in its turn, or about to be */
+        return ret;
+    }
+    int ret = native(l);
+    if (role == ROLE_LEAD)
+        sync_event(op, ret, role);
+    return ret;
+}
+
+static long rdlock_body(void *v)
+{
+    struct sync_args *p = v;
+    rwlock_fn blocking = (rwlock_fn)real_fn(&lf_real_rdlock, "pthread_rwlock_rdlock", NULL);
+    rwlock_fn native = p->arg ? (rwlock_fn)real_fn(&lf_real_tryrdlock, "pthread_rwlock_tryrdlock", NULL) : blocking;
+    return rw_op(p, SYNC_RDLOCK, native, blocking);
+}
+
+static long wrlock_body(void *v)
+{
+    struct sync_args *p = v;
+    rwlock_fn blocking = (rwlock_fn)real_fn(&lf_real_wrlock, "pthread_rwlock_wrlock", NULL);
+    rwlock_fn native = p->arg ? (rwlock_fn)real_fn(&lf_real_trywrlock, "pthread_rwlock_trywrlock", NULL) : blocking;
+    return rw_op(p, SYNC_WRLOCK, native, blocking);
+}
+
+static long rw_unlock_body(void *v)
+{
+    struct sync_args *p = v;
+    int role = sync_role();
+    if (role != ROLE_NONE)
+        sync_event(SYNC_RW_UNLOCK, 0, role);
+    return ((rwlock_fn)real_fn(&lf_real_rw_unlock, "pthread_rwlock_unlock", NULL))(p->obj);
+}
+
+/* Barriers: the arrival hands on what the thread did before it, the departure (with the
+ * leader's result: PTHREAD_BARRIER_SERIAL_THREAD in one thread) takes what the others did.
+ * A follower's thread does not wait at the barrier itself: its departure's turn comes after
+ * every arrival the leader's departure waited for. */
+static long barrier_body(void *v)
+{
+    struct sync_args *p = v;
+    typedef int (*barrier_fn)(pthread_barrier_t *);
+    barrier_fn real = (barrier_fn)real_fn(&lf_real_barrier_wait, "pthread_barrier_wait", NULL);
+    int role = sync_role();
+    if (role == ROLE_NONE)
+        return real(p->obj);
+    long arrived = sync_event(SYNC_BARRIER_ARRIVE, 0, role);
+    if (role == ROLE_FOLLOW && arrived != SYNC_NONE) {
+        long ret = sync_event(SYNC_BARRIER_DEPART, 0, role);
+        return ret == SYNC_NONE ? 0 : ret;
+    }
+    int ret = real(p->obj);
+    sync_event(SYNC_BARRIER_DEPART, ret, role);
+    return ret;
+}
+
 /* Semaphores: a wait (blocking, try or timed) takes the leader's outcome (0, or -errno:
  * EAGAIN, ETIMEDOUT, EINTR) in its turn, and a follower then takes the count the leader's
  * thread took (posted in an earlier turn, so at hand); a post hands one on. The bodies
@@ -2308,6 +2393,44 @@ int pthread_cond_broadcast(pthread_cond_t *c)
 {
     struct sync_args p = {.obj = c, .slot = &lf_real_broadcast, .name = "pthread_cond_broadcast"};
     return (int)on_lane_stack(wake_body, &p);
+}
+
+static const char try_variant; /* sync_args.arg of a try variant */
+
+int pthread_rwlock_rdlock(pthread_rwlock_t *l)
+{
+    struct sync_args p = {.obj = l};
+    return (int)on_lane_stack(rdlock_body, &p);
+}
+
+int pthread_rwlock_tryrdlock(pthread_rwlock_t *l)
+{
+    struct sync_args p = {.obj = l, .arg = &try_variant};
+    return (int)on_lane_stack(rdlock_body, &p);
+}
+
+int pthread_rwlock_wrlock(pthread_rwlock_t *l)
+{
+    struct sync_args p = {.obj = l};
+    return (int)on_lane_stack(wrlock_body, &p);
+}
+
+int pthread_rwlock_trywrlock(pthread_rwlock_t *l)
+{
+    struct sync_args p = {.obj = l, .arg = &try_variant};
+    return (int)on_lane_stack(wrlock_body, &p);
+}
+
+int pthread_rwlock_unlock(pthread_rwlock_t *l)
+{
+    struct sync_args p = {.obj = l};
+    return (int)on_lane_stack(rw_unlock_body, &p);
+}
+
+int pthread_barrier_wait(pthread_barrier_t *b)
+{
+    struct sync_args p = {.obj = b};
+    return (int)on_lane_stack(barrier_body, &p);
 }
 
 static int sem_waits(sem_t *sem, int (*native)(sem_t *, const void *), const void *arg)

@@ -150,7 +150,7 @@ struct RecordHead {
 
 /// The program's synchronisation operations that are records of the ring, by their
 /// number in a record (`layout::SYNC_NR_BASE` + `SYNC_*` in the shim).
-const SYNC_NAMES: [&str; 8] = [
+const SYNC_NAMES: [&str; 13] = [
     "pthread_mutex_lock",
     "pthread_mutex_trylock",
     "pthread_mutex_unlock",
@@ -159,6 +159,11 @@ const SYNC_NAMES: [&str; 8] = [
     "pthread_cond_signal/broadcast",
     "sem_wait",
     "sem_post",
+    "pthread_rwlock_rdlock",
+    "pthread_rwlock_wrlock",
+    "pthread_rwlock_unlock",
+    "pthread_barrier_wait (arrival)",
+    "pthread_barrier_wait (departure)",
 ];
 
 /// The name of what a record or a DIVERGED report calls number `nr`: a syscall, or one
