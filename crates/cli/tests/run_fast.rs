@@ -243,6 +243,21 @@ fn signals_are_records_of_the_ring_taken_at_the_same_call_in_every_replica() {
 }
 
 #[test]
+fn handlers_on_an_alternate_signal_stack_take_ring_signals_too() {
+    // SA_ONSTACK: the handler, raised inside a ring call, runs on its own stack and makes
+    // calls of its own; they must not take the ring stack from its top, where the
+    // interrupted ring call's frames are (this stopped every run with 86 before).
+    let mut prog = ring_signals("restart");
+    prog.push("altstack".into());
+    for replicas in ["2", "3"] {
+        let out = run(lockstep_run(&["-r", replicas, FAST, "--stats"], &prog));
+        out.assert_code(0);
+        assert!(signals_in_ring(&out) >= 3, "no signal took the ring\n{}", out.context());
+        assert!(out.stderr.contains("divergences:          0"), "{}", out.context());
+    }
+}
+
+#[test]
 fn a_signal_record_the_monitor_never_posted_is_the_leaders_fault() {
     // `signal:40`: the leader publishes a SIGUSR1 record at its 40th call, as a corrupted
     // look at its mailbox would. Under DMR the run stops; under TMR the leader is voted

@@ -261,6 +261,7 @@ struct lf_state {
     uint64_t seq; /* the last replicated call */
     uint64_t clock_next[LF_CLOCKS];
     unsigned char *stack; /* RING_STACK bytes above a guard page */
+    volatile int stack_busy; /* a call runs on `stack` (entered from another stack) */
     long owner_tid;       /* the thread that uses this lane */
     uint32_t lane;
 };
@@ -1565,26 +1566,36 @@ static long ring_call(struct ring_call *c)
  * that would leave different bytes below its stack pointer, which a program may pass on
  * uninitialised (glibc's nscd client sends a sockaddr_un with such a tail), so the ring
  * thread's calls run on a stack of the shim's own. A signal handler that runs inside one
- * of them (delivered at a call made through the monitor) stays on it. */
+ * of them (delivered at a call made through the monitor, or raised for a SIGNAL record)
+ * stays on it; so does one on an alternate signal stack (SA_ONSTACK): switching to the
+ * top of the ring stack would overwrite the frames the handler interrupted. */
 #define RING_STACK (256 * 1024)
-long lf_switch_stack(struct ring_call *c, long (*fn)(struct ring_call *), void *top);
+long lf_switch_stack(void *p, long (*fn)(void *), void *top);
 __asm__(".text\n"
         ".globl lf_switch_stack\n.type lf_switch_stack,@function\nlf_switch_stack:\n"
-        ".globl lf_switch_stack_any\n.type lf_switch_stack_any,@function\nlf_switch_stack_any:\n"
         "  push %rbp\n  mov %rsp, %rbp\n"
         "  mov %rdx, %rsp\n"
         "  call *%rsi\n"
         "  mov %rbp, %rsp\n  pop %rbp\n"
         "  ret\n");
 
-static long on_ring_stack(struct ring_call *c)
+/* fn(p) on lane `st`'s ring stack, unless the thread is on it already or it is in use
+ * further up (see above). */
+static long on_stack_of(struct lf_state *st, long (*fn)(void *), void *p)
 {
     uintptr_t here = (uintptr_t)__builtin_frame_address(0);
-    uintptr_t low = (uintptr_t)c->st->stack, high = low + RING_STACK;
-    if (here >= low && here < high)
-        return ring_call(c);
-    return lf_switch_stack(c, ring_call, (void *)high);
+    uintptr_t low = (uintptr_t)st->stack, high = low + RING_STACK;
+    if ((here >= low && here < high) || st->stack_busy)
+        return fn(p);
+    st->stack_busy = 1;
+    long ret = lf_switch_stack(p, fn, (void *)high);
+    st->stack_busy = 0;
+    return ret;
 }
+
+static long ring_call_of(void *c) { return ring_call(c); }
+
+static long on_ring_stack(struct ring_call *c) { return on_stack_of(c->st, ring_call_of, c); }
 
 /* Copies of the program's signal masks and actions, edited before the kernel sees them. */
 struct mask_copies {
@@ -2131,18 +2142,12 @@ struct sync_args {
     const char *name;
 };
 
-long lf_switch_stack_any(void *p, long (*fn)(void *), void *top); /* lf_switch_stack's code */
-
 static long on_lane_stack(long (*body)(void *), struct sync_args *p)
 {
     struct lf_state *st = lf_my;
     if (st == NULL || st->stack == NULL)
         return body(p);
-    uintptr_t here = (uintptr_t)__builtin_frame_address(0);
-    uintptr_t low = (uintptr_t)st->stack, high = low + RING_STACK;
-    if (here >= low && here < high)
-        return body(p);
-    return lf_switch_stack_any(p, body, (void *)high);
+    return on_stack_of(st, body, p);
 }
 
 /* A lock the leader's thread took (result 0, or EOWNERDEAD for a robust mutex whose owner
