@@ -44,11 +44,22 @@ fn check_complete(out: &Output, threads: u32, rounds: u32, word: &str) {
     assert_eq!(lines[n], format!("total {n} ({threads} threads)"), "{}", out.context());
 }
 
+/// One run under `-r replicas`: it must end with 0 and no divergence event.
+fn run_without_divergence(replicas: &str, prog: &[String]) -> Output {
+    let ev = events_path("order");
+    let ev_arg = ev.to_string_lossy().into_owned();
+    let out = run(lockstep_run(&["-r", replicas, FAST, "--events", &ev_arg], prog));
+    let events = read_events_of(&ev, &out);
+    out.assert_code(0);
+    assert_no_event(&events, "divergence", &out);
+    out
+}
+
 #[test]
 fn threads_take_locks_in_the_leaders_order_in_every_replica() {
     // Four workers contend for one mutex (lock, trylock) or semaphore (sem: blocking, try
-    // and timed waits) and take items from a queue with condition variables: which worker gets which ticket or item depends on timing, and
-    // a follower that let its threads run in their own order would write other lines.
+    // and timed waits) and take items from a queue with condition variables: which worker
+    // gets which ticket or item depends on timing, and a follower that let its threads run in their own order would write other lines.
     for (mode, word) in [
         ("lock", "ticket"),
         ("trylock", "ticket"),
@@ -59,13 +70,7 @@ fn threads_take_locks_in_the_leaders_order_in_every_replica() {
         let prog = sync_order(4, 60, mode);
         for replicas in ["2", "3"] {
             for _ in 0..3 {
-                let ev = events_path("order");
-                let ev_arg = ev.to_string_lossy().into_owned();
-                let out = run(lockstep_run(&["-r", replicas, FAST, "--events", &ev_arg], &prog));
-                let events = read_events_of(&ev, &out);
-                out.assert_code(0);
-                assert_no_event(&events, "divergence", &out);
-                check_complete(&out, 4, 60, word);
+                check_complete(&run_without_divergence(replicas, &prog), 4, 60, word);
             }
         }
     }
@@ -80,12 +85,7 @@ fn the_serial_thread_of_a_barrier_is_the_leaders() {
     let prog = sync_order(threads, phases, "barrier");
     for replicas in ["2", "3"] {
         for _ in 0..3 {
-            let ev = events_path("order-barrier");
-            let ev_arg = ev.to_string_lossy().into_owned();
-            let out = run(lockstep_run(&["-r", replicas, FAST, "--events", &ev_arg], &prog));
-            let events = read_events_of(&ev, &out);
-            out.assert_code(0);
-            assert_no_event(&events, "divergence", &out);
+            let out = run_without_divergence(replicas, &prog);
             let stdout = String::from_utf8_lossy(&out.stdout);
             let lines: Vec<&str> = stdout.lines().collect();
             assert_eq!(lines.len(), phases as usize + 1, "{}", out.context());
