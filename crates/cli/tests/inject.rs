@@ -83,9 +83,13 @@ fn a_cpu_bound_hang_is_stopped_by_the_cpu_limit() {
         wall: Duration::from_secs(60),
         cpu: Some(Duration::from_millis(300)),
     };
-    let o = target::run(&argv("outcome", &["hang"]), &plan, limits, &scratch_dir("cpu-limit")).unwrap();
+    let scratch = scratch_dir("cpu-limit");
+    let o = target::run(&argv("outcome", &["hang"]), &plan, limits, &scratch).unwrap();
     assert_eq!(o.ending, Ending::TimedOut);
     assert!(o.wall < limits.wall, "ended by the CPU limit, not the wall deadline");
+    // What the hung target was doing is kept for whoever explains the hang: it spun.
+    let state = std::fs::read_to_string(scratch.join(lockstep_inject::hang::STATE_FILE)).unwrap();
+    assert!(state.contains("(outcome): state R"), "{state}");
 }
 
 #[test]

@@ -15,6 +15,7 @@ pub mod campaign;
 pub mod classify;
 pub mod fault;
 pub mod fork_server;
+pub mod hang;
 pub mod report;
 pub mod server;
 pub mod shard;

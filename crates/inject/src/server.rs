@@ -129,6 +129,9 @@ pub fn run(
     // count (as an injection point's does), and then runs untraced.
     let srv = Child::spawn(argv, true, scratch, "server-", env)?;
     let result = serve(&srv, server, plan, timeout, scratch, traced);
+    if result.as_ref().is_ok_and(|o| o.ending == Ending::TimedOut) {
+        crate::hang::record(srv.pid, scratch);
+    }
     // Whatever happened, nothing of this run may outlive it.
     crate::tree::kill_and_reap_all(srv.pid);
     srv.forget();

@@ -217,6 +217,11 @@ pub(crate) struct Child {
 }
 
 impl Child {
+    /// The run's workspace, where its output files are.
+    fn workspace(&self) -> &Path {
+        self.out_path.parent().unwrap_or(Path::new("."))
+    }
+
     /// Forks and execs `argv`; a traced child stops itself before the exec. `name`
     /// prefixes the output files' names.
     pub fn spawn(
@@ -322,9 +327,9 @@ fn supervise(child: &Child, plan: &Plan, limits: Limits, from: Option<Duration>)
     let mut cpu = Duration::ZERO;
     let ending = match ended {
         Some(e) => e,
-        None if traced_tree(plan) && !tree.detached() => tree.finish(deadline, limits.cpu)?,
+        None if traced_tree(plan) && !tree.detached() => tree.finish(deadline, limits.cpu, child.workspace())?,
         None => {
-            let (ending, used) = wait_until(pid, deadline, limits.cpu)?;
+            let (ending, used) = wait_until(pid, deadline, limits.cpu, child.workspace())?;
             cpu = used.saturating_sub(exec_cpu);
             ending
         }
@@ -723,7 +728,12 @@ fn kill_and_reap(pid: Tid) {
 
 /// Waits for the (untraced) child to end, killing its process group at the deadline.
 /// Returns how it ended and the CPU time it and its waited-for children used.
-fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::Result<(Ending, Duration)> {
+fn wait_until(
+    pid: Tid,
+    deadline: Instant,
+    cpu_limit: Option<Duration>,
+    scratch: &Path,
+) -> io::Result<(Ending, Duration)> {
     let exit_fd = lockstep_trace::seccomp::pidfd_open(pid).ok();
     loop {
         let mut status = 0;
@@ -756,6 +766,7 @@ fn wait_until(pid: Tid, deadline: Instant, cpu_limit: Option<Duration>) -> io::R
             None => None,
         };
         if now >= deadline || cpu_left == Some(Duration::ZERO) {
+            crate::hang::record(pid, scratch);
             kill_and_reap(pid);
             return Ok((Ending::TimedOut, Duration::ZERO));
         }

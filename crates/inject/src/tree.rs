@@ -387,7 +387,12 @@ impl Tree {
     /// After the injection: passes stops on until the root ends (then the rest of its
     /// process group is killed and reaped), or kills the group at the deadline or once
     /// the tree has used more than `cpu_limit`.
-    pub fn finish(&mut self, deadline: Instant, cpu_limit: Option<Duration>) -> io::Result<Ending> {
+    pub fn finish(
+        &mut self,
+        deadline: Instant,
+        cpu_limit: Option<Duration>,
+        scratch: &std::path::Path,
+    ) -> io::Result<Ending> {
         let root = self.root;
         // Nothing is due at a precise moment any more: the naps grow while the tree is
         // quiet (each wake-up of a worker takes the CPU from a target), and shrink again
@@ -403,6 +408,7 @@ impl Tree {
                     nap = IDLE;
                 }
                 None if Instant::now() >= deadline || cpu_limit.is_some_and(|l| self.cpu() > l) => {
+                    crate::hang::record(root, scratch);
                     kill_and_reap_all(root);
                     return Ok(Ending::TimedOut);
                 }

@@ -286,6 +286,9 @@ static unsigned long lf_windows;
  * thread goes to the monitor for every call). */
 static struct lf_state *lf_lanes;
 static __thread struct lf_state *lf_my __attribute__((tls_model("initial-exec")));
+/* Whether this thread asked for a lane already (attach_thread), so that one without stays
+ * without at no further cost. */
+static __thread int lf_attach_tried __attribute__((tls_model("initial-exec")));
 /* A vfork-like clone happened in this thread: until it shows its own tid again, a call may
  * come from the child that borrows its memory (and its TLS), which must not touch the ring. */
 static __thread volatile int lf_vfork_seen __attribute__((tls_model("initial-exec")));
@@ -1471,7 +1474,7 @@ enum {
 };
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
 
-static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret)
+static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, uint64_t site)
 {
     struct lf_region *own = st->regions[st->me];
     struct lf_record *rec = &own->records[s % LF_SLOTS];
@@ -1484,7 +1487,7 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret)
         return SYNC_NONE;
     rec->nr = nr;
     rec->kind = KIND_SYNC;
-    rec->digest = nr;
+    rec->digest = site;
     rec->ret = ret;
     rec->len = 0;
     rec->signal = 0;
@@ -1494,7 +1497,7 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret)
     return ret;
 }
 
-static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr)
+static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr, uint64_t site)
 {
     struct lf_region *own = st->regions[st->me];
     struct lf_region *leader = st->regions[st->leader];
@@ -1506,11 +1509,12 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr)
     if (got != READY)
         return SYNC_NONE;
     if (load(&rec->seq) != s || rec->crc != record_crc(rec, s)) {
-        report_divergence(s, nr, nr, DIVERGED_CRC, 0);
+        report_divergence(s, nr, site, DIVERGED_CRC, 0);
         return SYNC_NONE;
     }
-    if (rec->kind != KIND_SYNC || rec->nr != nr) {
-        report_divergence(s, nr, nr, rec->nr, rec->digest);
+    /* The same operation from the same place in the program (replicas share one layout). */
+    if (rec->kind != KIND_SYNC || rec->nr != nr || rec->digest != site) {
+        report_divergence(s, nr, site, rec->nr, rec->digest);
         return SYNC_NONE;
     }
     take_turn(st, rec->order);
@@ -1522,14 +1526,15 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr)
 
 /* A synchronisation record (`nr`: LF_SYNC_NR_BASE + SYNC_*) on the ring stack: the
  * leader's result `a[0]` recorded, or the leader's result taken. `a[1]`: the role the
- * caller took (1: leader); a leader change meanwhile makes it SYNC_NONE. */
+ * caller took (1: leader); a leader change meanwhile makes it SYNC_NONE. `a[2]`: the
+ * program's call site, the record's digest. */
 static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
 {
     uint64_t s = ++st->seq; /* in every replica, as for a call: the lanes stay aligned */
     int lead_role = st->me == st->leader;
     if (lead_role != (a[1] == 1))
         return SYNC_NONE;
-    return lead_role ? lead_sync(st, s, nr, a[0]) : follow_sync(st, s, nr);
+    return lead_role ? lead_sync(st, s, nr, a[0], (uint64_t)a[2]) : follow_sync(st, s, nr, (uint64_t)a[2]);
 }
 
 /* --- the ring thread's call ------------------------------------------------------------- */
@@ -2051,6 +2056,7 @@ static void *start_thread_with_lane(void *p)
     void *(*routine)(void *) = slot->routine;
     void *arg = slot->arg;
     __atomic_store_n(&slot->taken, 0, __ATOMIC_RELEASE);
+    lf_attach_tried = 1;
     attach_thread();
     return routine(arg);
 }
@@ -2083,19 +2089,42 @@ enum { ROLE_NONE, ROLE_LEAD, ROLE_FOLLOW };
  * which every replica may see at a different moment: the record (or its absence) decides. */
 static int sync_role(void)
 {
+    if (!lf_active)
+        return ROLE_NONE;
+    if (lf_my == NULL && !lf_attach_tried) {
+        /* A thread started without our pthread_create (a library that found the real one
+         * with dlsym(RTLD_NEXT), as jemalloc does for its background threads): its
+         * operations would race with the ordered ones of every other thread, so it asks
+         * for a lane at its first operation, a point as deterministic as its start. */
+        lf_attach_tried = 1;
+        attach_thread();
+    }
     struct lf_state *st = lf_my;
-    if (!lf_active || st == NULL || st->hdr == NULL)
+    if (st == NULL || st->hdr == NULL)
         return ROLE_NONE;
     if (lf_vfork_seen && lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid)
         return ROLE_NONE; /* a vfork child */
     return st->me == st->leader ? ROLE_LEAD : ROLE_FOLLOW;
 }
 
+/* One operation's arguments. The operations run on the lane's ring stack: the leader and
+ * a follower run different code for the same operation, which on the program's stack would
+ * leave different bytes below its stack pointer (see RING_STACK). */
+struct sync_args {
+    void *obj;  /* the mutex, condition variable or semaphore */
+    void *obj2; /* a condition variable's mutex */
+    const void *arg;
+    int (*native_sem)(sem_t *, const void *);
+    void *volatile *slot; /* the real function, for signal and broadcast */
+    const char *name;
+    const void *site; /* where the program called the operation (its return address) */
+};
+
 /* Operation `op` as a record of the thread's lane: the leader's result `ret` recorded, or
  * (a follower) the leader's result once it is this thread's turn; SYNC_NONE without one. */
-static long sync_event(int op, long ret, int role)
+static long sync_event(const struct sync_args *p, int op, long ret, int role)
 {
-    long a[6] = {ret, role == ROLE_LEAD, 0, 0, 0, 0};
+    long a[6] = {ret, role == ROLE_LEAD, (long)p->site, 0, 0, 0};
     struct ring_call call = {lf_my, (long)LF_SYNC_NR_BASE + op, a};
     return on_ring_stack(&call);
 }
@@ -2130,17 +2159,6 @@ static void *volatile lf_real_sem_wait, *volatile lf_real_sem_trywait, *volatile
 #define REAL_SEM_WAIT ((sem_fn)real_fn(&lf_real_sem_wait, "sem_wait", NULL))
 #define COND_VERSION "GLIBC_2.3.2" /* the condition variables of today's glibc, not 2.2.5's */
 
-/* One operation's arguments. The operations run on the lane's ring stack: the leader and
- * a follower run different code for the same operation, which on the program's stack would
- * leave different bytes below its stack pointer (see RING_STACK). */
-struct sync_args {
-    void *obj;  /* the mutex, condition variable or semaphore */
-    void *obj2; /* a condition variable's mutex */
-    const void *arg;
-    int (*native_sem)(sem_t *, const void *);
-    void *volatile *slot; /* the real function, for signal and broadcast */
-    const char *name;
-};
 
 static long on_lane_stack(long (*body)(void *), struct sync_args *p)
 {
@@ -2160,7 +2178,7 @@ static long lock_op(struct sync_args *p, int op, mutex_fn native)
     pthread_mutex_t *m = p->obj;
     int role = sync_role();
     if (role == ROLE_FOLLOW) {
-        long ret = sync_event(op, 0, role);
+        long ret = sync_event(p, op, 0, role);
         if (ret == SYNC_NONE)
             return native(m);
         if (lock_taken(ret))
@@ -2169,19 +2187,20 @@ static long lock_op(struct sync_args *p, int op, mutex_fn native)
     }
     int ret = native(m);
     if (role == ROLE_LEAD)
-        sync_event(op, ret, role);
+        sync_event(p, op, ret, role);
     return ret;
 }
 
 static long lock_body(void *p) { return lock_op(p, SYNC_LOCK, REAL_LOCK); }
 static long trylock_body(void *p) { return lock_op(p, SYNC_TRYLOCK, REAL_TRYLOCK); }
 
-static long unlock_body(void *p)
+static long unlock_body(void *v)
 {
+    struct sync_args *p = v;
     int role = sync_role();
     if (role != ROLE_NONE)
-        sync_event(SYNC_UNLOCK, 0, role);
-    return REAL_UNLOCK(((struct sync_args *)p)->obj);
+        sync_event(p, SYNC_UNLOCK, 0, role);
+    return REAL_UNLOCK(p->obj);
 }
 
 static int native_wait(pthread_cond_t *c, pthread_mutex_t *m, const struct timespec *abstime)
@@ -2202,15 +2221,15 @@ static long cond_wait_body(void *v)
     int role = sync_role();
     if (role == ROLE_NONE)
         return native_wait(c, m, p->arg);
-    long entered = sync_event(SYNC_WAIT_ENTER, 0, role);
+    long entered = sync_event(p, SYNC_WAIT_ENTER, 0, role);
     if (role == ROLE_FOLLOW && entered != SYNC_NONE) {
         REAL_UNLOCK(m);
-        long ret = sync_event(SYNC_WAIT_RETURN, 0, role);
+        long ret = sync_event(p, SYNC_WAIT_RETURN, 0, role);
         REAL_LOCK(m);
         return ret == SYNC_NONE ? 0 : ret; /* without the leader's word: a spurious wake-up */
     }
     int ret = native_wait(c, m, p->arg);
-    sync_event(SYNC_WAIT_RETURN, ret, role);
+    sync_event(p, SYNC_WAIT_RETURN, ret, role);
     return ret;
 }
 
@@ -2220,7 +2239,7 @@ static long wake_body(void *v)
     cond_fn real = (cond_fn)real_fn(p->slot, p->name, COND_VERSION);
     int role = sync_role();
     if (role != ROLE_NONE)
-        sync_event(SYNC_WAKE, 0, role);
+        sync_event(p, SYNC_WAKE, 0, role);
     return real(p->obj);
 }
 
@@ -2234,7 +2253,7 @@ static long rw_op(struct sync_args *p, int op, rwlock_fn native, rwlock_fn block
     pthread_rwlock_t *l = p->obj;
     int role = sync_role();
     if (role == ROLE_FOLLOW) {
-        long ret = sync_event(op, 0, role);
+        long ret = sync_event(p, op, 0, role);
         if (ret == SYNC_NONE)
             return native(l);
         if (ret == 0)
@@ -2243,7 +2262,7 @@ static long rw_op(struct sync_args *p, int op, rwlock_fn native, rwlock_fn block
     }
     int ret = native(l);
     if (role == ROLE_LEAD)
-        sync_event(op, ret, role);
+        sync_event(p, op, ret, role);
     return ret;
 }
 
@@ -2268,7 +2287,7 @@ static long rw_unlock_body(void *v)
     struct sync_args *p = v;
     int role = sync_role();
     if (role != ROLE_NONE)
-        sync_event(SYNC_RW_UNLOCK, 0, role);
+        sync_event(p, SYNC_RW_UNLOCK, 0, role);
     return ((rwlock_fn)real_fn(&lf_real_rw_unlock, "pthread_rwlock_unlock", NULL))(p->obj);
 }
 
@@ -2284,13 +2303,13 @@ static long barrier_body(void *v)
     int role = sync_role();
     if (role == ROLE_NONE)
         return real(p->obj);
-    long arrived = sync_event(SYNC_BARRIER_ARRIVE, 0, role);
+    long arrived = sync_event(p, SYNC_BARRIER_ARRIVE, 0, role);
     if (role == ROLE_FOLLOW && arrived != SYNC_NONE) {
-        long ret = sync_event(SYNC_BARRIER_DEPART, 0, role);
+        long ret = sync_event(p, SYNC_BARRIER_DEPART, 0, role);
         return ret == SYNC_NONE ? 0 : ret;
     }
     int ret = real(p->obj);
-    sync_event(SYNC_BARRIER_DEPART, ret, role);
+    sync_event(p, SYNC_BARRIER_DEPART, ret, role);
     return ret;
 }
 
@@ -2306,7 +2325,7 @@ static long sem_wait_body(void *v)
     sem_t *sem = p->obj;
     int role = sync_role();
     if (role == ROLE_FOLLOW) {
-        long outcome = sync_event(SYNC_SEM_WAIT, 0, role);
+        long outcome = sync_event(p, SYNC_SEM_WAIT, 0, role);
         if (outcome == SYNC_NONE)
             return sem_outcome(p->native_sem(sem, p->arg));
         if (outcome == 0)
@@ -2316,7 +2335,7 @@ static long sem_wait_body(void *v)
     }
     long outcome = sem_outcome(p->native_sem(sem, p->arg));
     if (role == ROLE_LEAD)
-        sync_event(SYNC_SEM_WAIT, outcome, role);
+        sync_event(p, SYNC_SEM_WAIT, outcome, role);
     return outcome;
 }
 
@@ -2326,7 +2345,7 @@ static long sem_post_body(void *v)
     sem_fn post = (sem_fn)real_fn(&lf_real_sem_post, "sem_post", NULL);
     int role = sync_role();
     if (role != ROLE_NONE)
-        sync_event(SYNC_SEM_POST, 0, role);
+        sync_event(p, SYNC_SEM_POST, 0, role);
     return sem_outcome(post(p->obj));
 }
 
@@ -2360,43 +2379,43 @@ static int native_sem_clockwait(sem_t *sem, const void *arg)
 /* The interposed functions: the same code in every replica up to on_lane_stack. */
 int pthread_mutex_lock(pthread_mutex_t *m)
 {
-    struct sync_args p = {.obj = m};
+    struct sync_args p = {.obj = m, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(lock_body, &p);
 }
 
 int pthread_mutex_trylock(pthread_mutex_t *m)
 {
-    struct sync_args p = {.obj = m};
+    struct sync_args p = {.obj = m, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(trylock_body, &p);
 }
 
 int pthread_mutex_unlock(pthread_mutex_t *m)
 {
-    struct sync_args p = {.obj = m};
+    struct sync_args p = {.obj = m, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(unlock_body, &p);
 }
 
 int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
 {
-    struct sync_args p = {.obj = c, .obj2 = m};
+    struct sync_args p = {.obj = c, .obj2 = m, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(cond_wait_body, &p);
 }
 
 int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const struct timespec *abstime)
 {
-    struct sync_args p = {.obj = c, .obj2 = m, .arg = abstime};
+    struct sync_args p = {.obj = c, .obj2 = m, .arg = abstime, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(cond_wait_body, &p);
 }
 
 int pthread_cond_signal(pthread_cond_t *c)
 {
-    struct sync_args p = {.obj = c, .slot = &lf_real_signal, .name = "pthread_cond_signal"};
+    struct sync_args p = {.obj = c, .slot = &lf_real_signal, .name = "pthread_cond_signal", .site = __builtin_return_address(0)};
     return (int)on_lane_stack(wake_body, &p);
 }
 
 int pthread_cond_broadcast(pthread_cond_t *c)
 {
-    struct sync_args p = {.obj = c, .slot = &lf_real_broadcast, .name = "pthread_cond_broadcast"};
+    struct sync_args p = {.obj = c, .slot = &lf_real_broadcast, .name = "pthread_cond_broadcast", .site = __builtin_return_address(0)};
     return (int)on_lane_stack(wake_body, &p);
 }
 
@@ -2404,58 +2423,58 @@ static const char try_variant; /* sync_args.arg of a try variant */
 
 int pthread_rwlock_rdlock(pthread_rwlock_t *l)
 {
-    struct sync_args p = {.obj = l};
+    struct sync_args p = {.obj = l, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(rdlock_body, &p);
 }
 
 int pthread_rwlock_tryrdlock(pthread_rwlock_t *l)
 {
-    struct sync_args p = {.obj = l, .arg = &try_variant};
+    struct sync_args p = {.obj = l, .arg = &try_variant, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(rdlock_body, &p);
 }
 
 int pthread_rwlock_wrlock(pthread_rwlock_t *l)
 {
-    struct sync_args p = {.obj = l};
+    struct sync_args p = {.obj = l, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(wrlock_body, &p);
 }
 
 int pthread_rwlock_trywrlock(pthread_rwlock_t *l)
 {
-    struct sync_args p = {.obj = l, .arg = &try_variant};
+    struct sync_args p = {.obj = l, .arg = &try_variant, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(wrlock_body, &p);
 }
 
 int pthread_rwlock_unlock(pthread_rwlock_t *l)
 {
-    struct sync_args p = {.obj = l};
+    struct sync_args p = {.obj = l, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(rw_unlock_body, &p);
 }
 
 int pthread_barrier_wait(pthread_barrier_t *b)
 {
-    struct sync_args p = {.obj = b};
+    struct sync_args p = {.obj = b, .site = __builtin_return_address(0)};
     return (int)on_lane_stack(barrier_body, &p);
 }
 
-static int sem_waits(sem_t *sem, int (*native)(sem_t *, const void *), const void *arg)
+static int sem_waits(sem_t *sem, int (*native)(sem_t *, const void *), const void *arg, const void *site)
 {
-    struct sync_args p = {.obj = sem, .arg = arg, .native_sem = native};
+    struct sync_args p = {.obj = sem, .arg = arg, .native_sem = native, .site = site};
     return sem_result(on_lane_stack(sem_wait_body, &p));
 }
 
-int sem_wait(sem_t *sem) { return sem_waits(sem, native_sem_wait, NULL); }
-int sem_trywait(sem_t *sem) { return sem_waits(sem, native_sem_trywait, NULL); }
-int sem_timedwait(sem_t *sem, const struct timespec *abstime) { return sem_waits(sem, native_sem_timedwait, abstime); }
+int sem_wait(sem_t *sem) { return sem_waits(sem, native_sem_wait, NULL, __builtin_return_address(0)); }
+int sem_trywait(sem_t *sem) { return sem_waits(sem, native_sem_trywait, NULL, __builtin_return_address(0)); }
+int sem_timedwait(sem_t *sem, const struct timespec *abstime) { return sem_waits(sem, native_sem_timedwait, abstime, __builtin_return_address(0)); }
 int sem_clockwait(sem_t *sem, clockid_t clock, const struct timespec *abstime)
 {
     struct clock_wait w = {clock, abstime};
-    return sem_waits(sem, native_sem_clockwait, &w);
+    return sem_waits(sem, native_sem_clockwait, &w, __builtin_return_address(0));
 }
 
 int sem_post(sem_t *sem)
 {
-    struct sync_args p = {.obj = sem};
+    struct sync_args p = {.obj = sem, .site = __builtin_return_address(0)};
     return sem_result(on_lane_stack(sem_post_body, &p));
 }
 

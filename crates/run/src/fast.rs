@@ -175,6 +175,29 @@ pub fn call_name(nr: u64) -> String {
     }
 }
 
+/// Whether record number `nr` is one of the program's synchronisation operations, whose
+/// digest is the program's call site (the operation's return address).
+pub fn is_sync(nr: u64) -> bool {
+    nr.checked_sub(layout::SYNC_NR_BASE + 1)
+        .is_some_and(|op| (op as usize) < SYNC_NAMES.len())
+}
+
+/// Where code address `addr` is, from the text of `/proc/PID/maps`: `file+0xOFFSET` (the
+/// offset into the file, as `addr2line -e file` takes it), or the bare address.
+pub fn code_location(maps: &str, addr: u64) -> String {
+    let found = maps.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (start, end) = fields.next()?.split_once('-')?;
+        let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+        let offset = u64::from_str_radix(fields.nth(1)?, 16).ok()?;
+        let path = fields.nth(2)?;
+        (start..end)
+            .contains(&addr)
+            .then(|| format!("{path}+{:#x}", addr - start + offset))
+    });
+    found.unwrap_or_else(|| format!("{addr:#x}"))
+}
+
 /// A record that delivers a signal before its call (`KIND_SIGNAL` in the shim).
 const KIND_SIGNAL: u32 = 3;
 /// The signal number in a SIGNAL record's `signal` word.
@@ -944,6 +967,19 @@ fn shim_file() -> io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_code_address_is_named_by_its_file_and_offset() {
+        let maps = "555555554000-555555580000 r--p 00000000 08:01 123 /usr/bin/redis-server\n\
+                    555555580000-555555700000 r-xp 0002c000 08:01 123 /usr/bin/redis-server\n\
+                    7ffff7fc0000-7ffff7fc4000 rw-p 00000000 00:00 0\n";
+        assert_eq!(code_location(maps, 0x555555580010), "/usr/bin/redis-server+0x2c010");
+        // An anonymous mapping, or none: the address itself.
+        assert_eq!(code_location(maps, 0x7ffff7fc0010), "0x7ffff7fc0010");
+        assert_eq!(code_location(maps, 0x10), "0x10");
+        assert!(is_sync(layout::SYNC_NR_BASE + 1));
+        assert!(!is_sync(libc::SYS_write as u64));
+    }
 
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {

@@ -56,10 +56,25 @@ impl Session {
             );
             return Err(self.halt(format!("{what}; no replica can be given that call's result")));
         }
+        // A synchronisation operation's digest is where the program called it.
+        let what = |nr: u64, digest: u64, replica: ReplicaId| match crate::fast::is_sync(nr) {
+            true => {
+                let maps = self
+                    .be
+                    .proc_read(self.slot(task, replica).tgid(), "maps")
+                    .unwrap_or_default();
+                format!(
+                    "{} called from {}",
+                    crate::fast::call_name(nr),
+                    crate::fast::code_location(&maps, digest)
+                )
+            }
+            false => format!("{} with digest {digest:016x}", crate::fast::call_name(nr)),
+        };
         let msg = format!(
-            "replica {r} diverged at task {task}: fast-path call #{seq} is {own} with digest {own_digest:016x}; \
-             leader {leader} ran {} with digest {lead_digest:016x}",
-            crate::fast::call_name(lead_nr)
+            "replica {r} diverged at task {task}: fast-path call #{seq} is {}; leader {leader} ran {}",
+            what(own_nr, own_digest, r),
+            what(lead_nr, lead_digest, leader)
         );
         self.replica_failed(task, r, "divergence", msg)
     }
