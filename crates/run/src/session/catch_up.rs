@@ -82,7 +82,7 @@ fn same_state(a: &Regs, b: &Regs) -> bool {
 
 /// The registers as bytes, for comparing every field at once (called at each breakpoint
 /// hit, so without a copy).
-fn regs_bytes(r: &Regs) -> &[u8] {
+pub(super) fn regs_bytes(r: &Regs) -> &[u8] {
     // SAFETY: user_regs_struct is plain u64 fields without padding; the slice borrows `r`.
     unsafe { std::slice::from_raw_parts(r as *const Regs as *const u8, std::mem::size_of::<Regs>()) }
 }

@@ -15,6 +15,7 @@
 
 pub mod catch_up;
 mod fast_session;
+pub mod plan;
 pub mod rendezvous;
 pub mod shared_map;
 pub mod signals;

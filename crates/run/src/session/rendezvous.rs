@@ -1,6 +1,7 @@
 //! What happens when every live replica of a task has arrived: vote, then execute the
 //! syscall according to its class, deliver a fault or a signal, or emulate RDTSC.
 
+use super::plan::{self, Command};
 use crate::backend::{Backend, Resume};
 use crate::data::{self, PREVIEW};
 use crate::options::CompareMode;
@@ -366,7 +367,7 @@ impl Session {
     fn decide(&mut self, task: TaskId, live: &[ReplicaId]) -> Result<(), Stopped> {
         let t0 = Instant::now();
         let mut members: Vec<ReplicaId> = live.to_vec();
-        let mut keys: Vec<Key> = members.iter().map(|&r| self.key(task, r)).collect();
+        let keys: Vec<Key> = members.iter().map(|&r| self.key(task, r)).collect();
         if self.debug {
             for (m, k) in members.iter().zip(&keys) {
                 let text = self.describe_seen(&self.seen(task, *m));
@@ -383,11 +384,11 @@ impl Session {
             // not a divergence. Its death is reported next, and the vote waits for all.
             return Ok(());
         }
-        loop {
-            match vote(&keys) {
-                Verdict::Unanimous => {
-                    if let Some(since) = detected {
-                        let us = since.elapsed().as_micros() as u64;
+        for command in plan::vote_plan(&members, &keys) {
+            match command {
+                Command::Agree { masked } => {
+                    if masked {
+                        let us = detected.map_or(0, |since| since.elapsed().as_micros() as u64);
                         let msg = format!("fault masked; {} replicas continue", members.len());
                         self.emit(
                             Event::new("run", "mask", "continue")
@@ -396,11 +397,10 @@ impl Session {
                                 .message(msg),
                         );
                     }
-                    break;
                 }
-                Verdict::Faulty(i) => {
+                Command::VoteOut(r) => {
                     detected.get_or_insert_with(Instant::now);
-                    let r = members[i];
+                    let i = members.iter().position(|&m| m == r).expect("a member is voted out");
                     self.stats.divergences += 1;
                     // Describing the divergence reads memory and builds strings: it waits
                     // until the healthy replicas go on (`describe_divergences`), with what
@@ -420,9 +420,8 @@ impl Session {
                     });
                     self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
                     members.remove(i);
-                    keys.remove(i);
                 }
-                Verdict::NoConsensus => {
+                Command::Halt => {
                     self.stats.divergences += 1;
                     let seen: Vec<Seen> = members.iter().map(|&m| self.seen(task, m)).collect();
                     let (_, values) = self.arrival_texts(&seen);
@@ -438,6 +437,7 @@ impl Session {
                     );
                     return Err(self.halt("no majority agrees on the faulty replica".into()));
                 }
+                other => unreachable!("a vote plans only vote-outs, agreement or a halt: {other:?}"),
             }
         }
         let leader = self.replicas.leader();
@@ -462,40 +462,22 @@ impl Session {
             }
             Arrival::Fault { sig, .. } => {
                 // Every replica faulted identically: the program's own behaviour.
-                self.processes[self.tasks[task].process()].exiting = true;
-                for r in self.live_slots(task) {
-                    self.resume(task, r, Resume::Signal(sig), SlotState::Running);
-                }
-                Ok(())
+                let plan = plan::fault_plan(&self.live_slots(task), sig);
+                self.carry_out(task, plan)
             }
             Arrival::Rdtsc { len } => {
                 self.stats.rdtsc += 1;
                 // SAFETY: RDTSC has no preconditions; the monitor itself is not trapped.
                 let tsc = unsafe { core::arch::x86_64::_rdtsc() };
-                for r in self.live_slots(task) {
-                    let mut regs = self.slot(task, r).regs();
-                    regs.rax = tsc & 0xffff_ffff;
-                    regs.rdx = tsc >> 32;
-                    if len == 3 {
-                        regs.rcx = 0;
-                    }
-                    regs.rip += len as u64;
-                    let _ = self.be.set_regs(self.slot(task, r).tid(), &regs);
-                    self.resume(task, r, Resume::Run, SlotState::Running);
-                }
-                Ok(())
+                let plan = plan::answer_plan(&self.stopped_regs(task), plan::Answer::Tsc { len, tsc });
+                self.carry_out(task, plan)
             }
             Arrival::Cpuid { leaf, subleaf } => {
                 // The monitor itself is not trapped: it answers from the CPU it runs on.
                 let v = core::arch::x86_64::__cpuid_count(leaf, subleaf);
-                for r in self.live_slots(task) {
-                    let mut regs = self.slot(task, r).regs();
-                    (regs.rax, regs.rbx, regs.rcx, regs.rdx) = (v.eax as u64, v.ebx as u64, v.ecx as u64, v.edx as u64);
-                    regs.rip += 2;
-                    let _ = self.be.set_regs(self.slot(task, r).tid(), &regs);
-                    self.resume(task, r, Resume::Run, SlotState::Running);
-                }
-                Ok(())
+                let answer = plan::Answer::Cpuid([v.eax, v.ebx, v.ecx, v.edx]);
+                let plan = plan::answer_plan(&self.stopped_regs(task), answer);
+                self.carry_out(task, plan)
             }
             Arrival::Syscall { nr, args } => {
                 if self.tasks[task].signals.has_pending() {
@@ -527,56 +509,57 @@ impl Session {
             .map(|d| self.class_of(task, d, &args))
             .unwrap_or(Class::Unsupported);
         self.stats.count(class);
-        let leader = self.replicas.leader();
-        match class {
-            Class::Passthrough | Class::Emulated => self.emulate(task, nr, args),
-            Class::Unsupported => {
-                let name = syscalls::name(nr);
-                let msg = format!("unsupported system call {name} (number {nr}); lockstep cannot replicate it safely");
-                self.emit(
-                    Event::new("run", "unsupported", "stop")
-                        .object(name)
-                        .message(msg.clone()),
-                );
-                self.kill_everything();
-                Err(Stopped::Failure(Error::Unsupported(format!("lockstep run: {msg}"))))
-            }
-            // A shared file mapping (the only mmap that stops): the leader maps the file,
-            // then the followers get private copies (shared_map.rs).
-            Class::All if is_nr(nr, libc::SYS_mmap) => {
-                self.tasks[task].begin(Phase::Leader { nr, args, class });
-                self.resume(task, leader, Resume::ToExit, SlotState::Executing);
-                Ok(())
-            }
-            Class::Input | Class::Output | Class::FdCreate => {
-                self.tasks[task].begin(Phase::Leader { nr, args, class });
-                self.resume(task, leader, Resume::ToExit, SlotState::Executing);
-                Ok(())
-            }
-            Class::AllAfterLeader => {
-                self.tasks[task].begin(Phase::LeaderFirst { nr, args });
-                self.translate_pid_args(task, leader, nr, &args);
-                self.resume(task, leader, Resume::ToExit, SlotState::Executing);
-                Ok(())
-            }
-            Class::All => {
-                if is_nr(nr, libc::SYS_exit_group) {
-                    self.processes[self.tasks[task].process()].exiting = true;
-                    for r in self.live_slots(task) {
-                        self.resume(task, r, Resume::Run, SlotState::Running);
-                    }
-                    return Ok(());
+        let plan = plan::execution_plan(class, nr, args, self.replicas.leader(), &self.live_slots(task));
+        self.carry_out(task, plan)
+    }
+
+    /// The registers every live replica of `task` stopped with, for a plan to answer from.
+    fn stopped_regs(&self, task: TaskId) -> Vec<(ReplicaId, lockstep_trace::Regs)> {
+        self.live_slots(task)
+            .iter()
+            .map(|&r| (r, self.slot(task, r).regs()))
+            .collect()
+    }
+
+    /// Carries out a plan of the policy's (`plan.rs`) for `task`, in order. A failed
+    /// register write or resume is the replica's failure (`Checked`), found at its next stop.
+    fn carry_out(&mut self, task: TaskId, plan: Vec<Command>) -> Result<(), Stopped> {
+        for command in plan {
+            match command {
+                Command::Emulate { nr, args } => return self.emulate(task, nr, args),
+                Command::Refuse { nr } => {
+                    let name = syscalls::name(nr);
+                    let msg =
+                        format!("unsupported system call {name} (number {nr}); lockstep cannot replicate it safely");
+                    self.emit(
+                        Event::new("run", "unsupported", "stop")
+                            .object(name)
+                            .message(msg.clone()),
+                    );
+                    self.kill_everything();
+                    return Err(Stopped::Failure(Error::Unsupported(format!("lockstep run: {msg}"))));
                 }
-                self.tasks[task].begin(Phase::All { nr, args });
-                self.tasks[task].set_spawned(None);
-                self.note_program_signal(task, nr, &args);
-                for r in self.live_slots(task) {
-                    self.translate_pid_args(task, r, nr, &args);
-                    self.resume(task, r, Resume::ToExit, SlotState::Executing);
+                Command::Begin(phase) => self.tasks[task].begin(phase),
+                Command::Exiting => {
+                    let process = self.tasks[task].process();
+                    self.processes[process].exiting = true;
                 }
-                Ok(())
+                Command::PrepareForAll { nr, args } => {
+                    self.tasks[task].set_spawned(None);
+                    self.note_program_signal(task, nr, &args);
+                }
+                Command::TranslatePids { replica, nr, args } => self.translate_pid_args(task, replica, nr, &args),
+                Command::SetRegs(r, regs) => {
+                    // A failure is recorded by the backend and fails the replica.
+                    let _ = self.be.set_regs(self.slot(task, r).tid(), &regs.0);
+                }
+                Command::Resume(r, how, state) => self.resume(task, r, how, state),
+                Command::VoteOut(_) | Command::Halt | Command::Agree { .. } => {
+                    unreachable!("votes are carried out in decide: {command:?}")
+                }
             }
         }
+        Ok(())
     }
 
     /// Syscalls answered by the monitor: every replica gets the same answer.
