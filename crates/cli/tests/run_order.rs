@@ -19,10 +19,10 @@ fn sync_order(threads: u32, rounds: u32, mode: &str) -> Vec<String> {
     ]
 }
 
-/// The lines of a complete run: every ticket (or item) 1..=threads*rounds exactly once,
-/// then main's total.
-fn check_complete(out: &Output, threads: u32, rounds: u32, word: &str) {
-    let n = (threads * rounds) as usize;
+/// The lines of a complete run: every ticket (or item) 1..=n exactly once, then main's
+/// total.
+fn check_complete(out: &Output, threads: u32, n: u32, word: &str) {
+    let n = n as usize;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), n + 1, "{}", out.context());
@@ -70,8 +70,20 @@ fn threads_take_locks_in_the_leaders_order_in_every_replica() {
         let prog = sync_order(4, 60, mode);
         for replicas in ["2", "3"] {
             for _ in 0..3 {
-                check_complete(&run_without_divergence(replicas, &prog), 4, 60, word);
+                check_complete(&run_without_divergence(replicas, &prog), 4, 4 * 60, word);
             }
+        }
+    }
+}
+
+#[test]
+fn the_thread_that_runs_a_once_initialiser_is_the_leaders() {
+    // Four workers call pthread_once on each of 60 controls; whichever gets there first
+    // runs the initialiser, which takes a ticket under a mutex and names its worker.
+    let prog = sync_order(4, 60, "once");
+    for replicas in ["2", "3"] {
+        for _ in 0..3 {
+            check_complete(&run_without_divergence(replicas, &prog), 4, 60, "ticket");
         }
     }
 }
@@ -93,7 +105,7 @@ fn threads_started_without_the_interposed_pthread_create_are_ordered_too() {
             let events = read_events_of(&ev, &out);
             out.assert_code(0);
             assert_no_event(&events, "divergence", &out);
-            check_complete(&out, 4, 60, "ticket");
+            check_complete(&out, 4, 4 * 60, "ticket");
         }
     }
 }

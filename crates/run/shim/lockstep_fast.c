@@ -1470,6 +1470,7 @@ enum {
     SYNC_RW_UNLOCK,
     SYNC_BARRIER_ARRIVE,
     SYNC_BARRIER_DEPART,
+    SYNC_ONCE,
     SYNC_OPS
 };
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
@@ -2118,6 +2119,8 @@ struct sync_args {
     void *volatile *slot; /* the real function, for signal and broadcast */
     const char *name;
     const void *site; /* where the program called the operation (its return address) */
+    int variant;      /* read-write locks: RW_BLOCKING, RW_TRY, RW_TIMED or RW_CLOCK */
+    clockid_t clock;  /* RW_CLOCK's clock */
 };
 
 /* Operation `op` as a record of the thread's lane: the leader's result `ret` recorded, or
@@ -2243,44 +2246,56 @@ static long wake_body(void *v)
     return real(p->obj);
 }
 
-/* Read-write locks: as mutexes (`p->arg` non-NULL: the try variant). */
+/* Read-write locks: as mutexes. A try or timed variant (`p->variant`) succeeds or fails
+ * (EBUSY, ETIMEDOUT) as the leader's did; a follower that is to succeed takes the lock
+ * with the blocking call, in its turn. */
+enum { RW_BLOCKING, RW_TRY, RW_TIMED, RW_CLOCK, RW_VARIANTS };
 typedef int (*rwlock_fn)(pthread_rwlock_t *);
-static void *volatile lf_real_rdlock, *volatile lf_real_tryrdlock, *volatile lf_real_wrlock, *volatile lf_real_trywrlock,
-    *volatile lf_real_rw_unlock, *volatile lf_real_barrier_wait;
+typedef int (*rwlock_timed_fn)(pthread_rwlock_t *, const struct timespec *);
+typedef int (*rwlock_clock_fn)(pthread_rwlock_t *, clockid_t, const struct timespec *);
+static void *volatile lf_real_rw[2][RW_VARIANTS];
+static const char *const lf_rw_names[2][RW_VARIANTS] = {
+    {"pthread_rwlock_rdlock", "pthread_rwlock_tryrdlock", "pthread_rwlock_timedrdlock", "pthread_rwlock_clockrdlock"},
+    {"pthread_rwlock_wrlock", "pthread_rwlock_trywrlock", "pthread_rwlock_timedwrlock", "pthread_rwlock_clockwrlock"},
+};
+static void *volatile lf_real_rw_unlock, *volatile lf_real_barrier_wait;
 
-static long rw_op(struct sync_args *p, int op, rwlock_fn native, rwlock_fn blocking)
+static void *rw_real(int write, int variant) { return real_fn(&lf_real_rw[write][variant], lf_rw_names[write][variant], NULL); }
+
+/* The program's own call, as it made it. */
+static int rw_native(const struct sync_args *p, int write)
 {
     pthread_rwlock_t *l = p->obj;
+    switch (p->variant) {
+    case RW_TIMED:
+        return ((rwlock_timed_fn)rw_real(write, RW_TIMED))(l, p->arg);
+    case RW_CLOCK:
+        return ((rwlock_clock_fn)rw_real(write, RW_CLOCK))(l, p->clock, p->arg);
+    default:
+        return ((rwlock_fn)rw_real(write, p->variant == RW_TRY ? RW_TRY : RW_BLOCKING))(l);
+    }
+}
+
+static long rw_op(struct sync_args *p, int write)
+{
+    int op = write ? SYNC_WRLOCK : SYNC_RDLOCK;
     int role = sync_role();
     if (role == ROLE_FOLLOW) {
         long ret = sync_event(p, op, 0, role);
         if (ret == SYNC_NONE)
-            return native(l);
+            return rw_native(p, write);
         if (ret == 0)
-            blocking(l); /* free for us in its turn, or about to be */
+            ((rwlock_fn)rw_real(write, RW_BLOCKING))(p->obj); /* free for us in its turn, or about to be */
         return ret;
     }
-    int ret = native(l);
+    int ret = rw_native(p, write);
     if (role == ROLE_LEAD)
         sync_event(p, op, ret, role);
     return ret;
 }
 
-static long rdlock_body(void *v)
-{
-    struct sync_args *p = v;
-    rwlock_fn blocking = (rwlock_fn)real_fn(&lf_real_rdlock, "pthread_rwlock_rdlock", NULL);
-    rwlock_fn native = p->arg ? (rwlock_fn)real_fn(&lf_real_tryrdlock, "pthread_rwlock_tryrdlock", NULL) : blocking;
-    return rw_op(p, SYNC_RDLOCK, native, blocking);
-}
-
-static long wrlock_body(void *v)
-{
-    struct sync_args *p = v;
-    rwlock_fn blocking = (rwlock_fn)real_fn(&lf_real_wrlock, "pthread_rwlock_wrlock", NULL);
-    rwlock_fn native = p->arg ? (rwlock_fn)real_fn(&lf_real_trywrlock, "pthread_rwlock_trywrlock", NULL) : blocking;
-    return rw_op(p, SYNC_WRLOCK, native, blocking);
-}
+static long rdlock_body(void *v) { return rw_op(v, 0); }
+static long wrlock_body(void *v) { return rw_op(v, 1); }
 
 static long rw_unlock_body(void *v)
 {
@@ -2310,6 +2325,89 @@ static long barrier_body(void *v)
     }
     int ret = real(p->obj);
     sync_event(p, SYNC_BARRIER_DEPART, ret, role);
+    return ret;
+}
+
+/* pthread_once: the thread that runs the initialiser is the leader's. The leader's thread
+ * that runs it takes its place (result 1) as the initialiser starts, from inside the real
+ * pthread_once, so before any thread that waited for it or found it done (result 0, after
+ * the real call returns). A follower's thread learns its part in its turn: the runner
+ * calls the real pthread_once, which runs the initialiser, since no other thread of its
+ * replica can have reached its own turn; any other thread waits until the runner has
+ * entered the real call (glibc's control word is no longer 0), and then calls it too, to
+ * return once the initialiser is done. The initialiser runs on the program's stack. */
+static __thread void (*lf_once_init)(void);
+static __thread const struct sync_args *lf_once_lead; /* the leader's operation in progress */
+static __thread int lf_once_ran;
+static void *volatile lf_real_once;
+typedef int (*once_fn)(pthread_once_t *, void (*)(void));
+#define REAL_ONCE ((once_fn)real_fn(&lf_real_once, "pthread_once", NULL))
+
+static void once_trampoline(void)
+{
+    void (*init)(void) = lf_once_init;
+    const struct sync_args *p = lf_once_lead;
+    lf_once_ran = 1;
+    if (p != NULL)
+        sync_event(p, SYNC_ONCE, 1, ROLE_LEAD);
+    init();
+}
+
+/* A follower's thread that is not the runner: until the runner entered the real call. */
+static long once_wait_started(void *v)
+{
+    volatile int *control = ((struct sync_args *)v)->obj;
+    for (unsigned i = 0; __atomic_load_n(control, __ATOMIC_ACQUIRE) == 0; i++) {
+        if (i < SPIN_FLOOR)
+            cpu_relax();
+        else
+            lf_fast(SYS_sched_yield, 0, 0, 0, 0, 0, 0);
+    }
+    return 0;
+}
+
+/* The leader's thread that found the initialiser done, or waited for another's. */
+static long once_done_body(void *v)
+{
+    int role = sync_role();
+    if (role == ROLE_LEAD)
+        sync_event(v, SYNC_ONCE, 0, role);
+    return 0;
+}
+
+static long once_role_body(void *v)
+{
+    struct sync_args *p = v;
+    int role = sync_role();
+    if (role != ROLE_FOLLOW)
+        return role == ROLE_LEAD ? -1 : SYNC_NONE;
+    return sync_event(p, SYNC_ONCE, 0, role);
+}
+
+int pthread_once(pthread_once_t *control, void (*init)(void))
+{
+    struct sync_args p = {.obj = control, .site = __builtin_return_address(0)};
+    long part = on_lane_stack(once_role_body, &p); /* -1: the leader's; SYNC_NONE; or 1 / 0 */
+    if (part == SYNC_NONE || part == 1)
+        return REAL_ONCE(control, init);
+    if (part == 0) {
+        on_lane_stack(once_wait_started, &p);
+        return REAL_ONCE(control, init);
+    }
+    /* The leader: whether this thread runs the initialiser decides its record's place. */
+    void (*outer_init)(void) = lf_once_init;
+    const struct sync_args *outer_lead = lf_once_lead;
+    int outer_ran = lf_once_ran;
+    lf_once_init = init;
+    lf_once_lead = &p;
+    lf_once_ran = 0;
+    int ret = REAL_ONCE(control, once_trampoline);
+    int ran = lf_once_ran;
+    lf_once_init = outer_init;
+    lf_once_lead = outer_lead;
+    lf_once_ran = outer_ran;
+    if (!ran)
+        on_lane_stack(once_done_body, &p);
     return ret;
 }
 
@@ -2419,30 +2517,27 @@ int pthread_cond_broadcast(pthread_cond_t *c)
     return (int)on_lane_stack(wake_body, &p);
 }
 
-static const char try_variant; /* sync_args.arg of a try variant */
-
-int pthread_rwlock_rdlock(pthread_rwlock_t *l)
+static int rw_call(pthread_rwlock_t *l, int write, int variant, clockid_t clock, const struct timespec *abstime,
+                   const void *site)
 {
-    struct sync_args p = {.obj = l, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(rdlock_body, &p);
+    struct sync_args p = {.obj = l, .arg = abstime, .site = site, .variant = variant, .clock = clock};
+    return (int)on_lane_stack(write ? wrlock_body : rdlock_body, &p);
 }
 
-int pthread_rwlock_tryrdlock(pthread_rwlock_t *l)
+#define CALLER __builtin_return_address(0)
+int pthread_rwlock_rdlock(pthread_rwlock_t *l) { return rw_call(l, 0, RW_BLOCKING, 0, NULL, CALLER); }
+int pthread_rwlock_tryrdlock(pthread_rwlock_t *l) { return rw_call(l, 0, RW_TRY, 0, NULL, CALLER); }
+int pthread_rwlock_timedrdlock(pthread_rwlock_t *l, const struct timespec *t) { return rw_call(l, 0, RW_TIMED, 0, t, CALLER); }
+int pthread_rwlock_clockrdlock(pthread_rwlock_t *l, clockid_t c, const struct timespec *t)
 {
-    struct sync_args p = {.obj = l, .arg = &try_variant, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(rdlock_body, &p);
+    return rw_call(l, 0, RW_CLOCK, c, t, CALLER);
 }
-
-int pthread_rwlock_wrlock(pthread_rwlock_t *l)
+int pthread_rwlock_wrlock(pthread_rwlock_t *l) { return rw_call(l, 1, RW_BLOCKING, 0, NULL, CALLER); }
+int pthread_rwlock_trywrlock(pthread_rwlock_t *l) { return rw_call(l, 1, RW_TRY, 0, NULL, CALLER); }
+int pthread_rwlock_timedwrlock(pthread_rwlock_t *l, const struct timespec *t) { return rw_call(l, 1, RW_TIMED, 0, t, CALLER); }
+int pthread_rwlock_clockwrlock(pthread_rwlock_t *l, clockid_t c, const struct timespec *t)
 {
-    struct sync_args p = {.obj = l, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(wrlock_body, &p);
-}
-
-int pthread_rwlock_trywrlock(pthread_rwlock_t *l)
-{
-    struct sync_args p = {.obj = l, .arg = &try_variant, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(wrlock_body, &p);
+    return rw_call(l, 1, RW_CLOCK, c, t, CALLER);
 }
 
 int pthread_rwlock_unlock(pthread_rwlock_t *l)

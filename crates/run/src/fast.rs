@@ -150,7 +150,7 @@ struct RecordHead {
 
 /// The program's synchronisation operations that are records of the ring, by their
 /// number in a record (`layout::SYNC_NR_BASE` + `SYNC_*` in the shim).
-const SYNC_NAMES: [&str; 13] = [
+const SYNC_NAMES: [&str; 14] = [
     "pthread_mutex_lock",
     "pthread_mutex_trylock",
     "pthread_mutex_unlock",
@@ -164,6 +164,7 @@ const SYNC_NAMES: [&str; 13] = [
     "pthread_rwlock_unlock",
     "pthread_barrier_wait (arrival)",
     "pthread_barrier_wait (departure)",
+    "pthread_once",
 ];
 
 /// The name of what a record or a DIVERGED report calls number `nr`: a syscall, or one
