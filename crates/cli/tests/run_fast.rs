@@ -516,6 +516,28 @@ fn a_leader_lost_between_its_output_and_the_record_stops_the_run_instead_of_repe
 }
 
 #[test]
+fn a_leader_that_can_never_wake_is_a_straggler() {
+    // `hang:5`: before its 5th call the leader waits in a private futex wait without a
+    // timeout, as the only thread of its process: nothing can wake it (a fault did this
+    // to redis in a campaign, which then hung until it was killed). The followers wait
+    // for its record; after the straggler timeout the leader is voted out (TMR, the output
+    // is whole) or the run stops (DMR).
+    let native = fast_target_native();
+    for r in ["2", "3"] {
+        let mut cmd = lockstep_run(&["-r", r, FAST, "--timeout", "1"], &[fixture("fast_target")]);
+        cmd.env("LOCKSTEP_FAST_TEST", "hang:5");
+        let out = run(cmd);
+        if r == "3" {
+            out.assert_code(0);
+            assert_eq!(out.stdout, native, "{}", out.context());
+        } else {
+            out.assert_code(86);
+        }
+        assert!(out.stderr.contains("without moving"), "{}", out.context());
+    }
+}
+
+#[test]
 fn a_follower_at_an_input_where_the_leader_outputs_is_caught_not_waited_for() {
     // The follower waits for the leader's record of an input, the leader for the
     // follower's vote on an output: each waited for the other until the run hung. Now the

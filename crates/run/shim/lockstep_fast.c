@@ -309,11 +309,13 @@ static long after_slow_call(long ret);
  * "result:N" flips a bit of call N's result on its way from the kernel into the record;
  * "wild-result:N" flips bit 40 of call N's result before any copy of it is taken;
  * "crash:N" makes the leader fault right after call N returned, before its record is out;
- * "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
+ * "hang:N" makes the leader wait forever in a private futex wait (through the monitor)
+ * before call N; "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
  * never posted, as a corrupted mailbox check would;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
-static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal;
+static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal,
+    lf_test_hang;
 static int lf_test_selector_allow;
 /* The thread that attached the ring (lane 0): the main thread of the image. Later epochs'
  * rings are attached through it. */
@@ -1276,6 +1278,13 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     if (is_off(st) || wait_followers(st, slot_free, s) != READY) {
         own->h.unrecorded++;
         return slow_call(st, nr, a); /* no record: the monitor finds out why */
+    }
+    if (s == lf_test_hang && lf_ring_epoch == 0) {
+        /* test: the leader waits for a lock word nobody will change, as a fault can make a
+         * thread do (a lock taken twice), through the monitor as the program's futex is */
+        static int never;
+        long wait[6] = {(long)&never, FUTEX_WAIT_PRIVATE, 0, 0, 0, 0};
+        slow_call(st, SYS_futex, wait);
     }
     if (s == lf_test_signal && lf_ring_epoch == 0)
         return deliver_signal(st, rec, s, nr, digest, a, NULL, SIGUSR1, 0);
@@ -2624,6 +2633,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_crash = strtoull(test + 6, NULL, 10);
     if (test != NULL && strncmp(test, "signal:", 7) == 0)
         lf_test_signal = strtoull(test + 7, NULL, 10);
+    if (test != NULL && strncmp(test, "hang:", 5) == 0)
+        lf_test_hang = strtoull(test + 5, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
     if (map_page_zero() != 0)

@@ -652,7 +652,8 @@ impl Session {
         }
         let mut stragglers = Vec::new();
         for r in standing {
-            let running = self.running_in_user_space(task, r);
+            // A thread that can never wake is as stuck as one that spins.
+            let running = self.running_in_user_space(task, r) || self.blocked_for_good(task, r);
             let Some(fast) = self.fast.as_mut() else {
                 return Ok(());
             };
@@ -738,6 +739,25 @@ impl Session {
 
     /// Whether replica `r`'s thread of `task` runs user code now (state R, not stopped by
     /// us and not asleep in the kernel).
+    /// Whether replica `r`'s thread of `task` sleeps where nothing can wake it: in a
+    /// private futex wait without a timeout, as the only thread of its process (a signal
+    /// could, but none is coming: the program would be hung natively too). A healthy
+    /// replica gets there only where the others do too, and then none of them waits in
+    /// the ring for it; a fault gets one there alone (a lock word or a lock's owner
+    /// corrupted, a lock taken twice), with the others waiting for its next record.
+    fn blocked_for_good(&self, task: TaskId, r: ReplicaId) -> bool {
+        let slot = self.slot(task, r);
+        if slot.state() != SlotState::Running {
+            return false;
+        }
+        let threads = self.be.proc_read(slot.tgid(), "status").unwrap_or_default();
+        let only_thread = threads
+            .lines()
+            .find_map(|l| l.strip_prefix("Threads:"))
+            .is_some_and(|n| n.trim() == "1");
+        only_thread && endless_futex_wait(&self.be.proc_read(slot.tid(), "syscall").unwrap_or_default())
+    }
+
     fn running_in_user_space(&self, task: TaskId, r: ReplicaId) -> bool {
         let slot = self.slot(task, r);
         if slot.state() != SlotState::Running {
@@ -797,6 +817,25 @@ impl Session {
 
 /// A signal lockstep forwards, as the monitor's own tgkill would show it: SI_TKILL from a
 /// sender outside the replica's PID namespace (pid 0), with lockstep's uid.
+/// Whether `/proc/TID/syscall` shows a thread blocked in a private `FUTEX_WAIT` or
+/// `FUTEX_WAIT_BITSET` without a timeout ("202 uaddr op val timeout ...", in hex).
+fn endless_futex_wait(syscall: &str) -> bool {
+    let mut fields = syscall.split_whitespace();
+    let nr = fields.next().and_then(|f| f.parse::<u64>().ok());
+    let args: Vec<u64> = fields
+        .take(4)
+        .filter_map(|f| u64::from_str_radix(f.strip_prefix("0x")?, 16).ok())
+        .collect();
+    let (Some(nr), &[_, op, _, timeout]) = (nr, &args[..]) else {
+        return false;
+    };
+    let cmd = op as i32 & libc::FUTEX_CMD_MASK;
+    nr == libc::SYS_futex as u64
+        && op as i32 & libc::FUTEX_PRIVATE_FLAG != 0
+        && (cmd == libc::FUTEX_WAIT || cmd == libc::FUTEX_WAIT_BITSET)
+        && timeout == 0
+}
+
 fn forwarded_siginfo(sig: i32, seen: Option<&libc::siginfo_t>) -> libc::siginfo_t {
     // SAFETY: an all-zero siginfo_t is valid; the fields written below are those of the
     // kill/tkill layout (signo, errno, code, a pad word, then pid and uid).
@@ -818,4 +857,27 @@ const SIGNAL_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20
 
 fn in_fast_gate_restart(regs: &Regs) -> bool {
     regs.rip == FAST_GATE + 2 && lockstep_trace::ptrace::is_restart(regs.rax as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endless_futex_wait;
+
+    #[test]
+    fn only_a_private_futex_wait_without_timeout_is_endless() {
+        // glibc's lock wait (FUTEX_WAIT_BITSET | PRIVATE | CLOCK_REALTIME, no timeout), as a
+        // hung replica showed it.
+        assert!(endless_futex_wait(
+            "202 0x7ffff6a7c5c8 0x189 0x2 0x0 0x0 0xffffffff 0x7ffff62307f8 0x610"
+        ));
+        assert!(endless_futex_wait("202 0x1000 0x80 0x0 0x0 0x0 0x0 0x7ff0 0x610"));
+        // The shim's own timed wait on a shared word; another call; not in a call.
+        assert!(!endless_futex_wait(
+            "202 0x7fffedea0020 0x0 0xb5a 0x7ffff6230df0 0x0 0x0 0x7ffff6230dc8 0x610"
+        ));
+        assert!(!endless_futex_wait("202 0x1000 0x80 0x0 0x7ff000 0x0 0x0 0x7ff0 0x610"));
+        assert!(!endless_futex_wait("0 0x3 0x7fff5c7a4478 0x4 0x8 0x0 0x0 0x7ff0 0x610"));
+        assert!(!endless_futex_wait("running"));
+        assert!(!endless_futex_wait(""));
+    }
 }
