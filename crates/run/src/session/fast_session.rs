@@ -613,18 +613,33 @@ impl Session {
         let now = std::time::Instant::now();
         // Ring reads first (memory); /proc only for a replica that has stood still while
         // another waits, so a busy ring costs the monitor no I/O at each stop.
+        let Some(fast) = self.fast.as_ref() else {
+            return Ok(());
+        };
+        // Waiting for another replica: asleep in one of the ring's waits that say so, or
+        // (without moving since the last look) blocked in any futex wait on the ring's
+        // memory, such as the order's, which does not.
+        let waits: Vec<bool> = live
+            .iter()
+            .map(|&r| {
+                let unmoved = fast
+                    .region(r)
+                    .zip(fast.position(lane, r))
+                    .is_some_and(|(region, position)| fast.watch[lane][region as usize].0 == position);
+                fast.sleeping(lane, r) || (unmoved && self.waits_on_ring(task, r))
+            })
+            .collect();
         let Some(fast) = self.fast.as_mut() else {
             return Ok(());
         };
-        let someone_waits = live.iter().any(|&r| fast.sleeping(lane, r));
-        let everyone_waits = live.iter().all(|&r| fast.sleeping(lane, r));
+        let someone_waits = waits.iter().any(|&w| w);
+        let everyone_waits = waits.iter().all(|&w| w);
         let mut standing = Vec::new();
         let mut moved = false;
-        for &r in &live {
+        for (&r, &sleeping) in live.iter().zip(&waits) {
             let (Some(position), Some(region)) = (fast.position(lane, r), fast.region(r)) else {
                 continue;
             };
-            let sleeping = fast.sleeping(lane, r);
             let entry = &mut fast.watch[lane][region as usize];
             moved |= position != entry.0;
             if position != entry.0 || !someone_waits || sleeping {
@@ -758,6 +773,21 @@ impl Session {
         only_thread && endless_futex_wait(&self.be.proc_read(slot.tid(), "syscall").unwrap_or_default())
     }
 
+    /// Whether replica `r`'s thread of `task` is blocked in a futex wait on the ring's
+    /// memory: the shim waiting for another replica.
+    fn waits_on_ring(&self, task: TaskId, r: ReplicaId) -> bool {
+        let slot = self.slot(task, r);
+        if slot.state() != SlotState::Running {
+            return false;
+        }
+        let syscall = self.be.proc_read(slot.tid(), "syscall").unwrap_or_default();
+        let Some(uaddr) = futex_wait_address(&syscall) else {
+            return false;
+        };
+        let maps = self.be.proc_read(slot.tgid(), "maps").unwrap_or_default();
+        in_ring_mapping(&maps, uaddr)
+    }
+
     fn running_in_user_space(&self, task: TaskId, r: ReplicaId) -> bool {
         let slot = self.slot(task, r);
         if slot.state() != SlotState::Running {
@@ -817,23 +847,43 @@ impl Session {
 
 /// A signal lockstep forwards, as the monitor's own tgkill would show it: SI_TKILL from a
 /// sender outside the replica's PID namespace (pid 0), with lockstep's uid.
-/// Whether `/proc/TID/syscall` shows a thread blocked in a private `FUTEX_WAIT` or
-/// `FUTEX_WAIT_BITSET` without a timeout ("202 uaddr op val timeout ...", in hex).
-fn endless_futex_wait(syscall: &str) -> bool {
+/// A futex wait as `/proc/TID/syscall` shows it ("202 uaddr op val timeout ...", the
+/// arguments in hex): (uaddr, op, timeout pointer), or None for anything else.
+fn futex_wait(syscall: &str) -> Option<(u64, i32, u64)> {
     let mut fields = syscall.split_whitespace();
-    let nr = fields.next().and_then(|f| f.parse::<u64>().ok());
+    let nr = fields.next()?.parse::<u64>().ok()?;
     let args: Vec<u64> = fields
         .take(4)
         .filter_map(|f| u64::from_str_radix(f.strip_prefix("0x")?, 16).ok())
         .collect();
-    let (Some(nr), &[_, op, _, timeout]) = (nr, &args[..]) else {
-        return false;
+    let &[uaddr, op, _, timeout] = &args[..] else {
+        return None;
     };
     let cmd = op as i32 & libc::FUTEX_CMD_MASK;
-    nr == libc::SYS_futex as u64
-        && op as i32 & libc::FUTEX_PRIVATE_FLAG != 0
-        && (cmd == libc::FUTEX_WAIT || cmd == libc::FUTEX_WAIT_BITSET)
-        && timeout == 0
+    (nr == libc::SYS_futex as u64 && (cmd == libc::FUTEX_WAIT || cmd == libc::FUTEX_WAIT_BITSET))
+        .then_some((uaddr, op as i32, timeout))
+}
+
+/// Whether `/proc/TID/syscall` shows a thread blocked in a private `FUTEX_WAIT` or
+/// `FUTEX_WAIT_BITSET` without a timeout.
+fn endless_futex_wait(syscall: &str) -> bool {
+    futex_wait(syscall).is_some_and(|(_, op, timeout)| op & libc::FUTEX_PRIVATE_FLAG != 0 && timeout == 0)
+}
+
+/// The word a thread waits on in a futex wait, if it is in one.
+fn futex_wait_address(syscall: &str) -> Option<u64> {
+    futex_wait(syscall).map(|(uaddr, _, _)| uaddr)
+}
+
+/// Whether `addr` lies in a mapping of the ring's memfd, from `/proc/PID/maps`.
+fn in_ring_mapping(maps: &str, addr: u64) -> bool {
+    maps.lines().filter(|l| l.contains("/memfd:lockstep-ring")).any(|line| {
+        line.split_whitespace()
+            .next()
+            .and_then(|range| range.split_once('-'))
+            .and_then(|(a, b)| Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?)))
+            .is_some_and(|(start, end)| (start..end).contains(&addr))
+    })
 }
 
 fn forwarded_siginfo(sig: i32, seen: Option<&libc::siginfo_t>) -> libc::siginfo_t {
@@ -879,5 +929,20 @@ mod tests {
         assert!(!endless_futex_wait("0 0x3 0x7fff5c7a4478 0x4 0x8 0x0 0x0 0x7ff0 0x610"));
         assert!(!endless_futex_wait("running"));
         assert!(!endless_futex_wait(""));
+    }
+
+    #[test]
+    fn a_wait_on_the_rings_memory_is_the_shims() {
+        use super::{futex_wait_address, in_ring_mapping};
+        let maps = "7fffedea0000-7ffff1ea0000 rw-s 00000000 00:01 77 /memfd:lockstep-ring (deleted)\n\
+                    7ffff6a00000-7ffff6b00000 rw-p 00000000 00:00 0\n";
+        let shim = "202 0x7fffedea0020 0x0 0xb5a 0x7ffff6230df0 0x0 0x0 0x7ffff6230dc8 0x610";
+        let program = "202 0x7ffff6a7c5c8 0x189 0x2 0x0 0x0 0xffffffff 0x7ffff62307f8 0x610";
+        assert!(in_ring_mapping(maps, futex_wait_address(shim).unwrap()));
+        assert!(!in_ring_mapping(maps, futex_wait_address(program).unwrap()));
+        assert_eq!(
+            futex_wait_address("232 0x4 0x7ff 0x80 0xffffffff 0x0 0x0 0x7ff0 0x5fe"),
+            None
+        );
     }
 }
