@@ -538,6 +538,28 @@ fn a_leader_that_can_never_wake_is_a_straggler() {
 }
 
 #[test]
+fn a_follower_whose_wait_gives_an_impossible_answer_reports_itself() {
+    // `bad-wait:5`: a follower's wait for record 5 answers something no wait answers (a
+    // fault in the shim's own return value did this in a campaign: the follower skipped
+    // the record, and every later turn of its replica waited until the client gave up).
+    // The follower reports its own state as corrupt and is voted out (TMR) or the run
+    // stops (DMR).
+    let native = fast_target_native();
+    for r in ["2", "3"] {
+        let mut cmd = lockstep_run(&["-r", r, FAST, "--timeout", "3600"], &[fixture("fast_target")]);
+        cmd.env("LOCKSTEP_FAST_TEST", "bad-wait:5");
+        let out = run(cmd);
+        if r == "3" {
+            out.assert_code(0);
+            assert_eq!(out.stdout, native, "{}", out.context());
+        } else {
+            out.assert_code(86);
+        }
+        assert!(out.stderr.contains("state is corrupt"), "{}", out.context());
+    }
+}
+
+#[test]
 fn a_follower_at_an_input_where_the_leader_outputs_is_caught_not_waited_for() {
     // The follower waits for the leader's record of an input, the leader for the
     // follower's vote on an output: each waited for the other until the run hung. Now the

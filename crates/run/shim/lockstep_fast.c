@@ -104,6 +104,7 @@
 #define OP_HELLO_THREAD 3
 #define DIVERGED_CRC 0xffffffffUL /* in place of the leader's number: the record is corrupt */
 #define DIVERGED_LEADER 0xfffffffeUL /* the leader's record does not match its call's result */
+#define DIVERGED_STATE 0xfffffffdUL  /* in place of the leader's number: this replica's own wait gave an impossible answer */
 
 #define RING_MAGIC 0x4c4f434b53544550ULL /* "LOCKSTEP" */
 #define KIND_RESULT 1
@@ -309,13 +310,14 @@ static long after_slow_call(long ret);
  * "result:N" flips a bit of call N's result on its way from the kernel into the record;
  * "wild-result:N" flips bit 40 of call N's result before any copy of it is taken;
  * "crash:N" makes the leader fault right after call N returned, before its record is out;
- * "hang:N" makes the leader wait forever in a private futex wait (through the monitor)
+ * "bad-wait:N" makes the last follower's wait for record N give an impossible answer; "hang:N"
+ * makes the leader wait forever in a private futex wait (through the monitor)
  * before call N; "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
  * never posted, as a corrupted mailbox check would;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
 static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal,
-    lf_test_hang;
+    lf_test_hang, lf_test_bad_wait;
 static int lf_test_selector_allow;
 /* The thread that attached the ring (lane 0): the main thread of the image. Later epochs'
  * rings are attached through it. */
@@ -711,7 +713,12 @@ static uint32_t record_crc(const struct lf_record *r, uint64_t s)
 
 /* --- waiting ---------------------------------------------------------------------------- */
 
-enum { READY = 1, NOT_YET = 0, GIVE_UP_OFF = -1, GIVE_UP_SLOW = -2 };
+enum { READY = 1, NOT_YET = 0, GIVE_UP_OFF = -1, GIVE_UP_SLOW = -2, CORRUPT = -3 };
+
+/* A wait's answer is one of the four above; anything else is this replica's own state
+ * gone wrong (a fault in the shim's code or registers, seen in campaigns: a follower that
+ * took it for "give up" skipped a record, and every later turn of its replica waited). */
+static int checked_answer(int r) { return r == READY || r == NOT_YET || r == GIVE_UP_OFF || r == GIVE_UP_SLOW ? r : CORRUPT; }
 
 struct wait_for {
     struct lf_state *st;
@@ -787,14 +794,14 @@ static int spin_for(const struct wait_for *w, ready_fn ready)
 static int wait_until(ready_fn ready, const struct wait_for *w, volatile uint32_t *word, uint32_t wake_on)
 {
     struct lf_state *st = w->st;
-    int spun = spin_for(w, ready);
+    int spun = checked_answer(spin_for(w, ready));
     if (spun != NOT_YET)
         return spun;
     volatile uint32_t *sleeping = &st->regions[st->me]->h.sleeping;
     for (;;) {
         uint32_t seen = load32(word);
         __atomic_exchange_n(sleeping, wake_on, __ATOMIC_SEQ_CST);
-        int r = ready(w);
+        int r = checked_answer(ready(w));
         if (r == NOT_YET)
             futex_wait(word, seen);
         __atomic_store_n(sleeping, AWAKE, __ATOMIC_RELEASE);
@@ -1376,6 +1383,10 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
     struct wait_for w = {st, st->leader, s};
     int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
     store(&own->h.awaiting, 0);
+    if (s == lf_test_bad_wait && lf_ring_epoch == 0 && st->me == st->replicas - 1)
+        got = checked_answer(got | 8); /* test: in one follower, the answer changed on its way */
+    if (got == CORRUPT)
+        report_divergence(s, nr, digest, DIVERGED_STATE, 0);
     if (got != READY)
         return slow_call(st, nr, a); /* off, and the leader never published this call */
     if (load(&rec->seq) != s || rec->crc != record_crc(rec, s)) {
@@ -1516,6 +1527,8 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr, uint64_t s
     struct wait_for w = {st, st->leader, s};
     int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
     store(&own->h.awaiting, 0);
+    if (got == CORRUPT)
+        report_divergence(s, nr, site, DIVERGED_STATE, 0);
     if (got != READY)
         return SYNC_NONE;
     if (load(&rec->seq) != s || rec->crc != record_crc(rec, s)) {
@@ -2635,6 +2648,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_signal = strtoull(test + 7, NULL, 10);
     if (test != NULL && strncmp(test, "hang:", 5) == 0)
         lf_test_hang = strtoull(test + 5, NULL, 10);
+    if (test != NULL && strncmp(test, "bad-wait:", 9) == 0)
+        lf_test_bad_wait = strtoull(test + 9, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
     if (map_page_zero() != 0)

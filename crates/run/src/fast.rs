@@ -47,6 +47,9 @@ pub const DIVERGED_CRC: u64 = 0xffff_ffff;
 /// In place of the leader's syscall number in a DIVERGED report from the leader itself:
 /// its record does not match what its call returned.
 pub const DIVERGED_LEADER: u64 = 0xffff_fffe;
+/// In place of the leader's syscall number in a DIVERGED report: the reporting replica's
+/// own wait gave an answer that cannot be (its own state is corrupt).
+pub const DIVERGED_STATE: u64 = 0xffff_fffd;
 const MAGIC: u64 = 0x4c4f_434b_5354_4550; // "LOCKSTEP"
 /// Default pause iterations before a waiting replica sleeps (a few hundred µs here; chosen
 /// by measurement, docs/results.md).

@@ -15,7 +15,7 @@
 //!   again, the replicas attach the next epoch's ring (`arm_next_ring`).
 
 use crate::backend::{Backend, Resume};
-use crate::fast::{Lane, DIVERGED_CRC, DIVERGED_LEADER, OP_DIVERGED, OP_HELLO, OP_HELLO_THREAD};
+use crate::fast::{Lane, DIVERGED_CRC, DIVERGED_LEADER, DIVERGED_STATE, OP_DIVERGED, OP_HELLO, OP_HELLO_THREAD};
 use crate::session::{ReplicaId, Session, SlotState, Stopped, TaskId};
 use lockstep_core::events::Event;
 use lockstep_trace::{syscalls, Regs, FAST_GATE, SYS_LOCKSTEP_FAST};
@@ -71,11 +71,19 @@ impl Session {
             }
             false => format!("{} with digest {digest:016x}", crate::fast::call_name(nr)),
         };
-        let msg = format!(
-            "replica {r} diverged at task {task}: fast-path call #{seq} is {}; leader {leader} ran {}",
-            what(own_nr, own_digest, r),
-            what(lead_nr, lead_digest, leader)
-        );
+        let msg = if lead_nr == DIVERGED_STATE {
+            format!(
+                "replica {r}'s own fast-path state is corrupt: its wait for record #{seq} of task {task} ({}) gave an \
+                 answer that cannot be",
+                what(own_nr, own_digest, r)
+            )
+        } else {
+            format!(
+                "replica {r} diverged at task {task}: fast-path call #{seq} is {}; leader {leader} ran {}",
+                what(own_nr, own_digest, r),
+                what(lead_nr, lead_digest, leader)
+            )
+        };
         self.replica_failed(task, r, "divergence", msg)
     }
 
