@@ -379,14 +379,12 @@ impl Session {
         }
         // When the first vote found a divergence: masking time is measured from here.
         let mut detected: Option<Instant> = None;
-        let plan = plan::vote_plan(&members, &keys);
-        let unanimous = plan == [Command::Agree { masked: false }];
-        if !unanimous && self.dying_by_program_kill(task, &members) {
+        if vote(&keys) != Verdict::Unanimous && self.dying_by_program_kill(task, &members) {
             // A copy that the program's own SIGKILL is taking down may already be unreadable:
             // not a divergence. Its death is reported next, and the vote waits for all.
             return Ok(());
         }
-        for command in plan {
+        for command in plan::vote_plan(&members, &keys) {
             match command {
                 Command::Agree { masked } => {
                     if masked {
