@@ -2497,45 +2497,42 @@ static int native_sem_clockwait(sem_t *sem, const void *arg)
 }
 
 /* The interposed functions: the same code in every replica up to on_lane_stack. */
-int pthread_mutex_lock(pthread_mutex_t *m)
+#define CALLER __builtin_return_address(0) /* the program's call site, a record's digest */
+
+/* An operation on one object, on the lane's stack. */
+static int on_object(long (*body)(void *), void *obj, const void *site)
 {
-    struct sync_args p = {.obj = m, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(lock_body, &p);
+    struct sync_args p = {.obj = obj, .site = site};
+    return (int)on_lane_stack(body, &p);
 }
 
-int pthread_mutex_trylock(pthread_mutex_t *m)
-{
-    struct sync_args p = {.obj = m, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(trylock_body, &p);
-}
+int pthread_mutex_lock(pthread_mutex_t *m) { return on_object(lock_body, m, CALLER); }
 
-int pthread_mutex_unlock(pthread_mutex_t *m)
-{
-    struct sync_args p = {.obj = m, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(unlock_body, &p);
-}
+int pthread_mutex_trylock(pthread_mutex_t *m) { return on_object(trylock_body, m, CALLER); }
+
+int pthread_mutex_unlock(pthread_mutex_t *m) { return on_object(unlock_body, m, CALLER); }
 
 int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
 {
-    struct sync_args p = {.obj = c, .obj2 = m, .site = __builtin_return_address(0)};
+    struct sync_args p = {.obj = c, .obj2 = m, .site = CALLER};
     return (int)on_lane_stack(cond_wait_body, &p);
 }
 
 int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const struct timespec *abstime)
 {
-    struct sync_args p = {.obj = c, .obj2 = m, .arg = abstime, .site = __builtin_return_address(0)};
+    struct sync_args p = {.obj = c, .obj2 = m, .arg = abstime, .site = CALLER};
     return (int)on_lane_stack(cond_wait_body, &p);
 }
 
 int pthread_cond_signal(pthread_cond_t *c)
 {
-    struct sync_args p = {.obj = c, .slot = &lf_real_signal, .name = "pthread_cond_signal", .site = __builtin_return_address(0)};
+    struct sync_args p = {.obj = c, .slot = &lf_real_signal, .name = "pthread_cond_signal", .site = CALLER};
     return (int)on_lane_stack(wake_body, &p);
 }
 
 int pthread_cond_broadcast(pthread_cond_t *c)
 {
-    struct sync_args p = {.obj = c, .slot = &lf_real_broadcast, .name = "pthread_cond_broadcast", .site = __builtin_return_address(0)};
+    struct sync_args p = {.obj = c, .slot = &lf_real_broadcast, .name = "pthread_cond_broadcast", .site = CALLER};
     return (int)on_lane_stack(wake_body, &p);
 }
 
@@ -2546,7 +2543,6 @@ static int rw_call(pthread_rwlock_t *l, int write, int variant, clockid_t clock,
     return (int)on_lane_stack(write ? wrlock_body : rdlock_body, &p);
 }
 
-#define CALLER __builtin_return_address(0)
 int pthread_rwlock_rdlock(pthread_rwlock_t *l) { return rw_call(l, 0, RW_BLOCKING, 0, NULL, CALLER); }
 int pthread_rwlock_tryrdlock(pthread_rwlock_t *l) { return rw_call(l, 0, RW_TRY, 0, NULL, CALLER); }
 int pthread_rwlock_timedrdlock(pthread_rwlock_t *l, const struct timespec *t) { return rw_call(l, 0, RW_TIMED, 0, t, CALLER); }
@@ -2562,17 +2558,9 @@ int pthread_rwlock_clockwrlock(pthread_rwlock_t *l, clockid_t c, const struct ti
     return rw_call(l, 1, RW_CLOCK, c, t, CALLER);
 }
 
-int pthread_rwlock_unlock(pthread_rwlock_t *l)
-{
-    struct sync_args p = {.obj = l, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(rw_unlock_body, &p);
-}
+int pthread_rwlock_unlock(pthread_rwlock_t *l) { return on_object(rw_unlock_body, l, CALLER); }
 
-int pthread_barrier_wait(pthread_barrier_t *b)
-{
-    struct sync_args p = {.obj = b, .site = __builtin_return_address(0)};
-    return (int)on_lane_stack(barrier_body, &p);
-}
+int pthread_barrier_wait(pthread_barrier_t *b) { return on_object(barrier_body, b, CALLER); }
 
 static int sem_waits(sem_t *sem, int (*native)(sem_t *, const void *), const void *arg, const void *site)
 {
@@ -2580,18 +2568,18 @@ static int sem_waits(sem_t *sem, int (*native)(sem_t *, const void *), const voi
     return sem_result(on_lane_stack(sem_wait_body, &p));
 }
 
-int sem_wait(sem_t *sem) { return sem_waits(sem, native_sem_wait, NULL, __builtin_return_address(0)); }
-int sem_trywait(sem_t *sem) { return sem_waits(sem, native_sem_trywait, NULL, __builtin_return_address(0)); }
-int sem_timedwait(sem_t *sem, const struct timespec *abstime) { return sem_waits(sem, native_sem_timedwait, abstime, __builtin_return_address(0)); }
+int sem_wait(sem_t *sem) { return sem_waits(sem, native_sem_wait, NULL, CALLER); }
+int sem_trywait(sem_t *sem) { return sem_waits(sem, native_sem_trywait, NULL, CALLER); }
+int sem_timedwait(sem_t *sem, const struct timespec *abstime) { return sem_waits(sem, native_sem_timedwait, abstime, CALLER); }
 int sem_clockwait(sem_t *sem, clockid_t clock, const struct timespec *abstime)
 {
     struct clock_wait w = {clock, abstime};
-    return sem_waits(sem, native_sem_clockwait, &w, __builtin_return_address(0));
+    return sem_waits(sem, native_sem_clockwait, &w, CALLER);
 }
 
 int sem_post(sem_t *sem)
 {
-    struct sync_args p = {.obj = sem, .site = __builtin_return_address(0)};
+    struct sync_args p = {.obj = sem, .site = CALLER};
     return sem_result(on_lane_stack(sem_post_body, &p));
 }
 

@@ -581,8 +581,10 @@ impl Running {
         while self.is_running() {
             if Instant::now() >= deadline {
                 let ctx = self.partial_context();
+                // What every thread was doing, for a hang seen once on a loaded machine.
+                let state = lockstep_inject::hang::describe(self.pid as i32);
                 self.kill_everything();
-                panic!("timed out after {timeout:?}; killed it\n{ctx}");
+                panic!("timed out after {timeout:?}; killed it\n{ctx}\n--- threads at the deadline ---\n{state}");
             }
             self.pump(Duration::from_millis(20));
         }

@@ -199,6 +199,10 @@ pub struct Session {
     scratch: Vec<u8>,
     /// LOCKSTEP_DEBUG set: trace every stop on stderr.
     debug: bool,
+    /// LOCKSTEP_DUMP_AFTER=SECONDS: once the run has lasted that long, describe the
+    /// session's state on stderr and trace every stop from then on (a hang or livelock
+    /// that tracing from the start would hide by its slowness).
+    dump_after: Option<std::time::Duration>,
     /// Fault injection, when asked for (see `injection.rs`).
     hook: Option<Box<dyn crate::injection::FaultHook>>,
     /// The fast path's ring (`--backend fast`).
@@ -426,6 +430,10 @@ impl Session {
             reintegration_note_given: false,
             scratch: Vec::with_capacity(4096),
             debug: std::env::var_os("LOCKSTEP_DEBUG").is_some(),
+            dump_after: std::env::var("LOCKSTEP_DUMP_AFTER")
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+                .map(std::time::Duration::from_secs),
             hook: None,
             fast: None,
         };
@@ -481,6 +489,15 @@ impl Session {
         } else {
             self.root_death.is_none()
         } {
+            if self.dump_after.is_some_and(|after| self.started.elapsed() >= after) {
+                self.dump_after = None;
+                eprintln!(
+                    "lockstep: state after {:?}\n{}",
+                    self.started.elapsed(),
+                    self.describe_state()
+                );
+                self.debug = true; // and every stop from now on
+            }
             self.forward_received_signals()?;
             self.check_timeouts()?;
             self.check_ring_progress()?;
@@ -509,6 +526,42 @@ impl Session {
             handled?;
         }
         Ok(())
+    }
+
+    /// Every task's phase and slots, and its lane of the fast path's ring (LOCKSTEP_DUMP_AFTER).
+    fn describe_state(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        for (id, task) in self.tasks.iter().enumerate() {
+            if task.is_finished() {
+                continue;
+            }
+            let waited = task.waiting_since().map(|t| t.elapsed());
+            let _ = writeln!(out, "task {id}: {:?}, waiting for {waited:?}", task.phase());
+            for r in self.live_slots(id) {
+                let slot = self.slot(id, r);
+                let _ = writeln!(
+                    out,
+                    "  replica {r}: tid {}, {:?}, arrival {:?}",
+                    slot.tid(),
+                    slot.state(),
+                    slot.arrival()
+                );
+            }
+            let Some(fast) = self.fast.as_ref() else { continue };
+            let Some(lane) = fast.lane_of(id) else { continue };
+            for r in self.live_slots(id) {
+                let _ = writeln!(
+                    out,
+                    "  ring lane {lane}, replica {r}: published {:?}, consumed {:?}, awaiting {:?}, sleeping {}",
+                    fast.published(lane, r),
+                    fast.consumed(lane, r),
+                    fast.awaiting(lane, r),
+                    fast.sleeping(lane, r)
+                );
+            }
+        }
+        out
     }
 
     /// SIGKILLs every replica process and namespace, then reaps what is left.

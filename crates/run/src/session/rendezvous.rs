@@ -379,12 +379,14 @@ impl Session {
         }
         // When the first vote found a divergence: masking time is measured from here.
         let mut detected: Option<Instant> = None;
-        if vote(&keys) != Verdict::Unanimous && self.dying_by_program_kill(task, &members) {
+        let plan = plan::vote_plan(&members, &keys);
+        let unanimous = plan == [Command::Agree { masked: false }];
+        if !unanimous && self.dying_by_program_kill(task, &members) {
             // A copy that the program's own SIGKILL is taking down may already be unreadable:
             // not a divergence. Its death is reported next, and the vote waits for all.
             return Ok(());
         }
-        for command in plan::vote_plan(&members, &keys) {
+        for command in plan {
             match command {
                 Command::Agree { masked } => {
                     if masked {
@@ -480,7 +482,7 @@ impl Session {
                 self.carry_out(task, plan)
             }
             Arrival::Syscall { nr, args } => {
-                if self.tasks[task].signals.has_pending() {
+                if self.tasks[task].signals.deliver_before_call(nr, args) {
                     let sig = self.take_pending(task, 0);
                     return self.deliver_at_rendezvous(task, nr, args, sig);
                 }

@@ -86,11 +86,26 @@ pub struct TaskSignals {
     /// What the leader's own copy of each signal carried (sender, code, timer value,
     /// child status), for the copies lockstep raises in every replica.
     leader_siginfo: Vec<(i32, libc::siginfo_t)>,
+    /// The call the last handler ran before (`deliver_before`). Met again with a signal
+    /// pending, the call runs first: a timer that fires faster than its handler and a
+    /// rendezvous take together (a loaded machine) would otherwise rewind that call for
+    /// ever. Natively the kernel runs the call, then the handler.
+    rewound_for: Option<(u64, [u64; 6])>,
 }
 
 impl TaskSignals {
     pub fn has_pending(&self) -> bool {
         !self.pending.is_empty()
+    }
+
+    /// Whether a signal pending at call `nr` with `args` is delivered before it: not when
+    /// the last handler already ran before this very call (see `rewound_for`).
+    pub fn deliver_before_call(&mut self, nr: u64, args: [u64; 6]) -> bool {
+        if self.rewound_for == Some((nr, args)) {
+            self.rewound_for = None;
+            return false;
+        }
+        self.has_pending()
     }
 
     /// The oldest pending signal.
@@ -703,6 +718,11 @@ impl Session {
                 syscalls::name(nr)
             );
         }
+        let args = self.slot(task, self.replicas.leader()).arrival().and_then(|a| match a {
+            Arrival::Syscall { args, .. } => Some(args),
+            _ => None,
+        });
+        self.tasks[task].signals.rewound_for = args.map(|args| (nr, args));
         for r in self.live_slots(task) {
             let mut regs = self.slot(task, r).regs();
             ptrace::rewind_to_syscall(&mut regs, nr);
