@@ -44,6 +44,16 @@ pub enum Command {
     SetRegs(ReplicaId, Registers),
     /// Let the replica's thread go on, and the state its slot is in meanwhile.
     Resume(ReplicaId, Resume, SlotState),
+    /// Write what the leader's call returned in memory (the buffers it filled) into the
+    /// replica's own buffers for the same call.
+    CopyResults(ReplicaId),
+    /// Install the descriptors the leader's call created (or received) in the replica at
+    /// the same numbers, and make its call return `ret`.
+    InstallFds { replica: ReplicaId, ret: i64 },
+    /// Raise in the replica the signals the leader took at this call.
+    RaiseMirrored(ReplicaId),
+    /// The call is over: the task collects arrivals again.
+    Recollect,
 }
 
 /// A whole register set in a command, compared field by field.
@@ -162,6 +172,31 @@ pub fn answer_plan(stopped: &[(ReplicaId, Regs)], answer: Answer) -> Vec<Command
         plan.push(Command::SetRegs(*r, Registers(regs)));
         plan.push(Command::Resume(*r, Resume::Run, SlotState::Running));
     }
+    plan
+}
+
+/// The leader has run a call for everyone (an input, an output, a new descriptor) and it
+/// returned `ret`. Each follower waiting at the call (`waiting`, with the registers it
+/// stopped with) gets the leader's results in its memory and then either the leader's new
+/// descriptors (`new_fds`, which also end its call) or the leader's result in place of
+/// running the call; then the leader goes on. A follower never runs the call itself.
+pub fn completion_plan(leader: ReplicaId, waiting: &[(ReplicaId, Regs)], ret: i64, new_fds: bool) -> Vec<Command> {
+    let mut plan = Vec::with_capacity(waiting.len() * 4 + 2);
+    for (f, regs) in waiting {
+        assert_ne!(*f, leader, "the leader is not waiting for its own call");
+        plan.push(Command::CopyResults(*f));
+        if new_fds {
+            plan.push(Command::InstallFds { replica: *f, ret });
+            continue;
+        }
+        let mut regs = *regs;
+        lockstep_trace::ptrace::skip_with_result(&mut regs, ret);
+        plan.push(Command::SetRegs(*f, Registers(regs)));
+        plan.push(Command::RaiseMirrored(*f));
+        plan.push(Command::Resume(*f, Resume::Run, SlotState::Running));
+    }
+    plan.push(Command::Recollect);
+    plan.push(Command::Resume(leader, Resume::Run, SlotState::Running));
     plan
 }
 
@@ -301,6 +336,62 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(plan[1], Resume(1, crate::backend::Resume::Run, SlotState::Running));
+    }
+
+    fn stopped_at(rip: u64) -> Regs {
+        // SAFETY: user_regs_struct is plain integers; all zero is a valid value.
+        let mut r: Regs = unsafe { std::mem::zeroed() };
+        (r.rip, r.orig_rax, r.rax) = (rip, 0, (-libc::ENOSYS) as u64);
+        r
+    }
+
+    #[test]
+    fn followers_get_the_leaders_results_and_result_and_never_run_the_call() {
+        let plan = completion_plan(0, &[(1, stopped_at(0x10)), (2, stopped_at(0x10))], 42, false);
+        for f in [1, 2] {
+            let at = plan.iter().position(|c| *c == CopyResults(f)).expect("results copied");
+            match &plan[at + 1] {
+                SetRegs(r, Registers(regs)) => {
+                    assert_eq!(*r, f);
+                    assert_eq!(
+                        (regs.rax, regs.orig_rax, regs.rip),
+                        (42, u64::MAX, 0x10),
+                        "skipped, with the result"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(plan[at + 2], RaiseMirrored(f));
+            assert_eq!(plan[at + 3], Resume(f, crate::backend::Resume::Run, SlotState::Running));
+        }
+        // Nothing lets a follower execute the call: no resume to the call's exit.
+        assert!(!plan
+            .iter()
+            .any(|c| matches!(c, Resume(_, crate::backend::Resume::ToExit, _))));
+        assert_eq!(
+            plan[plan.len() - 2..],
+            [Recollect, Resume(0, crate::backend::Resume::Run, SlotState::Running)]
+        );
+    }
+
+    #[test]
+    fn new_descriptors_are_installed_in_each_follower_with_the_leaders_result() {
+        let plan = completion_plan(1, &[(0, stopped_at(0x10))], 5, true);
+        assert_eq!(
+            plan,
+            vec![
+                CopyResults(0),
+                InstallFds { replica: 0, ret: 5 },
+                Recollect,
+                Resume(1, crate::backend::Resume::Run, SlotState::Running),
+            ]
+        );
+        // A follower that was not waiting at the call (already gone, or at another input
+        // under `--compare io`) gets nothing.
+        assert_eq!(
+            completion_plan(1, &[], -11, false),
+            vec![Recollect, Resume(1, crate::backend::Resume::Run, SlotState::Running)]
+        );
     }
 
     #[test]

@@ -559,6 +559,12 @@ impl Session {
                 Command::VoteOut(_) | Command::Halt | Command::Agree { .. } => {
                     unreachable!("votes are carried out in decide: {command:?}")
                 }
+                Command::CopyResults(_)
+                | Command::InstallFds { .. }
+                | Command::RaiseMirrored(_)
+                | Command::Recollect => {
+                    unreachable!("a call's completion is carried out in carry_out_completion: {command:?}")
+                }
             }
         }
         Ok(())
@@ -796,9 +802,9 @@ impl Session {
                 }
             }
         }
-        // Followers that died on their way to a descriptor install (killed by the program
-        // itself, say): judged once the call is over.
-        let mut died = Vec::new();
+        // The followers parked at this very call (under `--compare io`, one at an earlier
+        // input takes this one from the queue later).
+        let mut waiting = Vec::new();
         for f in self.live_slots(task) {
             if f == leader || self.slot(task, f).state() != SlotState::Arrived {
                 continue;
@@ -811,27 +817,18 @@ impl Session {
                 }
                 self.slot_mut(task, f).consumed_input(index);
             }
-            let ftid = self.slot(task, f).tid();
-            let fargs = ptrace::syscall_args(&self.slot(task, f).regs());
-            if data::apply_outputs(&self.be, ftid, desc, &fargs, ret, &outputs) > 0 {
-                self.emit(Event::new("run", "copy", "continue").replica(f).message(format!(
-                    "could not copy {}'s results into replica {f} (its buffers differ); the next vote decides",
-                    desc.name
-                )));
-            }
-            self.stats.bytes_copied += outputs.bytes();
-            if fds.is_empty() {
-                let mut regs = self.slot(task, f).regs();
-                ptrace::skip_with_result(&mut regs, ret);
-                let _ = self.be.set_regs(ftid, &regs);
-                self.raise_mirrored(task, f);
-                self.resume(task, f, Resume::Run, SlotState::Running);
-            } else {
-                if let Some(death) = self.install_fds(task, f, ltgid, &fds, ret)? {
-                    died.push((f, death));
-                }
-            }
+            waiting.push((f, self.slot(task, f).regs()));
         }
+        let plan = plan::completion_plan(leader, &waiting, ret, !fds.is_empty());
+        let call = LeaderCall {
+            desc,
+            outputs: &outputs,
+            fds: &fds,
+            leader_tgid: ltgid,
+            ret,
+        };
+        let died = self.carry_out_completion(task, plan, &call)?;
+        self.tasks[task].signals.take_mirror();
         if io_input {
             self.slot_mut(task, leader).consumed_input(index);
             let behind = self
@@ -846,13 +843,46 @@ impl Session {
             });
             self.tasks[task].inputs.produce(record);
         }
-        self.tasks[task].recollect();
-        self.tasks[task].signals.take_mirror();
-        self.resume(task, leader, Resume::Run, SlotState::Running);
         for (f, death) in died {
             self.on_death(task, f, death)?;
         }
         Ok(())
+    }
+
+    /// Carries out a completion plan (`plan::completion_plan`) for the leader's `call`.
+    /// Returns the followers that died on their way to a descriptor install (killed by the
+    /// program itself, say): they are judged once the call is over.
+    fn carry_out_completion(
+        &mut self,
+        task: TaskId,
+        plan: Vec<Command>,
+        call: &LeaderCall,
+    ) -> Result<Vec<(ReplicaId, Death)>, Stopped> {
+        let mut died = Vec::new();
+        for command in plan {
+            match command {
+                Command::CopyResults(f) => {
+                    let ftid = self.slot(task, f).tid();
+                    let fargs = ptrace::syscall_args(&self.slot(task, f).regs());
+                    if data::apply_outputs(&self.be, ftid, call.desc, &fargs, call.ret, call.outputs) > 0 {
+                        self.emit(Event::new("run", "copy", "continue").replica(f).message(format!(
+                            "could not copy {}'s results into replica {f} (its buffers differ); the next vote decides",
+                            call.desc.name
+                        )));
+                    }
+                    self.stats.bytes_copied += call.outputs.bytes();
+                }
+                Command::InstallFds { replica, ret } => {
+                    if let Some(death) = self.install_fds(task, replica, call.leader_tgid, call.fds, ret)? {
+                        died.push((replica, death));
+                    }
+                }
+                Command::RaiseMirrored(f) => self.raise_mirrored(task, f),
+                Command::Recollect => self.tasks[task].recollect(),
+                other => self.carry_out(task, vec![other])?,
+            }
+        }
+        Ok(died)
     }
 
     /// Waits for follower `ftid`'s descriptor-install notification; `how` is how the
@@ -1484,6 +1514,16 @@ impl Session {
 }
 
 /// Whether a call is an externally visible output, voted on in every compare mode.
+/// What the leader's call left for the followers: its results in memory, the descriptors
+/// it created or received, and its return value.
+struct LeaderCall<'a> {
+    desc: &'a Desc,
+    outputs: &'a data::Outputs,
+    fds: &'a [i32],
+    leader_tgid: Tid,
+    ret: i64,
+}
+
 fn is_output(nr: u64, desc: Option<&Desc>, args: &[u64; 6]) -> bool {
     is_nr(nr, libc::SYS_exit_group)
         || desc
