@@ -73,6 +73,32 @@ fn an_internal_failure_names_its_syscall() {
     assert_eq!(internal[0]["object"], "recvmsg");
 }
 
+/// LOCKSTEP_DUMP_AFTER describes a run that seems stuck: once it has lasted that long, the
+/// monitor prints each task's phase and what each replica arrived with (here the sleep the
+/// leader runs for everyone), and the run itself goes on undisturbed.
+#[test]
+fn a_state_dump_names_the_call_a_long_run_waits_in() {
+    let mut cmd = lockstep_run(&["-r", "2"], &["sh", "-c", "sleep 2; echo done"]);
+    cmd.env("LOCKSTEP_DUMP_AFTER", "1");
+    let out = run(cmd);
+    out.assert_code(0);
+    assert_eq!(out.stdout_str(), "done\n", "{}", out.context());
+    let dump = out
+        .stderr
+        .split("lockstep: state after")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no dump: {}", out.context()));
+    let nanosleep = format!("nr: {}", libc::SYS_clock_nanosleep);
+    let sleeping = dump
+        .lines()
+        .take_while(|l| !l.is_empty())
+        .any(|l| l.starts_with("task ") && l.contains("Leader") && l.contains(&nanosleep));
+    assert!(sleeping, "the dump names the sleep: {}", out.context());
+    for r in 0..2 {
+        assert!(dump.contains(&format!("  replica {r}: tid ")), "{}", out.context());
+    }
+}
+
 #[test]
 fn lockstep_trace_is_a_noop_natively() {
     let prog = fixture("trace_native");

@@ -54,6 +54,8 @@ pub enum Command {
     RaiseMirrored(ReplicaId),
     /// The call is over: the task collects arrivals again.
     Recollect,
+    /// Fold a call's result into the replica's output signature.
+    FoldResult(ReplicaId, i64),
 }
 
 /// A whole register set in a command, compared field by field.
@@ -197,6 +199,56 @@ pub fn completion_plan(leader: ReplicaId, waiting: &[(ReplicaId, Regs)], ret: i6
     }
     plan.push(Command::Recollect);
     plan.push(Command::Resume(leader, Resume::Run, SlotState::Running));
+    plan
+}
+
+/// A call that every replica ran for itself (a per-process effect, or a `wait4` the
+/// followers repeated after the leader) has returned in each. `ended` holds each live
+/// replica with the registers it stopped with at the call's exit and the result the
+/// program must see (its own, with pids made logical). When `copy_leaders_results`, the
+/// followers first get the leader's buffers (what legitimately differs, such as rusage or
+/// siginfo times, is the leader's, as for an input). Each replica's result register is
+/// set to the logical result and, when `fold`, folded into its signature; then the results
+/// are voted on. The replicas the vote keeps take the mirrored signals (the followers) and
+/// go on; a halt ends the plan.
+pub fn all_done_plan(
+    leader: ReplicaId,
+    ended: &[(ReplicaId, Regs, i64)],
+    copy_leaders_results: bool,
+    fold: bool,
+) -> Vec<Command> {
+    let mut plan = Vec::with_capacity(ended.len() * 5 + 2);
+    for &(r, regs, result) in ended {
+        if copy_leaders_results && r != leader {
+            plan.push(Command::CopyResults(r));
+        }
+        if regs.rax as i64 != result {
+            let mut regs = regs;
+            regs.rax = result as u64;
+            plan.push(Command::SetRegs(r, Registers(regs)));
+        }
+        if fold {
+            plan.push(Command::FoldResult(r, result));
+        }
+    }
+    let members: Vec<ReplicaId> = ended.iter().map(|e| e.0).collect();
+    let results: Vec<i64> = ended.iter().map(|e| e.2).collect();
+    let vote = vote_plan(&members, &results);
+    if vote.last() == Some(&Command::Halt) {
+        plan.extend(vote);
+        return plan;
+    }
+    let survivors: Vec<ReplicaId> = members
+        .into_iter()
+        .filter(|r| !vote.contains(&Command::VoteOut(*r)))
+        .collect();
+    plan.extend(vote);
+    for &r in &survivors {
+        if r != leader {
+            plan.push(Command::RaiseMirrored(r));
+        }
+        plan.push(Command::Resume(r, Resume::Run, SlotState::Running));
+    }
     plan
 }
 
@@ -392,6 +444,71 @@ mod tests {
             completion_plan(1, &[], -11, false),
             vec![Recollect, Resume(1, crate::backend::Resume::Run, SlotState::Running)]
         );
+    }
+
+    fn returned(rax: i64) -> Regs {
+        let mut r = stopped_at(0x20);
+        r.rax = rax as u64;
+        r
+    }
+
+    #[test]
+    fn a_call_every_replica_ran_ends_with_the_logical_result_and_a_vote() {
+        // A fork: each replica's kernel returned its own child pid; the program sees the
+        // leader's. wait4's buffers come from the leader.
+        let plan = all_done_plan(
+            0,
+            &[
+                (0, returned(700), 700),
+                (1, returned(812), 700),
+                (2, returned(913), 700),
+            ],
+            true,
+            true,
+        );
+        let set = |r, v| SetRegs(r, Registers(returned(v)));
+        assert_eq!(
+            plan,
+            vec![
+                FoldResult(0, 700),
+                CopyResults(1),
+                set(1, 700),
+                FoldResult(1, 700),
+                CopyResults(2),
+                set(2, 700),
+                FoldResult(2, 700),
+                Agree { masked: false },
+                Resume(0, crate::backend::Resume::Run, SlotState::Running),
+                RaiseMirrored(1),
+                Resume(1, crate::backend::Resume::Run, SlotState::Running),
+                RaiseMirrored(2),
+                Resume(2, crate::backend::Resume::Run, SlotState::Running),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_different_result_of_a_call_everyone_ran_is_voted_out_or_halts() {
+        // umask in TMR: replica 1 got another result; it is voted out and never resumed.
+        let plan = all_done_plan(
+            0,
+            &[(0, returned(18), 18), (1, returned(63), 63), (2, returned(18), 18)],
+            false,
+            false,
+        );
+        assert_eq!(
+            plan,
+            vec![
+                VoteOut(1),
+                Agree { masked: true },
+                Resume(0, crate::backend::Resume::Run, SlotState::Running),
+                RaiseMirrored(2),
+                Resume(2, crate::backend::Resume::Run, SlotState::Running),
+            ]
+        );
+        // In DMR the same difference halts, and nobody goes on.
+        let plan = all_done_plan(0, &[(0, returned(18), 18), (1, returned(63), 63)], false, false);
+        assert_eq!(plan, vec![Halt]);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::session::{
     describe_death, Arrival, Death, InputRecord, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId,
 };
 use crate::Error;
-use lockstep_core::{vote, Event, Verdict};
+use lockstep_core::Event;
 use lockstep_trace::syscalls::{self, Class, Desc, NewFds};
 use lockstep_trace::{ptrace, Tid, SYS_LOCKSTEP_INSTALL, SYS_LOCKSTEP_TRACE};
 use std::time::Instant;
@@ -562,7 +562,8 @@ impl Session {
                 Command::CopyResults(_)
                 | Command::InstallFds { .. }
                 | Command::RaiseMirrored(_)
-                | Command::Recollect => {
+                | Command::Recollect
+                | Command::FoldResult(..) => {
                     unreachable!("a call's completion is carried out in carry_out_completion: {command:?}")
                 }
             }
@@ -1178,24 +1179,20 @@ impl Session {
             )),
             _ => None,
         };
-        for (i, &r) in live.iter().enumerate() {
-            let tid = self.slot(task, r).tid();
-            if r != leader {
-                if let (Some(o), Some(d)) = (&outputs, desc) {
-                    let own = ptrace::syscall_args(&self.slot(task, r).regs());
-                    data::apply_outputs(&self.be, tid, d, &own, lead_ret, o);
-                }
-            }
-            if let Ok(mut regs) = self.be.regs(tid) {
-                if regs.rax as i64 != results[i] {
-                    regs.rax = results[i] as u64;
-                    let _ = self.be.set_regs(tid, &regs);
-                }
-            }
-            if self.opts.compare != CompareMode::Io {
-                self.slot_mut(task, r).fold_u64(results[i] as u64);
-            }
-        }
+        // Registers at the call's exit, as the kernel left them. A replica whose registers
+        // cannot be read is failing (the backend records it); its result is left alone.
+        let ended: Vec<(ReplicaId, lockstep_trace::Regs, i64)> = live
+            .iter()
+            .zip(&results)
+            .map(|(&r, &result)| {
+                let regs = self.be.regs(self.slot(task, r).tid()).unwrap_or_else(|_| {
+                    let mut regs = self.slot(task, r).regs();
+                    regs.rax = result as u64;
+                    regs
+                });
+                (r, regs, result)
+            })
+            .collect();
         let succeeded_exec = (is_nr(nr, libc::SYS_execve) || is_nr(nr, libc::SYS_execveat)) && lead_ret == 0;
         if is_nr(nr, libc::SYS_munmap) && lead_ret == 0 {
             self.forget_unmapped(task, &args);
@@ -1205,45 +1202,48 @@ impl Session {
         }
         self.tasks[task].end();
         self.tasks[task].signals.clear_kick();
-        // Vote on the results: the call ran in every replica.
-        let mut members = live;
-        loop {
-            let verdict = vote(&results);
-            if verdict == Verdict::Unanimous {
-                break;
+        let fold = self.opts.compare != CompareMode::Io;
+        let plan = plan::all_done_plan(leader, &ended, outputs.is_some(), fold);
+        // The vote's members and results as it goes, for the divergence's description.
+        let (mut members, mut results): (Vec<ReplicaId>, Vec<i64>) = ended.iter().map(|e| (e.0, e.2)).unzip();
+        for command in plan {
+            match command {
+                Command::CopyResults(f) => {
+                    if let (Some(o), Some(d)) = (&outputs, desc) {
+                        let own = ptrace::syscall_args(&self.slot(task, f).regs());
+                        data::apply_outputs(&self.be, self.slot(task, f).tid(), d, &own, lead_ret, o);
+                    }
+                }
+                Command::FoldResult(r, v) => self.slot_mut(task, r).fold_u64(v as u64),
+                Command::RaiseMirrored(f) => self.raise_mirrored(task, f),
+                Command::Agree { .. } => {}
+                Command::VoteOut(r) => {
+                    self.stats.divergences += 1;
+                    let values = describe_results(&members, &results, &name);
+                    self.emit(
+                        Event::new("run", "divergence", "vote")
+                            .replica(r)
+                            .object(format!("task {task}"))
+                            .values(values)
+                            .message(format!("replica {r} got a different result from {name}")),
+                    );
+                    self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
+                    let i = members.iter().position(|&m| m == r).expect("a member is voted out");
+                    members.remove(i);
+                    results.remove(i);
+                }
+                Command::Halt => {
+                    self.stats.divergences += 1;
+                    let values = describe_results(&members, &results, &name);
+                    self.emit(
+                        Event::new("run", "divergence", "halt")
+                            .values(values.clone())
+                            .message(format!("results of {name} differ: {}", values.join(" / "))),
+                    );
+                    return Err(self.halt("no majority agrees on the result".into()));
+                }
+                other => self.carry_out(task, vec![other])?,
             }
-            self.stats.divergences += 1;
-            let values: Vec<String> = members
-                .iter()
-                .zip(&results)
-                .map(|(m, v)| format!("replica {m}: {name} = {v}"))
-                .collect();
-            if let Verdict::Faulty(i) = verdict {
-                let r = members[i];
-                self.emit(
-                    Event::new("run", "divergence", "vote")
-                        .replica(r)
-                        .object(format!("task {task}"))
-                        .values(values)
-                        .message(format!("replica {r} got a different result from {name}")),
-                );
-                self.vote_out(r, format!("majority agrees that replica {r} is faulty"))?;
-                members.remove(i);
-                results.remove(i);
-            } else {
-                self.emit(
-                    Event::new("run", "divergence", "halt")
-                        .values(values.clone())
-                        .message(format!("results of {name} differ: {}", values.join(" / "))),
-                );
-                return Err(self.halt("no majority agrees on the result".into()));
-            }
-        }
-        for r in members {
-            if r != leader {
-                self.raise_mirrored(task, r);
-            }
-            self.resume(task, r, Resume::Run, SlotState::Running);
         }
         self.tasks[task].signals.take_mirror();
         Ok(())
@@ -1522,6 +1522,15 @@ struct LeaderCall<'a> {
     fds: &'a [i32],
     leader_tgid: Tid,
     ret: i64,
+}
+
+/// One line per vote member: `replica R: NAME = RESULT`.
+fn describe_results(members: &[ReplicaId], results: &[i64], name: &str) -> Vec<String> {
+    members
+        .iter()
+        .zip(results)
+        .map(|(m, v)| format!("replica {m}: {name} = {v}"))
+        .collect()
 }
 
 fn is_output(nr: u64, desc: Option<&Desc>, args: &[u64; 6]) -> bool {

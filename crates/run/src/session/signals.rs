@@ -582,7 +582,7 @@ impl Session {
             Some(Class::Input | Class::Output | Class::FdCreate | Class::AllAfterLeader)
         );
         if !leader_runs {
-            self.deliver_before(task, nr, sig);
+            self.deliver_before(task, nr, args, sig);
             return Ok(());
         }
         self.stats.signals_delivered += 1;
@@ -709,7 +709,7 @@ impl Session {
 
     /// Delivers `sig` to every replica just before the syscall they are stopped at: the
     /// call is skipped and rewound, so it runs again once the handler returns.
-    fn deliver_before(&mut self, task: TaskId, nr: u64, sig: i32) {
+    fn deliver_before(&mut self, task: TaskId, nr: u64, args: [u64; 6], sig: i32) {
         self.stats.signals_delivered += 1;
         self.tasks[task].signals.kicked = false;
         if self.debug {
@@ -718,11 +718,7 @@ impl Session {
                 syscalls::name(nr)
             );
         }
-        let args = self.slot(task, self.replicas.leader()).arrival().and_then(|a| match a {
-            Arrival::Syscall { args, .. } => Some(args),
-            _ => None,
-        });
-        self.tasks[task].signals.rewound_for = args.map(|args| (nr, args));
+        self.tasks[task].signals.rewound_for = Some((nr, args));
         for r in self.live_slots(task) {
             let mut regs = self.slot(task, r).regs();
             ptrace::rewind_to_syscall(&mut regs, nr);
