@@ -349,7 +349,10 @@ fn time_points_in_a_server_record_their_syscall_and_replay_there() {
     .assert_code(0);
     let recs = campaign_records(&dir);
     let activated: Vec<&serde_json::Value> = recs.iter().filter(|r| r["applied"].is_object()).collect();
-    assert!(activated.len() >= 20, "{} of 40 activated", activated.len());
+    // What is tested here is the record and its replay; how many points activate is
+    // `time_points_activate_in_a_short_program`'s matter. Alone about 30 of 40 activate;
+    // a fresh-clone CI run beside other tests once had 17.
+    assert!(activated.len() >= 8, "{} of 40 activated", activated.len());
     let mut counts: Vec<u64> = Vec::new();
     for r in &activated {
         // 0: before the first syscall after the exec (`--at syscall:0` is the exec's return).

@@ -124,6 +124,26 @@ struct OrderHead {
     sleepers: u32,
     /// As a follower: records its threads took out of turn.
     skipped: u64,
+    pad1: [u64; 5],
+}
+
+/// One place of the leader's order; same fields as `struct lf_order_entry`. The entries
+/// follow the order's head.
+#[repr(C)]
+struct OrderEntry {
+    /// The place's index + 1 once written.
+    index: u64,
+    /// lane << `ORDER_LANE_SHIFT` | the lane's record.
+    what: u64,
+}
+const ORDER_LANE_SHIFT: u32 = 56;
+
+/// A place in the leader's order of events: which lane's record took it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OrderPlace {
+    pub index: u64,
+    pub lane: Lane,
+    pub seq: u64,
 }
 
 /// A lane's signal mailbox in the header page; same fields as `struct lf_mailbox`.
@@ -495,6 +515,49 @@ impl Ring {
         unsafe { &*self.base.add(offset as usize).cast::<OrderHead>() }
     }
 
+    /// The latest places of the leader's order, newest first: at most `depth`, and only
+    /// those the order still holds.
+    pub fn recent_order(&self, depth: usize) -> Vec<OrderPlace> {
+        let leader = self.leader();
+        let head = self.order(leader);
+        let claimed = self.word64(&head.claimed).load(Ordering::Acquire);
+        let entries = (head as *const OrderHead).cast::<u8>().wrapping_add(std::mem::size_of::<OrderHead>());
+        let depth = depth.min(layout::ORDER_SLOTS as usize) as u64;
+        let mut places = Vec::with_capacity(depth as usize);
+        for index in (claimed.saturating_sub(depth)..claimed).rev() {
+            let at = (index % layout::ORDER_SLOTS) as usize * std::mem::size_of::<OrderEntry>();
+            // SAFETY: entry `index % ORDER_SLOTS` of the leader's order area, inside the
+            // mapping (`order` checked the area's bounds; the shim asserts its size).
+            let entry = unsafe { &*entries.add(at).cast::<OrderEntry>() };
+            let what = self.word64(&entry.what).load(Ordering::Acquire);
+            // A place claimed but not yet written, or already overwritten, is left out.
+            if self.word64(&entry.index).load(Ordering::Acquire) != index + 1 {
+                continue;
+            }
+            let lane = (what >> ORDER_LANE_SHIFT) as Lane;
+            if lane < LANES {
+                places.push(OrderPlace {
+                    index,
+                    lane,
+                    seq: what & ((1 << ORDER_LANE_SHIFT) - 1),
+                });
+            }
+        }
+        places
+    }
+
+    /// What leader `r`'s record `seq` of `lane` calls: (number, digest), while the record
+    /// is still in its region.
+    pub fn record_call(&self, lane: Lane, r: u32, seq: u64) -> Option<(u64, u64)> {
+        let region = self.region(lane, r) as *const RegionHead as *const u8;
+        let offset = layout::REGION_HEAD + (seq % layout::SLOTS) * RECORD_SIZE;
+        // SAFETY: a record inside the region (SLOTS records follow its head).
+        let head = unsafe { &*region.add(offset as usize).cast::<RecordHead>() };
+        let nr = self.word32(&head.nr).load(Ordering::Acquire) as u64;
+        let digest = self.word64(&head.digest).load(Ordering::Acquire);
+        (self.word64(&head.seq).load(Ordering::Acquire) == seq).then_some((nr, digest))
+    }
+
     /// (places of the leader's order taken, records followers took out of turn).
     pub fn order_counts(&self) -> (u64, u64) {
         let leader = self.leader();
@@ -809,6 +872,17 @@ impl FastPath {
             .iter()
             .flat_map(|ring| (0..LANES).map(move |lane| ring.fast_calls(lane, ring.leader())))
             .sum()
+    }
+
+    /// The latest places of the current ring's order (see [`Ring::recent_order`]).
+    pub fn recent_order(&self, depth: usize) -> Vec<OrderPlace> {
+        self.ring().recent_order(depth)
+    }
+
+    /// What the current leader's record `seq` of `lane` calls, while it is in the ring.
+    pub fn leader_record_call(&self, lane: Lane, seq: u64) -> Option<(u64, u64)> {
+        let ring = self.ring();
+        ring.record_call(lane, ring.leader(), seq)
     }
 
     /// Places of the leaders' orders and records taken out of turn, over every epoch so far.
