@@ -146,4 +146,19 @@ fn a_data_race_is_still_a_divergence_named_by_its_calls() {
     out.assert_code(86);
     assert!(out.stderr.contains("[divergence]"), "{}", out.context());
     assert!(out.stderr.contains("ticket"), "{}", out.context());
+    // The message names the threads of the race: the worker whose line differs, and main
+    // (task 0), which set the flag after its last event in the order.
+    let hint = out
+        .stderr
+        .split("each thread's latest event in the leader's order: ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no thread named: {}", out.context()));
+    let this_one = hint.split(" (this one)").next().unwrap_or_default();
+    assert!(
+        this_one.starts_with("task ") && this_one != "task 0",
+        "{}",
+        out.context()
+    );
+    assert!(hint.contains("; task 0: "), "{}", out.context());
+    assert!(hint.contains("a data race between"), "{}", out.context());
 }

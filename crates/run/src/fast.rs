@@ -521,7 +521,9 @@ impl Ring {
         let leader = self.leader();
         let head = self.order(leader);
         let claimed = self.word64(&head.claimed).load(Ordering::Acquire);
-        let entries = (head as *const OrderHead).cast::<u8>().wrapping_add(std::mem::size_of::<OrderHead>());
+        let entries = (head as *const OrderHead)
+            .cast::<u8>()
+            .wrapping_add(std::mem::size_of::<OrderHead>());
         let depth = depth.min(layout::ORDER_SLOTS as usize) as u64;
         let mut places = Vec::with_capacity(depth as usize);
         for index in (claimed.saturating_sub(depth)..claimed).rev() {

@@ -56,20 +56,18 @@ impl Session {
             );
             return Err(self.halt(format!("{what}; no replica can be given that call's result")));
         }
-        // A synchronisation operation's digest is where the program called it.
-        let what = |nr: u64, digest: u64, replica: ReplicaId| match crate::fast::is_sync(nr) {
-            true => {
-                let maps = self
+        let what = |nr: u64, digest: u64, replica: ReplicaId| {
+            let maps = match crate::fast::is_sync(nr) {
+                true => self
                     .be
                     .proc_read(self.slot(task, replica).tgid(), "maps")
-                    .unwrap_or_default();
-                format!(
-                    "{} called from {}",
-                    crate::fast::call_name(nr),
-                    crate::fast::code_location(&maps, digest)
-                )
+                    .unwrap_or_default(),
+                false => String::new(),
+            };
+            match crate::fast::is_sync(nr) {
+                true => record_text(nr, digest, &maps),
+                false => format!("{} with digest {digest:016x}", crate::fast::call_name(nr)),
             }
-            false => format!("{} with digest {digest:016x}", crate::fast::call_name(nr)),
         };
         let msg = if lead_nr == DIVERGED_STATE {
             format!(
@@ -79,12 +77,73 @@ impl Session {
             )
         } else {
             format!(
-                "replica {r} diverged at task {task}: fast-path call #{seq} is {}; leader {leader} ran {}",
+                "replica {r} diverged at task {task}: fast-path call #{seq} is {}; leader {leader} ran {}{}",
                 what(own_nr, own_digest, r),
-                what(lead_nr, lead_digest, leader)
+                what(lead_nr, lead_digest, leader),
+                self.race_hint(task)
             )
         };
         self.replica_failed(task, r, "divergence", msg)
+    }
+
+    /// For a divergence at `task` in a program whose threads take places in the leader's
+    /// order: each thread's latest place there, the task's own first, named by its call
+    /// (and call site). A data race, the one cause of a divergence without a fault that the
+    /// order cannot remove, is between the task and one of the others, through memory
+    /// that they touched after those events. Empty when no other thread has a place.
+    pub(super) fn race_hint(&self, task: TaskId) -> String {
+        /// How many other threads the hint names.
+        const THREADS: usize = 4;
+        let Some(fast) = self.fast.as_ref() else {
+            return String::new();
+        };
+        let Some(lane) = fast.lane_of(task) else {
+            return String::new();
+        };
+        let recent = fast.recent_order(usize::MAX);
+        // Each lane once, by its latest place (newest first), the task's own lane first.
+        let mut latest: Vec<&crate::fast::OrderPlace> = Vec::new();
+        for p in &recent {
+            if !latest.iter().any(|q| q.lane == p.lane) {
+                latest.push(p);
+            }
+        }
+        latest.sort_by_key(|p| p.lane != lane);
+        let others = latest.iter().filter(|p| p.lane != lane).count();
+        if others == 0 {
+            return String::new();
+        }
+        let maps = self
+            .be
+            .proc_read(self.slot(task, self.replicas.leader()).tgid(), "maps")
+            .unwrap_or_default();
+        let named: Vec<String> = latest
+            .iter()
+            .take(THREADS + 1)
+            .map(|p| {
+                let who = match fast.task_of(p.lane) {
+                    Some(t) if t == task => format!("task {t} (this one)"),
+                    Some(t) => format!("task {t}"),
+                    None => format!("lane {}", p.lane),
+                };
+                let call = fast
+                    .leader_record_call(p.lane, p.seq)
+                    .map_or("a call no longer in the ring".to_string(), |(nr, digest)| {
+                        record_text(nr, digest, &maps)
+                    });
+                format!("{who}: {call} (#{})", p.index)
+            })
+            .collect();
+        let more = match others.saturating_sub(THREADS) {
+            0 => String::new(),
+            n => format!(" and {n} more threads"),
+        };
+        format!(
+            "; each thread's latest event in the leader's order: {}{more}. Without a fault, a data race between \
+             task {task} and another thread, through memory that they touch after these events, would explain the \
+             difference (docs/run.md, \"The leader's order\")",
+            named.join("; ")
+        )
     }
 
     /// The shim's hello: each replica gets its number in the ring (its region) and the
@@ -915,6 +974,19 @@ const SIGNAL_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20
 
 fn in_fast_gate_restart(regs: &Regs) -> bool {
     regs.rip == FAST_GATE + 2 && lockstep_trace::ptrace::is_restart(regs.rax as i64)
+}
+
+/// A record's call as a divergence names it: a synchronisation operation with its call
+/// site (its digest is where the program called it, located through `maps`), or a syscall.
+fn record_text(nr: u64, digest: u64, maps: &str) -> String {
+    match crate::fast::is_sync(nr) {
+        true => format!(
+            "{} called from {}",
+            crate::fast::call_name(nr),
+            crate::fast::code_location(maps, digest)
+        ),
+        false => crate::fast::call_name(nr),
+    }
 }
 
 #[cfg(test)]

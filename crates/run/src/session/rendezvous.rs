@@ -354,8 +354,12 @@ impl Session {
             let faulty = &pending.seen[pending.faulty];
             let diff = self.first_difference(faulty, &pending.seen[other]);
             let message = format!(
-                "replica {} diverged at task {}: {}; the majority has {}{diff}",
-                faulty.replica, pending.task, texts[pending.faulty], texts[other]
+                "replica {} diverged at task {}: {}; the majority has {}{diff}{}",
+                faulty.replica,
+                pending.task,
+                texts[pending.faulty],
+                texts[other],
+                self.race_hint(pending.task)
             );
             self.report.amend(pending.event, |event| {
                 event.values = values;
@@ -433,8 +437,9 @@ impl Session {
                             .object(format!("task {task}"))
                             .values(values.clone())
                             .message(format!(
-                                "replicas disagree at task {task}: {}{diff}",
-                                values.join(" / ")
+                                "replicas disagree at task {task}: {}{diff}{}",
+                                values.join(" / "),
+                                self.race_hint(task)
                             )),
                     );
                     return Err(self.halt("no majority agrees on the faulty replica".into()));
