@@ -21,7 +21,7 @@ use std::process::Command;
 
 /// Numbers of the shared layout: (name, value, what it is). Changing one changes both sides.
 const LAYOUT: &[(&str, u64, &str)] = &[
-    ("VERSION", 5, "layout version, checked by the hello call"),
+    ("VERSION", 6, "layout version, checked by the hello call"),
     ("MAX_REPLICAS", 3, "regions in the ring file"),
     (
         "LANES",
@@ -62,9 +62,14 @@ const LAYOUT: &[(&str, u64, &str)] = &[
         "indices of the leader's order of events a follower may be behind",
     ),
     (
+        "OBJECTS",
+        8192,
+        "synchronisation objects (mutexes, semaphores, ...) with an order of their own",
+    ),
+    (
         "ORDER_SIZE",
-        28672,
-        "bytes of one replica's order area (head, entries, done marks), page-aligned",
+        159744,
+        "bytes of one replica's order area (head, entries, done marks, objects), page-aligned",
     ),
 ];
 

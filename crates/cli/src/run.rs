@@ -73,6 +73,20 @@ pub struct RunArgs {
     )]
     output_check: String,
 
+    /// Fast backend: how the followers' threads keep the leader's order of the program's
+    /// pthread and semaphore operations. `global`: one order of every operation and call
+    /// of every thread. `object`: an order per object (mutex, semaphore, ...), so threads
+    /// on different objects never wait for each other; only for programs that share data
+    /// under locks alone (memcached's races make it diverge).
+    #[arg(
+        long,
+        env = "LOCKSTEP_SYNC_ORDER",
+        default_value = "global",
+        value_name = "ORDER",
+        value_parser = ["global", "object"]
+    )]
+    sync_order: String,
+
     /// Fast backend: pause iterations a waiting replica spins before it sleeps.
     #[arg(long, default_value_t = lockstep_run::fast::DEFAULT_SPIN, value_name = "N")]
     spin: u32,
@@ -188,12 +202,17 @@ pub fn main(a: RunArgs) -> i32 {
         Ok(c) => c,
         Err(e) => return usage(&e),
     };
+    let sync_order: lockstep_run::SyncOrder = match a.sync_order.parse() {
+        Ok(o) => o,
+        Err(e) => return usage(&e),
+    };
     let options = Options {
         replicas: a.replicas,
         compare,
         backend,
         spin: a.spin,
         output_check,
+        sync_order,
         timeout: Duration::from_secs_f64(a.timeout),
         events: a.events,
         stats: a.stats,

@@ -142,7 +142,7 @@ struct lf_header {
     uint64_t magic;
     uint32_t version, replicas;
     uint32_t leader, off;
-    uint32_t unused, spin;
+    uint32_t object_order, spin; /* object_order: 1 when each synchronisation object has an order of its own */
     uint64_t clocks_offset, regions_offset, region_size, total_size;
     int32_t cpu[4]; /* each replica's CPU, -1 if not pinned */
     uint32_t strict; /* 1: the monitor checks every output before it runs */
@@ -232,14 +232,33 @@ struct lf_order_head {
     uint32_t turn_word; /* futex word, bumped when `consumed` moves */
     uint32_t sleepers;  /* threads asleep on turn_word */
     uint64_t skipped;   /* records taken before their turn (see take_turn) */
-    uint64_t pad1[5];
+    uint32_t object_word;     /* futex word, bumped when an object's `count` moves (a follower) */
+    uint32_t object_sleepers; /* threads asleep on object_word */
+    uint64_t pad1[4];
 };
+/* Objects with an order of their own (the header's `object_order`): a synchronisation
+ * record does not take a place in the order of every event, but the next ticket of its
+ * object (the mutex, semaphore, read-write lock, barrier or once control, by address), and
+ * a follower's thread waits only for the earlier tickets of the same object. Threads that
+ * work on different objects then never wait for each other (RomainMT's per-lock order).
+ * A record's `order` names the object's slot and the ticket (ORDER_OBJECT set). */
+struct lf_object {
+    uint64_t addr;  /* as the leader: the object's address (0: a free slot) */
+    uint64_t count; /* as the leader: tickets handed out; as a follower: tickets done in a row */
+};
+#define ORDER_OBJECT (1ULL << 63)
+#define ORDER_SLOT_SHIFT 40
+#define ORDER_TICKET_MASK ((1ULL << ORDER_SLOT_SHIFT) - 1)
+#define OBJECT_PROBES 32 /* slots tried for an address before the order of every event is used */
 struct lf_order {
     struct lf_order_head h;
     struct lf_order_entry entries[LF_ORDER_SLOTS]; /* as the leader, at index % LF_ORDER_SLOTS */
     uint64_t done[LF_ORDER_SLOTS];                 /* as a follower: index + 1 once taken */
+    struct lf_object objects[LF_OBJECTS];
 };
+_Static_assert(sizeof(struct lf_order_head) == 128, "order head (fast::OrderHead)");
 _Static_assert(sizeof(struct lf_order) <= LF_ORDER_SIZE, "order size");
+_Static_assert(offsetof(struct lf_order, objects) == 128 + LF_ORDER_SLOTS * 24, "objects (fast::OBJECTS_OFFSET)");
 
 struct lf_region {
     struct lf_region_head h;
@@ -1013,6 +1032,100 @@ static void take_turn(struct lf_state *st, uint64_t idx)
     turn_done(st, idx);
 }
 
+/* The leader: the next ticket of the object at `addr` for record `s` of this lane, or (the
+ * object table crowded around its slot) the next index of the order of every event. */
+static uint64_t claim_object_turn(struct lf_state *st, uint64_t s, uint64_t addr)
+{
+    struct lf_order *o = st->orders[st->me];
+    uint64_t home = (addr * 0x9E3779B97F4A7C15ULL) >> 40;
+    for (uint32_t probe = 0; probe < OBJECT_PROBES; probe++) {
+        uint64_t slot = (home + probe) % LF_OBJECTS;
+        struct lf_object *ob = &o->objects[slot];
+        uint64_t owner = load(&ob->addr);
+        if (owner == 0 &&
+            __atomic_compare_exchange_n(&ob->addr, &owner, addr, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            owner = addr;
+        if (owner != addr)
+            continue;
+        uint64_t ticket = __atomic_fetch_add(&ob->count, 1, __ATOMIC_SEQ_CST);
+        return ORDER_OBJECT | slot << ORDER_SLOT_SHIFT | (ticket & ORDER_TICKET_MASK);
+    }
+    return claim_turn(st, s);
+}
+
+/* Whether the thread that holds ticket `ticket` of object `slot` in the leader's records
+ * (a record a follower's sibling has yet to take) waits in a futex call here. */
+static int object_holder_blocked(struct lf_state *st, uint64_t slot, uint64_t ticket)
+{
+    uint64_t wanted = ORDER_OBJECT | slot << ORDER_SLOT_SHIFT | ticket;
+    if (lf_lanes == NULL)
+        return 0;
+    for (uint32_t lane = 0; lane < LF_LANES; lane++) {
+        if (lane == st->lane)
+            continue;
+        struct lf_state *other = lane_state(lf_lanes, lane);
+        if (other->hdr == NULL)
+            continue;
+        const struct lf_region *leader = other->regions[st->leader];
+        for (uint32_t i = 0; i < LF_SLOTS; i++)
+            if (load(&leader->records[i].order) == wanted)
+                return load(&other->regions[st->me]->h.in_futex) != 0;
+    }
+    return 0;
+}
+
+/* A follower's thread before it takes a record with ticket `order` of an object: waits
+ * until the object's earlier tickets are done in this replica (or, as in take_turn, the
+ * thread that holds the next one waits in a futex call, or nothing moved for
+ * ORDER_PATIENCE sleeps), then marks its own done. */
+static void take_object_turn(struct lf_state *st, uint64_t order)
+{
+    struct lf_order *o = st->orders[st->me];
+    uint64_t slot = (order >> ORDER_SLOT_SHIFT) % LF_OBJECTS;
+    uint64_t ticket = order & ORDER_TICKET_MASK;
+    uint64_t *count = &o->objects[slot].count;
+    uint64_t c = load(count);
+    if (c < ticket) {
+        uint32_t budget = st->spin == 0 ? 0 : SPIN_FLOOR * 4;
+        for (uint32_t i = 0; i < budget && (c = load(count)) < ticket; i++)
+            cpu_relax();
+        uint64_t last = c;
+        unsigned still = 0;
+        while (c < ticket) {
+            if (is_off(st))
+                break;
+            if (still >= ORDER_PATIENCE || (still >= 1 && object_holder_blocked(st, slot, c))) {
+                __atomic_fetch_add(&o->h.skipped, 1, __ATOMIC_RELAXED);
+                break;
+            }
+            uint32_t seen = load32(&o->h.object_word);
+            __atomic_fetch_add(&o->h.object_sleepers, 1, __ATOMIC_SEQ_CST);
+            if (load(count) == c)
+                futex_wait(&o->h.object_word, seen);
+            __atomic_fetch_sub(&o->h.object_sleepers, 1, __ATOMIC_SEQ_CST);
+            c = load(count);
+            still = c == last ? still + 1 : 0;
+            last = c;
+        }
+    }
+    /* Tickets done in a row; one taken out of turn moves the count past the skipped ones. */
+    c = load(count);
+    while (c < ticket + 1 && !__atomic_compare_exchange_n(count, &c, ticket + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        ;
+    __atomic_fetch_add(&o->h.object_word, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&o->h.object_sleepers, __ATOMIC_SEQ_CST) != 0)
+        futex_wake(&o->h.object_word);
+}
+
+/* A follower: the record's place, in the order of every event or in its object's. */
+static void take_place(struct lf_state *st, uint64_t order)
+{
+    if (order & ORDER_OBJECT)
+        take_object_turn(st, order);
+    else
+        take_turn(st, order);
+}
+
 /* --- clocks ---------------------------------------------------------------------------- */
 
 /* The i-th read of a clock returns the i-th value in every replica, produced by whichever
@@ -1130,18 +1243,27 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
 }
 
 static void report_divergence(uint64_t s, long nr, uint64_t digest, uint64_t leader_nr, uint64_t leader_digest);
+static void publish_on(struct lf_state *st, struct lf_record *rec, uint64_t s, const struct lf_desc *d, const long *a,
+                       long ret, uint64_t object);
+
+/* Publishes record `s`, in the order of every event. */
+static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s, const struct lf_desc *d, const long *a,
+                    long ret)
+{
+    publish_on(st, rec, s, d, a, ret, 0);
+}
 
 /* Publishes record `s` once it matches what the call gave (`d`, `a`, the result as the
  * gate stored it); otherwise nobody can know that result, and the leader reports it. */
-static void publish(struct lf_state *st, struct lf_record *rec, uint64_t s, const struct lf_desc *d, const long *a,
-                    long ret)
+static void publish_on(struct lf_state *st, struct lf_record *rec, uint64_t s, const struct lf_desc *d, const long *a,
+                       long ret, uint64_t object)
 {
     struct lf_region *own = st->regions[st->me];
     if (!record_matches(rec, d, a, ret)) {
         report_divergence(s, rec->nr, rec->digest, DIVERGED_LEADER, 0);
         return;
     }
-    rec->order = claim_turn(st, s);
+    rec->order = object != 0 ? claim_object_turn(st, s, object) : claim_turn(st, s);
     rec->crc = record_crc(rec, s);
     if (s == lf_test_corrupt)
         rec->ret ^= 1;
@@ -1393,7 +1515,7 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
         report_divergence(s, nr, digest, DIVERGED_CRC, 0);
         return slow_call(st, nr, a);
     }
-    take_turn(st, rec->order);
+    take_place(st, rec->order);
     long ret;
     if (rec->kind == KIND_ESCALATE) {
         int same = rec->nr == (uint32_t)nr && rec->digest == digest;
@@ -1495,7 +1617,7 @@ enum {
 };
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
 
-static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, uint64_t site)
+static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, uint64_t site, uint64_t object)
 {
     struct lf_region *own = st->regions[st->me];
     struct lf_record *rec = &own->records[s % LF_SLOTS];
@@ -1514,7 +1636,7 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
     rec->signal = 0;
     for (unsigned c = 0; c < LF_CLOCKS; c++)
         rec->clock_sync[c] = 0;
-    publish(st, rec, s, NULL, NULL, ret);
+    publish_on(st, rec, s, NULL, NULL, ret, load32(&st->hdr->object_order) != 0 ? object : 0);
     return ret;
 }
 
@@ -1540,7 +1662,7 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr, uint64_t s
         report_divergence(s, nr, site, rec->nr, rec->digest);
         return SYNC_NONE;
     }
-    take_turn(st, rec->order);
+    take_place(st, rec->order);
     long ret = rec->ret;
     store(&own->h.consumed, s);
     signal_progress(st, &own->h.progress, st->leader, 0);
@@ -1550,14 +1672,15 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr, uint64_t s
 /* A synchronisation record (`nr`: LF_SYNC_NR_BASE + SYNC_*) on the ring stack: the
  * leader's result `a[0]` recorded, or the leader's result taken. `a[1]`: the role the
  * caller took (1: leader); a leader change meanwhile makes it SYNC_NONE. `a[2]`: the
- * program's call site, the record's digest. */
+ * program's call site, the record's digest. `a[3]`: the object whose order it takes. */
 static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
 {
     uint64_t s = ++st->seq; /* in every replica, as for a call: the lanes stay aligned */
     int lead_role = st->me == st->leader;
     if (lead_role != (a[1] == 1))
         return SYNC_NONE;
-    return lead_role ? lead_sync(st, s, nr, a[0], (uint64_t)a[2]) : follow_sync(st, s, nr, (uint64_t)a[2]);
+    return lead_role ? lead_sync(st, s, nr, a[0], (uint64_t)a[2], (uint64_t)a[3])
+                     : follow_sync(st, s, nr, (uint64_t)a[2]);
 }
 
 /* --- the ring thread's call ------------------------------------------------------------- */
@@ -2149,7 +2272,9 @@ struct sync_args {
  * (a follower) the leader's result once it is this thread's turn; SYNC_NONE without one. */
 static long sync_event(const struct sync_args *p, int op, long ret, int role)
 {
-    long a[6] = {ret, role == ROLE_LEAD, (long)p->site, 0, 0, 0};
+    /* A condition variable's wait hands on and takes back its mutex. */
+    const void *object = op == SYNC_WAIT_ENTER || op == SYNC_WAIT_RETURN ? p->obj2 : p->obj;
+    long a[6] = {ret, role == ROLE_LEAD, (long)p->site, (long)object, 0, 0};
     struct ring_call call = {lf_my, (long)LF_SYNC_NR_BASE + op, a};
     return on_ring_stack(&call);
 }

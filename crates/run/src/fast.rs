@@ -63,7 +63,8 @@ struct Header {
     replicas: u32,
     leader: u32,
     off: u32,
-    unused: u32,
+    /// 1: each synchronisation object has an order of its own (`--sync-order object`).
+    object_order: u32,
     spin: u32,
     clocks_offset: u64,
     regions_offset: u64,
@@ -137,6 +138,11 @@ struct OrderEntry {
     what: u64,
 }
 const ORDER_LANE_SHIFT: u32 = 56;
+/// Where an order area's object table starts (`objects` of `struct lf_order`): after the
+/// head, the entries and the follower's done marks. Each object is (address, count).
+const OBJECTS_OFFSET: u64 = 128 + layout::ORDER_SLOTS * 16 + layout::ORDER_SLOTS * 8;
+const _: () = assert!(OBJECTS_OFFSET + layout::OBJECTS * 16 <= layout::ORDER_SIZE);
+const _: () = assert!(std::mem::size_of::<OrderHead>() == 128);
 
 /// A place in the leader's order of events: which lane's record took it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -268,7 +274,14 @@ impl Ring {
     /// `placement`: each replica's CPU, when pinned.
     /// `strict`: the monitor checks every output before it runs (`fast_check.rs`).
     /// `epoch`: its place in the run's list of rings.
-    pub fn create(epoch: u32, replicas: u32, spin: u32, placement: &[usize], strict: bool) -> io::Result<Ring> {
+    pub fn create(
+        epoch: u32,
+        replicas: u32,
+        spin: u32,
+        placement: &[usize],
+        strict: bool,
+        object_order: bool,
+    ) -> io::Result<Ring> {
         assert!(
             replicas as u64 <= layout::MAX_REPLICAS,
             "at most {} replicas",
@@ -311,7 +324,7 @@ impl Ring {
                 replicas,
                 leader: 0,
                 off: 0,
-                unused: 0,
+                object_order: object_order as u32,
                 spin,
                 clocks_offset: layout::HEADER_SIZE,
                 regions_offset,
@@ -560,10 +573,24 @@ impl Ring {
         (self.word64(&head.seq).load(Ordering::Acquire) == seq).then_some((nr, digest))
     }
 
-    /// (places of the leader's order taken, records followers took out of turn).
+    /// (places of the leader's order taken, with the tickets of objects that have an order
+    /// of their own; records followers took out of turn).
     pub fn order_counts(&self) -> (u64, u64) {
         let leader = self.leader();
-        let claimed = self.word64(&self.order(leader).claimed).load(Ordering::Acquire);
+        let head = self.order(leader);
+        let objects = (head as *const OrderHead)
+            .cast::<u8>()
+            .wrapping_add(OBJECTS_OFFSET as usize)
+            .cast::<[u64; 2]>();
+        let tickets: u64 = (0..layout::OBJECTS as usize)
+            .map(|i| {
+                // SAFETY: object `i` of the leader's order area (`OBJECTS_OFFSET` and the
+                // table fit in ORDER_SIZE; the shim asserts the same layout).
+                let object = unsafe { &*objects.add(i) };
+                self.word64(&object[1]).load(Ordering::Acquire)
+            })
+            .sum();
+        let claimed = self.word64(&head.claimed).load(Ordering::Acquire) + tickets;
         let skipped = (0..self.replicas)
             .filter(|&r| r != leader)
             .map(|r| self.word64(&self.order(r).skipped).load(Ordering::Acquire))
@@ -650,6 +677,8 @@ pub struct FastPath {
     pub approved: [u64; LANES],
     /// Per lane: since when every replica has waited for another in the ring, nobody moving.
     pub deadlock_since: [Option<std::time::Instant>; LANES],
+    /// When the monitor last looked at every lane's progress (`check_ring_progress`).
+    pub lanes_checked: Option<std::time::Instant>,
     /// Per lane: the signal in its mailbox that the leader may not have taken yet
     /// (request number, signal).
     posted: [Option<(u32, i32, std::time::Instant)>; LANES],
@@ -696,9 +725,10 @@ impl FastPath {
             return Ok(None);
         }
         let strict = opts.output_check == crate::OutputCheck::Strict;
+        let object_order = opts.sync_order == crate::SyncOrder::Object;
         let creating = |e| crate::Error::Io("creating the fast path's ring", e);
         let rings = (0..RINGS as u32)
-            .map(|epoch| Ring::create(epoch, opts.replicas, opts.spin, placement, strict))
+            .map(|epoch| Ring::create(epoch, opts.replicas, opts.spin, placement, strict, object_order))
             .collect::<io::Result<Vec<Ring>>>()
             .map_err(creating)?;
         let shim = shim_file().map_err(creating)?;
@@ -715,6 +745,7 @@ impl FastPath {
             checked_outputs: 0,
             approved: [0; LANES],
             deadlock_since: [None; LANES],
+            lanes_checked: None,
             posted: [None; LANES],
             delivered: [[(0, 0); DELIVERED_KEPT]; LANES],
             catch_up_seen: [0; LANES],
@@ -1064,7 +1095,7 @@ mod tests {
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {
         assert_eq!(std::mem::size_of::<Header>(), 112);
-        assert_eq!(std::mem::size_of::<OrderHead>(), 88);
+        assert_eq!(std::mem::size_of::<OrderHead>(), 128);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
         assert_eq!(layout::ORDER_SIZE % layout::PAGE, 0);
@@ -1072,7 +1103,7 @@ mod tests {
         assert!(layout::MAILBOX_OFFSET + layout::LANES * std::mem::size_of::<Mailbox>() as u64 <= layout::HEADER_SIZE);
         assert_eq!(std::mem::size_of::<RecordHead>(), 40 + 8 * layout::CLOCKS as usize + 8);
         assert!(std::mem::size_of::<RecordHead>() as u64 <= layout::RECORD_HEAD);
-        let ring = Ring::create(0, 2, 10, &[0, 1], true).unwrap();
+        let ring = Ring::create(0, 2, 10, &[0, 1], true, true).unwrap();
         assert!(ring.is_on());
         assert_eq!(ring.leader(), 0);
         assert_eq!(ring.published(0, 0), 0);

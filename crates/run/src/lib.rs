@@ -53,7 +53,7 @@ pub mod spawn;
 pub mod stats;
 pub mod task;
 
-pub use options::{BackendKind, CompareMode, FlipAt, FlipSpec, FlipTarget, Options, OutputCheck};
+pub use options::{BackendKind, CompareMode, FlipAt, FlipSpec, FlipTarget, Options, OutputCheck, SyncOrder};
 
 /// Exit status a replica uses when it cannot install the seccomp filter before exec.
 pub(crate) const EXIT_SETUP_FAILED: i32 = 121;

@@ -73,6 +73,29 @@ impl std::str::FromStr for OutputCheck {
     }
 }
 
+/// How the followers' threads keep the leader's order of the program's synchronisation
+/// operations, with the fast backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncOrder {
+    /// Each object (mutex, semaphore, read-write lock, barrier, once control) has an order
+    /// of its own: a follower's thread waits only for earlier operations on the same object.
+    Object,
+    /// One order of every event: a follower's thread waits for every earlier operation of
+    /// every thread, on any object.
+    Global,
+}
+
+impl std::str::FromStr for SyncOrder {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "object" => Ok(SyncOrder::Object),
+            "global" => Ok(SyncOrder::Global),
+            _ => Err(format!("unknown sync order '{s}' (expected object or global)")),
+        }
+    }
+}
+
 /// Where a test-only fault goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FlipTarget {
@@ -178,6 +201,8 @@ pub struct Options {
     pub spin: u32,
     /// Who lets the leader's outputs leave (fast backend).
     pub output_check: OutputCheck,
+    /// How followers' threads keep the order of synchronisation operations (fast backend).
+    pub sync_order: SyncOrder,
     /// How long the first replica to reach a rendezvous waits for the others.
     pub timeout: Duration,
     pub events: Option<PathBuf>,
@@ -204,6 +229,7 @@ impl Default for Options {
             backend: BackendKind::Ptrace,
             spin: crate::fast::DEFAULT_SPIN,
             output_check: OutputCheck::Strict,
+            sync_order: SyncOrder::Global,
             timeout: Duration::from_secs(10),
             events: None,
             stats: false,

@@ -657,7 +657,16 @@ impl Session {
             Some(fast) => {
                 let overdue = fast.overdue_signals(SIGNAL_PATIENCE);
                 let tasks: Vec<(Lane, TaskId)> = fast.lanes_in_use().filter(|(l, _)| overdue.contains(l)).collect();
-                (fast.active_lanes().collect(), tasks)
+                // A look at the lanes can read /proc for each thread that stands still
+                // (a program's idle threads do, for ever): at most once per LANE_LOOK,
+                // not at every stop, or a busy multi-threaded program keeps the monitor's
+                // CPU busy reading /proc (memcached: 100% of a CPU, mostly its maps).
+                let now = std::time::Instant::now();
+                let due = fast.lanes_checked.is_none_or(|at| now.duration_since(at) >= LANE_LOOK);
+                if due {
+                    fast.lanes_checked = Some(now);
+                }
+                (if due { fast.active_lanes().collect() } else { Vec::new() }, tasks)
             }
             None => return Ok(()),
         };
@@ -971,6 +980,9 @@ fn forwarded_siginfo(sig: i32, seen: Option<&libc::siginfo_t>) -> libc::siginfo_
 /// How long a signal posted to a ring's leader waits untaken before the watchdog
 /// interrupts the leader again.
 const SIGNAL_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20);
+/// How often the monitor looks at the lanes' progress (stragglers and cycles of waits
+/// are judged over the straggler timeout, seconds).
+const LANE_LOOK: std::time::Duration = std::time::Duration::from_millis(10);
 
 fn in_fast_gate_restart(regs: &Regs) -> bool {
     regs.rip == FAST_GATE + 2 && lockstep_trace::ptrace::is_restart(regs.rax as i64)
