@@ -50,6 +50,7 @@ bench: build
 	python3 bench/memcached_bench.py
 	python3 bench/signal_bench.py
 	python3 bench/order_programs.py --runs 10
+	python3 bench/kernels.py
 	python3 bench/nginx_bench.py
 	bench/placement.sh
 	bench/inject_eval.sh 1000

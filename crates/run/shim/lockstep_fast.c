@@ -457,12 +457,24 @@ static void digest_bytes(struct digest *d, const unsigned char *p, uint64_t n)
 
 static uint64_t digest_value(const struct digest *d) { return ((uint64_t)d->crc << 32) ^ (d->mix >> 32) ^ (d->mix << 32 >> 32); }
 
+#define FUTEX_WAIT_MS 10 /* the longest futex_wait sleeps before it looks again */
+
 static void futex_wait(volatile uint32_t *word, uint32_t seen)
 {
     struct {
         long sec, nsec;
-    } timeout = {0, 10 * 1000 * 1000};
+    } timeout = {0, FUTEX_WAIT_MS * 1000 * 1000};
     lf_raw(SYS_futex, (long)word, FUTEX_WAIT, seen, (long)&timeout, 0, 0);
+}
+
+/* Milliseconds of CLOCK_MONOTONIC, for patience on slow paths (a raw call: no record). */
+static uint64_t monotonic_ms(void)
+{
+    struct {
+        long sec, nsec;
+    } now = {0, 0};
+    lf_raw(SYS_clock_gettime, CLOCK_MONOTONIC, (long)&now, 0, 0, 0, 0);
+    return (uint64_t)now.sec * 1000 + (uint64_t)now.nsec / 1000000;
 }
 
 static void futex_wake(volatile uint32_t *word) { lf_raw(SYS_futex, (long)word, FUTEX_WAKE, 0x7fffffff, 0, 0, 0); }
@@ -1089,12 +1101,15 @@ static void take_object_turn(struct lf_state *st, uint64_t order)
         uint32_t budget = st->spin == 0 ? 0 : SPIN_FLOOR * 4;
         for (uint32_t i = 0; i < budget && (c = load(count)) < ticket; i++)
             cpu_relax();
-        uint64_t last = c;
-        unsigned still = 0;
+        /* The word is bumped by every object's progress, so the patience is measured in
+         * time since this object's count last moved, not in wake-ups. */
+        uint64_t moved_at = monotonic_ms();
         while (c < ticket) {
             if (is_off(st))
                 break;
-            if (still >= ORDER_PATIENCE || (still >= 1 && object_holder_blocked(st, slot, c))) {
+            uint64_t still_ms = monotonic_ms() - moved_at;
+            if (still_ms >= ORDER_PATIENCE * FUTEX_WAIT_MS ||
+                (still_ms >= FUTEX_WAIT_MS && object_holder_blocked(st, slot, c))) {
                 __atomic_fetch_add(&o->h.skipped, 1, __ATOMIC_RELAXED);
                 break;
             }
@@ -1103,9 +1118,10 @@ static void take_object_turn(struct lf_state *st, uint64_t order)
             if (load(count) == c)
                 futex_wait(&o->h.object_word, seen);
             __atomic_fetch_sub(&o->h.object_sleepers, 1, __ATOMIC_SEQ_CST);
-            c = load(count);
-            still = c == last ? still + 1 : 0;
-            last = c;
+            uint64_t now = load(count);
+            if (now != c)
+                moved_at = monotonic_ms();
+            c = now;
         }
     }
     /* Tickets done in a row; one taken out of turn moves the count past the skipped ones. */
