@@ -535,6 +535,15 @@ fn one_replica_hurt_is_masked_or_halts(hook: &str, timeout: &str, why: &str) {
 }
 
 #[test]
+fn a_leader_that_spins_and_sleeps_on_the_ring_in_turn_is_a_straggler() {
+    // `flap:5`: before its 5th call the leader spins in user space, then sleeps on ring
+    // memory, then spins again, for ever, as a campaign's replica did with a corrupted
+    // pointer into the ring (docs/results.md §33). Each look saw it in another state,
+    // which reset both the straggler rule's timer and the cycle-of-waits rule's.
+    one_replica_hurt_is_masked_or_halts("flap:5", "1", "without moving");
+}
+
+#[test]
 fn a_leader_that_can_never_wake_is_a_straggler() {
     // `hang:5`: before its 5th call the leader waits in a private futex wait without a
     // timeout, as the only thread of its process: nothing can wake it (a fault did this

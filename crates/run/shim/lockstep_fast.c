@@ -331,12 +331,13 @@ static long after_slow_call(long ret);
  * "crash:N" makes the leader fault right after call N returned, before its record is out;
  * "bad-wait:N" makes the last follower's wait for record N give an impossible answer; "hang:N"
  * makes the leader wait forever in a private futex wait (through the monitor)
- * before call N; "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
+ * before call N; "flap:N" makes the leader, before call N, spin and sleep on ring memory in
+ * turn for ever; "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
  * never posted, as a corrupted mailbox check would;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
 static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal,
-    lf_test_hang, lf_test_bad_wait;
+    lf_test_hang, lf_test_bad_wait, lf_test_flap;
 static int lf_test_selector_allow;
 /* The thread that attached the ring (lane 0): the main thread of the image. Later epochs'
  * rings are attached through it. */
@@ -1430,6 +1431,15 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         static int never;
         long wait[6] = {(long)&never, FUTEX_WAIT_PRIVATE, 0, 0, 0, 0};
         slow_call(st, SYS_futex, wait);
+    }
+    if (s == lf_test_flap && lf_ring_epoch == 0) {
+        /* test: the leader spins and sleeps on ring memory in turn, for ever, as a thread
+         * whose pointer into the ring a fault corrupted did (a campaign's hang) */
+        for (;;) {
+            for (unsigned i = 0; i < (1u << 20); i++)
+                cpu_relax();
+            futex_wait(&own->h.progress, load32(&own->h.progress));
+        }
     }
     if (s == lf_test_signal && lf_ring_epoch == 0)
         return deliver_signal(st, rec, s, nr, digest, a, NULL, SIGUSR1, 0);
@@ -2777,6 +2787,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_signal = strtoull(test + 7, NULL, 10);
     if (test != NULL && strncmp(test, "hang:", 5) == 0)
         lf_test_hang = strtoull(test + 5, NULL, 10);
+    if (test != NULL && strncmp(test, "flap:", 5) == 0)
+        lf_test_flap = strtoull(test + 5, NULL, 10);
     if (test != NULL && strncmp(test, "bad-wait:", 9) == 0)
         lf_test_bad_wait = strtoull(test + 9, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;

@@ -675,8 +675,12 @@ pub struct FastPath {
     /// Per lane: the sequence number of the last output the monitor let run, in the
     /// current ring.
     pub approved: [u64; LANES],
-    /// Per lane: since when every replica has waited for another in the ring, nobody moving.
+    /// Per lane: since when nobody has moved while someone waited in the ring and every
+    /// replica waited there or ran in user space (none was in a call of the program).
     pub deadlock_since: [Option<std::time::Instant>; LANES],
+    /// Per lane: the replicas (a bit per replica id) seen running in user space since
+    /// `deadlock_since`: the ones the others wait for.
+    pub stall_running: [u64; LANES],
     /// When the monitor last looked at every lane's progress (`check_ring_progress`).
     pub lanes_checked: Option<std::time::Instant>,
     /// Per lane: the signal in its mailbox that the leader may not have taken yet
@@ -745,6 +749,7 @@ impl FastPath {
             checked_outputs: 0,
             approved: [0; LANES],
             deadlock_since: [None; LANES],
+            stall_running: [0; LANES],
             lanes_checked: None,
             posted: [None; LANES],
             delivered: [[(0, 0); DELIVERED_KEPT]; LANES],
@@ -834,6 +839,7 @@ impl FastPath {
         self.lanes[lane] = Some(task);
         self.watch[lane] = Default::default();
         self.deadlock_since[lane] = None;
+        self.stall_running[lane] = 0;
         Some(lane)
     }
 
@@ -957,6 +963,7 @@ impl FastPath {
         self.approved = [0; LANES];
         self.watch = vec![Default::default(); LANES];
         self.deadlock_since = [None; LANES];
+        self.stall_running = [0; LANES];
         self.posted = [None; LANES];
         self.delivered = [[(0, 0); DELIVERED_KEPT]; LANES];
         self.members = members;

@@ -705,11 +705,15 @@ impl Session {
                 fast.sleeping(lane, r) || (unmoved && self.waits_on_ring(task, r))
             })
             .collect();
+        let running: Vec<bool> = live
+            .iter()
+            .zip(&waits)
+            .map(|(&r, &w)| !w && self.running_in_user_space(task, r))
+            .collect();
         let Some(fast) = self.fast.as_mut() else {
             return Ok(());
         };
         let someone_waits = waits.iter().any(|&w| w);
-        let everyone_waits = waits.iter().all(|&w| w);
         let mut standing = Vec::new();
         let mut moved = false;
         for (&r, &sleeping) in live.iter().zip(&waits) {
@@ -724,16 +728,59 @@ impl Session {
                 standing.push(r);
             }
         }
-        // Every replica waits for another one in the ring and nobody moves: a cycle of
-        // waits that only a divergence explains (each is at a different call).
-        if !everyone_waits || moved {
+        // Nobody moves while someone waits in the ring, and no replica is in a call of the
+        // program: each waits in the ring or runs in user space. If every one waits, it is
+        // a cycle of waits that only a divergence explains (each is at a different call).
+        // Those seen running meanwhile are what the others wait for, even when they also
+        // slept on the ring's memory between looks (a replica that spins on a corrupted
+        // word and sleeps on it in turn escaped both this rule and the straggler rule
+        // below, which each want the same state at every look): a minority of them is
+        // voted out.
+        let stalled = !moved && someone_waits && waits.iter().zip(&running).all(|(&w, &run)| w || run);
+        if stalled {
+            for (&r, &run) in live.iter().zip(&running) {
+                if run && r < 64 {
+                    fast.stall_running[lane] |= 1 << r;
+                }
+            }
+        } else {
             fast.deadlock_since[lane] = None;
-        } else if now.duration_since(*fast.deadlock_since[lane].get_or_insert(now)) >= self.opts.timeout {
+            fast.stall_running[lane] = 0;
+        }
+        if stalled && now.duration_since(*fast.deadlock_since[lane].get_or_insert(now)) >= self.opts.timeout {
+            let seen = fast.stall_running[lane];
+            let spinning: Vec<ReplicaId> = live
+                .iter()
+                .copied()
+                .filter(|&r| r < 64 && seen & (1 << r) != 0)
+                .collect();
+            if !spinning.is_empty() && spinning.len() * 2 < live.len() {
+                fast.switch_off();
+                let msg = format!(
+                    "replica(s) {spinning:?} ran without moving in the fast path's ring of task {task} for {:.1} s \
+                     while the others waited there",
+                    self.opts.timeout.as_secs_f64()
+                );
+                return self.stragglers_timed_out(
+                    task,
+                    &spinning,
+                    live.len(),
+                    msg,
+                    format!("no majority kept up in the fast path's ring of task {task}"),
+                );
+            }
             fast.switch_off();
-            let msg = format!(
-                "every replica of task {task} waited for another in the fast path's ring for {:.1} s",
-                self.opts.timeout.as_secs_f64()
-            );
+            let msg = match spinning.is_empty() {
+                true => format!(
+                    "every replica of task {task} waited for another in the fast path's ring for {:.1} s",
+                    self.opts.timeout.as_secs_f64()
+                ),
+                false => format!(
+                    "replica(s) {spinning:?} ran without moving in the fast path's ring of task {task} for {:.1} s \
+                     while the others waited there, and they are no minority",
+                    self.opts.timeout.as_secs_f64()
+                ),
+            };
             self.detected(
                 Event::new("run", "timeout", "halt")
                     .object(format!("task {task}"))
