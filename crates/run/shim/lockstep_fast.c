@@ -234,7 +234,10 @@ struct lf_order_head {
     uint64_t skipped;   /* records taken before their turn (see take_turn) */
     uint32_t object_word;     /* futex word, bumped when an object's `count` moves (a follower) */
     uint32_t object_sleepers; /* threads asleep on object_word */
-    uint64_t pad1[4];
+    /* Sleeps of this replica's threads that ended in futex_wait's timeout with what they
+     * waited for already there: a wake-up that came late or never (see futex_wait). */
+    uint64_t late_wakes;
+    uint64_t pad1[3];
 };
 /* Objects with an order of their own (the header's `object_order`): a synchronisation
  * record does not take a place in the order of every event, but the next ticket of its
@@ -460,13 +463,18 @@ static uint64_t digest_value(const struct digest *d) { return ((uint64_t)d->crc 
 
 #define FUTEX_WAIT_MS 10 /* the longest futex_wait sleeps before it looks again */
 
-static void futex_wait(volatile uint32_t *word, uint32_t seen)
+/* Whether the sleep ended in its timeout. Every wait loops on its condition, so a missed
+ * wake-up costs FUTEX_WAIT_MS, not a hang; waits count the ones that found their condition
+ * met (late_wake), which the monitor reports: a protocol that forgets a wake shows there. */
+static int futex_wait(volatile uint32_t *word, uint32_t seen)
 {
     struct {
         long sec, nsec;
     } timeout = {0, FUTEX_WAIT_MS * 1000 * 1000};
-    lf_raw(SYS_futex, (long)word, FUTEX_WAIT, seen, (long)&timeout, 0, 0);
+    return lf_raw(SYS_futex, (long)word, FUTEX_WAIT, seen, (long)&timeout, 0, 0) == -ETIMEDOUT;
 }
+
+static void late_wake(struct lf_state *st) { __atomic_fetch_add(&st->orders[st->me]->h.late_wakes, 1, __ATOMIC_RELAXED); }
 
 /* Milliseconds of CLOCK_MONOTONIC, for patience on slow paths (a raw call: no record). */
 static uint64_t monotonic_ms(void)
@@ -785,8 +793,8 @@ static int lf_spinner;
  * workers served three times as many requests without spinning), while one busy thread
  * (an event loop) gains from it. */
 static uint32_t lf_lane_mix, lf_last_lane;
-#define LANE_MIX_MAX 64
-#define LANE_MIX_STEP 8
+#define LANE_MIX_MAX 512
+#define LANE_MIX_STEP 64
 
 static void note_lane(uint32_t lane)
 {
@@ -834,11 +842,12 @@ static int wait_until(ready_fn ready, const struct wait_for *w, volatile uint32_
         uint32_t seen = load32(word);
         __atomic_exchange_n(sleeping, wake_on, __ATOMIC_SEQ_CST);
         int r = checked_answer(ready(w));
-        if (r == NOT_YET)
-            futex_wait(word, seen);
+        int timed_out = r == NOT_YET && futex_wait(word, seen);
         __atomic_store_n(sleeping, AWAKE, __ATOMIC_RELEASE);
         if (r != NOT_YET)
             return r;
+        if (timed_out && ready(w) == READY)
+            late_wake(st);
     }
 }
 
@@ -966,6 +975,16 @@ static struct lf_state *lane_state(struct lf_state *lanes, uint32_t lane);
  * for ORDER_PATIENCE such sleeps. Either is counted. */
 #define ORDER_PATIENCE 20
 
+/* How long a follower's thread spins for its turn before it sleeps: as spin_for, not at
+ * all while several lanes are busy (their threads would take the CPUs of the ones whose
+ * turn it is). */
+static uint32_t turn_spin(const struct lf_state *st)
+{
+    if (st->spin == 0 || __atomic_load_n(&lf_lane_mix, __ATOMIC_RELAXED) >= LANE_MIX_STEP)
+        return 0;
+    return SPIN_FLOOR * 4;
+}
+
 /* The leader: the next index of its order for record `s` of this lane. Waits while the
  * slowest follower is ORDER_SLOTS behind (only a follower whose threads took turns out of
  * order can be: each lane is at most SLOTS records ahead). */
@@ -1020,7 +1039,7 @@ static void take_turn(struct lf_state *st, uint64_t idx)
     struct lf_order *o = st->orders[st->me];
     uint64_t c = load(&o->h.consumed);
     if (c != idx) {
-        uint32_t budget = st->spin == 0 ? 0 : SPIN_FLOOR * 4;
+        uint32_t budget = turn_spin(st);
         for (uint32_t i = 0; i < budget && (c = load(&o->h.consumed)) != idx; i++)
             cpu_relax();
         uint64_t last = c;
@@ -1034,10 +1053,11 @@ static void take_turn(struct lf_state *st, uint64_t idx)
             }
             uint32_t seen = load32(&o->h.turn_word);
             __atomic_fetch_add(&o->h.sleepers, 1, __ATOMIC_SEQ_CST);
-            if (load(&o->h.consumed) == c)
-                futex_wait(&o->h.turn_word, seen);
+            int timed_out = load(&o->h.consumed) == c && futex_wait(&o->h.turn_word, seen);
             __atomic_fetch_sub(&o->h.sleepers, 1, __ATOMIC_SEQ_CST);
             c = load(&o->h.consumed);
+            if (timed_out && c >= idx)
+                late_wake(st);
             still = c == last ? still + 1 : 0;
             last = c;
         }
@@ -1099,7 +1119,7 @@ static void take_object_turn(struct lf_state *st, uint64_t order)
     uint64_t *count = &o->objects[slot].count;
     uint64_t c = load(count);
     if (c < ticket) {
-        uint32_t budget = st->spin == 0 ? 0 : SPIN_FLOOR * 4;
+        uint32_t budget = turn_spin(st);
         for (uint32_t i = 0; i < budget && (c = load(count)) < ticket; i++)
             cpu_relax();
         /* The word is bumped by every object's progress, so the patience is measured in
@@ -1237,6 +1257,10 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
     if (st != NULL && st->hdr != NULL && futex_waits(nr, a)) {
         /* Seen by a sibling thread waiting for its turn behind this one (take_turn). */
         volatile uint64_t *in_futex = &st->regions[st->me]->h.in_futex;
+        /* The followers may wait for this lane's last record (a wait's start, an unlock)
+         * while we sleep: wake them now, not at our next record. */
+        if (st->me == st->leader)
+            flush_wakes(st);
         store(in_futex, 1);
         long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
         store(in_futex, 0);
@@ -1702,6 +1726,7 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr, uint64_t s
 static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
 {
     uint64_t s = ++st->seq; /* in every replica, as for a call: the lanes stay aligned */
+    note_lane(st->lane);
     int lead_role = st->me == st->leader;
     if (lead_role != (a[1] == 1))
         return SYNC_NONE;

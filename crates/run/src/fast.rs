@@ -125,7 +125,24 @@ struct OrderHead {
     sleepers: u32,
     /// As a follower: records its threads took out of turn.
     skipped: u64,
-    pad1: [u64; 5],
+    /// The object order's futex word and its sleepers (the shim's alone).
+    object_words: u64,
+    /// Sleeps of this replica's threads that ended in their timeout with what they waited
+    /// for already there: a wake-up that came late or never.
+    late_wakes: u64,
+    pad1: [u64; 3],
+}
+
+/// What the order of events across threads did (`--stats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OrderCounts {
+    /// Places of the leader's order (and object tickets) taken.
+    pub events: u64,
+    /// Records the followers' threads took out of turn.
+    pub skipped: u64,
+    /// Sleeps, in any replica, that ended in their timeout with what they waited for
+    /// already there: wake-ups that came late or never.
+    pub late_wakes: u64,
 }
 
 /// One place of the leader's order; same fields as `struct lf_order_entry`. The entries
@@ -575,7 +592,7 @@ impl Ring {
 
     /// (places of the leader's order taken, with the tickets of objects that have an order
     /// of their own; records followers took out of turn).
-    pub fn order_counts(&self) -> (u64, u64) {
+    pub fn order_counts(&self) -> OrderCounts {
         let leader = self.leader();
         let head = self.order(leader);
         let objects = (head as *const OrderHead)
@@ -590,12 +607,16 @@ impl Ring {
                 self.word64(&object[1]).load(Ordering::Acquire)
             })
             .sum();
-        let claimed = self.word64(&head.claimed).load(Ordering::Acquire) + tickets;
-        let skipped = (0..self.replicas)
-            .filter(|&r| r != leader)
-            .map(|r| self.word64(&self.order(r).skipped).load(Ordering::Acquire))
-            .sum();
-        (claimed, skipped)
+        let followers = || (0..self.replicas).filter(move |&r| r != leader);
+        OrderCounts {
+            events: self.word64(&head.claimed).load(Ordering::Acquire) + tickets,
+            skipped: followers()
+                .map(|r| self.word64(&self.order(r).skipped).load(Ordering::Acquire))
+                .sum(),
+            late_wakes: (0..self.replicas)
+                .map(|r| self.word64(&self.order(r).late_wakes).load(Ordering::Acquire))
+                .sum(),
+        }
     }
 }
 
@@ -925,11 +946,15 @@ impl FastPath {
     }
 
     /// Places of the leaders' orders and records taken out of turn, over every epoch so far.
-    pub fn order_counts(&self) -> (u64, u64) {
+    pub fn order_counts(&self) -> OrderCounts {
         self.rings[..=self.current]
             .iter()
             .map(Ring::order_counts)
-            .fold((0, 0), |(a, b), (c, d)| (a + c, b + d))
+            .fold(OrderCounts::default(), |sum, ring| OrderCounts {
+                events: sum.events + ring.events,
+                skipped: sum.skipped + ring.skipped,
+                late_wakes: sum.late_wakes + ring.late_wakes,
+            })
     }
 
     /// Prepares the next epoch's ring for `members` (the leader first), each with its CPU
@@ -1119,7 +1144,7 @@ mod tests {
         assert_eq!(ring.post_signal(3, libc::SIGALRM), 2);
         assert_eq!(ring.signal_seen(3, 0), 0);
         assert_eq!(ring.signal_record(3, 0, 1), None);
-        assert_eq!(ring.order_counts(), (0, 0));
+        assert_eq!(ring.order_counts(), OrderCounts::default());
         ring.switch_off(0..LANES);
         assert!(!ring.is_on());
     }

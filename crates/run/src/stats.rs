@@ -23,9 +23,8 @@ pub struct Stats {
     pub fast_calls: Option<u64>,
     /// Of those, outputs the monitor checked before they ran (strict output checks).
     pub checked_outputs: Option<u64>,
-    /// Places of the leader's order of events across threads, and records the followers'
-    /// threads took out of turn (fast backend).
-    pub order: Option<(u64, u64)>,
+    /// The leader's order of events across threads (fast backend).
+    pub order: Option<crate::fast::OrderCounts>,
     pub reintegrations: u64,
     pub monitor_time: Duration,
 }
@@ -77,9 +76,10 @@ impl Stats {
                 "    outputs checked:    {n} (by the monitor before they ran: --output-check strict)\n"
             ));
         }
-        if let Some((events, skipped)) = self.order {
+        if let Some(order) = self.order {
             s.push_str(&format!(
-                "  ordered events:       {events} ({skipped} taken out of turn)\n"
+                "  ordered events:       {} ({} taken out of turn, {} late wake-ups)\n",
+                order.events, order.skipped, order.late_wakes
             ));
         }
         s.push_str(&format!("  rdtsc emulated:       {}\n", self.rdtsc));

@@ -961,7 +961,7 @@ impl Session {
     }
 
     /// The leaders' orders of events, for `--stats`.
-    pub(crate) fn order_counts(&self) -> Option<(u64, u64)> {
+    pub(crate) fn order_counts(&self) -> Option<crate::fast::OrderCounts> {
         let fast = self.fast.as_ref()?;
         fast.task_of(0)?;
         Some(fast.order_counts())
