@@ -1,21 +1,30 @@
 #!/usr/bin/env python3
 """order_programs.py - issue 17's multi-threaded programs under `lockstep run`: how many
-runs end as natively (same output, exit 0) with no divergence, under -r 2 and -r 3.
+runs end as natively (same output, exit 0) with no divergence, under -r 2 and -r 3:
+zstd, xz, pigz, sort, git gc and a Python thread pool, and memcached with its default
+threads under memcaslap.
 
     python3 bench/order_programs.py [--runs N] [--only NAME] [--lockstep BIN]
 
 Each program's native output is taken once; a run counts as good when its exit status is
 0, its output equals the native one and lockstep reported no divergence. The Python job's
 threads print in the order they finish, which differs natively from run to run: its lines
-are compared as a set. Prints one table row per program and
-replica count, and the exact commands."""
+are compared as a set. `git gc` runs on a fresh copy of a repository each time and
+counts as good when `git fsck --strict` passes and every object is still there afterwards
+(its pack's bytes may differ natively between runs: the delta search is split between
+threads). memcached counts as good when memcaslap's verified gets found no wrong value,
+memcached answered every request and stopped with 0 on SIGINT. Prints one table row per
+program and replica count, and the exact commands."""
 import argparse
 import hashlib
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +74,87 @@ def programs(work):
     ]
 
 
+def git_template(work):
+    """A repository with 40 commits of a growing source-like file: gc has deltas to find."""
+    repo = os.path.join(work, "repo")
+    if os.path.exists(repo):
+        return repo
+    git = ["git", "-C", repo, "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", repo], check=True)
+    lines = [f"line {i} {hashlib.sha256(str(i).encode()).hexdigest()}\n" for i in range(4000)]
+    for c in range(40):
+        for i in range(c, len(lines), 40):
+            lines[i] = lines[i].rstrip("\n") + f" edit {c}\n"
+        with open(os.path.join(repo, f"f{c % 4}.txt"), "w") as f:
+            f.writelines(lines)
+        subprocess.run(git + ["add", "-A"], check=True)
+        subprocess.run(git + ["commit", "-q", "-m", f"c{c}"], check=True)
+    return repo
+
+
+def git_objects(repo):
+    out = subprocess.run(["git", "-C", repo, "rev-list", "--all", "--objects"], capture_output=True, check=True)
+    return digest(out.stdout, as_set=True)
+
+
+def git_gc_run(lockstep, r, template, work, timeout):
+    """(good, diverged, other): one `git gc` with two pack threads on a fresh copy."""
+    repo = os.path.join(work, "gc")
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.copytree(template, repo, symlinks=True)
+    want = git_objects(repo)
+    argv = ["git", "-C", repo, "-c", "pack.threads=2", "gc", "--quiet", "--aggressive"]
+    cmd = argv if lockstep is None else [lockstep, "run", "-r", r, "--"] + argv
+    try:
+        p = subprocess.run(cmd, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, False, "timeout"
+    div = b"[divergence]" in p.stderr
+    fsck = subprocess.run(["git", "-C", repo, "fsck", "--strict", "--no-progress"], capture_output=True)
+    same = fsck.returncode == 0 and git_objects(repo) == want
+    if p.returncode == 0 and same and not div:
+        return True, False, None
+    return False, div, None if div else f"exit {p.returncode}" + ("" if same else ", repository differs")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memcached_run(lockstep, r, timeout):
+    """(good, diverged, other): memcached with its default threads under memcaslap -t 3s."""
+    port = free_port()
+    argv = ["memcached", "-u", "root", "-l", "127.0.0.1", "-p", str(port), "-U", "0"]
+    cmd = argv if lockstep is None else [lockstep, "run", "-r", r, "--"] + argv
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    load = subprocess.run(
+        ["memcaslap", "-s", f"127.0.0.1:{port}", "-T", "1", "-c", "8", "-t", "3s", "--verify=0.1"],
+        capture_output=True, text=True, timeout=timeout)
+    server.send_signal(2)
+    try:
+        _, err = server.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        return False, False, "timeout"
+    div = b"[divergence]" in err
+    # memcaslap's summary: "Get: N ... Miss: M ..." lines, and "data verification failed" counts.
+    failed = re.search(r"(verify_failed|verification failed|Failed to verify)[^0-9]*([0-9]+)", load.stdout, re.I)
+    ops = re.search(r"Ops:\s+(\d+)", load.stdout)
+    fine = load.returncode == 0 and ops is not None and int(ops.group(1)) > 0 and (failed is None or failed.group(2) == "0")
+    if server.returncode == 0 and fine and not div:
+        return True, False, None
+    return False, div, None if div else f"exit {server.returncode}" + ("" if fine else ", memcaslap failed")
+
+
 def digest(b, as_set=False):
     if as_set:
         b = b"\n".join(sorted(b.split(b"\n")))
@@ -82,6 +172,25 @@ def main():
     try:
         print("| program | replicas | good runs | divergences | other endings |")
         print("|---|---:|---:|---:|---|")
+        for name, run_once in (("git gc (pack.threads=2)", "git"), ("memcached (default threads)", "memcached")):
+            if args.only and args.only not in name:
+                continue
+            if shutil.which(run_once) is None or (run_once == "memcached" and shutil.which("memcaslap") is None):
+                print(f"| {name} | - | not installed | | |")
+                continue
+            template = git_template(work) if run_once == "git" else None
+            for r in ("2", "3"):
+                good, diverged, other = 0, 0, []
+                for _ in range(args.runs):
+                    if run_once == "git":
+                        ok, div, why = git_gc_run(args.lockstep, r, template, work, args.timeout)
+                    else:
+                        ok, div, why = memcached_run(args.lockstep, r, args.timeout)
+                    good += ok
+                    diverged += div
+                    if why:
+                        other.append(why)
+                print(f"| {name} | {r} | {good} of {args.runs} | {diverged} | {', '.join(other) or '-'} |", flush=True)
         for name, argv, as_set in programs(work):
             if args.only and args.only not in name:
                 continue
@@ -111,6 +220,9 @@ def main():
         print("Commands (DATA: 18 MB of random bytes in base64):")
         for name, argv, _ in programs(work):
             print(f"  {name}: lockstep run -r 2|3 -- {' '.join(argv)}")
+        print("  git gc: lockstep run -r 2|3 -- git -C COPY -c pack.threads=2 gc --quiet --aggressive")
+        print("  memcached: lockstep run -r 2|3 -- memcached -u root -l 127.0.0.1 -p PORT -U 0;"
+              " memcaslap -s 127.0.0.1:PORT -T 1 -c 8 -t 3s --verify=0.1; SIGINT")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
