@@ -109,7 +109,7 @@ def git_gc_run(lockstep, r, template, work, timeout):
         p = subprocess.run(cmd, capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, False, "timeout"
-    div = b"[divergence]" in p.stderr
+    div = note_divergence("git gc", r, p.stderr)
     fsck = subprocess.run(["git", "-C", repo, "fsck", "--strict", "--no-progress"], capture_output=True)
     same = fsck.returncode == 0 and git_objects(repo) == want
     if p.returncode == 0 and same and not div:
@@ -145,7 +145,7 @@ def memcached_run(lockstep, r, timeout):
     except subprocess.TimeoutExpired:
         server.kill()
         return False, False, "timeout"
-    div = b"[divergence]" in err
+    div = note_divergence("memcached", r, err)
     # memcaslap's summary: "Get: N ... Miss: M ..." lines, and "data verification failed" counts.
     failed = re.search(r"(verify_failed|verification failed|Failed to verify)[^0-9]*([0-9]+)", load.stdout, re.I)
     ops = re.search(r"Ops:\s+(\d+)", load.stdout)
@@ -153,6 +153,18 @@ def memcached_run(lockstep, r, timeout):
     if server.returncode == 0 and fine and not div:
         return True, False, None
     return False, div, None if div else f"exit {server.returncode}" + ("" if fine else ", memcaslap failed")
+
+
+DIVERGENCES = []  # (program, replicas, lockstep's first divergence line), printed at the end
+
+
+def note_divergence(name, r, stderr):
+    """Whether lockstep reported a divergence; keeps its first line for the summary."""
+    for line in stderr.decode(errors="replace").splitlines():
+        if "[divergence]" in line:
+            DIVERGENCES.append((name, r, line[:400]))
+            return True
+    return False
 
 
 def digest(b, as_set=False):
@@ -208,7 +220,7 @@ def main():
                     except subprocess.TimeoutExpired:
                         other.append("timeout")
                         continue
-                    div = b"[divergence]" in p.stderr
+                    div = note_divergence(name, r, p.stderr)
                     diverged += div
                     same = digest(p.stdout, as_set) == want
                     if p.returncode == 0 and same and not div:
@@ -216,6 +228,11 @@ def main():
                     elif not div:
                         other.append(f"exit {p.returncode}" + ("" if same else ", other output"))
                 print(f"| {name} | {r} | {good} of {args.runs} | {diverged} | {', '.join(other) or '-'} |", flush=True)
+        if DIVERGENCES:
+            print()
+            print("Divergences (first line of each):")
+            for name, r, line in DIVERGENCES:
+                print(f"  {name} -r {r}: {line}")
         print()
         print("Commands (DATA: 18 MB of random bytes in base64):")
         for name, argv, _ in programs(work):

@@ -705,23 +705,30 @@ impl Session {
                 fast.sleeping(lane, r) || (unmoved && self.waits_on_ring(task, r))
             })
             .collect();
-        let running: Vec<bool> = live
-            .iter()
-            .zip(&waits)
-            .map(|(&r, &w)| !w && self.running_in_user_space(task, r))
-            .collect();
+        let someone_waits = waits.iter().any(|&w| w);
+        let moved = live.iter().any(|&r| {
+            fast.position(lane, r)
+                .zip(fast.region(r))
+                .is_some_and(|(position, region)| fast.watch[lane][region as usize].0 != position)
+        });
+        // Which replicas run in user space: /proc reads, only when the ring stands still.
+        let running: Vec<bool> = if !moved && someone_waits {
+            live.iter()
+                .zip(&waits)
+                .map(|(&r, &w)| !w && self.running_in_user_space(task, r))
+                .collect()
+        } else {
+            vec![false; live.len()]
+        };
         let Some(fast) = self.fast.as_mut() else {
             return Ok(());
         };
-        let someone_waits = waits.iter().any(|&w| w);
         let mut standing = Vec::new();
-        let mut moved = false;
         for (&r, &sleeping) in live.iter().zip(&waits) {
             let (Some(position), Some(region)) = (fast.position(lane, r), fast.region(r)) else {
                 continue;
             };
             let entry = &mut fast.watch[lane][region as usize];
-            moved |= position != entry.0;
             if position != entry.0 || !someone_waits || sleeping {
                 *entry = (position, None);
             } else {
