@@ -476,13 +476,15 @@ static int futex_wait(volatile uint32_t *word, uint32_t seen)
 
 static void late_wake(struct lf_state *st) { __atomic_fetch_add(&st->orders[st->me]->h.late_wakes, 1, __ATOMIC_RELAXED); }
 
-/* Milliseconds of CLOCK_MONOTONIC, for patience on slow paths (a raw call: no record). */
+/* Milliseconds of CLOCK_MONOTONIC, for patience in waits (from the fast gate: no record,
+ * no stop; through the slow gate each read was a ptrace stop, and the work-queue kernel
+ * ran twice as long). */
 static uint64_t monotonic_ms(void)
 {
     struct {
         long sec, nsec;
     } now = {0, 0};
-    lf_raw(SYS_clock_gettime, CLOCK_MONOTONIC, (long)&now, 0, 0, 0, 0);
+    lf_fast(SYS_clock_gettime, CLOCK_MONOTONIC, (long)&now, 0, 0, 0, 0);
     return (uint64_t)now.sec * 1000 + (uint64_t)now.nsec / 1000000;
 }
 
@@ -1020,9 +1022,11 @@ static void turn_done(struct lf_state *st, uint64_t idx)
 }
 
 /* Whether the thread whose turn it is in this replica (the leader's entry at `consumed`)
- * waits in a futex call. */
-static int turn_holder_blocked(struct lf_state *st, uint64_t consumed)
+ * waits in a futex call (a turn_wait's holder_blocked; the order of every event has no
+ * slot). */
+static int turn_holder_blocked(struct lf_state *st, uint64_t unused_slot, uint64_t consumed)
 {
+    (void)unused_slot;
     const struct lf_order_entry *e = &st->orders[st->leader]->entries[consumed % LF_ORDER_SLOTS];
     if (load(&e->index) != consumed + 1 || lf_lanes == NULL)
         return 0;
@@ -1032,36 +1036,59 @@ static int turn_holder_blocked(struct lf_state *st, uint64_t consumed)
     return load(&lane_state(lf_lanes, (uint32_t)lane)->regions[st->me]->h.in_futex) != 0;
 }
 
+/* A follower's thread's wait for its place: until `*count` reaches `target` (every earlier
+ * place or ticket done in this replica), sleeping on `word` (bumped with `sleepers`
+ * counted, as turn_done and take_object_turn do). It takes its place out of turn, counted,
+ * when nothing moved for ORDER_PATIENCE sleeps' time, or for one when `holder_blocked`
+ * says the thread whose place comes next waits in a futex call (see ORDER_PATIENCE). */
+struct turn_wait {
+    volatile uint64_t *count;
+    uint64_t target;
+    volatile uint32_t *word, *sleepers;
+    int (*holder_blocked)(struct lf_state *, uint64_t slot, uint64_t count);
+    uint64_t slot; /* for holder_blocked: the object's slot */
+};
+
+static void wait_for_turn(struct lf_state *st, const struct turn_wait *t)
+{
+    uint64_t c = load(t->count);
+    if (c >= t->target)
+        return;
+    uint32_t budget = turn_spin(st);
+    for (uint32_t i = 0; i < budget && (c = load(t->count)) < t->target; i++)
+        cpu_relax();
+    /* Patience is time since the count last moved, not wake-ups: the object order's word
+     * is bumped by every object's progress. */
+    uint64_t moved_at = monotonic_ms();
+    while (c < t->target) {
+        if (is_off(st))
+            return;
+        uint64_t still_ms = monotonic_ms() - moved_at;
+        if (still_ms >= ORDER_PATIENCE * FUTEX_WAIT_MS ||
+            (still_ms >= FUTEX_WAIT_MS && t->holder_blocked(st, t->slot, c))) {
+            __atomic_fetch_add(&st->orders[st->me]->h.skipped, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        uint32_t seen = load32(t->word);
+        __atomic_fetch_add(t->sleepers, 1, __ATOMIC_SEQ_CST);
+        int timed_out = load(t->count) == c && futex_wait(t->word, seen);
+        __atomic_fetch_sub(t->sleepers, 1, __ATOMIC_SEQ_CST);
+        uint64_t now = load(t->count);
+        if (timed_out && now >= t->target)
+            late_wake(st);
+        if (now != c)
+            moved_at = monotonic_ms();
+        c = now;
+    }
+}
+
 /* A follower's thread before it takes the record at index `idx` of the leader's order:
  * waits until every earlier index is done in this replica, then marks it done. */
 static void take_turn(struct lf_state *st, uint64_t idx)
 {
     struct lf_order *o = st->orders[st->me];
-    uint64_t c = load(&o->h.consumed);
-    if (c != idx) {
-        uint32_t budget = turn_spin(st);
-        for (uint32_t i = 0; i < budget && (c = load(&o->h.consumed)) != idx; i++)
-            cpu_relax();
-        uint64_t last = c;
-        unsigned still = 0;
-        while (c != idx && c < idx) {
-            if (is_off(st))
-                break;
-            if (still >= ORDER_PATIENCE || (still >= 1 && turn_holder_blocked(st, c))) {
-                __atomic_fetch_add(&o->h.skipped, 1, __ATOMIC_RELAXED);
-                break;
-            }
-            uint32_t seen = load32(&o->h.turn_word);
-            __atomic_fetch_add(&o->h.sleepers, 1, __ATOMIC_SEQ_CST);
-            int timed_out = load(&o->h.consumed) == c && futex_wait(&o->h.turn_word, seen);
-            __atomic_fetch_sub(&o->h.sleepers, 1, __ATOMIC_SEQ_CST);
-            c = load(&o->h.consumed);
-            if (timed_out && c >= idx)
-                late_wake(st);
-            still = c == last ? still + 1 : 0;
-            last = c;
-        }
-    }
+    struct turn_wait t = {&o->h.consumed, idx, &o->h.turn_word, &o->h.sleepers, turn_holder_blocked, 0};
+    wait_for_turn(st, &t);
     turn_done(st, idx);
 }
 
@@ -1117,36 +1144,10 @@ static void take_object_turn(struct lf_state *st, uint64_t order)
     uint64_t slot = (order >> ORDER_SLOT_SHIFT) % LF_OBJECTS;
     uint64_t ticket = order & ORDER_TICKET_MASK;
     uint64_t *count = &o->objects[slot].count;
-    uint64_t c = load(count);
-    if (c < ticket) {
-        uint32_t budget = turn_spin(st);
-        for (uint32_t i = 0; i < budget && (c = load(count)) < ticket; i++)
-            cpu_relax();
-        /* The word is bumped by every object's progress, so the patience is measured in
-         * time since this object's count last moved, not in wake-ups. */
-        uint64_t moved_at = monotonic_ms();
-        while (c < ticket) {
-            if (is_off(st))
-                break;
-            uint64_t still_ms = monotonic_ms() - moved_at;
-            if (still_ms >= ORDER_PATIENCE * FUTEX_WAIT_MS ||
-                (still_ms >= FUTEX_WAIT_MS && object_holder_blocked(st, slot, c))) {
-                __atomic_fetch_add(&o->h.skipped, 1, __ATOMIC_RELAXED);
-                break;
-            }
-            uint32_t seen = load32(&o->h.object_word);
-            __atomic_fetch_add(&o->h.object_sleepers, 1, __ATOMIC_SEQ_CST);
-            if (load(count) == c)
-                futex_wait(&o->h.object_word, seen);
-            __atomic_fetch_sub(&o->h.object_sleepers, 1, __ATOMIC_SEQ_CST);
-            uint64_t now = load(count);
-            if (now != c)
-                moved_at = monotonic_ms();
-            c = now;
-        }
-    }
+    struct turn_wait t = {count, ticket, &o->h.object_word, &o->h.object_sleepers, object_holder_blocked, slot};
+    wait_for_turn(st, &t);
     /* Tickets done in a row; one taken out of turn moves the count past the skipped ones. */
-    c = load(count);
+    uint64_t c = load(count);
     while (c < ticket + 1 && !__atomic_compare_exchange_n(count, &c, ticket + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         ;
     __atomic_fetch_add(&o->h.object_word, 1, __ATOMIC_SEQ_CST);
