@@ -808,10 +808,16 @@ static void note_lane(uint32_t lane)
     __atomic_store_n(&lf_lane_mix, mix, __ATOMIC_RELAXED);
 }
 
+/* Whether a waiting thread may spin at all: spinning is on, and few lanes are busy. */
+static int may_spin(const struct lf_state *st)
+{
+    return st->spin != 0 && __atomic_load_n(&lf_lane_mix, __ATOMIC_RELAXED) < LANE_MIX_STEP;
+}
+
 static int spin_for(const struct wait_for *w, ready_fn ready)
 {
     struct lf_state *st = w->st;
-    if (st->spin == 0 || __atomic_load_n(&lf_lane_mix, __ATOMIC_RELAXED) >= LANE_MIX_STEP)
+    if (!may_spin(st))
         return NOT_YET;
     if (__atomic_fetch_add(&lf_spinner, 1, __ATOMIC_ACQUIRE) >= LF_MAX_SPINNERS) {
         __atomic_fetch_sub(&lf_spinner, 1, __ATOMIC_RELEASE);
@@ -977,15 +983,8 @@ static struct lf_state *lane_state(struct lf_state *lanes, uint32_t lane);
  * for ORDER_PATIENCE such sleeps. Either is counted. */
 #define ORDER_PATIENCE 20
 
-/* How long a follower's thread spins for its turn before it sleeps: as spin_for, not at
- * all while several lanes are busy (their threads would take the CPUs of the ones whose
- * turn it is). */
-static uint32_t turn_spin(const struct lf_state *st)
-{
-    if (st->spin == 0 || __atomic_load_n(&lf_lane_mix, __ATOMIC_RELAXED) >= LANE_MIX_STEP)
-        return 0;
-    return SPIN_FLOOR * 4;
-}
+/* How long a follower's thread spins for its turn before it sleeps (when it may_spin). */
+#define TURN_SPIN (SPIN_FLOOR * 4)
 
 /* The leader: the next index of its order for record `s` of this lane. Waits while the
  * slowest follower is ORDER_SLOTS behind (only a follower whose threads took turns out of
@@ -1054,16 +1053,19 @@ static void wait_for_turn(struct lf_state *st, const struct turn_wait *t)
     uint64_t c = load(t->count);
     if (c >= t->target)
         return;
-    uint32_t budget = turn_spin(st);
+    uint32_t budget = may_spin(st) ? TURN_SPIN : 0;
     for (uint32_t i = 0; i < budget && (c = load(t->count)) < t->target; i++)
         cpu_relax();
     /* Patience is time since the count last moved, not wake-ups: the object order's word
-     * is bumped by every object's progress. */
-    uint64_t moved_at = monotonic_ms();
+     * is bumped by every object's progress. One clock read per sleep. */
+    uint64_t moved_at = 0, last = c;
     while (c < t->target) {
         if (is_off(st))
             return;
-        uint64_t still_ms = monotonic_ms() - moved_at;
+        uint64_t now_ms = monotonic_ms();
+        if (moved_at == 0 || c != last)
+            moved_at = now_ms, last = c;
+        uint64_t still_ms = now_ms - moved_at;
         if (still_ms >= ORDER_PATIENCE * FUTEX_WAIT_MS ||
             (still_ms >= FUTEX_WAIT_MS && t->holder_blocked(st, t->slot, c))) {
             __atomic_fetch_add(&st->orders[st->me]->h.skipped, 1, __ATOMIC_RELAXED);
@@ -1073,12 +1075,9 @@ static void wait_for_turn(struct lf_state *st, const struct turn_wait *t)
         __atomic_fetch_add(t->sleepers, 1, __ATOMIC_SEQ_CST);
         int timed_out = load(t->count) == c && futex_wait(t->word, seen);
         __atomic_fetch_sub(t->sleepers, 1, __ATOMIC_SEQ_CST);
-        uint64_t now = load(t->count);
-        if (timed_out && now >= t->target)
+        c = load(t->count);
+        if (timed_out && c >= t->target)
             late_wake(st);
-        if (now != c)
-            moved_at = monotonic_ms();
-        c = now;
     }
 }
 
