@@ -7,7 +7,7 @@ wall time against native, measured in the same invocation.
 Builds bench/kernels.c with `gcc -O2 -pthread` into a temporary directory, then for each
 kernel (a prefix sum with three barrier waits per round, a barrier-heavy stencil, a work
 queue under a mutex and condition variables) runs native, `-r 2`, `-r 3` and
-`-r 2 --sync-order object` in turn, R rounds (the second half in reverse order). A run
+`-r 2 --sync-order object`, and `-r 2` and `-r 3` with `--sync-order serial` in turn, R rounds (the second half in reverse order). A run
 counts only when it exits 0 with native's checksum line; anything else is an anomaly
 (listed, not fatal). Prints per kernel and configuration the median wall time, the
 median of the per-round ratios against that round's native run (issue 17's goal:
@@ -42,6 +42,8 @@ CONFIGS = {
     "-r 2": ["-r", "2"],
     "-r 3": ["-r", "3"],
     "-r 2 --sync-order object": ["-r", "2", "--sync-order", "object"],
+    "-r 2 --sync-order serial": ["-r", "2", "--sync-order", "serial"],
+    "-r 3 --sync-order serial": ["-r", "3", "--sync-order", "serial"],
 }
 ORDERED_RE = re.compile(r"ordered events:\s+(\d+)")
 

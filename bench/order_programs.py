@@ -5,6 +5,7 @@ zstd, xz, pigz, sort, git gc and a Python thread pool, and memcached with its de
 threads under memcaslap.
 
     python3 bench/order_programs.py [--runs N] [--only NAME] [--lockstep BIN]
+                                    [--sync-order global|object|serial]
 
 Each program's native output is taken once; a run counts as good when its exit status is
 0, its output equals the native one and lockstep reported no divergence. The Python job's
@@ -104,7 +105,7 @@ def git_gc_run(lockstep, r, template, work, timeout):
     shutil.copytree(template, repo, symlinks=True)
     want = git_objects(repo)
     argv = ["git", "-C", repo, "-c", "pack.threads=2", "gc", "--quiet", "--aggressive"]
-    cmd = argv if lockstep is None else [lockstep, "run", "-r", r, "--"] + argv
+    cmd = argv if lockstep is None else [lockstep, *LOCKSTEP_RUN, "-r", r, "--"] + argv
     try:
         p = subprocess.run(cmd, capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -127,7 +128,7 @@ def memcached_run(lockstep, r, timeout):
     """(good, diverged, other): memcached with its default threads under memcaslap -t 3s."""
     port = free_port()
     argv = ["memcached", "-u", "root", "-l", "127.0.0.1", "-p", str(port), "-U", "0"]
-    cmd = argv if lockstep is None else [lockstep, "run", "-r", r, "--"] + argv
+    cmd = argv if lockstep is None else [lockstep, *LOCKSTEP_RUN, "-r", r, "--"] + argv
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -156,6 +157,7 @@ def memcached_run(lockstep, r, timeout):
 
 
 DIVERGENCES = []  # (program, replicas, lockstep's first divergence line), printed at the end
+LOCKSTEP_RUN = ["run"]  # lockstep's subcommand and the options every run gets (main adds them)
 
 
 def note_divergence(name, r, stderr):
@@ -179,7 +181,10 @@ def main():
     ap.add_argument("--only", default=None, help="run only programs whose name contains this")
     ap.add_argument("--lockstep", default=os.path.join(ROOT, "target", "release", "lockstep"))
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--sync-order", default="global", choices=["global", "object", "serial"],
+                    help="lockstep run's --sync-order")
     args = ap.parse_args()
+    LOCKSTEP_RUN.append(f"--sync-order={args.sync_order}")
     work = tempfile.mkdtemp(prefix="lockstep-order-")
     try:
         print("| program | replicas | good runs | divergences | other endings |")
@@ -214,7 +219,7 @@ def main():
             for r in ("2", "3"):
                 good, diverged, other = 0, 0, []
                 for _ in range(args.runs):
-                    cmd = [args.lockstep, "run", "-r", r, "--"] + argv
+                    cmd = [args.lockstep, *LOCKSTEP_RUN, "-r", r, "--"] + argv
                     try:
                         p = subprocess.run(cmd, capture_output=True, timeout=args.timeout)
                     except subprocess.TimeoutExpired:
@@ -234,7 +239,7 @@ def main():
             for name, r, line in DIVERGENCES:
                 print(f"  {name} -r {r}: {line}")
         print()
-        print("Commands (DATA: 18 MB of random bytes in base64):")
+        print(f"Commands (DATA: 18 MB of random bytes in base64; every run with --sync-order={args.sync_order}):")
         for name, argv, _ in programs(work):
             print(f"  {name}: lockstep run -r 2|3 -- {' '.join(argv)}")
         print("  git gc: lockstep run -r 2|3 -- git -C COPY -c pack.threads=2 gc --quiet --aggressive")

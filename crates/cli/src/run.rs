@@ -77,13 +77,16 @@ pub struct RunArgs {
     /// pthread and semaphore operations. `global`: one order of every operation and call
     /// of every thread. `object`: an order per object (mutex, semaphore, ...), so threads
     /// on different objects never wait for each other; only for programs that share data
-    /// under locks alone (memcached's races make it diverge).
+    /// under locks alone (memcached's races make it diverge). `serial`: one order, and each
+    /// replica runs one thread at a time, switching only at calls and operations, so that
+    /// racy reads are replayed too; slower, and a thread that spins on memory without a call
+    /// never lets another run.
     #[arg(
         long,
         env = "LOCKSTEP_SYNC_ORDER",
         default_value = "global",
         value_name = "ORDER",
-        value_parser = ["global", "object"]
+        value_parser = ["global", "object", "serial"]
     )]
     sync_order: String,
 

@@ -142,7 +142,7 @@ struct lf_header {
     uint64_t magic;
     uint32_t version, replicas;
     uint32_t leader, off;
-    uint32_t object_order, spin; /* object_order: 1 when each synchronisation object has an order of its own */
+    uint32_t sync_order, spin; /* SYNC_ORDER_*: which order the followers' threads keep */
     uint64_t clocks_offset, regions_offset, region_size, total_size;
     int32_t cpu[4]; /* each replica's CPU, -1 if not pinned */
     uint32_t strict; /* 1: the monitor checks every output before it runs */
@@ -227,7 +227,10 @@ struct lf_order_entry {
 #define ORDER_LANE_SHIFT 56
 struct lf_order_head {
     uint64_t claimed; /* as the leader: the next index */
-    uint64_t pad0[7];
+    /* As the leader in the serial order: a ticket lock, the right to run the program's code
+     * (see "the serial order"). */
+    uint32_t token_next, token_serving;
+    uint64_t pad0[6];
     uint64_t consumed;  /* as a follower: every index below this one is done */
     uint32_t turn_word; /* futex word, bumped when `consumed` moves */
     uint32_t sleepers;  /* threads asleep on turn_word */
@@ -239,7 +242,10 @@ struct lf_order_head {
     uint64_t late_wakes;
     uint64_t pad1[3];
 };
-/* Objects with an order of their own (the header's `object_order`): a synchronisation
+#define SYNC_ORDER_GLOBAL 0
+#define SYNC_ORDER_OBJECT 1
+#define SYNC_ORDER_SERIAL 2
+/* Objects with an order of their own (SYNC_ORDER_OBJECT): a synchronisation
  * record does not take a place in the order of every event, but the next ticket of its
  * object (the mutex, semaphore, read-write lock, barrier or once control, by address), and
  * a follower's thread waits only for the earlier tickets of the same object. Threads that
@@ -287,6 +293,10 @@ struct lf_state {
     volatile int stack_busy; /* a call runs on `stack` (entered from another stack) */
     long owner_tid;       /* the thread that uses this lane */
     uint32_t lane;
+    /* The serial order: as the leader, whether this thread holds the token, and the events
+     * it published since it took it; as a follower, the place it holds (index + 1, 0: none). */
+    uint32_t serial_token, serial_events;
+    uint64_t serial_place;
 };
 
 struct kernel_sigaction {
@@ -1020,6 +1030,80 @@ static void turn_done(struct lf_state *st, uint64_t idx)
         futex_wake(&o->h.turn_word);
 }
 
+/* --- the serial order (SYNC_ORDER_SERIAL, `--sync-order serial`) -----------------------
+ * Each replica runs its threads' code one at a time, switching only at events, so that
+ * what a thread reads between two events, even another thread's data without a lock (a
+ * race), is what it read in the leader (Kendo and DMP serialise the same way).
+ * The leader's threads take turns with a token, a ticket lock in its order head: a thread
+ * holds it while it runs the program's code, gives it up before anything that can block
+ * (a call's entry into the kernel, a call through the monitor, a futex wait or
+ * sched_yield of its own, a native lock, condition, semaphore, barrier or once wait), and
+ * takes it again before it claims its next place; so the order's places follow the
+ * token's segments one after the other. A call after which the thread claims no place of
+ * its own (through the monitor, a futex wait, sched_yield) is followed by a RESUME record
+ * in every replica, and so is a new thread's start. A follower's thread holds the place
+ * of its last record until it reaches its next event, blocks or exits: no other thread of
+ * its replica runs meanwhile, so it replays the leader's segment whole. A leader's thread
+ * that published SERIAL_QUANTUM events in one turn passes the token to a waiting thread
+ * (a trylock loop would otherwise never let the lock's holder run). The limit: a thread
+ * that spins on memory without any event (a spinlock, a flag) keeps the token for ever. */
+#define SERIAL_QUANTUM 16
+
+static int serial_order(const struct lf_state *st)
+{
+    return st != NULL && st->hdr != NULL && load32(&st->hdr->sync_order) == SYNC_ORDER_SERIAL;
+}
+
+static void token_give(struct lf_state *st)
+{
+    volatile struct lf_order_head *h = &st->orders[st->me]->h;
+    st->serial_token = 0;
+    uint32_t serving = __atomic_add_fetch(&h->token_serving, 1, __ATOMIC_SEQ_CST);
+    if (load32(&h->token_next) != serving)
+        futex_wake(&h->token_serving);
+}
+
+static void token_take(struct lf_state *st)
+{
+    volatile struct lf_order_head *h = &st->orders[st->me]->h;
+    uint32_t ticket = __atomic_fetch_add(&h->token_next, 1, __ATOMIC_SEQ_CST);
+    for (uint32_t now; (now = load32(&h->token_serving)) != ticket;)
+        futex_wait(&h->token_serving, now);
+    st->serial_token = 1;
+    st->serial_events = 0;
+}
+
+/* Gives up what the thread holds in the serial order: the token, or its place. */
+static void serial_leave(struct lf_state *st)
+{
+    if (st == NULL)
+        return;
+    if (st->serial_token)
+        token_give(st);
+    if (st->serial_place != 0) {
+        uint64_t idx = st->serial_place - 1;
+        st->serial_place = 0;
+        turn_done(st, idx);
+    }
+}
+
+/* The leader's thread before it claims a place: it holds the token, after a turn of
+ * another thread's if it had its quantum and one waits. */
+static void serial_claim(struct lf_state *st)
+{
+    if (!serial_order(st))
+        return;
+    if (st->serial_token && ++st->serial_events >= SERIAL_QUANTUM) {
+        volatile struct lf_order_head *h = &st->orders[st->me]->h;
+        if (load32(&h->token_next) != load32(&h->token_serving) + 1)
+            token_give(st);
+        else
+            st->serial_events = 0;
+    }
+    if (!st->serial_token)
+        token_take(st);
+}
+
 /* Whether the thread whose turn it is in this replica (the leader's entry at `consumed`)
  * waits in a futex call (a turn_wait's holder_blocked; the order of every event has no
  * slot). */
@@ -1054,6 +1138,8 @@ static void wait_for_turn(struct lf_state *st, const struct turn_wait *t)
     if (c >= t->target)
         return;
     uint32_t budget = may_spin(st) ? TURN_SPIN : 0;
+    /* In the serial order the thread whose turn it is may compute for long: no patience. */
+    int serial = serial_order(st);
     for (uint32_t i = 0; i < budget && (c = load(t->count)) < t->target; i++)
         cpu_relax();
     /* Patience is time since the count last moved, not wake-ups: the object order's word
@@ -1066,8 +1152,8 @@ static void wait_for_turn(struct lf_state *st, const struct turn_wait *t)
         if (moved_at == 0 || c != last)
             moved_at = now_ms, last = c;
         uint64_t still_ms = now_ms - moved_at;
-        if (still_ms >= ORDER_PATIENCE * FUTEX_WAIT_MS ||
-            (still_ms >= FUTEX_WAIT_MS && t->holder_blocked(st, t->slot, c))) {
+        if (!serial && (still_ms >= ORDER_PATIENCE * FUTEX_WAIT_MS ||
+                        (still_ms >= FUTEX_WAIT_MS && t->holder_blocked(st, t->slot, c)))) {
             __atomic_fetch_add(&st->orders[st->me]->h.skipped, 1, __ATOMIC_RELAXED);
             return;
         }
@@ -1082,13 +1168,18 @@ static void wait_for_turn(struct lf_state *st, const struct turn_wait *t)
 }
 
 /* A follower's thread before it takes the record at index `idx` of the leader's order:
- * waits until every earlier index is done in this replica, then marks it done. */
+ * waits until every earlier index is done in this replica, then marks it done (in the
+ * serial order: holds it until its next event). */
 static void take_turn(struct lf_state *st, uint64_t idx)
 {
     struct lf_order *o = st->orders[st->me];
     struct turn_wait t = {&o->h.consumed, idx, &o->h.turn_word, &o->h.sleepers, turn_holder_blocked, 0};
+    serial_leave(st);
     wait_for_turn(st, &t);
-    turn_done(st, idx);
+    if (serial_order(st))
+        st->serial_place = idx + 1;
+    else
+        turn_done(st, idx);
 }
 
 /* The leader: the next ticket of the object at `addr` for record `s` of this lane, or (the
@@ -1237,6 +1328,12 @@ static int local_call(long nr, const long *a)
     return lf_table[nr].fast == F_CLOCK && (nr != SYS_clock_gettime || (a[0] >= 0 && a[0] < (long)LF_CLOCKS));
 }
 
+static void serial_resume(struct lf_state *st);
+/* Nonzero while the thread is in a native synchronisation operation of the program's (a
+ * mutex lock the leader's order decides): a futex wait there is the operation's, whose own
+ * record follows, not a wait of the program's code that needs a RESUME. */
+static __thread int lf_in_native __attribute__((tls_model("initial-exec")));
+
 /* A call the monitor handles. A follower's calls that meet the leader there are counted
  * and marked (slow_seq), so that a leader waiting for it can tell a follower held in the
  * monitor from one still on its way. */
@@ -1252,6 +1349,10 @@ static int futex_waits(long nr, const long *a)
            cmd == FUTEX_WAIT_REQUEUE_PI;
 }
 
+/* A local call that can wait for another thread of this replica, or never returns: the
+ * serial order's token (or place) is given up for it. */
+static int local_yields(long nr) { return nr == SYS_sched_yield || nr == SYS_exit; }
+
 static long slow_call(struct lf_state *st, long nr, const long *a)
 {
     if (st != NULL && st->hdr != NULL && futex_waits(nr, a)) {
@@ -1261,18 +1362,31 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
          * while we sleep: wake them now, not at our next record. */
         if (st->me == st->leader)
             flush_wakes(st);
+        int own_wait = lf_in_native == 0;
+        if (own_wait)
+            serial_leave(st);
         store(in_futex, 1);
         long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
         store(in_futex, 0);
+        if (own_wait)
+            serial_resume(st);
         return after_slow_call(ret);
     }
-    if (st == NULL || st->hdr == NULL || local_call(nr, a))
+    if (st == NULL || st->hdr == NULL || (local_call(nr, a) && !local_yields(nr)))
         return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
+    serial_leave(st);
+    if (local_call(nr, a)) {
+        long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+        serial_resume(st);
+        return after_slow_call(ret);
+    }
     struct lf_region *own = st->regions[st->me];
     store(&own->h.slow_calls, own->h.slow_calls + 1);
     if (st->me == st->leader) {
         flush_wakes(st);
-        return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
+        long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+        serial_resume(st);
+        return after_slow_call(ret);
     }
     store(&own->h.slow_seq, st->seq + 1);
     signal_progress(st, &own->h.progress, st->leader, 1);
@@ -1280,6 +1394,7 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
     if (st->hdr == NULL)
         return after_slow_call(ret); /* a fork of the replica that made the call (re-integration) */
     store(&own->h.slow_seq, 0);
+    serial_resume(st);
     return after_slow_call(ret);
 }
 
@@ -1304,6 +1419,8 @@ static void publish_on(struct lf_state *st, struct lf_record *rec, uint64_t s, c
         report_divergence(s, rec->nr, rec->digest, DIVERGED_LEADER, 0);
         return;
     }
+    if (object == 0)
+        serial_claim(st);
     rec->order = object != 0 ? claim_object_turn(st, s, object) : claim_turn(st, s);
     rec->crc = record_crc(rec, s);
     if (s == lf_test_corrupt)
@@ -1503,6 +1620,7 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
      * not interrupt this call, so it is taken now. */
     if ((sig = take_signal(st, &code, 0)) != 0)
         return deliver_signal(st, rec, s, nr, digest, a, NULL, sig, 0);
+    serial_leave(st); /* the call's result takes a place of its own afterwards */
     long third = s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2];
     long ret_copy = 0;
     long ret = lf_fast_dup(nr, a[0], a[1], third, a[3], a[4], a[5], &ret_copy);
@@ -1544,6 +1662,7 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
     struct lf_region *own = st->regions[st->me];
     struct lf_region *leader = st->regions[st->leader];
     struct lf_record *rec = &leader->records[s % LF_SLOTS];
+    serial_leave(st); /* this thread's segment ends here, as the leader's did */
     if (d->fast == F_OUTPUT) {
         own->h.vote_digest = digest;
         store(&own->h.vote_seq, s);
@@ -1663,6 +1782,7 @@ enum {
     SYNC_BARRIER_ARRIVE,
     SYNC_BARRIER_DEPART,
     SYNC_ONCE,
+    SYNC_RESUME, /* the serial order: a thread goes on after it blocked, or starts */
     SYNC_OPS
 };
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
@@ -1686,7 +1806,7 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
     rec->signal = 0;
     for (unsigned c = 0; c < LF_CLOCKS; c++)
         rec->clock_sync[c] = 0;
-    publish_on(st, rec, s, NULL, NULL, ret, load32(&st->hdr->object_order) != 0 ? object : 0);
+    publish_on(st, rec, s, NULL, NULL, ret, load32(&st->hdr->sync_order) == SYNC_ORDER_OBJECT ? object : 0);
     return ret;
 }
 
@@ -1695,6 +1815,7 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr, uint64_t s
     struct lf_region *own = st->regions[st->me];
     struct lf_region *leader = st->regions[st->leader];
     struct lf_record *rec = &leader->records[s % LF_SLOTS];
+    serial_leave(st);
     store(&own->h.awaiting, s);
     struct wait_for w = {st, st->leader, s};
     int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
@@ -1732,6 +1853,16 @@ static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
         return SYNC_NONE;
     return lead_role ? lead_sync(st, s, nr, a[0], (uint64_t)a[2], (uint64_t)a[3])
                      : follow_sync(st, s, nr, (uint64_t)a[2]);
+}
+
+/* The serial order: a place for the thread to go on from, after it blocked without a
+ * record of its own or as it starts (a RESUME record, in every replica). */
+static void serial_resume(struct lf_state *st)
+{
+    if (!serial_order(st))
+        return;
+    long a[6] = {0, st->me == st->leader, 0, 0, 0, 0};
+    sync_call(st, LF_SYNC_NR_BASE + SYNC_RESUME, a);
 }
 
 /* --- the ring thread's call ------------------------------------------------------------- */
@@ -2182,6 +2313,8 @@ static void attach_ring(uint32_t epoch)
         st->hdr = hdr;
     }
     lanes[0].owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
+    if (serial_order(&lanes[0]) && lanes[0].me == lanes[0].leader)
+        token_take(&lanes[0]); /* the ring thread runs the program's code from here */
     lf_lanes = lanes;
     lf_my = &lanes[0];
     lf_ring_thread = 1;
@@ -2247,6 +2380,18 @@ static struct thread_start *take_start_slot(void)
     }
 }
 
+static long resume_body(void *st) { return serial_resume(st), 0; }
+static long leave_body(void *st) { return serial_leave(st), 0; }
+
+/* serial_leave or serial_resume for the calling thread, on its lane's stack (the leader
+ * and a follower run different code there). */
+static void serial_step(long (*body)(void *))
+{
+    struct lf_state *st = lf_my;
+    if (serial_order(st) && st->stack != NULL)
+        on_stack_of(st, body, st);
+}
+
 static void *start_thread_with_lane(void *p)
 {
     struct thread_start *slot = p;
@@ -2255,6 +2400,9 @@ static void *start_thread_with_lane(void *p)
     __atomic_store_n(&slot->taken, 0, __ATOMIC_RELEASE);
     lf_attach_tried = 1;
     attach_thread();
+    struct lf_state *st = lf_my;
+    if (serial_order(st))
+        on_stack_of(st, resume_body, st); /* its first place, before any of the program's code */
     return routine(arg);
 }
 
@@ -2364,9 +2512,10 @@ static void *volatile lf_real_sem_wait, *volatile lf_real_sem_trywait, *volatile
 static long on_lane_stack(long (*body)(void *), struct sync_args *p)
 {
     struct lf_state *st = lf_my;
-    if (st == NULL || st->stack == NULL)
-        return body(p);
-    return on_stack_of(st, body, p);
+    lf_in_native++;
+    long ret = st == NULL || st->stack == NULL ? body(p) : on_stack_of(st, body, p);
+    lf_in_native--;
+    return ret;
 }
 
 /* A lock the leader's thread took (result 0, or EOWNERDEAD for a robust mutex whose owner
@@ -2386,6 +2535,8 @@ static long lock_op(struct sync_args *p, int op, mutex_fn native)
             REAL_LOCK(m); /* free in its turn, or about to be */
         return ret;
     }
+    if (role == ROLE_LEAD && op == SYNC_LOCK)
+        serial_leave(lf_my);
     int ret = native(m);
     if (role == ROLE_LEAD)
         sync_event(p, op, ret, role);
@@ -2429,6 +2580,7 @@ static long cond_wait_body(void *v)
         REAL_LOCK(m);
         return ret == SYNC_NONE ? 0 : ret; /* without the leader's word: a spurious wake-up */
     }
+    serial_leave(lf_my);
     int ret = native_wait(c, m, p->arg);
     sync_event(p, SYNC_WAIT_RETURN, ret, role);
     return ret;
@@ -2486,6 +2638,8 @@ static long rw_op(struct sync_args *p, int write)
             ((rwlock_fn)rw_real(write, RW_BLOCKING))(p->obj); /* free for us in its turn, or about to be */
         return ret;
     }
+    if (role == ROLE_LEAD && p->variant != RW_TRY)
+        serial_leave(lf_my);
     int ret = rw_native(p, write);
     if (role == ROLE_LEAD)
         sync_event(p, op, ret, role);
@@ -2521,6 +2675,7 @@ static long barrier_body(void *v)
         long ret = sync_event(p, SYNC_BARRIER_DEPART, 0, role);
         return ret == SYNC_NONE ? 0 : ret;
     }
+    serial_leave(lf_my);
     int ret = real(p->obj);
     sync_event(p, SYNC_BARRIER_DEPART, ret, role);
     return ret;
@@ -2548,7 +2703,8 @@ static void once_trampoline(void)
     lf_once_ran = 1;
     if (p != NULL)
         sync_event(p, SYNC_ONCE, 1, ROLE_LEAD);
-    init();
+    lf_in_native = 0; /* the program's code; pthread_once restores it */
+    init(); /* a tail call, as glibc's own call in a follower: the same return address */
 }
 
 /* A follower's thread that is not the runner: until the runner entered the real call. */
@@ -2590,7 +2746,10 @@ int pthread_once(pthread_once_t *control, void (*init)(void))
         return REAL_ONCE(control, init);
     if (part == 0) {
         on_lane_stack(once_wait_started, &p);
-        return REAL_ONCE(control, init);
+        lf_in_native++;
+        int ret = REAL_ONCE(control, init);
+        lf_in_native--;
+        return ret;
     }
     /* The leader: whether this thread runs the initialiser decides its record's place. */
     void (*outer_init)(void) = lf_once_init;
@@ -2599,13 +2758,37 @@ int pthread_once(pthread_once_t *control, void (*init)(void))
     lf_once_init = init;
     lf_once_lead = &p;
     lf_once_ran = 0;
+    serial_step(leave_body); /* another thread may run the initialiser */
+    int in_native = lf_in_native++;
     int ret = REAL_ONCE(control, once_trampoline);
+    lf_in_native = in_native;
     int ran = lf_once_ran;
     lf_once_init = outer_init;
     lf_once_lead = outer_lead;
     lf_once_ran = outer_ran;
     if (!ran)
         on_lane_stack(once_done_body, &p);
+    return ret;
+}
+
+/* pthread_join, in the serial order: whether it waits for the thread's exit in the kernel
+ * (a futex wait on its id) depends on when that thread's exit went through, not on the
+ * program's memory; so the thread gives up its turn for the whole join, and goes on from a
+ * RESUME record in every replica. */
+typedef int (*pthread_join_fn)(pthread_t, void **);
+static void *volatile lf_real_join;
+
+int pthread_join(pthread_t thread, void **result)
+{
+    pthread_join_fn real = (pthread_join_fn)real_fn(&lf_real_join, "pthread_join", NULL);
+    struct lf_state *st = lf_my;
+    if (!serial_order(st) || (lf_vfork_seen && lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid))
+        return real(thread, result);
+    serial_step(leave_body);
+    int in_native = lf_in_native++;
+    int ret = real(thread, result);
+    lf_in_native = in_native;
+    serial_step(resume_body);
     return ret;
 }
 
@@ -2629,6 +2812,8 @@ static long sem_wait_body(void *v)
                 ;
         return outcome;
     }
+    if (role == ROLE_LEAD)
+        serial_leave(lf_my);
     long outcome = sem_outcome(p->native_sem(sem, p->arg));
     if (role == ROLE_LEAD)
         sync_event(p, SYNC_SEM_WAIT, outcome, role);

@@ -63,8 +63,8 @@ struct Header {
     replicas: u32,
     leader: u32,
     off: u32,
-    /// 1: each synchronisation object has an order of its own (`--sync-order object`).
-    object_order: u32,
+    /// Which order the followers' threads keep: [`SyncOrder::header_value`].
+    sync_order: u32,
     spin: u32,
     clocks_offset: u64,
     regions_offset: u64,
@@ -118,7 +118,9 @@ struct RegionHead {
 struct OrderHead {
     /// As the leader: places of its order taken so far.
     claimed: u64,
-    pad0: [u64; 7],
+    /// As the leader in the serial order: the token's ticket lock (the shim's alone).
+    token: u64,
+    pad0: [u64; 6],
     /// As a follower: every place below this one is done.
     consumed: u64,
     turn_word: u32,
@@ -196,7 +198,7 @@ struct RecordHead {
 
 /// The program's synchronisation operations that are records of the ring, by their
 /// number in a record (`layout::SYNC_NR_BASE` + `SYNC_*` in the shim).
-const SYNC_NAMES: [&str; 14] = [
+const SYNC_NAMES: [&str; 15] = [
     "pthread_mutex_lock",
     "pthread_mutex_trylock",
     "pthread_mutex_unlock",
@@ -211,6 +213,7 @@ const SYNC_NAMES: [&str; 14] = [
     "pthread_barrier_wait (arrival)",
     "pthread_barrier_wait (departure)",
     "pthread_once",
+    "resume (serial order)",
 ];
 
 /// The name of what a record or a DIVERGED report calls number `nr`: a syscall, or one
@@ -297,7 +300,7 @@ impl Ring {
         spin: u32,
         placement: &[usize],
         strict: bool,
-        object_order: bool,
+        sync_order: crate::SyncOrder,
     ) -> io::Result<Ring> {
         assert!(
             replicas as u64 <= layout::MAX_REPLICAS,
@@ -341,7 +344,7 @@ impl Ring {
                 replicas,
                 leader: 0,
                 off: 0,
-                object_order: object_order as u32,
+                sync_order: sync_order.header_value(),
                 spin,
                 clocks_offset: layout::HEADER_SIZE,
                 regions_offset,
@@ -750,10 +753,9 @@ impl FastPath {
             return Ok(None);
         }
         let strict = opts.output_check == crate::OutputCheck::Strict;
-        let object_order = opts.sync_order == crate::SyncOrder::Object;
         let creating = |e| crate::Error::Io("creating the fast path's ring", e);
         let rings = (0..RINGS as u32)
-            .map(|epoch| Ring::create(epoch, opts.replicas, opts.spin, placement, strict, object_order))
+            .map(|epoch| Ring::create(epoch, opts.replicas, opts.spin, placement, strict, opts.sync_order))
             .collect::<io::Result<Vec<Ring>>>()
             .map_err(creating)?;
         let shim = shim_file().map_err(creating)?;
@@ -1135,7 +1137,7 @@ mod tests {
         assert!(layout::MAILBOX_OFFSET + layout::LANES * std::mem::size_of::<Mailbox>() as u64 <= layout::HEADER_SIZE);
         assert_eq!(std::mem::size_of::<RecordHead>(), 40 + 8 * layout::CLOCKS as usize + 8);
         assert!(std::mem::size_of::<RecordHead>() as u64 <= layout::RECORD_HEAD);
-        let ring = Ring::create(0, 2, 10, &[0, 1], true, true).unwrap();
+        let ring = Ring::create(0, 2, 10, &[0, 1], true, crate::SyncOrder::Object).unwrap();
         assert!(ring.is_on());
         assert_eq!(ring.leader(), 0);
         assert_eq!(ring.published(0, 0), 0);

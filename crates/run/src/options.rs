@@ -83,6 +83,20 @@ pub enum SyncOrder {
     /// One order of every event: a follower's thread waits for every earlier operation of
     /// every thread, on any object.
     Global,
+    /// One order of every event, and each replica runs one thread at a time, switching only
+    /// at events: what a thread reads between events (even racily) is what the leader's read.
+    Serial,
+}
+
+impl SyncOrder {
+    /// The ring header's `sync_order` (`SYNC_ORDER_*` in the shim).
+    pub fn header_value(self) -> u32 {
+        match self {
+            SyncOrder::Global => 0,
+            SyncOrder::Object => 1,
+            SyncOrder::Serial => 2,
+        }
+    }
 }
 
 impl std::str::FromStr for SyncOrder {
@@ -91,7 +105,8 @@ impl std::str::FromStr for SyncOrder {
         match s {
             "object" => Ok(SyncOrder::Object),
             "global" => Ok(SyncOrder::Global),
-            _ => Err(format!("unknown sync order '{s}' (expected object or global)")),
+            "serial" => Ok(SyncOrder::Serial),
+            _ => Err(format!("unknown sync order '{s}' (expected global, object or serial)")),
         }
     }
 }
