@@ -292,3 +292,51 @@ fn the_serial_order_keeps_every_operation_of_the_leaders() {
         out.context()
     );
 }
+
+#[test]
+fn python_threads_that_compete_for_the_gil_run_alike_under_the_serial_order() {
+    // CPython's forced GIL switch reads the drop request without a lock (docs/run.md,
+    // "The leader's order"): with a 1 µs switch interval two computing threads diverged
+    // under the global order in most runs. The serial order replays that read too.
+    let script = work_dir().join("gil_race.py");
+    std::fs::write(
+        &script,
+        "import hashlib, sys, threading\n\
+         sys.setswitchinterval(0.000001)\n\
+         out = [None] * 2\n\
+         def work(i):\n\
+         \x20   h = hashlib.sha256(str(i).encode())\n\
+         \x20   for _ in range(20000):\n\
+         \x20       h = hashlib.sha256(h.digest())\n\
+         \x20   out[i] = h.hexdigest()[:16]\n\
+         ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]\n\
+         for t in ts: t.start()\n\
+         for t in ts: t.join()\n\
+         print(out)\n",
+    )
+    .unwrap();
+    let argv = [
+        python3().to_string_lossy().into_owned(),
+        script.to_string_lossy().into_owned(),
+    ];
+    let native = run(native_cmd(&argv));
+    native.assert_code(0);
+    for _ in 0..3 {
+        let out = run_without_divergence_with("3", &["--sync-order", "serial"], &argv);
+        assert_eq!(out.stdout, native.stdout, "{}", out.context());
+    }
+}
+
+#[test]
+fn a_spin_loop_without_calls_under_the_serial_order_ends_at_the_straggler_timeout() {
+    // The serial order's limit (docs/run.md): main spins until the workers are in, the
+    // workers spin until main sets a flag; whichever holds the token spins for ever. The
+    // run must not hang for ever: the monitor sees the leader stand still in the ring
+    // while the followers wait, and stops it.
+    let out = run(lockstep_run(
+        &["-r", "2", FAST, "--sync-order", "serial", "--timeout", "1"],
+        &sync_order(2, 1, "spin"),
+    ));
+    out.assert_code(86);
+    assert!(out.stderr.contains("in the fast path's ring"), "{}", out.context());
+}
