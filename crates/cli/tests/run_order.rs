@@ -340,3 +340,37 @@ fn a_spin_loop_without_calls_under_the_serial_order_ends_at_the_straggler_timeou
     out.assert_code(86);
     assert!(out.stderr.contains("in the fast path's ring"), "{}", out.context());
 }
+
+#[test]
+fn a_replica_replaced_before_the_shim_started_still_gets_the_order() {
+    // A fault while the dynamic loader runs (stop 8: an openat, before the shim's hello at
+    // about stop 20) kills replica 1; re-integration forks replica 3 before any shim
+    // attached the ring. The first ring then serves the new set: without it the threads
+    // ran unordered through the monitor, and the workers' locks deadlocked across
+    // replicas (3 runs of 3 ended with 86 after the straggler timeout).
+    let ev = events_path("early-fault");
+    let ev_arg = ev.to_string_lossy().into_owned();
+    let out = run(lockstep_run(
+        &[
+            "-r",
+            "3",
+            FAST,
+            "--stats",
+            "--events",
+            &ev_arg,
+            "--test-flip",
+            "1:8:kill:0",
+        ],
+        &sync_order(4, 60, "lock"),
+    ));
+    let events = read_events_of(&ev, &out);
+    out.assert_code(0);
+    check_complete(&out, 4, 4 * 60, "ticket");
+    assert!(
+        events.iter().any(|e| e["kind"] == "reintegrate"),
+        "no re-integration\n{}",
+        out.context()
+    );
+    let (ordered, _) = order_stats(&out);
+    assert!(ordered >= 4 * 60, "{ordered} ordered events\n{}", out.context());
+}

@@ -435,6 +435,11 @@ impl Ring {
         }
     }
 
+    /// Switches a ring that no replica has attached back on (see `FastPath::relay_first`).
+    fn switch_on_unattached(&self) {
+        self.word32(&self.header().off).store(0, Ordering::SeqCst);
+    }
+
     /// The leader is being removed: followers waiting for a call it had in flight go to
     /// the monitor once the ring is off (set before switching off).
     pub fn mark_leader_lost(&self) {
@@ -968,6 +973,20 @@ impl FastPath {
         }
         self.rings[next].reset(members.len() as u32, placement);
         self.pending = Some(members);
+        true
+    }
+
+    /// The first ring, which no replica has attached yet, laid out anew for `members` (the
+    /// leader first) and switched on: the replica set changed before the program's shim
+    /// started (a fault while the dynamic loader ran) and is whole again. False when a
+    /// replica may have attached it.
+    pub fn relay_first(&mut self, members: Vec<u32>, placement: &[Option<usize>]) -> bool {
+        if self.current != 0 || self.lanes.iter().any(Option::is_some) || self.pending.is_some() || members.len() < 2 {
+            return false;
+        }
+        self.rings[0].reset(members.len() as u32, placement);
+        self.rings[0].switch_on_unattached();
+        self.members = members;
         true
     }
 

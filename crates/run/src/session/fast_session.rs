@@ -157,6 +157,9 @@ impl Session {
     pub(crate) fn fast_hello(&mut self, task: TaskId, args: &[u64; 6]) -> i64 {
         let live = self.live_replicas();
         let leader = self.replicas.leader();
+        let mut members = vec![leader];
+        members.extend(live.iter().copied().filter(|&r| r != leader));
+        let placement: Vec<Option<usize>> = members.iter().map(|&r| self.replicas.cpu(r)).collect();
         let ring_process = self
             .fast
             .as_ref()
@@ -189,8 +192,13 @@ impl Session {
             return 0; // replaced by each replica's own number
         }
         let first_image = process == 0 && task == 0;
-        let untouched =
-            live.len() == self.opts.replicas as usize && live.iter().enumerate().all(|(i, &r)| i == r as usize);
+        let whole = live.len() == self.opts.replicas as usize;
+        let mut untouched = whole && live.iter().enumerate().all(|(i, &r)| i == r as usize);
+        if !untouched && whole && first_image && fast.task_of(0).is_none() {
+            // A replica was replaced before any shim attached: the first ring serves the
+            // new set (without it, a threaded program's threads would run unordered).
+            untouched = fast.relay_first(members, &placement);
+        }
         if fast.task_of(0).is_some()
             || fast.epoch() != 0
             || !first_image
