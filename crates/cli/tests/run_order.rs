@@ -372,3 +372,41 @@ fn a_replica_replaced_before_the_shim_started_still_gets_the_order() {
     let (ordered, _) = order_stats(&out);
     assert!(ordered >= 4 * 60, "{ordered} ordered events\n{}", out.context());
 }
+
+#[test]
+fn a_follower_lost_while_threads_run_leaves_the_order_on_for_the_others() {
+    // Replica 1 is killed at its 24th stop, the second worker's clone: threads run. The
+    // ring stays on without it, so the two survivors' threads keep the leader's order
+    // (switched off, they ran unordered through the monitor and their locks deadlocked
+    // across replicas: 86 at the straggler timeout). Once the program is down to its
+    // main thread, re-integration brings the third replica back.
+    for order in ["global", "serial"] {
+        let ev = events_path("follower-lost");
+        let ev_arg = ev.to_string_lossy().into_owned();
+        let out = run(lockstep_run(
+            &[
+                "-r",
+                "3",
+                FAST,
+                "--sync-order",
+                order,
+                "--events",
+                &ev_arg,
+                "--test-flip",
+                "1:24:kill:0",
+            ],
+            &sync_order(4, 60, "lock"),
+        ));
+        let events = read_events_of(&ev, &out);
+        out.assert_code(0);
+        check_complete(&out, 4, 4 * 60, "ticket");
+        assert!(
+            events
+                .iter()
+                .any(|e| e["kind"] == "vote" && e["action"] == "kill" && e["replica"] == 1),
+            "{order}: replica 1 was not voted out\n{}",
+            out.context()
+        );
+        assert_no_event(&events, "halt", &out);
+    }
+}

@@ -151,6 +151,9 @@ struct lf_header {
     uint32_t leader_lost; /* the leader was removed: what it had in flight never comes */
     uint64_t clocks_size; /* bytes of one lane's clock area */
     uint64_t orders_offset; /* where each replica's `struct lf_order` starts (LF_ORDER_SIZE apart) */
+    /* Bit r: replica region r was removed (a follower voted out while the ring stays on):
+     * nobody waits for it any more. */
+    uint32_t lost, pad2;
 };
 
 /* The monitor's request to deliver a signal in one lane: `request` grows by one per request,
@@ -921,11 +924,14 @@ static int follower_in_slow_call(const struct wait_for *w)
     return load(&f->slow_seq) != 0 && load(&f->slow_calls) > w->st->regions[w->st->me]->h.slow_calls;
 }
 
+/* Whether replica region `r` was removed from the ring (see the header's `lost`). */
+static int region_lost(const struct lf_state *st, uint32_t r) { return (load32(&st->hdr->lost) >> r) & 1; }
+
 /* Where a leader waiting for follower `w->who` stands, once the follower has or has not
- * `reached` what the leader waits for. */
+ * `reached` what the leader waits for (a removed follower counts as there). */
 static int follower_state(const struct wait_for *w, int reached)
 {
-    if (reached)
+    if (reached || region_lost(w->st, w->who))
         return READY;
     if (is_off(w->st))
         return GIVE_UP_OFF;
@@ -940,7 +946,7 @@ static int slot_free(const struct wait_for *w)
 static int voted(const struct wait_for *w)
 {
     const struct lf_region_head *f = &w->st->regions[w->who]->h;
-    if (load(&f->vote_seq) >= w->target)
+    if (load(&f->vote_seq) >= w->target || region_lost(w->st, w->who))
         return READY;
     /* The follower waits for our record of this call without having voted on it: it is at
      * another call than this output. Neither would move; the monitor compares them. */
@@ -972,7 +978,7 @@ static int wait_followers(struct lf_state *st, ready_fn ready, uint64_t target)
     flush_wakes(st);
     uint32_t wake_on = ready == voted ? WAKE_ON_VOTE : WAKE_ON_ANY;
     for (uint32_t r = 0; r < st->replicas; r++) {
-        if (r == st->me)
+        if (r == st->me || region_lost(st, r))
             continue;
         struct wait_for w = {st, r, target};
         int got = wait_until(ready, &w, &st->regions[r]->h.progress, wake_on);
@@ -1007,7 +1013,7 @@ static uint64_t claim_turn(struct lf_state *st, uint64_t s)
         if (r == st->me)
             continue;
         volatile struct lf_order_head *f = &st->orders[r]->h;
-        while (idx >= load(&f->consumed) + LF_ORDER_SLOTS && !is_off(st))
+        while (idx >= load(&f->consumed) + LF_ORDER_SLOTS && !is_off(st) && !region_lost(st, r))
             futex_wait(&f->turn_word, load32(&f->turn_word));
     }
     struct lf_order_entry *e = &o->entries[idx % LF_ORDER_SLOTS];
@@ -1598,7 +1604,7 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
             return slow_call(st, nr, a);
         if (got == READY)
             for (uint32_t r = 0; r < st->replicas; r++)
-                if (r != st->me && load(&st->regions[r]->h.vote_digest) != digest)
+                if (r != st->me && !region_lost(st, r) && load(&st->regions[r]->h.vote_digest) != digest)
                     got = GIVE_UP_SLOW;
         if (got == READY && !st->hdr->strict) {
             /* Without the monitor's check, check again, over the buffers as they are now:

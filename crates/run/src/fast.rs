@@ -85,6 +85,9 @@ struct Header {
     /// Where each replica's order area starts (`layout::ORDER_SIZE` apart): the leader's
     /// order of events across its lanes, and each follower's turns (issue 17).
     orders_offset: u64,
+    /// Bit r: replica region r was removed while the ring stays on (`Ring::drop_region`).
+    lost: u32,
+    pad2: u32,
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -357,6 +360,8 @@ impl Ring {
                 leader_lost: 0,
                 clocks_size: CLOCKS_SIZE,
                 orders_offset,
+                lost: 0,
+                pad2: 0,
             })
         };
         Ok(ring)
@@ -372,6 +377,7 @@ impl Ring {
         header.replicas = replicas;
         header.leader = 0;
         header.leader_lost = 0;
+        header.lost = 0;
         header.cpu = std::array::from_fn(|r| placement.get(r).copied().flatten().map_or(-1, |c| c as i32));
     }
 
@@ -433,6 +439,23 @@ impl Ring {
                 }
             }
         }
+    }
+
+    /// Removes follower region `r` while the ring stays on: the leader no longer waits for
+    /// it (its votes, its free slots, its place in the order). Its sleepers are woken.
+    /// `lanes`: the lanes in use.
+    pub fn drop_region(&self, r: u32, lanes: impl Iterator<Item = Lane>) {
+        assert!(
+            r < self.replicas && r != self.leader(),
+            "only a follower's region is dropped"
+        );
+        self.word32(&self.header().lost).fetch_or(1 << r, Ordering::SeqCst);
+        // The leader sleeps on the follower's progress word (votes, free slots) and on
+        // its order's turn word (a place ORDER_SLOTS ahead).
+        for lane in lanes {
+            futex_wake(self.word32(&self.region(lane, r).progress));
+        }
+        futex_wake(self.word32(&self.order(r).turn_word));
     }
 
     /// Switches a ring that no replica has attached back on (see `FastPath::relay_first`).
@@ -990,6 +1013,20 @@ impl FastPath {
         true
     }
 
+    /// Drops replica `r`, a follower, from the current ring, which stays on (see
+    /// `Ring::drop_region`). False when it is not a follower of this ring.
+    pub fn drop_follower(&mut self, r: u32) -> bool {
+        let Some(region) = self.region(r) else {
+            return false;
+        };
+        if region == self.ring().leader() || !self.ring().is_on() {
+            return false;
+        }
+        let lanes: Vec<Lane> = self.lanes_in_use().map(|(lane, _)| lane).collect();
+        self.ring().drop_region(region, lanes.into_iter());
+        true
+    }
+
     /// The next epoch's number, when one is armed.
     pub fn armed_epoch(&self) -> Option<usize> {
         self.pending.as_ref().map(|_| self.current + 1)
@@ -1147,7 +1184,7 @@ mod tests {
 
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {
-        assert_eq!(std::mem::size_of::<Header>(), 112);
+        assert_eq!(std::mem::size_of::<Header>(), 120);
         assert_eq!(std::mem::size_of::<OrderHead>(), 128);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);

@@ -937,6 +937,25 @@ impl Session {
             .is_some_and(|state| state == "R")
     }
 
+    /// Follower `r` leaves while the ring is on and the program has threads in more than
+    /// one lane: the ring stays on without it, so the survivors' threads keep the
+    /// leader's order (switched off, they would run unordered through the monitor and
+    /// their locks could deadlock across replicas). A single-threaded program's ring is
+    /// switched off instead, as re-integration needs. Whether it stayed on.
+    pub(crate) fn drop_follower_from_ring(&mut self, r: ReplicaId) -> bool {
+        let Some(fast) = self.fast.as_mut() else {
+            return false;
+        };
+        if fast.lanes_in_use().nth(1).is_none() {
+            return false;
+        }
+        let dropped = fast.drop_follower(r);
+        if dropped && self.debug {
+            eprintln!("lockstep debug: replica {r} left the fast path's ring, which stays on");
+        }
+        dropped
+    }
+
     /// The replica set changes: the ring's roles are fixed, so it is switched off (a
     /// later epoch's ring may take over once the set is whole again: `arm_next_ring`).
     pub(crate) fn fast_off(&mut self) {

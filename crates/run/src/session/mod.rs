@@ -1345,7 +1345,9 @@ impl Session {
                 return Err(self.halt(why));
             }
         }
-        self.fast_off();
+        if was_leader || !self.drop_follower_from_ring(r) {
+            self.fast_off();
+        }
         let removal = self.replicas.remove(r);
         for t in &self.tasks {
             if let Some(s) = t.slot(r) {
