@@ -410,3 +410,33 @@ fn a_follower_lost_while_threads_run_leaves_the_order_on_for_the_others() {
         assert_no_event(&events, "halt", &out);
     }
 }
+
+#[test]
+fn a_follower_that_diverges_while_threads_run_is_voted_out_and_the_order_goes_on() {
+    // The shim's test hook makes the last follower's wait for a worker's write record
+    // (#5 of its lane under the global order: lock, write, unlock, lock, write; #6 under
+    // the serial one, which starts with a resume) give an impossible answer, as a
+    // corrupted ring word would. That follower reports itself and is voted out; the ring
+    // stays on for the other two, whose threads keep the order to the end.
+    for (order, record) in [("global", "bad-wait:5"), ("serial", "bad-wait:6")] {
+        let ev = events_path("follower-diverges");
+        let ev_arg = ev.to_string_lossy().into_owned();
+        let mut cmd = lockstep_run(
+            &["-r", "3", FAST, "--sync-order", order, "--events", &ev_arg],
+            &sync_order(4, 60, "lock"),
+        );
+        cmd.env("LOCKSTEP_FAST_TEST", record);
+        let out = run(cmd);
+        let events = read_events_of(&ev, &out);
+        out.assert_code(0);
+        check_complete(&out, 4, 4 * 60, "ticket");
+        assert!(
+            events
+                .iter()
+                .any(|e| e["kind"] == "vote" && e["action"] == "kill" && e["replica"] == 2),
+            "{order}: replica 2 was not voted out\n{}",
+            out.context()
+        );
+        assert_no_event(&events, "halt", &out);
+    }
+}

@@ -33,11 +33,11 @@ impl Session {
         let Some(fast) = &self.fast else {
             return Ok(()); // not ours: the call fails with ENOSYS at its rendezvous
         };
-        fast.switch_off();
         let (seq, own_nr, own_digest, lead_nr, lead_digest) = (args[1], args[2], args[3], args[4], args[5]);
         let own = crate::fast::call_name(own_nr);
         let leader = self.replicas.leader();
         if lead_nr == DIVERGED_CRC || lead_nr == DIVERGED_LEADER {
+            fast.switch_off();
             // The leader's call ran, and what it gave is known to nobody for sure: no
             // replica can be given its result, so no vote can mask this.
             let what = if lead_nr == DIVERGED_CRC {
@@ -69,6 +69,8 @@ impl Session {
                 false => format!("{} with digest {digest:016x}", crate::fast::call_name(nr)),
             }
         };
+        // The reporter fails: voted out (the ring stays on without it in a threaded
+        // program, see `drop_follower_from_ring`; otherwise it is switched off), or a halt.
         let msg = if lead_nr == DIVERGED_STATE {
             format!(
                 "replica {r}'s own fast-path state is corrupt: its wait for record #{seq} of task {task} ({}) gave an \
@@ -274,11 +276,15 @@ impl Session {
         if behind.is_empty() {
             return Ok(false);
         }
-        fast.switch_off();
         // Every follower differs from the leader: with two or more of them, the leader is
-        // the odd one out.
+        // the odd one out. A follower that fails leaves the ring on for the others in a
+        // threaded program (`vote_out`); a leader that fails takes it down.
         let followers = live.len() - 1;
-        let culprits: Vec<(ReplicaId, String)> = if followers >= 2 && behind.len() == followers {
+        let leader_fails = followers >= 2 && behind.len() == followers;
+        if leader_fails || live.len() <= 2 {
+            fast.switch_off();
+        }
+        let culprits: Vec<(ReplicaId, String)> = if leader_fails {
             vec![(
                 leader,
                 format!(
