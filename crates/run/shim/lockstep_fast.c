@@ -1359,6 +1359,14 @@ static int futex_waits(long nr, const long *a)
  * serial order's token (or place) is given up for it. */
 static int local_yields(long nr) { return nr == SYS_sched_yield || nr == SYS_exit; }
 
+/* The call itself, then (in the serial order) a place for the thread to go on from. */
+static long raw_then_resume(struct lf_state *st, long nr, const long *a)
+{
+    long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
+    serial_resume(st);
+    return ret;
+}
+
 static long slow_call(struct lf_state *st, long nr, const long *a)
 {
     if (st != NULL && st->hdr != NULL && futex_waits(nr, a)) {
@@ -1368,7 +1376,7 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
          * while we sleep: wake them now, not at our next record. */
         if (st->me == st->leader)
             flush_wakes(st);
-        int own_wait = lf_in_native == 0;
+        int own_wait = lf_in_native == 0; /* not a native operation's, whose record follows */
         if (own_wait)
             serial_leave(st);
         store(in_futex, 1);
@@ -1378,21 +1386,20 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
             serial_resume(st);
         return after_slow_call(ret);
     }
-    if (st == NULL || st->hdr == NULL || (local_call(nr, a) && !local_yields(nr)))
+    if (st == NULL || st->hdr == NULL)
         return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
-    serial_leave(st);
     if (local_call(nr, a)) {
-        long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
-        serial_resume(st);
-        return after_slow_call(ret);
+        if (!local_yields(nr))
+            return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
+        serial_leave(st);
+        return after_slow_call(raw_then_resume(st, nr, a));
     }
+    serial_leave(st);
     struct lf_region *own = st->regions[st->me];
     store(&own->h.slow_calls, own->h.slow_calls + 1);
     if (st->me == st->leader) {
         flush_wakes(st);
-        long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
-        serial_resume(st);
-        return after_slow_call(ret);
+        return after_slow_call(raw_then_resume(st, nr, a));
     }
     store(&own->h.slow_seq, st->seq + 1);
     signal_progress(st, &own->h.progress, st->leader, 1);

@@ -159,15 +159,17 @@ impl Session {
     pub(crate) fn fast_hello(&mut self, task: TaskId, args: &[u64; 6]) -> i64 {
         let live = self.live_replicas();
         let leader = self.replicas.leader();
-        let mut members = vec![leader];
-        members.extend(live.iter().copied().filter(|&r| r != leader));
-        let placement: Vec<Option<usize>> = members.iter().map(|&r| self.replicas.cpu(r)).collect();
+        let process = self.tasks[task].process();
+        let first_image = process == 0 && task == 0;
+        let whole = live.len() == self.opts.replicas as usize;
+        let untouched = whole && live.iter().enumerate().all(|(i, &r)| i == r as usize);
+        // Only for a first hello after the set changed (see `relay_first` below).
+        let relay = (!untouched && whole && first_image && args[0] == OP_HELLO).then(|| self.ring_members(&live));
         let ring_process = self
             .fast
             .as_ref()
             .and_then(|f| f.task_of(0))
             .map(|t| self.tasks[t].process());
-        let process = self.tasks[task].process();
         let Some(fast) = &mut self.fast else {
             return -(libc::ENOSYS as i64);
         };
@@ -193,10 +195,8 @@ impl Session {
             }
             return 0; // replaced by each replica's own number
         }
-        let first_image = process == 0 && task == 0;
-        let whole = live.len() == self.opts.replicas as usize;
-        let mut untouched = whole && live.iter().enumerate().all(|(i, &r)| i == r as usize);
-        if !untouched && whole && first_image && fast.task_of(0).is_none() {
+        let mut untouched = untouched;
+        if let Some((members, placement)) = relay.filter(|_| fast.task_of(0).is_none()) {
             // A replica was replaced before any shim attached: the first ring serves the
             // new set (without it, a threaded program's threads would run unordered).
             untouched = fast.relay_first(members, &placement);
@@ -215,6 +215,16 @@ impl Session {
         0 // replaced by each replica's own number
     }
 
+    /// A new ring's members, the leader first, then the other replicas of `live`, and each
+    /// one's CPU when pinned.
+    fn ring_members(&self, live: &[ReplicaId]) -> (Vec<ReplicaId>, Vec<Option<usize>>) {
+        let leader = self.replicas.leader();
+        let mut members = vec![leader];
+        members.extend(live.iter().copied().filter(|&r| r != leader));
+        let placement = members.iter().map(|&r| self.replicas.cpu(r)).collect();
+        (members, placement)
+    }
+
     /// The replica set is whole again after a change (a re-integration): the ring task's
     /// replicas, all stopped at the same call, are asked to attach the next epoch's ring
     /// when that call returns (the monitor writes the epoch where each shim reads it).
@@ -230,9 +240,7 @@ impl Session {
         if fast.lane_of(task) != Some(0) || fast.ring().is_on() || !live.contains(&leader) {
             return;
         }
-        let mut members = vec![leader];
-        members.extend(live.iter().copied().filter(|&r| r != leader));
-        let placement: Vec<Option<usize>> = members.iter().map(|&r| self.replicas.cpu(r)).collect();
+        let (members, placement) = self.ring_members(&live);
         let tids: Vec<_> = members.iter().map(|&r| self.slot(task, r).tid()).collect();
         let Some(fast) = self.fast.as_mut() else {
             return;
@@ -281,7 +289,7 @@ impl Session {
         // threaded program (`vote_out`); a leader that fails takes it down.
         let followers = live.len() - 1;
         let leader_fails = followers >= 2 && behind.len() == followers;
-        if leader_fails || live.len() <= 2 {
+        if leader_fails {
             fast.switch_off();
         }
         let culprits: Vec<(ReplicaId, String)> = if leader_fails {
