@@ -153,7 +153,10 @@ struct lf_header {
     uint64_t orders_offset; /* where each replica's `struct lf_order` starts (LF_ORDER_SIZE apart) */
     /* Bit r: replica region r was removed (a follower voted out while the ring stays on):
      * nobody waits for it any more. */
-    uint32_t lost, pad2;
+    uint32_t lost;
+    /* The region + 1 of a leader replaced in place by a follower (0: none; see "a new
+     * leader in place"): records up to each lane's `cut` are that region's. */
+    uint32_t former;
 };
 
 /* The monitor's request to deliver a signal in one lane: `request` grows by one per request,
@@ -215,6 +218,9 @@ struct lf_region_head {
     uint64_t signal_seen;
     /* written as a follower: nonzero while this lane's thread waits in a futex call */
     uint64_t in_futex;
+    /* As a leader promoted in place (by the monitor): the former leader published this
+     * lane's records up to this one (see "a new leader in place"). */
+    uint64_t cut;
 };
 /* The order of events (issue 17). Threads of the leader run as they will; each record of
  * any lane claims the next index of the leader's order when it is published (an event
@@ -233,7 +239,10 @@ struct lf_order_head {
     /* As the leader in the serial order: a ticket lock, the right to run the program's code
      * (see "the serial order"). */
     uint32_t token_next, token_serving;
-    uint64_t pad0[6];
+    /* As a leader promoted in place (by the monitor): its first index; every earlier one
+     * is the former leader's (0: none). */
+    uint64_t first_claim;
+    uint64_t pad0[5];
     uint64_t consumed;  /* as a follower: every index below this one is done */
     uint32_t turn_word; /* futex word, bumped when `consumed` moves */
     uint32_t sleepers;  /* threads asleep on turn_word */
@@ -288,6 +297,7 @@ struct lf_state {
     const volatile struct lf_mailbox *mailbox;
     uint32_t me, leader, replicas, spin;
     uint32_t signal_seen; /* the mailbox's last request taken */
+    uint32_t promoted;    /* this lane led after its replica was promoted in place */
     uint32_t spin_budget; /* this lane's current spin (adaptive, at most `spin`) */
     uint32_t wake_pending; /* a leader sharing its CPU published without waking (below) */
     uint64_t seq; /* the last replicated call */
@@ -353,7 +363,7 @@ static long after_slow_call(long ret);
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
 static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal,
-    lf_test_hang, lf_test_bad_wait, lf_test_flap;
+    lf_test_hang, lf_test_bad_wait, lf_test_flap, lf_test_die;
 static int lf_test_selector_allow;
 /* The thread that attached the ring (lane 0): the main thread of the image. Later epochs'
  * rings are attached through it. */
@@ -768,12 +778,16 @@ static uint32_t record_crc(const struct lf_record *r, uint64_t s)
 
 /* --- waiting ---------------------------------------------------------------------------- */
 
-enum { READY = 1, NOT_YET = 0, GIVE_UP_OFF = -1, GIVE_UP_SLOW = -2, CORRUPT = -3 };
+/* MOVED: the leader waited on was replaced in place; the record comes from the new one. */
+enum { READY = 1, NOT_YET = 0, GIVE_UP_OFF = -1, GIVE_UP_SLOW = -2, CORRUPT = -3, MOVED = 2 };
 
-/* A wait's answer is one of the four above; anything else is this replica's own state
+/* A wait's answer is one of the five above; anything else is this replica's own state
  * gone wrong (a fault in the shim's code or registers, seen in campaigns: a follower that
  * took it for "give up" skipped a record, and every later turn of its replica waited). */
-static int checked_answer(int r) { return r == READY || r == NOT_YET || r == GIVE_UP_OFF || r == GIVE_UP_SLOW ? r : CORRUPT; }
+static int checked_answer(int r)
+{
+    return r == READY || r == NOT_YET || r == GIVE_UP_OFF || r == GIVE_UP_SLOW || r == MOVED ? r : CORRUPT;
+}
 
 struct wait_for {
     struct lf_state *st;
@@ -964,6 +978,8 @@ static int published(const struct wait_for *w)
     const struct lf_region_head *l = &w->st->regions[w->who]->h;
     if (load(&l->published) >= w->target)
         return READY;
+    if (__atomic_load_n(&w->st->hdr->leader, __ATOMIC_SEQ_CST) != w->who)
+        return MOVED; /* it never will: a follower took its place (see "a new leader in place") */
     if (!is_off(w->st))
         return NOT_YET;
     if (!__atomic_load_n(&w->st->hdr->leader_lost, __ATOMIC_SEQ_CST) &&
@@ -1116,7 +1132,10 @@ static void serial_claim(struct lf_state *st)
 static int turn_holder_blocked(struct lf_state *st, uint64_t unused_slot, uint64_t consumed)
 {
     (void)unused_slot;
-    const struct lf_order_entry *e = &st->orders[st->leader]->entries[consumed % LF_ORDER_SLOTS];
+    uint32_t former = load32(&st->hdr->former), owner = st->leader;
+    if (former != 0 && former - 1 < st->replicas && consumed < load(&st->orders[owner]->h.first_claim))
+        owner = former - 1; /* an index of the order before a new leader's (see record_source) */
+    const struct lf_order_entry *e = &st->orders[owner]->entries[consumed % LF_ORDER_SLOTS];
     if (load(&e->index) != consumed + 1 || lf_lanes == NULL)
         return 0;
     uint64_t lane = load(&e->what) >> ORDER_LANE_SHIFT;
@@ -1258,6 +1277,56 @@ static void take_place(struct lf_state *st, uint64_t order)
         take_object_turn(st, order);
     else
         take_turn(st, order);
+}
+
+/* --- a new leader in place ---------------------------------------------------------------
+ * A leader that fails in a program with threads is replaced by a follower without
+ * switching the ring off (the monitor's `promote`; ring off, the survivors' threads would
+ * run unordered). The monitor stops the old leader's threads, writes into the new leader's
+ * region of each lane the `cut` (the old leader's last published record there), sets the
+ * new leader's first index to the old one's next (`first_claim`), marks the indices the
+ * old leader claimed but never published done in every survivor, and names the old leader
+ * `former` before it names the new one `leader`. Records up to a lane's cut are then read
+ * from the former leader's region, later ones from the new leader's, whose threads lead
+ * from there on: each once every earlier index of the order is done in its own replica
+ * (else a native lock of its could come before one of the old order's there). A
+ * follower's thread waiting for a record past the cut gets MOVED and looks again;
+ * one in the new leader returns to its wrapper as the leader (SYNC_PROMOTED). Only the
+ * order of every event is kept across a failover (not the object or serial orders). */
+
+/* The region that holds record `s` of this lane (the leader's, or the former leader's up
+ * to the cut); notes the leader in `st->leader` for the followers' wake-ups. The header's
+ * `former` is written before its `leader`: a new leader read here comes with its former. */
+static uint32_t record_source(struct lf_state *st, uint64_t s)
+{
+    uint32_t leader = __atomic_load_n(&st->hdr->leader, __ATOMIC_SEQ_CST);
+    uint32_t former = __atomic_load_n(&st->hdr->former, __ATOMIC_SEQ_CST);
+    st->leader = leader;
+    if (former != 0 && former - 1 != leader && former - 1 < st->replicas && s <= load(&st->regions[leader]->h.cut))
+        return former - 1;
+    return leader;
+}
+
+/* A lane of a leader promoted in place, before it leads for the first time: every index
+ * of the former leader's order done in this replica, and the last signal request the
+ * former leader took is this one's too (the monitor copied it; 0: it took none). */
+static void settle_promotion(struct lf_state *st)
+{
+    if (st->promoted || __atomic_load_n(&st->hdr->former, __ATOMIC_SEQ_CST) == 0)
+        return;
+    struct lf_order *o = st->orders[st->me];
+    uint64_t first = load(&o->h.first_claim);
+    for (uint64_t c; (c = load(&o->h.consumed)) < first && !is_off(st);) {
+        uint32_t seen = load32(&o->h.turn_word);
+        __atomic_fetch_add(&o->h.sleepers, 1, __ATOMIC_SEQ_CST);
+        if (load(&o->h.consumed) == c)
+            futex_wait(&o->h.turn_word, seen);
+        __atomic_fetch_sub(&o->h.sleepers, 1, __ATOMIC_SEQ_CST);
+    }
+    uint64_t taken = load(&st->regions[st->me]->h.signal_seen);
+    if (taken != 0)
+        st->signal_seen = (uint32_t)taken;
+    st->promoted = 1;
 }
 
 /* --- clocks ---------------------------------------------------------------------------- */
@@ -1595,6 +1664,11 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
             futex_wait(&own->h.progress, load32(&own->h.progress));
         }
     }
+    if (s == lf_test_die && lf_ring_epoch == 0 && st->lane != 0 && st->me == 0) {
+        /* test: the leader's process dies at a call of a thread the program started, while
+         * its other threads are anywhere (killed by a fault's crash, or by the monitor) */
+        lf_fast(SYS_kill, lf_fast(SYS_getpid, 0, 0, 0, 0, 0, 0), SIGKILL, 0, 0, 0, 0);
+    }
     if (s == lf_test_signal && lf_ring_epoch == 0)
         return deliver_signal(st, rec, s, nr, digest, a, NULL, SIGUSR1, 0);
     int64_t code = 0;
@@ -1670,10 +1744,11 @@ static void report_divergence(uint64_t s, long nr, uint64_t digest, uint64_t lea
     lf_raw(LF_SYS_FAST, OP_DIVERGED, (long)s, nr, (long)digest, (long)leader_nr, (long)leader_digest);
 }
 
-static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_desc *d, const long *a, uint64_t digest)
+static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const struct lf_desc *d, const long *a,
+                   uint64_t digest)
 {
     struct lf_region *own = st->regions[st->me];
-    struct lf_region *leader = st->regions[st->leader];
+    struct lf_region *leader = st->regions[src];
     struct lf_record *rec = &leader->records[s % LF_SLOTS];
     serial_leave(st); /* this thread's segment ends here, as the leader's did */
     if (d->fast == F_OUTPUT) {
@@ -1684,9 +1759,13 @@ static long follow(struct lf_state *st, uint64_t s, long nr, const struct lf_des
     store(&own->h.awaiting, s);
     if (d->fast == F_OUTPUT || load(&leader->h.vote_wanted) == s)
         signal_progress(st, &own->h.progress, st->leader, 1);
-    struct wait_for w = {st, st->leader, s};
+    struct wait_for w = {st, src, s};
     int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
     store(&own->h.awaiting, 0);
+    if (got == MOVED) {
+        st->seq = s - 1; /* the call again, with the new leader's record (or as it) */
+        return LF_AGAIN;
+    }
     if (s == lf_test_bad_wait && lf_ring_epoch == 0 && st->me == st->replicas - 1)
         got = checked_answer(got | 8); /* test: in one follower, the answer changed on its way */
     if (got == CORRUPT)
@@ -1799,6 +1878,10 @@ enum {
     SYNC_OPS
 };
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
+#define SYNC_MOVED (LONG_MIN + 1) /* the record comes from a new leader (follow_sync's alone) */
+/* To a follower's operation: its replica became the leader before the record came (see "a
+ * new leader in place"); the wrapper does what the leader does, and records it. */
+#define SYNC_PROMOTED (LONG_MIN + 2)
 
 static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, uint64_t site, uint64_t object)
 {
@@ -1823,16 +1906,18 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
     return ret;
 }
 
-static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr, uint64_t site)
+static long follow_sync(struct lf_state *st, uint64_t s, uint32_t src, uint32_t nr, uint64_t site)
 {
     struct lf_region *own = st->regions[st->me];
-    struct lf_region *leader = st->regions[st->leader];
+    struct lf_region *leader = st->regions[src];
     struct lf_record *rec = &leader->records[s % LF_SLOTS];
     serial_leave(st);
     store(&own->h.awaiting, s);
-    struct wait_for w = {st, st->leader, s};
+    struct wait_for w = {st, src, s};
     int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
     store(&own->h.awaiting, 0);
+    if (got == MOVED)
+        return SYNC_MOVED;
     if (got == CORRUPT)
         report_divergence(s, nr, site, DIVERGED_STATE, 0);
     if (got != READY)
@@ -1855,17 +1940,30 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t nr, uint64_t s
 
 /* A synchronisation record (`nr`: LF_SYNC_NR_BASE + SYNC_*) on the ring stack: the
  * leader's result `a[0]` recorded, or the leader's result taken. `a[1]`: the role the
- * caller took (1: leader); a leader change meanwhile makes it SYNC_NONE. `a[2]`: the
- * program's call site, the record's digest. `a[3]`: the object whose order it takes. */
+ * caller took (1: leader); SYNC_PROMOTED (no record taken) when this replica has become
+ * the leader for it since. `a[2]`: the program's call site, the record's digest. `a[3]`:
+ * the object whose order it takes. */
 static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
 {
     uint64_t s = ++st->seq; /* in every replica, as for a call: the lanes stay aligned */
     note_lane(st->lane);
-    int lead_role = st->me == st->leader;
-    if (lead_role != (a[1] == 1))
-        return SYNC_NONE;
-    return lead_role ? lead_sync(st, s, nr, a[0], (uint64_t)a[2], (uint64_t)a[3])
-                     : follow_sync(st, s, nr, (uint64_t)a[2]);
+    for (;;) {
+        uint32_t src = record_source(st, s);
+        int lead_role = src == st->me;
+        if (lead_role)
+            settle_promotion(st);
+        if (lead_role && a[1] != 1) {
+            st->seq = s - 1; /* the wrapper's leader branch records it */
+            return SYNC_PROMOTED;
+        }
+        if (lead_role != (a[1] == 1))
+            return SYNC_NONE;
+        if (lead_role)
+            return lead_sync(st, s, nr, a[0], (uint64_t)a[2], (uint64_t)a[3]);
+        long ret = follow_sync(st, s, src, nr, (uint64_t)a[2]);
+        if (ret != SYNC_MOVED)
+            return ret;
+    }
 }
 
 /* The serial order: a place for the thread to go on from, after it blocked without a
@@ -1902,7 +2000,10 @@ static long ring_call(struct ring_call *c)
         if (bound < 0)
             return slow_call(st, nr, a);
         uint64_t s = ++st->seq;
-        long ret = st->me == st->leader ? lead(st, s, nr, d, a, digest, bound) : follow(st, s, nr, d, a, digest);
+        uint32_t src = record_source(st, s);
+        if (src == st->me)
+            settle_promotion(st);
+        long ret = src == st->me ? lead(st, s, nr, d, a, digest, bound) : follow(st, s, src, nr, d, a, digest);
         if (ret != LF_AGAIN)
             return ret;
     }
@@ -2346,15 +2447,18 @@ static void attach_ring(uint32_t epoch)
 static void attach_thread(void)
 {
     struct lf_state *lanes = lf_lanes;
-    if (!lf_active || lanes == NULL || lanes[0].hdr == NULL)
-        return; /* the same in every replica: nothing to ask */
+    /* Without a ring ever attached, the same in every replica: nothing to ask. A process
+     * whose ring a fork wiped asks too: a replica forked by re-integration is one, and
+     * the replicas it joins ask (their ring is off: no lane for anyone). */
+    if (!lf_active || lanes == NULL)
+        return;
     /* Before the hello: a signal the monitor posts for this lane after it is new. */
     uint32_t seen[LF_LANES];
     for (uint32_t k = 0; k < LF_LANES; k++)
-        seen[k] = __atomic_load_n(&lane_state(lanes, k)->mailbox->request, __ATOMIC_ACQUIRE);
+        seen[k] = lanes[0].hdr == NULL ? 0 : __atomic_load_n(&lane_state(lanes, k)->mailbox->request, __ATOMIC_ACQUIRE);
     long ret = hello(OP_HELLO_THREAD, lf_ring_epoch);
     long lane = ret >> LF_HELLO_LANE_SHIFT;
-    if (ret < 0 || lane <= 0 || lane >= (long)LF_LANES || (uint32_t)(ret & 0xff) != lanes[0].me)
+    if (ret < 0 || lane <= 0 || lane >= (long)LF_LANES || (uint32_t)(ret & 0xff) != lanes[0].me || lanes[0].hdr == NULL)
         return;
     struct lf_state *st = lane_state(lanes, (uint32_t)lane);
     st->owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
@@ -2462,7 +2566,10 @@ static int sync_role(void)
         return ROLE_NONE;
     if (lf_vfork_seen && lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid)
         return ROLE_NONE; /* a vfork child */
-    return st->me == st->leader ? ROLE_LEAD : ROLE_FOLLOW;
+    if (record_source(st, st->seq + 1) != st->me)
+        return ROLE_FOLLOW;
+    settle_promotion(st);
+    return ROLE_LEAD;
 }
 
 /* One operation's arguments. The operations run on the lane's ring stack: the leader and
@@ -2489,6 +2596,14 @@ static long sync_event(const struct sync_args *p, int op, long ret, int role)
     long a[6] = {ret, role == ROLE_LEAD, (long)p->site, (long)object, 0, 0};
     struct ring_call call = {lf_my, (long)LF_SYNC_NR_BASE + op, a};
     return on_ring_stack(&call);
+}
+
+/* An operation that hands something on: its record (result 0 in either role) before the
+ * native call, as the leader's if this replica became the leader meanwhile. */
+static void hand_on(const struct sync_args *p, int op, int role)
+{
+    if (role != ROLE_NONE && sync_event(p, op, 0, role) == SYNC_PROMOTED)
+        sync_event(p, op, 0, ROLE_LEAD);
 }
 
 /* The next definition of a libc function (`version`: NULL for the default one). */
@@ -2544,9 +2659,12 @@ static long lock_op(struct sync_args *p, int op, mutex_fn native)
         long ret = sync_event(p, op, 0, role);
         if (ret == SYNC_NONE)
             return native(m);
-        if (lock_taken(ret))
-            REAL_LOCK(m); /* free in its turn, or about to be */
-        return ret;
+        if (ret != SYNC_PROMOTED) {
+            if (lock_taken(ret))
+                REAL_LOCK(m); /* free in its turn, or about to be */
+            return ret;
+        }
+        role = ROLE_LEAD;
     }
     if (role == ROLE_LEAD && op == SYNC_LOCK)
         serial_leave(lf_my);
@@ -2562,9 +2680,7 @@ static long trylock_body(void *p) { return lock_op(p, SYNC_TRYLOCK, REAL_TRYLOCK
 static long unlock_body(void *v)
 {
     struct sync_args *p = v;
-    int role = sync_role();
-    if (role != ROLE_NONE)
-        sync_event(p, SYNC_UNLOCK, 0, role);
+    hand_on(p, SYNC_UNLOCK, sync_role());
     return REAL_UNLOCK(p->obj);
 }
 
@@ -2587,10 +2703,18 @@ static long cond_wait_body(void *v)
     if (role == ROLE_NONE)
         return native_wait(c, m, p->arg);
     long entered = sync_event(p, SYNC_WAIT_ENTER, 0, role);
+    if (entered == SYNC_PROMOTED) {
+        role = ROLE_LEAD;
+        entered = sync_event(p, SYNC_WAIT_ENTER, 0, role);
+    }
     if (role == ROLE_FOLLOW && entered != SYNC_NONE) {
         REAL_UNLOCK(m);
         long ret = sync_event(p, SYNC_WAIT_RETURN, 0, role);
         REAL_LOCK(m);
+        if (ret == SYNC_PROMOTED) { /* this replica leads now: a spurious wake-up, recorded */
+            sync_event(p, SYNC_WAIT_RETURN, 0, ROLE_LEAD);
+            ret = 0;
+        }
         return ret == SYNC_NONE ? 0 : ret; /* without the leader's word: a spurious wake-up */
     }
     serial_leave(lf_my);
@@ -2603,9 +2727,7 @@ static long wake_body(void *v)
 {
     struct sync_args *p = v;
     cond_fn real = (cond_fn)real_fn(p->slot, p->name, COND_VERSION);
-    int role = sync_role();
-    if (role != ROLE_NONE)
-        sync_event(p, SYNC_WAKE, 0, role);
+    hand_on(p, SYNC_WAKE, sync_role());
     return real(p->obj);
 }
 
@@ -2647,9 +2769,12 @@ static long rw_op(struct sync_args *p, int write)
         long ret = sync_event(p, op, 0, role);
         if (ret == SYNC_NONE)
             return rw_native(p, write);
-        if (ret == 0)
-            ((rwlock_fn)rw_real(write, RW_BLOCKING))(p->obj); /* free for us in its turn, or about to be */
-        return ret;
+        if (ret != SYNC_PROMOTED) {
+            if (ret == 0)
+                ((rwlock_fn)rw_real(write, RW_BLOCKING))(p->obj); /* free for us in its turn, or about to be */
+            return ret;
+        }
+        role = ROLE_LEAD;
     }
     if (role == ROLE_LEAD && p->variant != RW_TRY)
         serial_leave(lf_my);
@@ -2665,16 +2790,16 @@ static long wrlock_body(void *v) { return rw_op(v, 1); }
 static long rw_unlock_body(void *v)
 {
     struct sync_args *p = v;
-    int role = sync_role();
-    if (role != ROLE_NONE)
-        sync_event(p, SYNC_RW_UNLOCK, 0, role);
+    hand_on(p, SYNC_RW_UNLOCK, sync_role());
     return ((rwlock_fn)real_fn(&lf_real_rw_unlock, "pthread_rwlock_unlock", NULL))(p->obj);
 }
 
 /* Barriers: the arrival hands on what the thread did before it, the departure (with the
  * leader's result: PTHREAD_BARRIER_SERIAL_THREAD in one thread) takes what the others did.
- * A follower's thread does not wait at the barrier itself: its departure's turn comes after
- * every arrival the leader's departure waited for. */
+ * A follower's thread waits at the barrier itself too, after its arrival's turn (all of a
+ * round's arrivals come before its departures in the leader's order, so every thread of
+ * the round gets there), and returns the leader's result: the barrier's own state then
+ * follows the order in every replica, as a follower that becomes the leader needs it. */
 static long barrier_body(void *v)
 {
     struct sync_args *p = v;
@@ -2683,15 +2808,20 @@ static long barrier_body(void *v)
     int role = sync_role();
     if (role == ROLE_NONE)
         return real(p->obj);
-    long arrived = sync_event(p, SYNC_BARRIER_ARRIVE, 0, role);
-    if (role == ROLE_FOLLOW && arrived != SYNC_NONE) {
-        long ret = sync_event(p, SYNC_BARRIER_DEPART, 0, role);
-        return ret == SYNC_NONE ? 0 : ret;
+    if (sync_event(p, SYNC_BARRIER_ARRIVE, 0, role) == SYNC_PROMOTED) {
+        role = ROLE_LEAD;
+        sync_event(p, SYNC_BARRIER_ARRIVE, 0, role);
     }
     serial_leave(lf_my);
     int ret = real(p->obj);
-    sync_event(p, SYNC_BARRIER_DEPART, ret, role);
-    return ret;
+    long departed = sync_event(p, SYNC_BARRIER_DEPART, ret, role);
+    if (role == ROLE_LEAD || departed == SYNC_NONE)
+        return ret;
+    if (departed == SYNC_PROMOTED) { /* this replica leads now: its own result, recorded */
+        sync_event(p, SYNC_BARRIER_DEPART, ret, ROLE_LEAD);
+        return ret;
+    }
+    return departed;
 }
 
 /* pthread_once: the thread that runs the initialiser is the leader's. The leader's thread
@@ -2748,7 +2878,8 @@ static long once_role_body(void *v)
     int role = sync_role();
     if (role != ROLE_FOLLOW)
         return role == ROLE_LEAD ? -1 : SYNC_NONE;
-    return sync_event(p, SYNC_ONCE, 0, role);
+    long part = sync_event(p, SYNC_ONCE, 0, role);
+    return part == SYNC_PROMOTED ? -1 : part;
 }
 
 int pthread_once(pthread_once_t *control, void (*init)(void))
@@ -2820,10 +2951,13 @@ static long sem_wait_body(void *v)
         long outcome = sync_event(p, SYNC_SEM_WAIT, 0, role);
         if (outcome == SYNC_NONE)
             return sem_outcome(p->native_sem(sem, p->arg));
-        if (outcome == 0)
-            while (REAL_SEM_WAIT(sem) != 0 && errno == EINTR)
-                ;
-        return outcome;
+        if (outcome != SYNC_PROMOTED) {
+            if (outcome == 0)
+                while (REAL_SEM_WAIT(sem) != 0 && errno == EINTR)
+                    ;
+            return outcome;
+        }
+        role = ROLE_LEAD;
     }
     if (role == ROLE_LEAD)
         serial_leave(lf_my);
@@ -2837,9 +2971,7 @@ static long sem_post_body(void *v)
 {
     struct sync_args *p = v;
     sem_fn post = (sem_fn)real_fn(&lf_real_sem_post, "sem_post", NULL);
-    int role = sync_role();
-    if (role != ROLE_NONE)
-        sync_event(p, SYNC_SEM_POST, 0, role);
+    hand_on(p, SYNC_SEM_POST, sync_role());
     return sem_outcome(post(p->obj));
 }
 
@@ -3012,6 +3144,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_hang = strtoull(test + 5, NULL, 10);
     if (test != NULL && strncmp(test, "flap:", 5) == 0)
         lf_test_flap = strtoull(test + 5, NULL, 10);
+    if (test != NULL && strncmp(test, "die:", 4) == 0)
+        lf_test_die = strtoull(test + 4, NULL, 10);
     if (test != NULL && strncmp(test, "bad-wait:", 9) == 0)
         lf_test_bad_wait = strtoull(test + 9, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;

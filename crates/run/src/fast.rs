@@ -87,7 +87,8 @@ struct Header {
     orders_offset: u64,
     /// Bit r: replica region r was removed while the ring stays on (`Ring::drop_region`).
     lost: u32,
-    pad2: u32,
+    /// The region + 1 of a leader replaced in place (`Ring::promote`; 0: none).
+    former: u32,
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -114,6 +115,8 @@ struct RegionHead {
     signal_seen: u64,
     /// A follower's thread waits in a futex call (its siblings may then take their turn).
     in_futex: u64,
+    /// As a leader promoted in place: the former leader published up to this record.
+    cut: u64,
 }
 
 /// The start of a replica's order area; same fields as `struct lf_order_head`.
@@ -123,7 +126,9 @@ struct OrderHead {
     claimed: u64,
     /// As the leader in the serial order: the token's ticket lock (the shim's alone).
     token: u64,
-    pad0: [u64; 6],
+    /// As a leader promoted in place: its first place; earlier ones were the former's.
+    first_claim: u64,
+    pad0: [u64; 5],
     /// As a follower: every place below this one is done.
     consumed: u64,
     turn_word: u32,
@@ -361,7 +366,7 @@ impl Ring {
                 clocks_size: CLOCKS_SIZE,
                 orders_offset,
                 lost: 0,
-                pad2: 0,
+                former: 0,
             })
         };
         Ok(ring)
@@ -378,6 +383,7 @@ impl Ring {
         header.leader = 0;
         header.leader_lost = 0;
         header.lost = 0;
+        header.former = 0;
         header.cpu = std::array::from_fn(|r| placement.get(r).copied().flatten().map_or(-1, |c| c as i32));
     }
 
@@ -456,6 +462,102 @@ impl Ring {
             futex_wake(self.word32(&self.region(lane, r).progress));
         }
         futex_wake(self.word32(&self.order(r).turn_word));
+    }
+
+    /// Makes follower region `new` the leader in place of `old`, a leader that failed and
+    /// whose threads are stopped for good, while the ring stays on (the shim's "a new
+    /// leader in place"). Per lane, the new leader goes on after the old one's last
+    /// published record (its `cut`), with the last signal request the old one took; its
+    /// order goes on at the old one's next index, and the indices the old one claimed but
+    /// never published are marked done in every survivor, so that their threads' turns
+    /// come. False (nothing changed) when this ring had a leader replaced already, or a
+    /// survivor is so far behind that an orphan index would share its slot with one it
+    /// has yet to take.
+    pub fn promote(&self, old: u32, new: u32) -> bool {
+        let header = self.header();
+        assert!(
+            old == self.leader() && new != old && new < self.replicas,
+            "{new} replaces leader {old}"
+        );
+        let lost = self.word32(&header.lost).load(Ordering::SeqCst);
+        if self.word32(&header.former).load(Ordering::SeqCst) != 0 || lost & (1 << new) != 0 {
+            return false;
+        }
+        let survivors: Vec<u32> = (0..self.replicas)
+            .filter(|&r| r != old && lost & (1 << r) == 0)
+            .collect();
+        let claimed = self.word64(&self.order(old).claimed).load(Ordering::SeqCst);
+        let behind =
+            |r: u32| claimed > self.word64(&self.order(r).consumed).load(Ordering::SeqCst) + layout::ORDER_SLOTS;
+        if survivors.iter().any(|&r| behind(r)) {
+            return false;
+        }
+        let cuts: [u64; LANES] = std::array::from_fn(|lane| self.published(lane, old));
+        for (lane, &cut) in cuts.iter().enumerate() {
+            let (from, to) = (self.region(lane, old), self.region(lane, new));
+            self.word64(&to.cut).store(cut, Ordering::SeqCst);
+            self.word64(&to.published).store(cut, Ordering::SeqCst);
+            let taken = self.word64(&from.signal_seen).load(Ordering::SeqCst);
+            self.word64(&to.signal_seen).store(taken, Ordering::SeqCst);
+        }
+        for &r in &survivors {
+            self.skip_orphans(old, r, claimed, &cuts);
+        }
+        let order = self.order(new);
+        self.word64(&order.first_claim).store(claimed, Ordering::SeqCst);
+        self.word64(&order.claimed).store(claimed, Ordering::SeqCst);
+        self.word32(&header.lost).fetch_or(1 << old, Ordering::SeqCst);
+        // `former` before `leader`: a shim that reads the new leader finds its former.
+        self.word32(&header.former).store(old + 1, Ordering::SeqCst);
+        self.word32(&header.leader).store(new, Ordering::SeqCst);
+        // Followers asleep on the old leader's records look again (and find them MOVED).
+        for lane in 0..LANES {
+            let from = self.region(lane, old);
+            self.word32(&from.published_word).fetch_add(1, Ordering::SeqCst);
+            futex_wake(self.word32(&from.published_word));
+        }
+        true
+    }
+
+    /// Marks done in survivor `r`'s order each index below `claimed` that leader `old`
+    /// claimed but never published (its entry unwritten, or naming a record past its
+    /// lane's cut), and moves `r`'s `consumed` over every index done in a row, as the
+    /// shim's `turn_done` does (its threads may do so at the same time).
+    fn skip_orphans(&self, old: u32, r: u32, claimed: u64, cuts: &[u64; LANES]) {
+        let head = self.order(r);
+        let consumed = self.word64(&head.consumed);
+        for index in consumed.load(Ordering::SeqCst)..claimed {
+            let orphan = match self.order_entry(old, index) {
+                None => true,
+                Some(OrderPlace { lane, seq, .. }) => seq > cuts[lane],
+            };
+            if orphan {
+                self.order_done(r, index).store(index + 1, Ordering::SeqCst);
+            }
+        }
+        let mut c = consumed.load(Ordering::SeqCst);
+        while self.order_done(r, c).load(Ordering::SeqCst) == c + 1 {
+            match consumed.compare_exchange(c, c + 1, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => c += 1,
+                Err(now) => c = now,
+            }
+        }
+        self.word32(&head.turn_word).fetch_add(1, Ordering::SeqCst);
+        futex_wake(self.word32(&head.turn_word));
+    }
+
+    /// The region that holds record `seq` of `lane`: the leader's, or, up to the cut of a
+    /// leader promoted in place, the former leader's (as the shim's `record_source`).
+    pub fn record_source(&self, lane: Lane, seq: u64) -> u32 {
+        let header = self.header();
+        let leader = self.leader();
+        let former = self.word32(&header.former).load(Ordering::SeqCst);
+        let cut = self.word64(&self.region(lane, leader).cut).load(Ordering::SeqCst);
+        if former != 0 && former - 1 != leader && former - 1 < self.replicas && seq <= cut {
+            former - 1
+        } else {
+            leader
+        }
     }
 
     /// Switches a ring that no replica has attached back on (see `FastPath::relay_first`).
@@ -582,31 +684,49 @@ impl Ring {
         let leader = self.leader();
         let head = self.order(leader);
         let claimed = self.word64(&head.claimed).load(Ordering::Acquire);
-        let entries = (head as *const OrderHead)
+        let depth = depth.min(layout::ORDER_SLOTS as usize) as u64;
+        (claimed.saturating_sub(depth)..claimed)
+            .rev()
+            .filter_map(|index| self.order_entry(leader, index))
+            .collect()
+    }
+
+    /// Place `index` of replica `r`'s order as it led, while its entry holds it (not when
+    /// it was claimed but not yet written, or is overwritten already).
+    fn order_entry(&self, r: u32, index: u64) -> Option<OrderPlace> {
+        let entries = (self.order(r) as *const OrderHead)
             .cast::<u8>()
             .wrapping_add(std::mem::size_of::<OrderHead>());
-        let depth = depth.min(layout::ORDER_SLOTS as usize) as u64;
-        let mut places = Vec::with_capacity(depth as usize);
-        for index in (claimed.saturating_sub(depth)..claimed).rev() {
-            let at = (index % layout::ORDER_SLOTS) as usize * std::mem::size_of::<OrderEntry>();
-            // SAFETY: entry `index % ORDER_SLOTS` of the leader's order area, inside the
-            // mapping (`order` checked the area's bounds; the shim asserts its size).
-            let entry = unsafe { &*entries.add(at).cast::<OrderEntry>() };
-            let what = self.word64(&entry.what).load(Ordering::Acquire);
-            // A place claimed but not yet written, or already overwritten, is left out.
-            if self.word64(&entry.index).load(Ordering::Acquire) != index + 1 {
-                continue;
-            }
-            let lane = (what >> ORDER_LANE_SHIFT) as Lane;
-            if lane < LANES {
-                places.push(OrderPlace {
-                    index,
-                    lane,
-                    seq: what & ((1 << ORDER_LANE_SHIFT) - 1),
-                });
-            }
+        let at = (index % layout::ORDER_SLOTS) as usize * std::mem::size_of::<OrderEntry>();
+        // SAFETY: entry `index % ORDER_SLOTS` of the order area, inside the mapping
+        // (`order` checked the area's bounds; the shim asserts its size).
+        let entry = unsafe { &*entries.add(at).cast::<OrderEntry>() };
+        let what = self.word64(&entry.what).load(Ordering::Acquire);
+        if self.word64(&entry.index).load(Ordering::Acquire) != index + 1 {
+            return None;
         }
-        places
+        let lane = (what >> ORDER_LANE_SHIFT) as Lane;
+        (lane < LANES).then_some(OrderPlace {
+            index,
+            lane,
+            seq: what & ((1 << ORDER_LANE_SHIFT) - 1),
+        })
+    }
+
+    /// Replica `r`'s mark that it took place `index` of the order (index + 1 once taken).
+    fn order_done(&self, r: u32, index: u64) -> &AtomicU64 {
+        let offset = std::mem::size_of::<OrderHead>() as u64
+            + layout::ORDER_SLOTS * std::mem::size_of::<OrderEntry>() as u64
+            + (index % layout::ORDER_SLOTS) * 8;
+        // SAFETY: inside replica `r`'s order area (`done` follows the head and the entries;
+        // OBJECTS_OFFSET, asserted to fit, comes after it).
+        let done = unsafe {
+            &*(self.order(r) as *const OrderHead)
+                .cast::<u8>()
+                .add(offset as usize)
+                .cast::<u64>()
+        };
+        self.word64(done)
     }
 
     /// What leader `r`'s record `seq` of `lane` calls: (number, digest), while the record
@@ -969,10 +1089,11 @@ impl FastPath {
         self.ring().recent_order(depth)
     }
 
-    /// What the current leader's record `seq` of `lane` calls, while it is in the ring.
+    /// What the leader's record `seq` of `lane` calls (a former leader's up to its cut),
+    /// while it is in the ring.
     pub fn leader_record_call(&self, lane: Lane, seq: u64) -> Option<(u64, u64)> {
         let ring = self.ring();
-        ring.record_call(lane, ring.leader(), seq)
+        ring.record_call(lane, ring.record_source(lane, seq), seq)
     }
 
     /// Places of the leaders' orders and records taken out of turn, over every epoch so far.
@@ -1025,6 +1146,16 @@ impl FastPath {
         let lanes: Vec<Lane> = self.lanes_in_use().map(|(lane, _)| lane).collect();
         self.ring().drop_region(region, lanes.into_iter());
         true
+    }
+
+    /// Makes replica `new`, a follower, the current ring's leader in place of `old`,
+    /// which failed, while the ring stays on (see [`Ring::promote`]). False when the ring
+    /// is off or cannot take a new leader in place.
+    pub fn promote(&mut self, old: u32, new: u32) -> bool {
+        let (Some(from), Some(to)) = (self.region(old), self.region(new)) else {
+            return false;
+        };
+        from == self.ring().leader() && self.ring().is_on() && self.ring().promote(from, to)
     }
 
     /// The next epoch's number, when one is armed.
@@ -1144,10 +1275,31 @@ impl FastPath {
         moved
     }
 
-    /// The signal that the leader's record `seq` of `lane` delivers, if it is one.
+    /// The signal that record `seq` of `lane` delivers, if it is one.
     pub fn signal_record(&self, lane: Lane, seq: u64) -> Option<i32> {
-        let leader = self.region(self.leader()?)?;
-        self.ring().signal_record(lane, leader, seq)
+        let ring = self.ring();
+        ring.signal_record(lane, ring.record_source(lane, seq), seq)
+    }
+
+    /// The replica that published record `seq` of `lane` (the leader, or a former leader
+    /// replaced in place: see [`Ring::promote`]).
+    pub fn record_author(&self, lane: Lane, seq: u64) -> Option<u32> {
+        self.members.get(self.ring().record_source(lane, seq) as usize).copied()
+    }
+
+    /// The record replica `r` is at in `lane`: the last it published if it leads there
+    /// (past the cut of a former leader), else the last it took.
+    pub fn position_of(&self, lane: Lane, r: u32) -> Option<u64> {
+        let region = self.region(r)?;
+        let ring = self.ring();
+        let published = ring.published(lane, region);
+        Some(
+            if ring.record_source(lane, published) == region && region == ring.leader() {
+                published
+            } else {
+                ring.consumed(lane, region)
+            },
+        )
     }
 }
 

@@ -274,7 +274,9 @@ impl Session {
             return Ok(false);
         }
         let leader = self.replicas.leader();
-        let published = fast.published(lane, leader).unwrap_or(0);
+        // A leader promoted in place that has not passed the former's cut in this lane
+        // is where it took its records to.
+        let published = fast.position_of(lane, leader).unwrap_or(0);
         let behind: Vec<(ReplicaId, u64)> = live
             .iter()
             .filter(|&&f| f != leader)
@@ -289,7 +291,7 @@ impl Session {
         // threaded program (`vote_out`); a leader that fails takes it down.
         let followers = live.len() - 1;
         let leader_fails = followers >= 2 && behind.len() == followers;
-        if leader_fails {
+        if leader_fails && !self.ring_keeps_a_new_leader() {
             fast.switch_off();
         }
         let culprits: Vec<(ReplicaId, String)> = if leader_fails {
@@ -392,9 +394,13 @@ impl Session {
         }
     }
 
-    /// Leader `r` is leaving the ring (voted out or dead): its threads are settled and the
-    /// ring goes off, so that every follower gives up at the same call of each lane (the
-    /// ring's followers wait for a call the leader had in flight until `leader_lost`).
+    /// Leader `r` is leaving the ring (voted out or dead): its threads are settled, and
+    /// then in a program with threads that keeps the order of every event the follower
+    /// that will lead takes its place in the ring (`FastPath::promote`): with the ring off
+    /// the survivors' threads would run unordered. Otherwise the ring goes off, so that
+    /// every follower gives up at the same call of each lane (the ring's followers wait
+    /// for a call the leader had in flight until `leader_lost`). Ok(true): the ring stays
+    /// on.
     ///
     /// A call it made from the fast path that may have run in the kernel, but whose
     /// record it never published, would run again in its successor: the data a read took
@@ -405,8 +411,11 @@ impl Session {
     /// A thread that was on its way to publish a completed call is let run until it did
     /// (its other threads, running on as usual until they are stopped, are the common
     /// case: the fault was found in one thread of the leader, and the others were busy).
-    pub(crate) fn lose_leader(&mut self, r: ReplicaId) -> Option<String> {
-        let lanes: Vec<(Lane, TaskId)> = self.fast.as_ref()?.lanes_in_use().collect();
+    pub(crate) fn lose_leader(&mut self, r: ReplicaId) -> Result<bool, String> {
+        let Some(fast) = &self.fast else {
+            return Ok(false);
+        };
+        let lanes: Vec<(Lane, TaskId)> = fast.lanes_in_use().collect();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
         let unsettled = lanes.into_iter().find_map(|(lane, task)| {
             let seq = self.settle_lane(lane, task, r, deadline)?;
@@ -417,11 +426,40 @@ impl Session {
                 syscalls::name(nr)
             ))
         });
+        if unsettled.is_none() && self.promote_in_ring(r) {
+            return Ok(true);
+        }
         if let Some(fast) = &self.fast {
             fast.ring().mark_leader_lost();
         }
         self.fast_off();
-        unsettled
+        unsettled.map_or(Ok(false), Err)
+    }
+
+    /// Whether a failed leader can be replaced in the ring, which stays on: the program
+    /// has threads in it (one thread goes through the monitor as well as through a new
+    /// ring later), and their order is the order of every event (the object and serial
+    /// orders' state is not carried over).
+    pub(crate) fn ring_keeps_a_new_leader(&self) -> bool {
+        self.fast
+            .as_ref()
+            .is_some_and(|fast| fast.ring().is_on() && self.opts.sync_order == crate::SyncOrder::Global)
+    }
+
+    /// Replaces failed leader `r` in the ring by the replica that leads next (the first
+    /// live one after it is removed, as `Replicas::remove` chooses).
+    fn promote_in_ring(&mut self, r: ReplicaId) -> bool {
+        if !self.ring_keeps_a_new_leader() {
+            return false;
+        }
+        let Some(new) = self.live_replicas().into_iter().find(|&x| x != r) else {
+            return false;
+        };
+        let promoted = self.fast.as_mut().is_some_and(|fast| fast.promote(r, new));
+        if promoted && self.debug {
+            eprintln!("lockstep debug: replica {new} leads the fast path's ring in place of {r}, which stays on");
+        }
+        promoted
     }
 
     /// Stops leader `r`'s thread of `task` (it is being removed, so its stops are never
@@ -621,11 +659,7 @@ impl Session {
         }
         let fast = self.fast.as_mut()?;
         let leader = fast.leader()?;
-        let seq = if r == leader {
-            fast.published(lane, r)?
-        } else {
-            fast.consumed(lane, r)?
-        };
+        let seq = fast.position_of(lane, r)?;
         if fast.signal_record(lane, seq) != Some(sig) {
             let msg = format!(
                 "replica {r} raised signal {sig} at fast-path record #{seq} of task {task}, where the leader's ring \
@@ -636,11 +670,13 @@ impl Session {
         if !fast.delivered_signal(lane, seq, sig) {
             if fast.posted_taken(lane) != Some(sig) {
                 // A SIGNAL record the monitor never asked for: the leader's fault. The
-                // raise is dropped; the followers drop theirs too.
-                if r != leader {
+                // raise is dropped; the followers drop theirs too. One a former leader
+                // published was its last fault: it is gone already.
+                let author = fast.record_author(lane, seq);
+                if r != leader || author != Some(leader) {
                     // A failed resume is recorded by the backend and fails the replica.
                     let _ = self.be.resume(tid, Resume::Run);
-                    if !self.live_slots(task).contains(&leader) {
+                    if author != Some(leader) || !self.live_slots(task).contains(&leader) {
                         return Some(Ok(())); // blamed already
                     }
                 }

@@ -1340,12 +1340,12 @@ impl Session {
     pub fn vote_out(&mut self, r: ReplicaId, why: String) -> Result<(), Stopped> {
         let t0 = Instant::now();
         let was_leader = r == self.replicas.leader();
-        if was_leader {
-            if let Some(why) = self.lose_leader(r) {
-                return Err(self.halt(why));
-            }
-        }
-        if was_leader || !self.drop_follower_from_ring(r) {
+        let ring_stays_on = if was_leader {
+            self.lose_leader(r).map_err(|why| self.halt(why))?
+        } else {
+            self.drop_follower_from_ring(r)
+        };
+        if !ring_stays_on {
             self.fast_off();
         }
         let removal = self.replicas.remove(r);

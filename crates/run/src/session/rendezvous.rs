@@ -491,7 +491,7 @@ impl Session {
                     let sig = self.take_pending(task, 0);
                     return self.deliver_at_rendezvous(task, nr, args, sig);
                 }
-                if self.reintegration_due && self.reintegrate(task)? {
+                if self.reintegration_due && !starts_a_thread(nr, args) && self.reintegrate(task)? {
                     return Ok(());
                 }
                 self.execute(task, nr, args)
@@ -1350,7 +1350,8 @@ impl Session {
     }
 
     /// Forks a fresh replica from a healthy one when the program is a single
-    /// single-threaded process. Returns true when it did (the task's replicas will
+    /// single-threaded process (not at a call that starts a thread: see
+    /// `starts_a_thread`). Returns true when it did (the task's replicas will
     /// arrive again at the same call).
     fn reintegrate(&mut self, task: TaskId) -> Result<bool, Stopped> {
         let live_tasks: Vec<TaskId> = (0..self.tasks.len())
@@ -1609,4 +1610,13 @@ fn patch_auxv(be: &dyn Backend, tid: Tid) -> Option<u64> {
         p += 16;
     }
     random
+}
+
+/// Whether a call may start a thread (a clone with CLONE_THREAD, or a clone3, whose flags
+/// are in memory). Re-integration does not fork at one: the new replica would make the
+/// same call and be threaded at once, and the fast path's next ring, attached as the call
+/// returns, would race with the new thread's request for a lane, differently in each
+/// replica.
+fn starts_a_thread(nr: u64, args: [u64; 6]) -> bool {
+    (nr == libc::SYS_clone as u64 && args[0] & libc::CLONE_THREAD as u64 != 0) || nr == libc::SYS_clone3 as u64
 }
