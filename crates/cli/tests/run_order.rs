@@ -386,19 +386,89 @@ fn a_follower_that_diverges_while_threads_run_is_voted_out_and_the_order_goes_on
 /// `sync_order 4 60 lock` under `-r 3` with `opts` (and the shim's test hook `hook`):
 /// it must end with 0 and every line the leader wrote. Its output and events.
 fn lock_run_completes_despite(opts: &[&str], hook: Option<&str>) -> (Output, Vec<serde_json::Value>) {
+    run_completes_despite("lock", "ticket", opts, hook)
+}
+
+/// `sync_order 4 60 mode` under `-r 3` with `opts` (and the shim's test hook `hook`): it
+/// must end with 0 and every line (`word` in each) the leader wrote. Its output and events.
+fn run_completes_despite(
+    mode: &str,
+    word: &str,
+    opts: &[&str],
+    hook: Option<&str>,
+) -> (Output, Vec<serde_json::Value>) {
     let ev = events_path("lock-fault");
     let ev_arg = ev.to_string_lossy().into_owned();
     let mut args = vec!["-r", "3", FAST, "--events", &ev_arg];
     args.extend_from_slice(opts);
-    let mut cmd = lockstep_run(&args, &sync_order(4, 60, "lock"));
+    let mut cmd = lockstep_run(&args, &sync_order(4, 60, mode));
     if let Some(hook) = hook {
         cmd.env("LOCKSTEP_FAST_TEST", hook);
     }
     let out = run(cmd);
     let events = read_events_of(&ev, &out);
     out.assert_code(0);
-    check_complete(&out, 4, 4 * 60, "ticket");
+    check_complete(&out, 4, 4 * 60, word);
     (out, events)
+}
+
+/// Replica 0, the leader, was voted out and replica 1 took its place in the ring.
+fn assert_promoted_in_ring(events: &[serde_json::Value], out: &Output) {
+    assert_voted_out_without_halt(events, 0, out);
+    assert!(
+        events.iter().any(|e| e["kind"] == "leader"
+            && e["replica"] == 1
+            && e["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("in the fast path's ring too"))),
+        "replica 1 did not take the leader's place in the ring\n{}",
+        out.context()
+    );
+}
+
+#[test]
+fn a_leader_lost_while_threads_run_is_replaced_in_the_ring_and_the_order_goes_on() {
+    // `die:29`: the leader's process kills itself at a worker's 29th record (a call; the
+    // first worker to get there), its other threads wherever they are: between a place of
+    // the order and its record, in a native lock, asleep. Replica 1 takes its place in
+    // the ring, which stays on: its threads take the old leader's records up to the last
+    // one published, then lead. With the ring off the survivors' threads ran unordered
+    // through the monitor (a divergence, or locks deadlocked across replicas: 86).
+    for mode in ["lock", "sem", "rwlock"] {
+        let (out, events) = run_completes_despite(mode, "ticket", &[], Some("die:29"));
+        assert_promoted_in_ring(&events, &out);
+    }
+}
+
+#[test]
+fn a_leader_lost_while_threads_wait_on_conditions_is_replaced_in_the_ring() {
+    // The work queue: workers sleep in pthread_cond_wait while the main thread fills the
+    // queue. A worker promoted between its wait's two records wakes up spuriously (allowed
+    // by POSIX; the queue's loop waits again), recorded for the others. Which worker gets
+    // to its 137th record first depends on timing, so the failover happens in most runs,
+    // not all: every run must end well.
+    let (out, events) = run_completes_despite("queue", "item", &[], Some("die:137"));
+    if events.iter().any(|e| e["kind"] == "vote") {
+        assert_promoted_in_ring(&events, &out);
+    }
+}
+
+#[test]
+fn a_leader_lost_as_its_first_thread_starts_is_replaced_in_the_ring() {
+    // Stop 23 is the clone of the first worker: the leader dies with one lane in use.
+    // Replica 1 leads the ring in its place, so the workers get lanes and the order;
+    // re-integration waits for the program to be single-threaded again (forked at the
+    // clone, the new replica's ring came up racing with the new thread's request for a
+    // lane, and the workers ran unordered: 86 in 3 runs of 3).
+    let (out, events) = lock_run_completes_despite(&["--test-flip", "0:23:kill:0"], None);
+    assert_promoted_in_ring(&events, &out);
+    assert!(
+        events
+            .iter()
+            .any(|e| e["kind"] == "reintegrate" && e["action"] == "fork"),
+        "no re-integration\n{}",
+        out.context()
+    );
 }
 
 /// Replica `r` was voted out, and the run went on without a halt.

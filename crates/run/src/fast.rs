@@ -713,6 +713,12 @@ impl Ring {
         })
     }
 
+    /// Places of the order replica `r` took in a row, as a follower.
+    #[cfg(test)]
+    fn consumed_places(&self, r: u32) -> u64 {
+        self.word64(&self.order(r).consumed).load(Ordering::SeqCst)
+    }
+
     /// Replica `r`'s mark that it took place `index` of the order (index + 1 once taken).
     fn order_done(&self, r: u32, index: u64) -> &AtomicU64 {
         let offset = std::mem::size_of::<OrderHead>() as u64
@@ -1332,6 +1338,56 @@ mod tests {
         assert_eq!(code_location(maps, 0x10), "0x10");
         assert!(is_sync(layout::SYNC_NR_BASE + 1));
         assert!(!is_sync(libc::SYS_write as u64));
+    }
+
+    #[test]
+    fn a_follower_promoted_in_place_goes_on_from_the_old_leaders_cut() {
+        let ring = Ring::create(0, 3, 10, &[], false, crate::SyncOrder::Global).unwrap();
+        let set = |field: &u64, v: u64| ring.word64(field).store(v, Ordering::SeqCst);
+        // Leader 0 published 5 records in lane 1 and 3 in lane 2, and took signal request 2
+        // in lane 1. Its order: places 0 and 1 published, 2 claimed for an unpublished
+        // record (lane 1's #6), 3 claimed and never written.
+        set(&ring.region(1, 0).published, 5);
+        set(&ring.region(2, 0).published, 3);
+        set(&ring.region(1, 0).signal_seen, 2);
+        set(&ring.order(0).claimed, 4);
+        let entries = (ring.order(0) as *const OrderHead)
+            .cast::<u8>()
+            .wrapping_add(std::mem::size_of::<OrderHead>());
+        for (index, lane, seq) in [(0u64, 1u64, 4u64), (1, 2, 3), (2, 1, 6)] {
+            // SAFETY: entry `index` of replica 0's order area, inside the mapping.
+            let entry = unsafe {
+                &*entries
+                    .add(index as usize * std::mem::size_of::<OrderEntry>())
+                    .cast::<OrderEntry>()
+            };
+            set(&entry.what, lane << ORDER_LANE_SHIFT | seq);
+            set(&entry.index, index + 1);
+        }
+        // Follower 1 took places 0 and 1; follower 2 none yet.
+        ring.order_done(1, 0).store(1, Ordering::SeqCst);
+        ring.order_done(1, 1).store(2, Ordering::SeqCst);
+        set(&ring.order(1).consumed, 2);
+
+        assert!(ring.promote(0, 1));
+        assert_eq!(ring.leader(), 1);
+        assert_eq!(ring.word32(&ring.header().lost).load(Ordering::SeqCst), 1);
+        // Records up to each lane's cut are the former leader's, later ones the new one's.
+        assert_eq!((ring.record_source(1, 5), ring.record_source(1, 6)), (0, 1));
+        assert_eq!((ring.record_source(2, 3), ring.record_source(2, 4)), (0, 1));
+        assert_eq!((ring.published(1, 1), ring.published(2, 1)), (5, 3));
+        assert_eq!(ring.signal_seen(1, 1), 2);
+        let new = ring.order(1);
+        assert_eq!(ring.word64(&new.first_claim).load(Ordering::SeqCst), 4);
+        assert_eq!(ring.word64(&new.claimed).load(Ordering::SeqCst), 4);
+        // Places 2 and 3 will never be published: done in every survivor. Follower 1 has
+        // nothing left before the new leader's first place; follower 2 has places 0 and 1.
+        assert_eq!(ring.consumed_places(1), 4);
+        assert_eq!(ring.consumed_places(2), 0);
+        assert_eq!(ring.order_done(2, 2).load(Ordering::SeqCst), 3);
+        assert_eq!(ring.order_done(2, 3).load(Ordering::SeqCst), 4);
+        // One replacement per ring.
+        assert!(!ring.promote(1, 2));
     }
 
     #[test]

@@ -416,9 +416,17 @@ impl Session {
             return Ok(false);
         };
         let lanes: Vec<(Lane, TaskId)> = fast.lanes_in_use().collect();
+        // SIGKILL takes every thread of the process: none will run to its record (nor
+        // stop for the monitor, which would wait a second for each).
+        let ring_process = lanes.first().map(|&(_, task)| self.tasks[task].process());
+        let killed = self.tasks.iter().any(|t| {
+            Some(t.process()) == ring_process
+                && t.slot(r).and_then(|s| s.arrival())
+                    == Some(crate::task::Arrival::Died(crate::task::Death::Killed(libc::SIGKILL)))
+        });
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
         let unsettled = lanes.into_iter().find_map(|(lane, task)| {
-            let seq = self.settle_lane(lane, task, r, deadline)?;
+            let seq = self.settle_lane(lane, task, r, deadline, killed)?;
             let nr = self.fast.as_ref()?.in_flight(lane, r)?.1;
             Some(format!(
                 "leader {r} failed after its fast-path call #{seq} ({}) of task {task} may have run and before it \
@@ -465,7 +473,14 @@ impl Session {
     /// Stops leader `r`'s thread of `task` (it is being removed, so its stops are never
     /// handed on) once its call in `lane` is settled; returns the call's number if it is
     /// not (see `lose_leader`) by `deadline`.
-    fn settle_lane(&self, lane: Lane, task: TaskId, r: ReplicaId, deadline: std::time::Instant) -> Option<u64> {
+    fn settle_lane(
+        &self,
+        lane: Lane,
+        task: TaskId,
+        r: ReplicaId,
+        deadline: std::time::Instant,
+        killed: bool,
+    ) -> Option<u64> {
         const REPEATABLE: [i64; 7] = [
             libc::SYS_poll,
             libc::SYS_epoll_wait,
@@ -482,7 +497,8 @@ impl Session {
         // Only a thread that runs on its own is stopped here, and let run to its record;
         // one the monitor holds (at a rendezvous, a fault, or the very stop at hand: its
         // registers can be read only while it is stopped) is judged as it is.
-        let mut may_run = matches!(slot.state(), SlotState::Running) && !slot.is_dead() && self.be.regs(tid).is_err();
+        let mut may_run =
+            !killed && matches!(slot.state(), SlotState::Running) && !slot.is_dead() && self.be.regs(tid).is_err();
         loop {
             if may_run && !self.stop_thread(tid, deadline) {
                 may_run = false; // gone, or no stop in time: judged as it is

@@ -1378,10 +1378,15 @@ impl Session {
             let Removal::NewLeader(new) = removal else {
                 return Err(self.halt("no replica left".into()));
             };
+            let ring = if ring_stays_on {
+                format!(", in the fast path's ring too (it goes on from replica {r}'s last record)")
+            } else {
+                String::new()
+            };
             self.emit(
                 Event::new("run", "leader", "elect")
                     .replica(new)
-                    .message(format!("replica {new} is the new leader")),
+                    .message(format!("replica {new} is the new leader{ring}")),
             );
             self.leader_replaced_for_maps();
             // The faulty leader may have run inputs ahead that the others have not consumed:
