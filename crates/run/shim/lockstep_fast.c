@@ -1640,6 +1640,15 @@ static int may_wait_long(long nr, const long *a)
     return ((nr == SYS_epoll_wait || nr == SYS_epoll_pwait) && a[3] != 0) || (nr == SYS_poll && a[2] != 0);
 }
 
+/* Test: the first leader's process dies at record `s` of a thread the program started (a
+ * call or a synchronisation operation), while its other threads are anywhere, as after a
+ * fault's crash. */
+static void test_die(struct lf_state *st, uint64_t s)
+{
+    if (s == lf_test_die && lf_ring_epoch == 0 && st->lane != 0 && st->me == 0)
+        lf_fast(SYS_kill, lf_fast(SYS_getpid, 0, 0, 0, 0, 0, 0), SIGKILL, 0, 0, 0, 0);
+}
+
 static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc *d, const long *a, uint64_t digest, long bound)
 {
     struct lf_region *own = st->regions[st->me];
@@ -1664,11 +1673,7 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
             futex_wait(&own->h.progress, load32(&own->h.progress));
         }
     }
-    if (s == lf_test_die && lf_ring_epoch == 0 && st->lane != 0 && st->me == 0) {
-        /* test: the leader's process dies at a call of a thread the program started, while
-         * its other threads are anywhere (killed by a fault's crash, or by the monitor) */
-        lf_fast(SYS_kill, lf_fast(SYS_getpid, 0, 0, 0, 0, 0, 0), SIGKILL, 0, 0, 0, 0);
-    }
+    test_die(st, s);
     if (s == lf_test_signal && lf_ring_epoch == 0)
         return deliver_signal(st, rec, s, nr, digest, a, NULL, SIGUSR1, 0);
     int64_t code = 0;
@@ -1894,6 +1899,7 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
         futex_wait(&st->regions[st->me]->h.published_word, load32(&st->regions[st->me]->h.published_word));
     if (got != READY)
         return SYNC_NONE;
+    test_die(st, s);
     rec->nr = nr;
     rec->kind = KIND_SYNC;
     rec->digest = site;
