@@ -5,7 +5,11 @@ zstd, xz, pigz, sort, git gc and a Python thread pool, and memcached with its de
 threads under memcaslap.
 
     python3 bench/order_programs.py [--runs N] [--only NAME] [--lockstep BIN]
-                                    [--sync-order global|object|serial]
+                                    [--sync-order global|object|serial] [--leader-dies N]
+
+With --leader-dies N (under -r 3 only), the first leader's process kills itself at the N-th
+record of the first thread the program started to get there (the shim's test hook die:N),
+and a follower must take its place in the ring for the run to end as natively.
 
 Each program's native output is taken once; a run counts as good when its exit status is
 0, its output equals the native one and lockstep reported no divergence. The Python job's
@@ -107,7 +111,7 @@ def git_gc_run(lockstep, r, template, work, timeout):
     argv = ["git", "-C", repo, "-c", "pack.threads=2", "gc", "--quiet", "--aggressive"]
     cmd = argv if lockstep is None else [lockstep, *LOCKSTEP_RUN, "-r", r, "--"] + argv
     try:
-        p = subprocess.run(cmd, capture_output=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, timeout=timeout, env=LOCKSTEP_ENV if lockstep else None)
     except subprocess.TimeoutExpired:
         return False, False, "timeout"
     div = note_divergence("git gc", r, p.stderr)
@@ -129,7 +133,7 @@ def memcached_run(lockstep, r, timeout):
     port = free_port()
     argv = ["memcached", "-u", "root", "-l", "127.0.0.1", "-p", str(port), "-U", "0"]
     cmd = argv if lockstep is None else [lockstep, *LOCKSTEP_RUN, "-r", r, "--"] + argv
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=LOCKSTEP_ENV if lockstep else None)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -158,12 +162,19 @@ def memcached_run(lockstep, r, timeout):
 
 DIVERGENCES = []  # (program, replicas, lockstep's first divergence line), printed at the end
 LOCKSTEP_RUN = ["run"]  # lockstep's subcommand and the options every run gets (main adds them)
+LOCKSTEP_ENV = None  # the environment of lockstep's runs (--leader-dies sets the shim's test hook)
+FAILOVERS = {}  # program -> runs in which a follower took the dead leader's place in the ring
+INJECTED_DEATH = "replica 0 died (killed by signal 9)"
 
 
 def note_divergence(name, r, stderr):
-    """Whether lockstep reported a divergence; keeps its first line for the summary."""
-    for line in stderr.decode(errors="replace").splitlines():
-        if "[divergence]" in line:
+    """Whether lockstep reported a divergence (other than the death --leader-dies
+    injected); keeps its first line for the summary, and counts leader failovers."""
+    text = stderr.decode(errors="replace")
+    if "in the fast path's ring too" in text:
+        FAILOVERS[name] = FAILOVERS.get(name, 0) + 1
+    for line in text.splitlines():
+        if "[divergence]" in line and not (LOCKSTEP_ENV and INJECTED_DEATH in line):
             DIVERGENCES.append((name, r, line[:400]))
             return True
     return False
@@ -183,8 +194,17 @@ def main():
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--sync-order", default="global", choices=["global", "object", "serial"],
                     help="lockstep run's --sync-order")
+    ap.add_argument("--leader-dies", type=int, default=None, metavar="N",
+                    help="under -r 3 only, the leader's process kills itself at the N-th record of a "
+                         "thread the program started (the shim's test hook die:N); a good run also "
+                         "needs its output to be the native one")
     args = ap.parse_args()
+    global LOCKSTEP_ENV
     LOCKSTEP_RUN.append(f"--sync-order={args.sync_order}")
+    replica_counts = ("2", "3")
+    if args.leader_dies is not None:
+        LOCKSTEP_ENV = dict(os.environ, LOCKSTEP_FAST_TEST=f"die:{args.leader_dies}")
+        replica_counts = ("3",)
     work = tempfile.mkdtemp(prefix="lockstep-order-")
     try:
         print("| program | replicas | good runs | divergences | other endings |")
@@ -196,7 +216,7 @@ def main():
                 print(f"| {name} | - | not installed | | |")
                 continue
             template = git_template(work) if run_once == "git" else None
-            for r in ("2", "3"):
+            for r in replica_counts:
                 good, diverged, other = 0, 0, []
                 for _ in range(args.runs):
                     if run_once == "git":
@@ -216,12 +236,12 @@ def main():
                 continue
             native = subprocess.run(argv, capture_output=True, timeout=args.timeout)
             want = digest(native.stdout, as_set)
-            for r in ("2", "3"):
+            for r in replica_counts:
                 good, diverged, other = 0, 0, []
                 for _ in range(args.runs):
                     cmd = [args.lockstep, *LOCKSTEP_RUN, "-r", r, "--"] + argv
                     try:
-                        p = subprocess.run(cmd, capture_output=True, timeout=args.timeout)
+                        p = subprocess.run(cmd, capture_output=True, timeout=args.timeout, env=LOCKSTEP_ENV)
                     except subprocess.TimeoutExpired:
                         other.append("timeout")
                         continue
@@ -233,6 +253,11 @@ def main():
                     elif not div:
                         other.append(f"exit {p.returncode}" + ("" if same else ", other output"))
                 print(f"| {name} | {r} | {good} of {args.runs} | {diverged} | {', '.join(other) or '-'} |", flush=True)
+        if args.leader_dies is not None:
+            print()
+            print(f"Runs in which a follower took the dead leader's place in the ring (die:{args.leader_dies}):")
+            for name, n in FAILOVERS.items():
+                print(f"  {name}: {n} of {args.runs}")
         if DIVERGENCES:
             print()
             print("Divergences (first line of each):")

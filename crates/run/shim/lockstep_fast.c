@@ -363,7 +363,7 @@ static long after_slow_call(long ret);
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
 static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal,
-    lf_test_hang, lf_test_bad_wait, lf_test_flap, lf_test_die;
+    lf_test_hang, lf_test_bad_wait, lf_test_flap, lf_test_die, lf_test_die_call;
 static int lf_test_selector_allow;
 /* The thread that attached the ring (lane 0): the main thread of the image. Later epochs'
  * rings are attached through it. */
@@ -1640,12 +1640,12 @@ static int may_wait_long(long nr, const long *a)
     return ((nr == SYS_epoll_wait || nr == SYS_epoll_pwait) && a[3] != 0) || (nr == SYS_poll && a[2] != 0);
 }
 
-/* Test: the first leader's process dies at record `s` of a thread the program started (a
- * call or a synchronisation operation), while its other threads are anywhere, as after a
- * fault's crash. */
-static void test_die(struct lf_state *st, uint64_t s)
+/* Test: the first leader's process dies at record `s` of a thread the program started
+ * (`die`: a call or a synchronisation operation; `die-call`: a call, before it runs), while
+ * its other threads are anywhere, as after a fault's crash. */
+static void test_die(struct lf_state *st, uint64_t s, uint64_t at)
 {
-    if (s == lf_test_die && lf_ring_epoch == 0 && st->lane != 0 && st->me == 0)
+    if (s == at && lf_ring_epoch == 0 && st->lane != 0 && st->me == 0)
         lf_fast(SYS_kill, lf_fast(SYS_getpid, 0, 0, 0, 0, 0, 0), SIGKILL, 0, 0, 0, 0);
 }
 
@@ -1673,8 +1673,9 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
             futex_wait(&own->h.progress, load32(&own->h.progress));
         }
     }
-    test_die(st, s);
-    if (s == lf_test_signal && lf_ring_epoch == 0)
+    test_die(st, s, lf_test_die);
+    test_die(st, s, lf_test_die_call);
+    if (s == lf_test_signal && lf_ring_epoch == 0 && st->me == 0) /* the first leader only */
         return deliver_signal(st, rec, s, nr, digest, a, NULL, SIGUSR1, 0);
     int64_t code = 0;
     int sig = take_signal(st, &code, 0);
@@ -1899,7 +1900,7 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
         futex_wait(&st->regions[st->me]->h.published_word, load32(&st->regions[st->me]->h.published_word));
     if (got != READY)
         return SYNC_NONE;
-    test_die(st, s);
+    test_die(st, s, lf_test_die);
     rec->nr = nr;
     rec->kind = KIND_SYNC;
     rec->digest = site;
@@ -3152,6 +3153,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_flap = strtoull(test + 5, NULL, 10);
     if (test != NULL && strncmp(test, "die:", 4) == 0)
         lf_test_die = strtoull(test + 4, NULL, 10);
+    if (test != NULL && strncmp(test, "die-call:", 9) == 0)
+        lf_test_die_call = strtoull(test + 9, NULL, 10);
     if (test != NULL && strncmp(test, "bad-wait:", 9) == 0)
         lf_test_bad_wait = strtoull(test + 9, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
