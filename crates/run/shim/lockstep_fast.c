@@ -1193,15 +1193,16 @@ static void wait_for_turn(struct lf_state *st, const struct turn_wait *t)
 }
 
 /* A follower's thread before it takes the record at index `idx` of the leader's order:
- * waits until every earlier index is done in this replica, then marks it done (in the
- * serial order: holds it until its next event). */
-static void take_turn(struct lf_state *st, uint64_t idx)
+ * waits until every earlier index is done in this replica, then marks it done; or holds
+ * it (`hold`: until the operation that takes something has run natively, see
+ * take_done; in the serial order: until its next event). */
+static void take_turn(struct lf_state *st, uint64_t idx, int hold)
 {
     struct lf_order *o = st->orders[st->me];
     struct turn_wait t = {&o->h.consumed, idx, &o->h.turn_word, &o->h.sleepers, turn_holder_blocked, 0};
     serial_leave(st);
     wait_for_turn(st, &t);
-    if (serial_order(st))
+    if (serial_order(st) || hold)
         st->serial_place = idx + 1;
     else
         turn_done(st, idx);
@@ -1271,12 +1272,12 @@ static void take_object_turn(struct lf_state *st, uint64_t order)
 }
 
 /* A follower: the record's place, in the order of every event or in its object's. */
-static void take_place(struct lf_state *st, uint64_t order)
+static void take_place(struct lf_state *st, uint64_t order, int hold)
 {
     if (order & ORDER_OBJECT)
         take_object_turn(st, order);
     else
-        take_turn(st, order);
+        take_turn(st, order, hold);
 }
 
 /* --- a new leader in place ---------------------------------------------------------------
@@ -1782,7 +1783,7 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
         report_divergence(s, nr, digest, DIVERGED_CRC, 0);
         return slow_call(st, nr, a);
     }
-    take_place(st, rec->order);
+    take_place(st, rec->order, 0);
     long ret;
     if (rec->kind == KIND_ESCALATE) {
         int same = rec->nr == (uint32_t)nr && rec->digest == digest;
@@ -1883,6 +1884,17 @@ enum {
     SYNC_RESUME, /* the serial order: a thread goes on after it blocked, or starts */
     SYNC_OPS
 };
+/* An operation that takes something (a lock, a semaphore's count): a follower's thread
+ * takes it natively after its turn, and holds its place of the order until it has (see
+ * take_done). Otherwise a thread whose place comes next could take the same thing first:
+ * a new leader's thread, which runs its operations as they come once every place of the
+ * old order is done (seen: a deadlock across replicas after a failover). */
+static int takes(uint32_t op)
+{
+    return op == SYNC_LOCK || op == SYNC_TRYLOCK || op == SYNC_RDLOCK || op == SYNC_WRLOCK || op == SYNC_SEM_WAIT ||
+           op == SYNC_WAIT_RETURN;
+}
+
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
 #define SYNC_MOVED (LONG_MIN + 1) /* the record comes from a new leader (follow_sync's alone) */
 /* To a follower's operation: its replica became the leader before the record came (see "a
@@ -1938,7 +1950,7 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t src, uint32_t 
         report_divergence(s, nr, site, rec->nr, rec->digest);
         return SYNC_NONE;
     }
-    take_place(st, rec->order);
+    take_place(st, rec->order, takes(nr - LF_SYNC_NR_BASE));
     long ret = rec->ret;
     store(&own->h.consumed, s);
     signal_progress(st, &own->h.progress, st->leader, 0);
@@ -2605,6 +2617,15 @@ static long sync_event(const struct sync_args *p, int op, long ret, int role)
     return on_ring_stack(&call);
 }
 
+/* A follower's operation that takes something ran natively: its place is done (in the
+ * serial order the thread keeps it to its next event). */
+static void take_done(void)
+{
+    struct lf_state *st = lf_my;
+    if (st != NULL && !serial_order(st))
+        serial_leave(st);
+}
+
 /* An operation that hands something on: its record (result 0 in either role) before the
  * native call, as the leader's if this replica became the leader meanwhile. */
 static void hand_on(const struct sync_args *p, int op, int role)
@@ -2669,6 +2690,7 @@ static long lock_op(struct sync_args *p, int op, mutex_fn native)
         if (ret != SYNC_PROMOTED) {
             if (lock_taken(ret))
                 REAL_LOCK(m); /* free in its turn, or about to be */
+            take_done();
             return ret;
         }
         role = ROLE_LEAD;
@@ -2718,6 +2740,7 @@ static long cond_wait_body(void *v)
         REAL_UNLOCK(m);
         long ret = sync_event(p, SYNC_WAIT_RETURN, 0, role);
         REAL_LOCK(m);
+        take_done();
         if (ret == SYNC_PROMOTED) { /* this replica leads now: a spurious wake-up, recorded */
             sync_event(p, SYNC_WAIT_RETURN, 0, ROLE_LEAD);
             ret = 0;
@@ -2779,6 +2802,7 @@ static long rw_op(struct sync_args *p, int write)
         if (ret != SYNC_PROMOTED) {
             if (ret == 0)
                 ((rwlock_fn)rw_real(write, RW_BLOCKING))(p->obj); /* free for us in its turn, or about to be */
+            take_done();
             return ret;
         }
         role = ROLE_LEAD;
@@ -2962,6 +2986,7 @@ static long sem_wait_body(void *v)
             if (outcome == 0)
                 while (REAL_SEM_WAIT(sem) != 0 && errno == EINTR)
                     ;
+            take_done();
             return outcome;
         }
         role = ROLE_LEAD;
