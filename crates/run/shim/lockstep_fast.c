@@ -1281,16 +1281,16 @@ static void take_place(struct lf_state *st, uint64_t order, int hold)
 }
 
 /* --- a new leader in place ---------------------------------------------------------------
- * A leader that fails in a program with threads is replaced by a follower without
- * switching the ring off (the monitor's `promote`; ring off, the survivors' threads would
- * run unordered). The monitor stops the old leader's threads, writes into the new leader's
+ * A leader that fails is replaced by a follower without switching the ring off (the
+ * monitor's `promote`; ring off, a threaded program's survivors would run unordered). The monitor stops the old leader's threads, writes into the new leader's
  * region of each lane the `cut` (the old leader's last published record there), sets the
  * new leader's first index to the old one's next (`first_claim`), marks the indices the
  * old leader claimed but never published done in every survivor, and names the old leader
  * `former` before it names the new one `leader`. Records up to a lane's cut are then read
  * from the former leader's region, later ones from the new leader's, whose threads lead
  * from there on: each once every earlier index of the order is done in its own replica
- * (else a native lock of its could come before one of the old order's there). A
+ * (else a native lock of its could come before one of the old order's there; a
+ * follower's operation that takes something holds its index until it has, see takes). A
  * follower's thread waiting for a record past the cut gets MOVED and looks again;
  * one in the new leader returns to its wrapper as the leader (SYNC_PROMOTED). Only the
  * order of every event is kept across a failover (not the object or serial orders). */

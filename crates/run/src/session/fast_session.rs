@@ -288,7 +288,8 @@ impl Session {
         }
         // Every follower differs from the leader: with two or more of them, the leader is
         // the odd one out. A follower that fails leaves the ring on for the others in a
-        // threaded program (`vote_out`); a leader that fails takes it down.
+        // threaded program, a leader that fails is replaced in it (`vote_out`); otherwise
+        // the ring goes off.
         let followers = live.len() - 1;
         let leader_fails = followers >= 2 && behind.len() == followers;
         if leader_fails && !self.ring_keeps_a_new_leader() {
@@ -395,9 +396,9 @@ impl Session {
     }
 
     /// Leader `r` is leaving the ring (voted out or dead): its threads are settled, and
-    /// then in a program with threads that keeps the order of every event the follower
-    /// that will lead takes its place in the ring (`FastPath::promote`): with the ring off
-    /// the survivors' threads would run unordered. Otherwise the ring goes off, so that
+    /// then, under the order of every event, the follower that will lead takes its place
+    /// in the ring (`FastPath::promote`): with the ring off a threaded program's
+    /// survivors would run unordered. Otherwise the ring goes off, so that
     /// every follower gives up at the same call of each lane (the ring's followers wait
     /// for a call the leader had in flight until `leader_lost`). Ok(true): the ring stays
     /// on.
@@ -444,10 +445,10 @@ impl Session {
         unsettled.map_or(Ok(false), Err)
     }
 
-    /// Whether a failed leader can be replaced in the ring, which stays on: the program
-    /// has threads in it (one thread goes through the monitor as well as through a new
-    /// ring later), and their order is the order of every event (the object and serial
-    /// orders' state is not carried over).
+    /// Whether a failed leader can be replaced in the ring, which stays on: the ring is
+    /// on, and its order is the order of every event (the object and serial orders'
+    /// tickets and token are not carried over). With one thread a new ring after
+    /// re-integration would serve too, but the program may start threads meanwhile.
     pub(crate) fn ring_keeps_a_new_leader(&self) -> bool {
         self.fast
             .as_ref()
