@@ -1892,7 +1892,7 @@ enum {
 static int takes(uint32_t op)
 {
     return op == SYNC_LOCK || op == SYNC_TRYLOCK || op == SYNC_RDLOCK || op == SYNC_WRLOCK || op == SYNC_SEM_WAIT ||
-           op == SYNC_WAIT_RETURN;
+           op == SYNC_WAIT_RETURN || op == SYNC_BARRIER_DEPART;
 }
 
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
@@ -2830,7 +2830,66 @@ static long rw_unlock_body(void *v)
  * A follower's thread waits at the barrier itself too, after its arrival's turn (all of a
  * round's arrivals come before its departures in the leader's order, so every thread of
  * the round gets there), and returns the leader's result: the barrier's own state then
- * follows the order in every replica, as a follower that becomes the leader needs it. */
+ * follows the order in every replica, as a follower that becomes the leader needs it.
+ *
+ * A round that a failover splits: some of its departures are the old leader's records,
+ * the others the new leader's own, and the two leaders' barriers chose their serial thread
+ * each. Each replica counts, per barrier, the serial results its threads took from records
+ * less those its own barrier gave them (`serials`: 0 after every whole round); a new
+ * leader's departures of the split round (every old record is taken before it leads) then
+ * give out the serial result exactly once: not again if a record gave it (count 1), to the
+ * first of them if its barrier gave it to a thread that followed a record (count -1). */
+#define LF_BARRIERS 64 /* barriers noted per process; past that a split round is not mended */
+struct barrier_note {
+    void *volatile addr;
+    volatile long serials;
+};
+static struct barrier_note lf_barrier_notes[LF_BARRIERS];
+
+/* Barrier `b`'s count of serial results (NULL: the table is full). */
+static volatile long *barrier_serials(void *b)
+{
+    uintptr_t home = ((uintptr_t)b >> 4) % LF_BARRIERS;
+    for (unsigned i = 0; i < LF_BARRIERS; i++) {
+        struct barrier_note *n = &lf_barrier_notes[(home + i) % LF_BARRIERS];
+        void *owner = __atomic_load_n(&n->addr, __ATOMIC_ACQUIRE);
+        if (owner == NULL && __atomic_compare_exchange_n(&n->addr, &owner, b, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            owner = b;
+        if (owner == b)
+            return &n->serials;
+    }
+    return NULL;
+}
+
+/* A follower's departure: the leader's result `recorded`, its own barrier's `native`. */
+static void note_serials(void *b, long recorded, int native)
+{
+    volatile long *count = barrier_serials(b);
+    long change = (recorded == PTHREAD_BARRIER_SERIAL_THREAD) - (native == PTHREAD_BARRIER_SERIAL_THREAD);
+    if (count != NULL && change != 0)
+        __atomic_add_fetch(count, change, __ATOMIC_SEQ_CST);
+}
+
+/* The result a leader promoted in place records for a departure its barrier gave `native`. */
+static int serial_once(void *b, int native)
+{
+    struct lf_state *st = lf_my;
+    if (st == NULL || st->hdr == NULL || load32(&st->hdr->former) == 0)
+        return native;
+    volatile long *count = barrier_serials(b);
+    if (count == NULL)
+        return native;
+    int serial = native == PTHREAD_BARRIER_SERIAL_THREAD;
+    long v = __atomic_load_n(count, __ATOMIC_SEQ_CST);
+    /* Given by a record already (1): not again. Given to a follower of a record (-1): here. */
+    while ((serial ? v > 0 : v < 0) &&
+           !__atomic_compare_exchange_n(count, &v, serial ? v - 1 : v + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        ;
+    if (serial ? v > 0 : v < 0)
+        return serial ? 0 : PTHREAD_BARRIER_SERIAL_THREAD;
+    return native;
+}
+
 static long barrier_body(void *v)
 {
     struct sync_args *p = v;
@@ -2844,14 +2903,18 @@ static long barrier_body(void *v)
         sync_event(p, SYNC_BARRIER_ARRIVE, 0, role);
     }
     serial_leave(lf_my);
-    int ret = real(p->obj);
+    int native = real(p->obj);
+    int ret = role == ROLE_LEAD ? serial_once(p->obj, native) : native;
     long departed = sync_event(p, SYNC_BARRIER_DEPART, ret, role);
     if (role == ROLE_LEAD || departed == SYNC_NONE)
         return ret;
     if (departed == SYNC_PROMOTED) { /* this replica leads now: its own result, recorded */
+        ret = serial_once(p->obj, native);
         sync_event(p, SYNC_BARRIER_DEPART, ret, ROLE_LEAD);
         return ret;
     }
+    note_serials(p->obj, departed, native);
+    take_done();
     return departed;
 }
 
