@@ -1330,6 +1330,15 @@ static void settle_promotion(struct lf_state *st)
     st->promoted = 1;
 }
 
+/* record_source, with this lane made ready to lead when the record is its replica's own. */
+static uint32_t source_to_take(struct lf_state *st, uint64_t s)
+{
+    uint32_t src = record_source(st, s);
+    if (src == st->me)
+        settle_promotion(st);
+    return src;
+}
+
 /* --- clocks ---------------------------------------------------------------------------- */
 
 /* The i-th read of a clock returns the i-th value in every replica, produced by whichever
@@ -1967,10 +1976,8 @@ static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
     uint64_t s = ++st->seq; /* in every replica, as for a call: the lanes stay aligned */
     note_lane(st->lane);
     for (;;) {
-        uint32_t src = record_source(st, s);
+        uint32_t src = source_to_take(st, s);
         int lead_role = src == st->me;
-        if (lead_role)
-            settle_promotion(st);
         if (lead_role && a[1] != 1) {
             st->seq = s - 1; /* the wrapper's leader branch records it */
             return SYNC_PROMOTED;
@@ -2019,9 +2026,7 @@ static long ring_call(struct ring_call *c)
         if (bound < 0)
             return slow_call(st, nr, a);
         uint64_t s = ++st->seq;
-        uint32_t src = record_source(st, s);
-        if (src == st->me)
-            settle_promotion(st);
+        uint32_t src = source_to_take(st, s);
         long ret = src == st->me ? lead(st, s, nr, d, a, digest, bound) : follow(st, s, src, nr, d, a, digest);
         if (ret != LF_AGAIN)
             return ret;
@@ -2585,10 +2590,7 @@ static int sync_role(void)
         return ROLE_NONE;
     if (lf_vfork_seen && lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0) != st->owner_tid)
         return ROLE_NONE; /* a vfork child */
-    if (record_source(st, st->seq + 1) != st->me)
-        return ROLE_FOLLOW;
-    settle_promotion(st);
-    return ROLE_LEAD;
+    return source_to_take(st, st->seq + 1) == st->me ? ROLE_LEAD : ROLE_FOLLOW;
 }
 
 /* One operation's arguments. The operations run on the lane's ring stack: the leader and
