@@ -214,6 +214,14 @@ pub struct Session {
     /// Threads of voted-out replicas, killed once the stop at hand is handled: the healthy
     /// replicas go on first (killing wakes the victim, which can take the CPU from us).
     doomed: Vec<Tid>,
+    /// Threads of a voted-out leader that were in the kernel running a call for everyone
+    /// (a read of a pipe the replicas share, say). Once killed they are waited out of the
+    /// call before anything else runs: a dying reader woken by SIGKILL still takes data
+    /// that arrives before it is scheduled, and the new leader's run of the same call
+    /// would then wait for data that is gone.
+    doomed_in_calls: Vec<Tid>,
+    /// Doomed threads that had not left their call when `CALL_EXIT_LIMIT` was up.
+    stuck_in_calls: Vec<Tid>,
     /// Divergence events whose messages are written after the stop (see `rendezvous.rs`).
     divergences: Vec<rendezvous::PendingDivergence>,
 }
@@ -407,6 +415,8 @@ impl Session {
             said_loose_signal: false,
             replica_cpu: vec![None; want as usize],
             doomed: Vec::new(),
+            doomed_in_calls: Vec::new(),
+            stuck_in_calls: Vec::new(),
             divergences: Vec::new(),
             replicas,
             tasks: Vec::new(),
@@ -1367,7 +1377,27 @@ impl Session {
         for t in 0..self.tasks.len() {
             if !self.tasks[t].is_finished() {
                 if was_leader && matches!(self.tasks[t].phase(), Phase::Leader { .. } | Phase::LeaderFirst { .. }) {
-                    // The dead leader was executing this call: the new one runs it again.
+                    // The dead leader was executing this call: the new one runs it again,
+                    // once the old one is out of it (`finish_vote_outs`), unless the old
+                    // one finished it and so took input or gave output for everyone.
+                    if let Some(tid) = self.tasks[t].slot(r).map(|s| s.tid()) {
+                        match self.where_in_call(tid) {
+                            InCall::Inside => self.doomed_in_calls.push(tid),
+                            InCall::Left => {}
+                            InCall::Finished(ret) => {
+                                if let Phase::Leader { nr, class, .. } = self.tasks[t].phase() {
+                                    if call_had_effect(class, ret) {
+                                        return Err(self.halt(format!(
+                                            "the voted-out leader had finished {}() for every replica (it returned \
+                                             {ret}) before its result was handed on: running it again would lose \
+                                             or repeat what it did",
+                                            lockstep_trace::syscalls::name(nr)
+                                        )));
+                                    }
+                                }
+                            }
+                        }
+                    }
                     self.tasks[t].recollect();
                     self.tasks[t].signals.clear_interrupted();
                 }
@@ -1412,11 +1442,20 @@ impl Session {
         for tid in std::mem::take(&mut self.doomed) {
             self.be.kill(tid);
         }
+        let in_calls = std::mem::take(&mut self.doomed_in_calls);
+        let stuck = wait_out_of_calls(&self.be, &in_calls, CALL_EXIT_LIMIT);
+        self.stuck_in_calls.extend(stuck);
     }
 
     /// After a vote-out: meetings that were waiting for the voted-out replica decide, and
     /// calls its dead leader was executing run again with the new leader.
     fn settle_after_vote_out(&mut self) -> Result<(), Stopped> {
+        if let Some(tid) = self.stuck_in_calls.first() {
+            return Err(self.halt(format!(
+                "thread {tid} of the voted-out leader did not leave its call within {CALL_EXIT_LIMIT:?} of \
+                 being killed, so the call may still take input or give output that its new leader would repeat"
+            )));
+        }
         while let Some(t) = self.unsettled.pop() {
             match self.tasks[t].phase() {
                 Phase::All { .. } | Phase::Followers { .. } => self.maybe_complete_all(t)?,
@@ -1465,6 +1504,76 @@ impl Session {
 pub(crate) enum TrappedInsn {
     Rdtsc(u8),
     Cpuid,
+}
+
+/// Where a voted-out leader's thread is in the call it was running for everyone.
+enum InCall {
+    /// Still in the kernel.
+    Inside,
+    /// Stopped with the call's result not yet handed on (a stop the monitor has not
+    /// handled: another task's stop was handled first).
+    Finished(i64),
+    /// Out of it otherwise (at another stop, or gone).
+    Left,
+}
+
+/// Whether a call of `class` that returned `ret` changed the world: took input, gave
+/// output, or made a descriptor (an accepted connection, a pipe).
+fn call_had_effect(class: Class, ret: i64) -> bool {
+    match class {
+        Class::FdCreate => ret >= 0,
+        _ => ret > 0,
+    }
+}
+
+impl Session {
+    /// Takes thread `tid`'s pending stop, if it has one, to see where it is in its call.
+    fn where_in_call(&self, tid: Tid) -> InCall {
+        match self.be.try_wait_tid(tid) {
+            Ok(None) => InCall::Inside,
+            Ok(Some(Stop::SyscallExit)) => match self.be.regs(tid) {
+                Ok(regs) => InCall::Finished(regs.rax as i64),
+                Err(_) => InCall::Left,
+            },
+            Ok(Some(_)) | Err(_) => InCall::Left,
+        }
+    }
+}
+
+/// How long a killed leader's thread may take to leave the call it was running for
+/// everyone. A thread woken by SIGKILL leaves at once unless the kernel holds it in an
+/// uninterruptible wait (a disk or a network file system that does not answer).
+const CALL_EXIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Waits (at most `limit` in all) until each of the killed threads `tids` is out of the
+/// kernel call it was in: at its exit stop (ptrace `t`), a zombie, or gone. Returns the
+/// threads still inside when the time was up.
+fn wait_out_of_calls(be: &dyn Backend, tids: &[Tid], limit: std::time::Duration) -> Vec<Tid> {
+    let deadline = Instant::now() + limit;
+    let mut pause = std::time::Duration::from_micros(20);
+    let mut inside: Vec<Tid> = tids.to_vec();
+    loop {
+        inside.retain(|&tid| !left_its_call(be, tid));
+        if inside.is_empty() || Instant::now() >= deadline {
+            return inside;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Whether killed thread `tid` has left the kernel call it was in. Once SIGKILL is sent a
+/// thread is runnable (`R`) until it runs; its next state is the exit stop, a zombie, or
+/// nothing at all (a thread in an uninterruptible wait stays `D`).
+fn left_its_call(be: &dyn Backend, tid: Tid) -> bool {
+    let Ok(stat) = be.proc_read(tid, "stat") else {
+        return true; // reaped
+    };
+    // The state follows the command name, which is in parentheses and may hold any byte.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    matches!(state, None | Some('t' | 'T' | 'Z' | 'X' | 'x'))
 }
 
 pub fn describe_death(d: Death) -> String {
