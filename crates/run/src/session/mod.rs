@@ -1118,7 +1118,7 @@ impl Session {
     fn on_clone_event(&mut self, task: TaskId, r: ReplicaId, event: i32) -> Result<(), Stopped> {
         let tid = self.slot(task, r).tid();
         let child = self.be.event_msg(tid).map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
-        let thread = event == libc::PTRACE_EVENT_CLONE && self.clone_is_thread(task);
+        let thread = event == libc::PTRACE_EVENT_CLONE && self.clone_is_thread(task, r);
         let child_task = match self.tasks[task].spawned() {
             Some(t) => t,
             None => {
@@ -1160,13 +1160,21 @@ impl Session {
         Ok(())
     }
 
-    fn clone_is_thread(&self, task: TaskId) -> bool {
+    /// Whether the clone that replica `r`'s thread of `task` is stopped in starts a thread.
+    /// A clone3's flags are read from that thread's own memory: it is stopped at the
+    /// event, while the leader may already be dead and not yet voted out (its memory is
+    /// gone, and a thread taken for a process would never get a lane in the fast path's
+    /// ring: found as a hang after a leader died while its worker was being started).
+    fn clone_is_thread(&self, task: TaskId, r: ReplicaId) -> bool {
         match self.tasks[task].phase() {
             Phase::All { nr, args } if nr == libc::SYS_clone as u64 => args[0] & libc::CLONE_THREAD as u64 != 0,
-            Phase::All { nr, args } if nr == libc::SYS_clone3 as u64 => {
-                let leader = self.slot(task, self.replicas.leader()).tid();
+            Phase::All { nr, .. } if nr == libc::SYS_clone3 as u64 => {
+                let tid = self.slot(task, r).tid();
                 let mut flags = [0u8; 8];
-                self.be.read(leader, args[0], &mut flags).is_ok()
+                self.be
+                    .regs(tid)
+                    .and_then(|regs| self.be.read(tid, regs.rdi, &mut flags))
+                    .is_ok()
                     && u64::from_le_bytes(flags) & libc::CLONE_THREAD as u64 != 0
             }
             _ => false,
