@@ -77,6 +77,8 @@ pub struct Injector {
     record: Option<std::path::PathBuf>,
     /// The thread a time-based replica fault goes into, chosen when its moment comes.
     victim: TaskId,
+    /// A `kill-in-call` flip's thread, killed once the monitor lets it run its call.
+    kill_in_call: Option<(TaskId, ReplicaId)>,
 }
 
 impl Injector {
@@ -93,6 +95,7 @@ impl Injector {
             fault,
             stepping: None,
             victim: 0,
+            kill_in_call: None,
         };
         if let Some((us, r)) = injector.fault.as_ref().and_then(|f| Some((f.0.after_us?, f.1))) {
             injector.arm_cpu_timer(s, r, us);
@@ -399,6 +402,10 @@ impl Injector {
                 s.slot_mut(task, r).leave(SlotState::Running);
                 "SIGKILL".to_string()
             }
+            FlipTarget::KillInCall => {
+                self.kill_in_call = Some((task, r));
+                "SIGKILL once it runs this call".to_string()
+            }
             FlipTarget::Hang => {
                 // `jmp .` at the return address, then skip the syscall: the thread spins.
                 let _ = s.backend().write(tid, regs.rip, &[0xeb, 0xfe]);
@@ -410,7 +417,10 @@ impl Injector {
                 "an endless loop".to_string()
             }
         };
-        let keep_going = matches!(flip.target, FlipTarget::Register(_) | FlipTarget::Memory { .. });
+        let keep_going = matches!(
+            flip.target,
+            FlipTarget::Register(_) | FlipTarget::Memory { .. } | FlipTarget::KillInCall
+        );
         let at = match flip.at {
             FlipAt::Stop(k) => format!("syscall stop {k}"),
             FlipAt::FirstCall(nr) => format!("its first {}", lockstep_trace::syscalls::name(nr)),
@@ -421,9 +431,31 @@ impl Injector {
     }
 }
 
+impl Injector {
+    /// A `kill-in-call` flip's replica dies as soon as the monitor has let it run the
+    /// call it stopped at (before the monitor looks at any stop after that decision).
+    fn kill_in_its_call(&mut self, s: &mut Session) {
+        let Some((task, r)) = self.kill_in_call else {
+            return;
+        };
+        let slot = s.slot(task, r);
+        if slot.is_dead() {
+            self.kill_in_call = None;
+        } else if slot.state() == SlotState::Executing {
+            self.kill_in_call = None;
+            let tid = slot.tid();
+            s.backend().kill(tid);
+            // Dead before the monitor handles the next stop, memory gone, as a replica
+            // that a fault killed a moment earlier would be.
+            crate::session::wait_out_of_calls(s.backend(), &[tid], crate::session::CALL_EXIT_LIMIT);
+        }
+    }
+}
+
 impl FaultHook for Injector {
     fn before_wait(&mut self, s: &mut Session) {
         self.interrupt_for_replica_fault(s);
+        self.kill_in_its_call(s);
     }
 
     fn at_syscall(&mut self, s: &mut Session, task: TaskId, r: ReplicaId, regs: &mut Regs) -> bool {

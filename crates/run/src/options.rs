@@ -122,6 +122,9 @@ pub enum FlipTarget {
     },
     /// SIGKILL the replica.
     Kill,
+    /// SIGKILL the replica once the call it stopped at is decided and it is let run: it
+    /// dies in the call (or as it enters it) while the other replicas run theirs.
+    KillInCall,
     /// Make the replica spin forever (a straggler).
     Hang,
 }
@@ -148,10 +151,10 @@ pub struct FlipSpec {
 impl std::str::FromStr for FlipSpec {
     type Err = String;
     /// `REPLICA:SYSCALL:TARGET:BIT`, SYSCALL = a count from 1 or a syscall name, TARGET =
-    /// register | mem:REG+OFF | kill | hang.
+    /// register | mem:REG+OFF | kill | kill-in-call | hang.
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = || {
-            format!("bad flip '{s}': expected REPLICA:SYSCALL:TARGET:BIT, TARGET = a register, mem:REG+OFFSET, kill or hang")
+            format!("bad flip '{s}': expected REPLICA:SYSCALL:TARGET:BIT, TARGET = a register, mem:REG+OFFSET, kill, kill-in-call or hang")
         };
         let parts: Vec<&str> = s.split(':').collect();
         let (replica, syscall, target, bit) = match parts.as_slice() {
@@ -168,6 +171,7 @@ impl std::str::FromStr for FlipSpec {
         let bit: u32 = bit.parse().map_err(|_| bad())?;
         let target = match target.as_str() {
             "kill" => FlipTarget::Kill,
+            "kill-in-call" => FlipTarget::KillInCall,
             "hang" => FlipTarget::Hang,
             t if t.starts_with("mem:") => {
                 let spec = &t[4..];
@@ -276,6 +280,10 @@ mod tests {
         let f: FlipSpec = "0:5:rbx:63".parse().unwrap();
         assert_eq!(f.target, FlipTarget::Register("rbx".into()));
         assert_eq!("2:7:kill:0".parse::<FlipSpec>().unwrap().target, FlipTarget::Kill);
+        assert_eq!(
+            "0:23:kill-in-call:0".parse::<FlipSpec>().unwrap().target,
+            FlipTarget::KillInCall
+        );
         assert!("2:0:kill:0".parse::<FlipSpec>().is_err());
         let at = "1:getppid:mem:rdi+0:2".parse::<FlipSpec>().unwrap().at;
         assert_eq!(at, FlipAt::FirstCall(libc::SYS_getppid as u64));

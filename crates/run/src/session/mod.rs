@@ -1551,12 +1551,12 @@ impl Session {
 /// How long a killed leader's thread may take to leave the call it was running for
 /// everyone. A thread woken by SIGKILL leaves at once unless the kernel holds it in an
 /// uninterruptible wait (a disk or a network file system that does not answer).
-const CALL_EXIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+pub(crate) const CALL_EXIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Waits (at most `limit` in all) until each of the killed threads `tids` is out of the
 /// kernel call it was in: at its exit stop (ptrace `t`), a zombie, or gone. Returns the
 /// threads still inside when the time was up.
-fn wait_out_of_calls(be: &dyn Backend, tids: &[Tid], limit: std::time::Duration) -> Vec<Tid> {
+pub(crate) fn wait_out_of_calls(be: &dyn Backend, tids: &[Tid], limit: std::time::Duration) -> Vec<Tid> {
     let deadline = Instant::now() + limit;
     let mut pause = std::time::Duration::from_micros(20);
     let mut inside: Vec<Tid> = tids.to_vec();

@@ -1139,7 +1139,12 @@ impl Session {
         if live.is_empty() || live.iter().any(|&r| self.slot(task, r).state() != SlotState::Done) {
             return Ok(());
         }
-        let leader = self.replicas.leader();
+        // A leader that died in the call (and is not voted out yet) has no result: the
+        // replica that will lead in its place gives it. Its stale result would have been
+        // every replica's, and a clone's parent given 0 goes on as the child.
+        let leader = Some(self.replicas.leader())
+            .filter(|l| live.contains(l))
+            .unwrap_or(live[0]);
         let lead_ret = self.slot(task, leader).result();
         let returns_pid = [libc::SYS_clone, libc::SYS_clone3, libc::SYS_fork, libc::SYS_vfork]
             .iter()
