@@ -308,3 +308,19 @@ fn a_call_the_voted_out_leader_was_running_runs_again() {
         assert!(out.stderr.contains("replica 0 voted out"), "{}", out.context());
     }
 }
+
+/// TMR: the leader dies inside a fork that every replica runs (killed once the monitor let
+/// it run the call). The survivors' results must not come from the dead leader: its stale
+/// result, 0, was every replica's, so each survivor's shell went on as the child, and the
+/// rest of the script's output was lost with exit 0 (a wrong answer, not a detection).
+#[test]
+fn a_leader_killed_inside_a_fork_leaves_each_parent_its_child() {
+    for backend in ["ptrace", "fast"] {
+        let out = run(lockstep_run(
+            &["-r", "3", "--backend", backend, "--test-flip", "0:clone:kill-in-call:0"],
+            &["/bin/bash", "-c", "echo a; /bin/true; echo b"],
+        ));
+        out.assert_code(0).assert_stdout(b"a\nb\n");
+        assert!(out.stderr.contains("replica 0 voted out"), "{}", out.context());
+    }
+}
