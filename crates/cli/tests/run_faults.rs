@@ -324,3 +324,25 @@ fn a_leader_killed_inside_a_fork_leaves_each_parent_its_child() {
         assert!(out.stderr.contains("replica 0 voted out"), "{}", out.context());
     }
 }
+
+/// TMR: the leader dies inside a `read` of a regular file (the loader's read of libc's ELF
+/// header, the first read of any dynamically linked program). The read completes in
+/// microseconds and moves the offset of the file the replicas share, so the new leader's
+/// read again started past the header: "invalid ELF header", exit 127 (with a data file,
+/// skipped data and a wrong answer). It cannot be told whether the read ran, so the run
+/// stops with 86.
+#[test]
+fn a_leader_killed_inside_a_read_of_a_regular_file_stops_the_run() {
+    for backend in ["ptrace", "fast"] {
+        let out = run(lockstep_run(
+            &["-r", "3", "--backend", backend, "--test-flip", "0:read:kill-in-call:0"],
+            &["/bin/echo", "hi"],
+        ));
+        out.assert_code(86);
+        assert!(
+            out.stderr.contains("inside read() of a regular file"),
+            "{}",
+            out.context()
+        );
+    }
+}

@@ -94,6 +94,11 @@ pub trait Backend {
     fn proc_link(&self, pid: Tid, file: &str) -> io::Result<std::path::PathBuf>;
     /// The size of the file behind descriptor `fd` of process `pid`.
     fn fd_file_len(&self, pid: Tid, fd: i32) -> Option<u64>;
+    /// Whether descriptor `fd` of process `pid` is a regular file (one with an offset
+    /// that reads and writes move); false when it cannot be told.
+    fn fd_is_regular_file(&self, _pid: Tid, _fd: i32) -> bool {
+        false
+    }
     /// Whether any process (including a zombie) has `pid` as its parent.
     fn has_children(&self, pid: Tid) -> bool;
     /// The CPU time (all threads) process `pid` has used so far; None once it is gone.
@@ -217,6 +222,9 @@ impl Backend for Ptrace {
     }
     fn fd_file_len(&self, pid: Tid, fd: i32) -> Option<u64> {
         std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).ok().map(|m| m.len())
+    }
+    fn fd_is_regular_file(&self, pid: Tid, fd: i32) -> bool {
+        std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).is_ok_and(|m| m.is_file())
     }
     fn has_children(&self, pid: Tid) -> bool {
         let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -374,6 +382,9 @@ impl Backend for Checked {
     }
     fn fd_file_len(&self, pid: Tid, fd: i32) -> Option<u64> {
         self.inner.fd_file_len(pid, fd)
+    }
+    fn fd_is_regular_file(&self, pid: Tid, fd: i32) -> bool {
+        self.inner.fd_is_regular_file(pid, fd)
     }
     fn has_children(&self, pid: Tid) -> bool {
         self.inner.has_children(pid)

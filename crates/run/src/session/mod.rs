@@ -1096,6 +1096,9 @@ impl Session {
         let expected = self.processes[process].exiting
             || matches!(death, Death::Killed(sig) if self.processes[process].sent_by_program.contains(sig));
         if was_leader_executing {
+            if let Some(why) = self.moved_a_file_offset(task, r).filter(|_| !expected) {
+                return Err(self.halt(why));
+            }
             self.tasks[task].recollect();
         }
         if let Phase::All { .. } | Phase::Followers { .. } = self.tasks[task].phase() {
@@ -1388,6 +1391,9 @@ impl Session {
                     // The dead leader was executing this call: the new one runs it again,
                     // once the old one is out of it (`finish_vote_outs`), unless the old
                     // one finished it and so took input or gave output for everyone.
+                    if let Some(why) = self.moved_a_file_offset(t, r) {
+                        return Err(self.halt(why));
+                    }
                     if let Some(tid) = self.tasks[t].slot(r).map(|s| s.tid()) {
                         match self.where_in_call(tid) {
                             InCall::Inside => self.doomed_in_calls.push(tid),
@@ -1535,6 +1541,29 @@ fn call_had_effect(class: Class, ret: i64) -> bool {
 }
 
 impl Session {
+    /// Whether the call that the leader lost in `task` was running may have moved a
+    /// regular file's offset (a `read`, `write`, `readv` or `writev`, which the kernel
+    /// does not undo when the thread dies, and which completes in microseconds): run
+    /// again, it would skip or repeat data. The reason to stop the run instead, if so.
+    /// The descriptor is looked at in another replica, which shares the file with the lost
+    /// leader `lost`.
+    fn moved_a_file_offset(&self, task: TaskId, lost: ReplicaId) -> Option<String> {
+        const MOVE_THE_OFFSET: [i64; 4] = [libc::SYS_read, libc::SYS_write, libc::SYS_readv, libc::SYS_writev];
+        let Phase::Leader { nr, args, .. } = self.tasks[task].phase() else {
+            return None;
+        };
+        let other = self.live_slots(task).into_iter().find(|&x| x != lost)?;
+        let pid = self.slot(task, other).tgid();
+        (MOVE_THE_OFFSET.contains(&(nr as i64)) && self.be.fd_is_regular_file(pid, args[0] as i32)).then(|| {
+            format!(
+                "the leader was lost inside {}() of a regular file (descriptor {}): it may have moved the file's \
+                 offset, so running the call again could skip or repeat data",
+                lockstep_trace::syscalls::name(nr),
+                args[0] as i32
+            )
+        })
+    }
+
     /// Takes thread `tid`'s pending stop, if it has one, to see where it is in its call.
     fn where_in_call(&self, tid: Tid) -> InCall {
         match self.be.try_wait_tid(tid) {
