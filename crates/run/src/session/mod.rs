@@ -1391,11 +1391,14 @@ impl Session {
                     // The dead leader was executing this call: the new one runs it again,
                     // once the old one is out of it (`finish_vote_outs`), unless the old
                     // one finished it and so took input or gave output for everyone.
-                    if let Some(why) = self.moved_a_file_offset(t, r) {
-                        return Err(self.halt(why));
-                    }
                     if let Some(tid) = self.tasks[t].slot(r).map(|s| s.tid()) {
-                        match self.where_in_call(tid) {
+                        let in_call = self.where_in_call(tid);
+                        if !matches!(in_call, InCall::Finished(_)) {
+                            if let Some(why) = self.moved_a_file_offset(t, r) {
+                                return Err(self.halt(why));
+                            }
+                        }
+                        match in_call {
                             InCall::Inside => self.doomed_in_calls.push(tid),
                             InCall::Left => {}
                             InCall::Finished(ret) => {
