@@ -343,8 +343,5 @@ impl Session {
 
 /// Whether thread `tid` sits in a ptrace stop (state `t` in /proc).
 fn in_trace_stop(be: &dyn Backend, tid: lockstep_trace::Tid) -> bool {
-    be.proc_read(tid, "stat")
-        .ok()
-        .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| rest.starts_with('t')))
-        .unwrap_or(false)
+    super::thread_state(be, tid) == Some('t')
 }

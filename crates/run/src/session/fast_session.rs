@@ -998,10 +998,7 @@ impl Session {
         if slot.state() != SlotState::Running {
             return false;
         }
-        let stat = self.be.proc_read(slot.tid(), "stat").unwrap_or_default();
-        stat.rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|state| state == "R")
+        super::thread_state(&self.be, slot.tid()) == Some('R')
     }
 
     /// Follower `r` leaves while the ring is on and the program has threads in more than

@@ -1606,14 +1606,17 @@ pub(crate) fn wait_out_of_calls(be: &dyn Backend, tids: &[Tid], limit: std::time
 /// thread is runnable (`R`) until it runs; its next state is the exit stop, a zombie, or
 /// nothing at all (a thread in an uninterruptible wait stays `D`).
 fn left_its_call(be: &dyn Backend, tid: Tid) -> bool {
-    let Ok(stat) = be.proc_read(tid, "stat") else {
-        return true; // reaped
-    };
+    // None: reaped.
+    matches!(thread_state(be, tid), None | Some('t' | 'T' | 'Z' | 'X' | 'x'))
+}
+
+/// Thread `tid`'s state letter in `/proc/TID/stat` (`R`, `S`, `t`, `Z`...); None when the
+/// thread is gone or the line cannot be read.
+pub(crate) fn thread_state(be: &dyn Backend, tid: Tid) -> Option<char> {
+    let stat = be.proc_read(tid, "stat").ok()?;
     // The state follows the command name, which is in parentheses and may hold any byte.
-    let state = stat
-        .rsplit_once(')')
-        .and_then(|(_, rest)| rest.trim_start().chars().next());
-    matches!(state, None | Some('t' | 'T' | 'Z' | 'X' | 'x'))
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next())
 }
 
 pub fn describe_death(d: Death) -> String {
