@@ -11,7 +11,12 @@ natively and under every lockstep configuration below:
 It waits until the port accepts connections, runs `memcaslap -s 127.0.0.1:P -T 1 -c 8
 -t Ss` against it, reads memcaslap's final TPS, and stops the server with SIGINT.
 Reported per set-up and configuration: the median TPS, the share of native (median of
-the per-round ratios against the native run of the same round and set-up), the fraction
+the per-round ratios against the native run of the same round and set-up), the server's
+CPU time per request per replica (wait4's rusage of the server, or of lockstep and the
+replicas it reaped, divided by replicas and by memcaslap's Ops) and its ratio to native's:
+with memcaslap on the same CPUs, TPS is bounded by the machine as much as by lockstep.
+The CPU ratio includes the time a replica spins waiting for another (on a machine with
+spare CPUs that time costs no throughput); the fraction
 of syscalls that took the fast path (--stats), and runs that diverged or failed
 (anomalies; they do not stop the bench). Nothing here asserts on timing.
 
@@ -26,6 +31,7 @@ import os
 import platform
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,8 +56,27 @@ OPTIONS = {
 CONFIGS = ["native"] + list(OPTIONS)
 
 TPS_RE = re.compile(r"TPS:\s+(\d+)")
+OPS_RE = re.compile(r"Ops:\s+(\d+)")
 FAST_RE = re.compile(r"fast-path calls:\s+(\d+)")
 INTERCEPTED_RE = re.compile(r"syscalls intercepted:\s+(\d+)")
+
+
+def replicas_of(config):
+    return int(OPTIONS[config][OPTIONS[config].index("-r") + 1]) if config != "native" else 1
+
+
+def wait_cpu(p, timeout):
+    """Wait for p (the server, or lockstep with its replicas) and return the CPU seconds it
+    and every descendant it reaped used, from wait4's rusage. Raises TimeoutExpired."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid == p.pid:
+            p.returncode = os.waitstatus_to_exitcode(status)
+            return ru.ru_utime + ru.ru_stime
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(p.args, timeout)
+        time.sleep(0.05)
 
 
 def server_cmd(setup, config, port):
@@ -84,6 +109,8 @@ def one(setup, config, args, tmp, where):
             out = str(e)
         m = TPS_RE.findall(out or "")
         rec["tps"] = int(m[-1]) if m else None
+        ops = OPS_RE.findall(out or "")
+        rec["ops"] = int(ops[-1]) if ops else None
         if rec["tps"] is None:
             anomaly(where, f"no TPS in memcaslap's output: {benchproc.tail(out or '', 3)!r}", load)
         if p.poll() is not None:
@@ -93,7 +120,12 @@ def one(setup, config, args, tmp, where):
         else:
             p.send_signal(2)
             try:
-                rec["rc"] = p.wait(timeout=30)
+                rec["cpu_s"] = wait_cpu(p, 30)
+                rec["rc"] = p.returncode
+                if rec["ops"]:
+                    # Per replica, so that it compares with native's: the monitor's share and
+                    # memcached's start-up are in it (a few ms against seconds of load).
+                    rec["cpu_us_per_op"] = 1e6 * rec["cpu_s"] / replicas_of(config) / rec["ops"]
             except Exception:
                 killpg(p.pid)
                 p.wait()
@@ -128,11 +160,13 @@ def markdown(meta, rounds, summary):
     lines += meta["commands"] + ["```", ""]
     for setup in SETUPS:
         lines += [f"## `{setup}`: memcached {' '.join(SETUPS[setup]) or '(defaults)'}", "",
-                  "| config | TPS (median) | % of native | fast-path fraction | diverged runs |",
-                  "|---|---:|---:|---:|---:|"]
+                  "| config | TPS (median) | % of native | CPU µs per request per replica | CPU x native "
+                  "| fast-path fraction | diverged runs |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for config in CONFIGS:
             s = summary[setup][config]
             lines.append(f"| {config} | {fmt(s['tps_median'], '.0f')} | {pct(s['ratio_median'])} | "
+                         f"{fmt(s['cpu_us_median'], '.1f')} | {fmt(s['cpu_ratio_median'], '.2f')} | "
                          f"{pct(s['fast_fraction_median'], 2) if config.startswith('fast') else '-'} | "
                          f"{s['diverged']} |")
         lines.append("")
@@ -180,7 +214,12 @@ def main():
             recs = [row[setup][config] for row in rounds]
             ratios = [rec["tps"] / row[setup]["native"]["tps"] for rec, row in zip(recs, rounds)
                       if rec["tps"] is not None and row[setup]["native"]["tps"]]
+            cpu_ratios = [rec["cpu_us_per_op"] / row[setup]["native"]["cpu_us_per_op"]
+                          for rec, row in zip(recs, rounds)
+                          if rec.get("cpu_us_per_op") and row[setup]["native"].get("cpu_us_per_op")]
             summary[setup][config] = {
+                "cpu_us_median": median([rec.get("cpu_us_per_op") for rec in recs]),
+                "cpu_ratio_median": median(cpu_ratios),
                 "tps_median": median([rec["tps"] for rec in recs]),
                 "ratio_median": median(ratios),
                 "fast_fraction_median": median([rec.get("fast_fraction") for rec in recs]),
