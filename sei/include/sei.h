@@ -26,6 +26,7 @@
 #else
 
 #include <pthread.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/socket.h>
@@ -41,8 +42,10 @@ extern "C" {
 #endif
 
 /* Attributes.
- * SEI_PURE: the function reads handler state at most and writes none; it is not
- *   instrumented and may be called from a handler (CRCs, parsing helpers).
+ * SEI_PURE: the function is not instrumented and may be called from a handler: its
+ *   writes are not logged and its reads are not checked (not even in dup mode), so it
+ *   may write only its locals and its result, and should read only the input message
+ *   or data its caller checked (CRCs, parsing helpers).
  * SEI_LOCAL: the function writes only memory that dies with the handler (its own
  *   locals, or buffers passed to sei_ignore_addr); it is not instrumented either.
  * SEI_SAFE: the function is instrumented, so it can be called through a pointer from
@@ -104,6 +107,62 @@ enum sei_mode sei_mode(void);
 
 /* CRC32C (Castagnoli), the checksum of every lockstep component. */
 uint32_t sei_crc32c(uint32_t crc, const void *buf, size_t len) SEI_PURE;
+
+/* A transaction-safe libc subset: libc's signatures and semantics (C locale), callable
+ * from handlers, where the libc functions are not (GCC reports "unsafe function call").
+ * Inside a handler the bytes each one reads are checked in dup mode and the bytes it
+ * writes are logged, as instrumented code would do; outside a handler, and in the native
+ * build (sei_native.h maps them to libc), they are the plain functions.
+ * sei_snprintf / sei_vsnprintf convert d i u x X o c s p and %% with the flags - + space
+ * # 0, a width and a precision (numbers or *), and the lengths hh h l ll z j t; any other
+ * conversion (floating point, %n) stops the program with status 70 naming it.
+ * sei_utoa writes value's digits in base (2-36, lowercase) and a NUL to buf (65 bytes
+ * hold any value) and returns the number of digits. */
+int sei_libc_memcmp(const void *a, const void *b, size_t n) SEI_PURE;
+size_t sei_libc_strlen(const char *s) SEI_PURE;
+size_t sei_libc_strnlen(const char *s, size_t max) SEI_PURE;
+void *sei_libc_memchr(const void *s, int c, size_t n) SEI_PURE;
+char *sei_libc_strchr(const char *s, int c) SEI_PURE;
+unsigned long sei_libc_strtoul(const char *s, char **endptr, int base) SEI_PURE;
+unsigned long long sei_libc_strtoull(const char *s, char **endptr, int base) SEI_PURE;
+int sei_libc_vsnprintf(char *buf, size_t size, const char *fmt, va_list ap) SEI_PURE
+    __attribute__((format(printf, 3, 0)));
+int sei_libc_snprintf(size_t anchor, char *buf, size_t size, const char *fmt, ...) SEI_PURE
+    __attribute__((format(printf, 4, 5)));
+size_t sei_libc_utoa(unsigned long long value, char *buf, unsigned base) SEI_PURE;
+/* Always 0. The wrappers below read it so that a handler whose only work is calls to
+ * them still has an instrumented access: without one, GCC emits no transaction and the
+ * handler would run once, unchecked. */
+extern size_t sei_tx_anchor;
+#define SEI_ANCHOR_ sei_tx_anchor
+
+static inline SEI_SAFE int sei_memcmp(const void *a, const void *b, size_t n) {
+    return sei_libc_memcmp(a, b, n) + (int)SEI_ANCHOR_;
+}
+static inline SEI_SAFE size_t sei_strlen(const char *s) { return sei_libc_strlen(s) + SEI_ANCHOR_; }
+static inline SEI_SAFE size_t sei_strnlen(const char *s, size_t max) {
+    return sei_libc_strnlen(s, max) + SEI_ANCHOR_;
+}
+static inline SEI_SAFE void *sei_memchr(const void *s, int c, size_t n) {
+    return (char *)sei_libc_memchr(s, c, n) + SEI_ANCHOR_;
+}
+static inline SEI_SAFE char *sei_strchr(const char *s, int c) { return sei_libc_strchr(s, c) + SEI_ANCHOR_; }
+static inline SEI_SAFE unsigned long sei_strtoul(const char *s, char **endptr, int base) {
+    return sei_libc_strtoul(s, endptr, base) + SEI_ANCHOR_;
+}
+static inline SEI_SAFE unsigned long long sei_strtoull(const char *s, char **endptr, int base) {
+    return sei_libc_strtoull(s, endptr, base) + SEI_ANCHOR_;
+}
+__attribute__((format(printf, 3, 0))) static inline SEI_SAFE int sei_vsnprintf(char *buf, size_t size,
+                                                                               const char *fmt, va_list ap) {
+    return sei_libc_vsnprintf(buf, size, fmt, ap) + (int)SEI_ANCHOR_;
+}
+/* A macro: a transaction-safe function cannot be variadic (va_start is not allowed in
+ * one), and the pure one it calls must be reached through an instrumented access. */
+#define sei_snprintf(buf, size, ...) sei_libc_snprintf(SEI_ANCHOR_, (buf), (size), __VA_ARGS__)
+static inline SEI_SAFE size_t sei_utoa(unsigned long long value, char *buf, unsigned base) {
+    return sei_libc_utoa(value, buf, base) + SEI_ANCHOR_;
+}
 
 /* Counters of this thread, for tests and benchmarks. */
 struct sei_stats {

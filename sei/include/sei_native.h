@@ -61,4 +61,45 @@ static inline void sei_barrier_wait(void) {}
 static inline void sei_barrier_disable(void) {}
 static inline enum sei_mode sei_mode(void) { return SEI_MODE_ECC; }
 
+/* The libc subset of sei.h, as libc itself (sei_utoa has no libc twin). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+static inline int sei_memcmp(const void *a, const void *b, size_t n) { return memcmp(a, b, n); }
+static inline size_t sei_strlen(const char *s) { return strlen(s); }
+/* strnlen is POSIX, not C: a program built with -std=c11 would not see it */
+static inline size_t sei_strnlen(const char *s, size_t max) {
+    const char *end = (const char *)memchr(s, 0, max);
+    return end != NULL ? (size_t)(end - s) : max;
+}
+static inline void *sei_memchr(const void *s, int c, size_t n) { return (void *)(uintptr_t)memchr(s, c, n); }
+static inline char *sei_strchr(const char *s, int c) { return (char *)(uintptr_t)strchr(s, c); }
+static inline unsigned long sei_strtoul(const char *s, char **endptr, int base) { return strtoul(s, endptr, base); }
+static inline unsigned long long sei_strtoull(const char *s, char **endptr, int base) {
+    return strtoull(s, endptr, base);
+}
+__attribute__((format(printf, 3, 0))) static inline int sei_vsnprintf(char *buf, size_t size, const char *fmt,
+                                                                      va_list ap) {
+    return vsnprintf(buf, size, fmt, ap);
+}
+__attribute__((format(printf, 3, 4))) static inline int sei_snprintf(char *buf, size_t size, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, size, fmt, ap);
+    va_end(ap);
+    return n;
+}
+static inline size_t sei_utoa(unsigned long long value, char *buf, unsigned base) {
+    char rev[64];
+    size_t n = 0;
+    if (base < 2 || base > 36) abort(); /* the hardened build stops with 70 and a message */
+    do {
+        rev[n++] = "0123456789abcdefghijklmnopqrstuvwxyz"[value % base];
+        value /= base;
+    } while (value != 0);
+    for (size_t i = 0; i < n; i++) buf[i] = rev[n - 1 - i];
+    buf[n] = 0;
+    return n;
+}
+
 #endif /* SEI_NATIVE_H */

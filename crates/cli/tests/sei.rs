@@ -355,3 +355,93 @@ fn lockstep_cxx_hardens_a_cxx_handler() {
     assert_eq!(text(&run.stdout), "6 3\n");
     assert!(lockstep_sei_guard(&bin).is_empty());
 }
+
+/// sei/tests/libc.c built with `lockstep cc` at each level, and natively (plain gcc,
+/// -DSEI_NATIVE, strict C11: the native header must not need POSIX extensions).
+fn libc_binaries() -> &'static [(String, PathBuf)] {
+    static BUILT: OnceLock<Vec<(String, PathBuf)>> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let src = repo().join("sei/tests/libc.c");
+        let mut built: Vec<(String, PathBuf)> = LEVELS
+            .iter()
+            .map(|level| {
+                let out = work_dir().join(format!("libc{level}"));
+                cc(&[level, src.to_str().unwrap()], &out);
+                (level.to_string(), out)
+            })
+            .collect();
+        let native = work_dir().join("libc-native");
+        let result = Command::new("gcc")
+            .args(["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-DSEI_NATIVE", "-I"])
+            .arg(repo().join("sei/include"))
+            .arg(&src)
+            .arg("-o")
+            .arg(&native)
+            .output()
+            .expect("run gcc");
+        assert!(result.status.success(), "native build: {}", text(&result.stderr));
+        built.push(("native".into(), native));
+        built
+    })
+}
+
+#[test]
+fn the_libc_subset_matches_libc_on_random_inputs_in_every_build() {
+    for (build, bin) in libc_binaries() {
+        let runs: &[(&str, &[(&str, &str)])] = if build == "native" {
+            &[("native", &[])]
+        } else {
+            &[("handler", &[]), ("handler", &[("SEI_MODE", "dup")]), ("plain", &[])]
+        };
+        for (seed, (place, env)) in runs.iter().enumerate() {
+            let seed = (seed + 1).to_string();
+            let out = run(bin, &[place, "20000", &seed], env);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{build} {place} {env:?}: {}{}",
+                text(&out.stdout),
+                text(&out.stderr)
+            );
+            assert_eq!(text(&out.stdout), "ok libc 20000\n");
+        }
+    }
+}
+
+#[test]
+fn the_libc_subset_logs_what_it_writes_and_checks_what_it_reads() {
+    for (build, bin) in libc_binaries().iter().filter(|(b, _)| b != "native") {
+        // Two executions that format different numbers: V sees it, so the writes were logged.
+        let out = run(bin, &["diverge"], &[]);
+        assert_eq!(out.status.code(), Some(DETECTED), "{build}: {}", text(&out.stdout));
+        assert!(text(&out.stderr).contains("E1 and E2 disagree"), "{build}: {}", text(&out.stderr));
+        // A string flipped between handlers: dup mode's check at sei_strlen's reads finds
+        // it; ecc mode trusts the hardware and does not.
+        let out = run(bin, &["flip"], &[("SEI_MODE", "dup")]);
+        assert_eq!(out.status.code(), Some(DETECTED), "{build}: {}", text(&out.stdout));
+        assert!(text(&out.stderr).contains("dup mode"), "{build}: {}", text(&out.stderr));
+        let out = run(bin, &["flip"], &[("SEI_MODE", "ecc")]);
+        assert_eq!(out.status.code(), Some(1), "{build}");
+        assert_eq!(text(&out.stdout), "not detected: length 5\n");
+    }
+}
+
+#[test]
+fn an_unsupported_snprintf_conversion_stops_with_70_naming_it() {
+    let src = work_dir().join("float.c");
+    std::fs::write(
+        &src,
+        "#include \"sei.h\"\n#include <stdio.h>\nstatic char out[32];\n\
+         int main(void) { volatile double x = 1.5; sei_snprintf(out, sizeof out, \"%f\", x); puts(out); return 0; }\n",
+    )
+    .unwrap();
+    let bin = work_dir().join("float");
+    cc(&["-O2", src.to_str().unwrap()], &bin);
+    let out = run(&bin, &[], &[]);
+    assert_eq!(out.status.code(), Some(70));
+    assert!(
+        text(&out.stderr).contains("conversion %f is not supported"),
+        "{}",
+        text(&out.stderr)
+    );
+}
