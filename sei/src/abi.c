@@ -56,10 +56,18 @@ static void *find_clone(const void *fn) {
 
 void *_ITM_getTMCloneSafe(void *fn) {
     void *clone = find_clone(fn);
-    if (clone == NULL)
-        sei_unsupported("a handler called %p through a pointer, and it has no transactional clone "
-                        "(declare it SEI_SAFE)", fn);
-    return clone;
+    if (clone != NULL) return clone;
+    /* A function of the program without a clone is the program's mistake (70), the same in
+     * every run; a pointer to no function can only be one a fault corrupted (86). */
+    char name[128];
+    int function = sei_is_function(fn, name, sizeof name);
+    if (function != 0)
+        sei_unsupported("a handler called %s (%p) through a pointer, and it has no transactional clone "
+                        "(declare it SEI_SAFE)%s", name[0] ? name : "a function", fn,
+                        function == 2 ? "; the binary has no symbol table, so a corrupted pointer into "
+                                        "code would look the same" : "");
+    sei_fail("a handler called %p through a pointer, which is no function of the program (a corrupted "
+             "pointer)", fn);
 }
 
 /* libitm would run an unknown function irrevocably; a handler that runs twice cannot. */

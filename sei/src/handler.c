@@ -71,8 +71,8 @@ static size_t parse_limit(const char *name, size_t fallback) {
     if (v == NULL || *v == 0) return fallback;
     char *end;
     unsigned long n = strtoul(v, &end, 10);
-    if (*end != 0 || n < 16 || n > (1ul << 24))
-        sei_unsupported("%s=%s: expected a number from 16 to 16777216", name, v);
+    if (*end != 0 || n < 16 || n > (1ul << 26))
+        sei_unsupported("%s=%s: expected a number from 16 to 67108864", name, v);
     return n;
 }
 
@@ -260,6 +260,6 @@ void sei_test_flip(void *addr, unsigned bit, int execution) {
 void sei_stats(struct sei_stats *out) {
     struct sei_thread *t = sei_thread_get();
     *out = t->stats;
-    out->bytes_per_thread = sizeof *t + (size_t)t->max_words * sizeof(struct sei_word) +
+    out->bytes_per_thread = sizeof *t + (size_t)t->capacity * sizeof(struct sei_word) +
                             (size_t)(t->index_mask + 1) * sizeof(uint32_t);
 }

@@ -18,7 +18,10 @@
 
 /* Explicit limits, per thread. Exceeding one stops the process with a message that
  * names the limit and its environment variable. */
-#define SEI_DEFAULT_MAX_WORDS 1024 /* words written per handler (SEI_MAX_WORDS) */
+/* words written per handler (SEI_MAX_WORDS): 8 MiB of state, a reply buffer included;
+ * the log starts at SEI_INITIAL_WORDS and doubles as a handler needs */
+#define SEI_DEFAULT_MAX_WORDS (1u << 20)
+#define SEI_INITIAL_WORDS 1024u
 #define SEI_MAX_ALLOCS 64          /* malloc/calloc/free calls per handler */
 #define SEI_MAX_LOCKS 16           /* mutex acquisitions per handler */
 #define SEI_MAX_OUTPUTS 16         /* output messages per handler */
@@ -112,7 +115,7 @@ struct sei_thread {
     /* the write log and its open-addressing index (slot = word index + 1) */
     struct sei_word *words;
     uint32_t *index;
-    uint32_t nwords, max_words, index_mask;
+    uint32_t nwords, capacity, max_words, index_mask; /* capacity: entries allocated */
 
     struct sei_alloc allocs[SEI_MAX_ALLOCS];
     uint32_t nallocs, alloc_cursor;
@@ -207,6 +210,13 @@ void sei_effects_cancel(struct sei_thread *t);
 /* barrier.c */
 void sei_barrier_enter(struct sei_thread *t);
 void sei_barrier_leave(struct sei_thread *t);
+
+/* symbols.c: 1 if fn starts a function of a loaded object (its name, if known, in
+ * name), 0 if it points to no function, 2 if it points into code of an object whose
+ * symbol table is stripped (either) */
+int sei_is_function(const void *fn, char *name, size_t name_size);
+/* The data symbol that holds addr, as "name+offset" in out, or "" if none is known. */
+void sei_data_symbol(const void *addr, char *out, size_t out_size);
 
 /* tx.S */
 uint32_t _ITM_beginTransaction(uint32_t props, ...);

@@ -22,13 +22,45 @@ static void store_masked(uintptr_t word, uint64_t value, uint8_t mask) {
         if (mask & (1u << i)) p[i] = (unsigned char)(value >> (8 * i));
 }
 
-void sei_log_init(struct sei_thread *t) {
+/* Allocates room for `capacity` entries and an index at most half full, and files the
+ * entries already logged under it. */
+static int resize(struct sei_thread *t, uint32_t capacity) {
     uint32_t slots = 1;
-    while (slots < 2 * t->max_words) slots <<= 1;
-    t->words = calloc(t->max_words, sizeof *t->words);
-    t->index = calloc(slots, sizeof *t->index);
-    if (t->words == NULL || t->index == NULL) sei_unsupported("out of memory for the write log");
+    while (slots < 2 * capacity) slots <<= 1;
+    struct sei_word *words = realloc(t->words, (size_t)capacity * sizeof *words);
+    if (words == NULL) return 0;
+    t->words = words;
+    uint32_t *index = calloc(slots, sizeof *index);
+    if (index == NULL) return 0;
+    free(t->index);
+    t->index = index;
     t->index_mask = slots - 1;
+    t->capacity = capacity;
+    for (uint32_t i = 0; i < t->nwords; i++) {
+        uint32_t h = (uint32_t)((t->words[i].addr >> 3) * 0x9e3779b1u) & t->index_mask;
+        while (t->index[h] != 0) h = (h + 1) & t->index_mask;
+        t->index[h] = i + 1;
+    }
+    return 1;
+}
+
+void sei_log_init(struct sei_thread *t) {
+    if (!resize(t, t->max_words < SEI_INITIAL_WORDS ? t->max_words : SEI_INITIAL_WORDS))
+        sei_unsupported("out of memory for the write log");
+}
+
+/* The write log is full: grow it, or stop with what a developer needs to act. */
+static void grow_log(struct sei_thread *t, uintptr_t word) {
+    if (t->capacity < t->max_words) {
+        uint32_t capacity = t->capacity > t->max_words / 2 ? t->max_words : 2 * t->capacity;
+        if (!resize(t, capacity)) sei_unsupported("out of memory growing the write log to %u words", capacity);
+        return;
+    }
+    char where[160];
+    sei_data_symbol((const void *)word, where, sizeof where);
+    sei_unsupported("a handler wrote more than %u words of state (8 bytes each), the last at %p%s%s; raise "
+                    "SEI_MAX_WORDS, or call sei_ignore_addr on a scratch buffer",
+                    t->max_words, (void *)word, where[0] ? ", in " : "", where);
 }
 
 void sei_log_clear(struct sei_thread *t) {
@@ -62,8 +94,11 @@ static struct sei_word *insert(struct sei_thread *t, uintptr_t word) {
         if (i == 0) break;
         if (t->words[i - 1].addr == word) return &t->words[i - 1];
     }
-    if (t->nwords == t->max_words)
-        sei_unsupported("a handler wrote more than %u words; raise SEI_MAX_WORDS", t->max_words);
+    if (t->nwords == t->capacity) {
+        grow_log(t, word);
+        for (h = slot_of(t, word); t->index[h] != 0; h = (h + 1) & t->index_mask) {
+        }
+    }
     struct sei_word *w = &t->words[t->nwords];
     /* Ov(v) is written once, into an entry no execution has marked (Figure 4b, line 3) */
     w->addr = word;

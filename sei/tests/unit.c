@@ -499,10 +499,49 @@ static void case_barrier(void) {
     printf("ok barrier blocked=%d open=%d\n", blocked, open);
 }
 
+/* ---- calls through pointers with no transactional clone ---- */
+
+typedef int (*safe_fn)(int) SEI_SAFE;
+static int clone_result;
+/* Not SEI_SAFE, so GCC makes no clone: a handler may not call it through a pointer. */
+__attribute__((noinline)) int unsafe_callee(int x) {
+    printf("unsafe callee ran\n");
+    return x + 1;
+}
+static void call_through(safe_fn fn) {
+    SEI_LOCAL_HANDLER() { clone_result = fn(clone_result); }
+    printf("not detected: %d\n", clone_result);
+}
+/* the program's mistake: a real function without a clone (exit 70) */
+static void case_no_clone(void) { call_through((safe_fn)(uintptr_t)(void *)unsafe_callee); }
+/* a fault's: a pointer into the middle of a function, or to data (exit 86) */
+static void case_wild_pointer(void) { call_through((safe_fn)((uintptr_t)(void *)unsafe_callee + 3)); }
+static void case_data_pointer(void) { call_through((safe_fn)(uintptr_t)&clone_result); }
+
+/* ---- a reply far larger than the first write log: the log grows ---- */
+
+static char big_reply[1 << 16];
+static void case_big_reply(void) {
+    SEI_LOCAL_HANDLER() {
+        for (size_t i = 0; i < sizeof big_reply; i++) big_reply[i] = (char)('a' + i % 26);
+        sei_output_append(big_reply, sizeof big_reply);
+        sei_output_done();
+    }
+    uint32_t crc = sei_crc_pop();
+    CHECK(crc == sei_crc32c(0, big_reply, sizeof big_reply));
+    struct sei_stats st;
+    sei_stats(&st);
+    printf("ok big reply %zu bytes, %llu words logged\n", sizeof big_reply, (unsigned long long)st.max_words);
+}
+
 static const struct {
     const char *name;
     void (*run)(void);
 } cases[] = {
+    {"big-reply", case_big_reply},
+    {"no-clone", case_no_clone},
+    {"wild-pointer", case_wild_pointer},
+    {"data-pointer", case_data_pointer},
     {"abi", case_abi},
     {"reset", case_reset},
     {"alloc", case_alloc},

@@ -445,3 +445,35 @@ fn an_unsupported_snprintf_conversion_stops_with_70_naming_it() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn a_pointer_call_without_a_clone_is_70_for_a_function_and_86_for_a_corrupted_pointer() {
+    // A real function that is not SEI_SAFE: the program's mistake, named.
+    for level in LEVELS {
+        let out = run(&unit(level), &["no-clone"], &[]);
+        assert_eq!(out.status.code(), Some(70), "{level}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("called unsafe_callee"),
+            "{level}: {}",
+            text(&out.stderr)
+        );
+        assert!(!text(&out.stdout).contains("ran"), "{level}: the callee ran");
+    }
+    // Pointers that no program would make: into a function's middle, or to data.
+    detected("wild-pointer", "which is no function of the program", &[]);
+    detected("data-pointer", "which is no function of the program", &[]);
+}
+
+#[test]
+fn a_large_reply_needs_no_ignore_and_a_full_log_names_the_buffer() {
+    // 64 KiB written by one handler: eight times the write log's first size.
+    passes("big-reply", "ok big reply 65536 bytes, 8192 words logged", &[]);
+    passes("big-reply", "ok big reply 65536 bytes", &[("SEI_MODE", "dup")]);
+    for level in LEVELS {
+        let out = run(&unit(level), &["big-reply"], &[("SEI_MAX_WORDS", "1024")]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(70), "{level}: {stderr}");
+        assert!(stderr.contains("more than 1024 words"), "{level}: {stderr}");
+        assert!(stderr.contains("in big_reply+8192"), "{level}: {stderr}");
+    }
+}
