@@ -2,7 +2,8 @@
 """libsei benchmarks (issue 4): native vs hardened, measured in the same run.
 
 1. Handler cycles (SEI's Table 5 for our store): bench/sei_handler.c, rdtsc around each
-   handler, get and set of 8 B, 128 B and 1 KiB values; native, sei-ecc, sei-dup.
+   handler, get and set of 8 B, 128 B and 1 KiB values; native, sei-ecc, sei-dup. And the
+   handler-dominated service of issue 18's goals (bench/sei_ledger.c), interleaved runs.
 2. Memory per thread held by libsei's structures (sei_stats).
 3. Server throughput with memcaslap (libmemcached-tools), 90% get / 10% set, for the
    single-threaded server and the threaded one with 1 and 2 workers, values of 8 B,
@@ -43,6 +44,8 @@ def build():
     handler = [os.path.join(ROOT, "bench", "sei_handler.c"), os.path.join(ex, "kv_store.c"), "-I", ex]
     for name, cc in (("native", native), ("sei", hardened)):
         sh(*cc, *strict, *handler, "-o", os.path.join(BUILD, "handler-" + name), env=env)
+        sh(*cc, *strict, os.path.join(ROOT, "bench", "sei_ledger.c"), "-o", os.path.join(BUILD, "ledger-" + name),
+           env=env)
         for server in ("kv_single", "kv_threads"):
             srcs = [os.path.join(ex, f) for f in (server + ".c", "kv_net.c", "kv_store.c")]
             sh(*cc, *strict, *srcs, "-o", os.path.join(BUILD, "%s-%s" % (server, name)), env=env)
@@ -58,6 +61,31 @@ def handler_cycles():
         out = subprocess.run([os.path.join(BUILD, binary)], env=env, check=True, capture_output=True, text=True)
         rows[label] = [json.loads(line) for line in out.stdout.splitlines()]
     return rows
+
+
+LEDGER_ROUNDS = 5
+
+
+def ledger_cycles():
+    """The handler-dominated service (bench/sei_ledger.c): median handler cycles of each
+    build, rounds interleaved; every build must end with the native build's state."""
+    runs = {"native": [], "ecc": [], "dup": []}
+    checksums = set()
+    for _ in range(LEDGER_ROUNDS):
+        for label, binary, mode in (("native", "ledger-native", None), ("ecc", "ledger-sei", "ecc"),
+                                    ("dup", "ledger-sei", "dup")):
+            env = dict(os.environ)
+            if mode:
+                env["SEI_MODE"] = mode
+            out = subprocess.run([os.path.join(BUILD, binary)], env=env, check=True, capture_output=True, text=True)
+            row = json.loads(out.stdout)
+            runs[label].append(row["handler_cycles"])
+            checksums.add(row["state_checksum"])
+    if len(checksums) != 1:
+        sys.exit("ledger: the builds ended with different state: %s" % sorted(checksums))
+    median = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    return {"runs": runs, "median": median, "ecc_ratio": median["ecc"] / median["native"],
+            "dup_ratio": median["dup"] / median["native"]}
 
 
 def free_port():
@@ -123,8 +151,15 @@ def throughput():
     return rows
 
 
-def markdown(cycles, memory, tput):
-    lines = ["### Handler cycles (mean per handler, rdtsc)", "",
+def markdown(cycles, memory, tput, ledger):
+    m = ledger["median"]
+    lines = ["### Handler-dominated service (bench/sei_ledger.c: 32 transfers per request; median of %d "
+             "interleaved runs of the per-run median)" % LEDGER_ROUNDS, "",
+             "| build | handler cycles | x native | goal |", "|---|---:|---:|---:|",
+             "| native | %d | 1.00x | |" % m["native"],
+             "| sei ecc | %d | %.2fx | <= 2.2x |" % (m["ecc"], ledger["ecc_ratio"]),
+             "| sei dup | %d | %.2fx | <= 4x |" % (m["dup"], ledger["dup_ratio"]), "",
+             "### Handler cycles (mean per handler, rdtsc)", "",
              "| value | op | native | sei ecc | ratio | sei dup | ratio |", "|---:|---|---:|---:|---:|---:|---:|"]
     for i, size in enumerate(SIZES):
         for op in ("get", "set"):
@@ -155,11 +190,14 @@ def main():
             print("handler %-3s %5d B: get %.2fx, set %.2fx of native" % (
                 k, size, cycles[k][i]["get_cycles"] / cycles["native"][i]["get_cycles"],
                 cycles[k][i]["set_cycles"] / cycles["native"][i]["set_cycles"]), flush=True)
+    ledger = ledger_cycles()
+    print("ledger: native %d cycles, ecc %.2fx, dup %.2fx" % (ledger["median"]["native"], ledger["ecc_ratio"],
+                                                              ledger["dup_ratio"]), flush=True)
     tput = throughput()
     os.makedirs(OUT, exist_ok=True)
-    json.dump({"handler_cycles": cycles, "memory": memory, "throughput": tput}, open(os.path.join(OUT, "sei.json"), "w"),
-              indent=1)
-    md = markdown(cycles, memory, tput)
+    json.dump({"handler_cycles": cycles, "memory": memory, "ledger": ledger, "throughput": tput},
+              open(os.path.join(OUT, "sei.json"), "w"), indent=1)
+    md = markdown(cycles, memory, tput, ledger)
     open(os.path.join(OUT, "sei.md"), "w").write(md)
     print(md)
 

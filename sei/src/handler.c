@@ -62,10 +62,6 @@ void sei_expect_phase(const struct sei_thread *t, uint32_t phase, const char *wh
                  phase_name(phase));
 }
 
-int sei_in_handler(const struct sei_thread *t) {
-    return t != NULL && (t->phase == PHASE_E1 || t->phase == PHASE_E2);
-}
-
 static size_t parse_limit(const char *name, size_t fallback) {
     const char *v = getenv(name);
     if (v == NULL || *v == 0) return fallback;

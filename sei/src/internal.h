@@ -182,7 +182,10 @@ static inline void sei_set_phase(struct sei_thread *t, uint32_t phase) {
     t->phase_check = ~phase;
 }
 void sei_expect_phase(const struct sei_thread *t, uint32_t phase, const char *where);
-int sei_in_handler(const struct sei_thread *t);
+/* inline: every read check and libc twin asks it */
+static inline int sei_in_handler(const struct sei_thread *t) {
+    return t != NULL && (t->phase == PHASE_E1 || t->phase == PHASE_E2);
+}
 
 /* log.c */
 void sei_log_init(struct sei_thread *t);

@@ -118,7 +118,7 @@ static int ignored(const struct sei_thread *t, uintptr_t addr) {
 }
 
 /* One word of a write barrier, before the store (the caller stores afterwards). */
-static void log_word(struct sei_thread *t, uintptr_t word, uint8_t mask) {
+static inline void log_word(struct sei_thread *t, uintptr_t word, uint8_t mask) {
     if (t->phase == PHASE_E1 && t->phase_check == ~(uint32_t)PHASE_E1) {
         struct sei_word *w = insert(t, word);
         if ((w->mask_e1 & mask) != mask) {
@@ -146,6 +146,11 @@ void sei_log_write(struct sei_thread *t, uintptr_t addr, size_t len) {
      * nor restorable (R runs there), so it is written directly. */
     if (addr < t->checkpoint.cfa && addr >= t->stack_low) return;
     if (__builtin_expect(t->nignored != 0, 0) && ignored(t, addr)) return;
+    unsigned offset = (unsigned)(addr & 7);
+    if (offset + len <= 8) { /* the common case: one scalar store within one word */
+        log_word(t, addr - offset, (uint8_t)(((1u << len) - 1) << offset));
+        return;
+    }
     uintptr_t end = addr + len;
     for (uintptr_t word = addr & ~(uintptr_t)7; word < end; word += 8) {
         uintptr_t lo = addr > word ? addr : word;

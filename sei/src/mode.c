@@ -170,6 +170,14 @@ static uint8_t own_bytes(const struct sei_thread *t, uintptr_t word) {
 
 void sei_dup_check(const struct sei_thread *t, uintptr_t addr, size_t len) {
     if (len == 0) return;
+    if (t != NULL && sei_in_handler(t)) {
+        /* No copy to compare, or no need: the input message (its CRC is checked again in
+         * V) and the handler's own frames (never logged, so never copied). Parsers read
+         * these byte by byte, and each check costs a shard lock. */
+        uintptr_t end = addr + len, msg = (uintptr_t)t->msg;
+        if (msg != 0 && addr >= msg && end <= msg + t->msg_len) return;
+        if (addr >= t->stack_low && end <= t->checkpoint.cfa) return;
+    }
     uintptr_t bad = 0;
     uint64_t bad_now = 0, bad_copy = 0;
     FOR_EACH_WORD(addr, len, 0, {
