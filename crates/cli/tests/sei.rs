@@ -414,7 +414,11 @@ fn the_libc_subset_logs_what_it_writes_and_checks_what_it_reads() {
         // Two executions that format different numbers: V sees it, so the writes were logged.
         let out = run(bin, &["diverge"], &[]);
         assert_eq!(out.status.code(), Some(DETECTED), "{build}: {}", text(&out.stdout));
-        assert!(text(&out.stderr).contains("E1 and E2 disagree"), "{build}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("E1 and E2 disagree"),
+            "{build}: {}",
+            text(&out.stderr)
+        );
         // A string flipped between handlers: dup mode's check at sei_strlen's reads finds
         // it; ecc mode trusts the hardware and does not.
         let out = run(bin, &["flip"], &[("SEI_MODE", "dup")]);
