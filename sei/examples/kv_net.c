@@ -39,7 +39,8 @@ usage:
     fprintf(stderr,
             "usage: %s [--port P] [--crc]%s\n"
             "  a memcached text-protocol subset (get, set, delete) on 127.0.0.1:P (default 11311)\n"
-            "  --crc      every request and reply is followed by a line \"#crc XXXXXXXX\" (CRC32C)\n"
+            "  --crc      every request and reply is followed by a line \"#crc XXXXXXXX\" (CRC32C);\n"
+            "             a reply's CRC covers the request it answers, then the reply\n"
             "%s",
             argv[0], threaded ? " [--threads N]" : "", threaded ? "  --threads  worker threads (1-64, default 1)\n" : "");
     exit(2);
@@ -116,32 +117,48 @@ static int reply_plain(struct kv_conn *c, const char *text) { return send_all(c-
  * KV_TEST_CORRUPT_REPLY=N flips one bit of the Nth reply after libsei validated it, as a
  * memory error on the way to the NIC would (only the CRC the client checks can catch
  * it); KV_TEST_CORRUPT_REQUEST=N flips one bit of the Nth request after it arrived
- * (phase I discards it, and the client sends it again). */
+ * (phase I discards it, and the client sends it again); KV_TEST_SKIP_REQUEST=N makes
+ * framing step over the Nth request unexecuted, as a fault in framing can (one in the
+ * fault campaign cut a request short, and the replies after it answered other requests
+ * than the client thought): only a reply CRC that covers the request shows the client
+ * that a reply answers another request. */
 struct test_hook {
     const char *env;
     long countdown; /* -1: not read yet */
 };
 static struct test_hook corrupt_reply = {"KV_TEST_CORRUPT_REPLY", -1};
 static struct test_hook corrupt_request = {"KV_TEST_CORRUPT_REQUEST", -1};
+static struct test_hook skip_request = {"KV_TEST_SKIP_REQUEST", -1};
 
-static void maybe_flip(struct test_hook *hook, char *buf, size_t len) {
+static int hook_fires(struct test_hook *hook) {
     static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
     pthread_mutex_lock(&lock);
     if (hook->countdown < 0) {
         const char *v = getenv(hook->env);
         hook->countdown = v ? atol(v) : 0;
     }
-    if (hook->countdown > 0 && --hook->countdown == 0 && len > 0) buf[0] ^= 0x02;
+    int fires = hook->countdown > 0 && --hook->countdown == 0;
     pthread_mutex_unlock(&lock);
+    return fires;
 }
 
-/* One request: the hardened handler, then the output phase. */
+static void maybe_flip(struct test_hook *hook, char *buf, size_t len) {
+    if (hook_fires(hook) && len > 0) buf[0] ^= 0x02;
+}
+
+/* One request: the hardened handler, then the output phase. Returns 0 when served, 1
+ * when the request failed its CRC (the caller applies the pipeline rule), -1 when the
+ * connection is lost. */
 static int serve_one(struct kv_store *s, struct kv_conn *c, const char *req, size_t len, uint32_t crc,
                      int crc_mode) {
     if (!sei_begin(req, len, crc))                          /* SEI: phase I */
-        return reply_plain(c, "CLIENT_ERROR crc mismatch\r\n");
+        return reply_plain(c, "CLIENT_ERROR crc mismatch\r\n") == 0 ? 1 : -1;
     SEI_ATOMIC {                                            /* SEI: E1, R, E2, V */
         sei_ignore_addr(&c->reply, sizeof c->reply);        /* SEI: checked by its CRC */
+        /* The reply's CRC starts with the request, as E2 saw it: the client compares it
+         * with the request it sent, so a request that framing lost, cut or took for
+         * another cannot pass for the one the client is waiting on. */
+        if (crc_mode) sei_output_append(req, len);          /* SEI */
         kv_execute(s, req, len, &c->reply);
         sei_output_append(c->reply.buf, c->reply.len);      /* SEI */
         sei_output_done();                                  /* SEI */
@@ -162,6 +179,7 @@ static int serve_one(struct kv_store *s, struct kv_conn *c, const char *req, siz
 int kv_serve(struct kv_store *s, struct kv_conn *c, int crc_mode) {
     for (;;) {
         errno = 0;
+        if (c->discarding) c->in_len = 0;
         size_t room = sizeof c->in - c->in_len;
         ssize_t n = recv(c->fd, c->in + c->in_len, room, 0);
         if (n == 0) return -1;
@@ -179,6 +197,7 @@ int kv_serve(struct kv_store *s, struct kv_conn *c, int crc_mode) {
             return -1;
         }
         c->in_len += (size_t)n;
+        if (c->discarding) continue;
         size_t used = 0;
         for (;;) {
             const char *req = c->in + used;
@@ -203,8 +222,24 @@ int kv_serve(struct kv_store *s, struct kv_conn *c, int crc_mode) {
             } else {
                 crc = sei_crc32c(0, req, (size_t)len); /* protects the request from here on */
             }
+            if (hook_fires(&skip_request)) {
+                used += frame;
+                continue;
+            }
             maybe_flip(&corrupt_request, c->in + used, (size_t)len);
-            if (serve_one(s, c, req, (size_t)len, crc, crc_mode) != 0) return -1;
+            int served = serve_one(s, c, req, (size_t)len, crc, crc_mode);
+            if (served < 0) return -1;
+            if (served > 0) {
+                /* The client resends from the discarded request on; running what
+                 * follows it now would run those requests out of order. The FIN
+                 * after the notice tells the client that nothing more will run
+                 * here; reading until its close spares it a reset that could
+                 * destroy the notice. */
+                shutdown(c->fd, SHUT_WR);
+                c->discarding = 1;
+                used = c->in_len;
+                break;
+            }
             used += frame;
         }
         memmove(c->in, c->in + used, c->in_len - used);

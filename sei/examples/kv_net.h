@@ -9,6 +9,9 @@
 
 struct kv_conn {
     int fd;
+    /* set once a request failed its CRC: every later byte is dropped unread until the
+     * client closes (the pipeline rule, docs/sei.md "Wire format and end-to-end CRCs") */
+    int discarding;
     size_t in_len;
     char in[KV_IN_MAX];
     struct kv_reply reply;

@@ -1,7 +1,8 @@
 //! The example key-value servers of sei/examples, hardened with `lockstep cc` and built
 //! natively (-DSEI_NATIVE), served over real sockets to real clients: the CRC-checking
-//! kv_client.py, pymemcache and the libmemcached tools (Debian packages, installed by
-//! scripts/deps.sh).
+//! kv_client.py and sei/client's kv_cli, pymemcache and the libmemcached tools (Debian
+//! packages, installed by scripts/deps.sh). The wire format the CRC tests pin down is
+//! docs/sei.md's "Wire format and end-to-end CRCs".
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -151,6 +152,53 @@ fn run(cmd: &mut Command) -> Output {
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
+}
+
+/// Builds sei/client's kv_cli with plain gcc (a client is not hardened), once.
+fn kv_cli_binary() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let dir = repo().join("sei/client");
+        let out = work_dir().join("kv_cli");
+        let result = Command::new("gcc")
+            .args(["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror"])
+            .arg(dir.join("sei_client.c"))
+            .arg(dir.join("kv_cli.c"))
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(
+            result.status.success(),
+            "building kv_cli: {}",
+            String::from_utf8_lossy(&result.stderr)
+        );
+        out
+    })
+    .clone()
+}
+
+fn kv_cli(port: u16, args: &[&str]) -> Output {
+    run(Command::new(kv_cli_binary())
+        .arg("--port")
+        .arg(port.to_string())
+        .args(args))
+}
+
+/// The two CRC-checking clients, which take the same arguments.
+#[derive(Clone, Copy, Debug)]
+enum Client {
+    Python,
+    C,
+}
+
+const CLIENTS: [Client; 2] = [Client::Python, Client::C];
+
+fn client(which: Client, port: u16, args: &[&str]) -> Output {
+    match which {
+        Client::Python => kv_client(port, args),
+        Client::C => kv_cli(port, args),
+    }
 }
 
 fn kv_client(port: u16, args: &[&str]) -> Output {
@@ -332,7 +380,29 @@ fn corrupt_requests_are_discarded_and_bad_input_gets_clear_errors() {
     let get = b"get k\r\n";
     let get_req = [get.as_slice(), format!("#crc {:08x}\r\n", crc(get)).as_bytes()].concat();
     let reply = exchange(server.port, &get_req, "#crc");
-    assert!(reply.starts_with("END\r\n#crc "), "{reply}");
+    // the reply's CRC covers the request it answers, then the reply
+    let end = b"END\r\n";
+    assert_eq!(
+        reply,
+        format!("END\r\n#crc {:08x}\r\n", crc(&[get.as_slice(), end].concat())),
+        "{reply}"
+    );
+    // the pipeline rule: nothing after a discarded request runs on its connection, and
+    // the server ends the connection after its notice
+    let later = b"set later 0 0 2\r\nhi\r\n";
+    let later_req = [later.as_slice(), format!("#crc {:08x}\r\n", crc(later)).as_bytes()].concat();
+    let both = [bad.as_slice(), get_req.as_slice(), later_req.as_slice()].concat();
+    assert_eq!(
+        exchange(server.port, &both, "no such reply"),
+        "CLIENT_ERROR crc mismatch\r\n"
+    );
+    let get_later = b"get later\r\n";
+    let get_later_req = [
+        get_later.as_slice(),
+        format!("#crc {:08x}\r\n", crc(get_later)).as_bytes(),
+    ]
+    .concat();
+    assert!(exchange(server.port, &get_later_req, "#crc").starts_with("END\r\n#crc "));
     // a request without its CRC line closes the connection with an error
     let missing = exchange(server.port, b"get k\r\nget k\r\nget k\r\nget k\r\n", "\r\n");
     assert_eq!(missing, "CLIENT_ERROR expected a #crc line\r\n");
@@ -402,5 +472,264 @@ fn the_threaded_server_survives_a_concurrent_load_in_both_modes() {
             assert!(!stderr.contains("sei:"), "{mode} {size} B: {stderr}");
             assert!(ops > 1000, "{mode} {size} B: only {ops} operations: {report}");
         }
+    }
+}
+
+#[test]
+fn the_crc32c_of_the_wire_format_has_the_documented_check_value() {
+    assert_eq!(lockstep_core::crc32c(b"123456789"), 0xE306_9283);
+    for which in CLIENTS {
+        let out = client(which, 0, &["crc", "123456789"]);
+        assert_eq!(text(&out.stdout), "e3069283\n", "{which:?}: {}", text(&out.stderr));
+    }
+}
+
+#[test]
+fn the_c_and_python_clients_pass_the_functional_check_against_the_hardened_servers() {
+    for (name, args) in [("kv_single", &[][..]), ("kv_threads", &["--threads", "2"][..])] {
+        let crc_args: Vec<&str> = args.iter().copied().chain(["--crc"]).collect();
+        for which in CLIENTS {
+            for pipeline in ["1", "32"] {
+                let server = Server::start(name, Build::Hardened, &crc_args, &[]);
+                let out = client(which, server.port, &["--crc", "--pipeline", pipeline, "check"]);
+                assert_eq!(
+                    out.status.code(),
+                    Some(0),
+                    "{name} {which:?} --pipeline {pipeline}: {}",
+                    text(&out.stderr)
+                );
+                assert_eq!(text(&out.stdout), "ok: 614 checks\n");
+                let (stderr, status) = server.stop();
+                assert_eq!(status, None, "{name}: {stderr}");
+            }
+        }
+        // without --crc, the same clients speak plain memcached
+        let server = Server::start(name, Build::Hardened, args, &[]);
+        let out = kv_cli(server.port, &["--pipeline", "16", "check"]);
+        assert_eq!(out.status.code(), Some(0), "{name} plain: {}", text(&out.stderr));
+    }
+}
+
+/// Both clients replay the same trace, pipelined or not, to the same replies.
+#[test]
+fn the_c_and_python_clients_give_the_same_replies_to_a_trace() {
+    let trace = work_dir().join("trace-clients.txt");
+    std::fs::write(&trace, kv_client(0, &["gen-trace", "300", "11"]).stdout).unwrap();
+    let mut outputs = Vec::new();
+    for which in CLIENTS {
+        for pipeline in ["1", "25"] {
+            let server = Server::start("kv_threads", Build::Hardened, &["--threads", "2", "--crc"], &[]);
+            let out = client(
+                which,
+                server.port,
+                &["--crc", "--pipeline", pipeline, "trace", trace.to_str().unwrap()],
+            );
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{which:?} {pipeline}: {}",
+                text(&out.stderr)
+            );
+            outputs.push(out.stdout);
+        }
+    }
+    assert!(outputs[0].len() > 10_000);
+    assert!(outputs.iter().all(|o| *o == outputs[0]), "the clients' replies differ");
+}
+
+/// A fake server: answers the first request of each connection with `reply` (raw bytes,
+/// its CRC line included), or closes at once after it if `close`; returns the port and
+/// a counter of the connections it accepted.
+fn fake_server(reply: Vec<u8>, close: bool) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = count.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let reply = reply.clone();
+            std::thread::spawn(move || {
+                conn.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                // one request with its CRC line: "#crc XXXXXXXX\r\n"
+                while !text(&got).contains("#crc ") || !text(&got).ends_with("\r\n") {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = conn.write_all(&reply);
+                if close {
+                    let _ = conn.shutdown(std::net::Shutdown::Write);
+                }
+                while matches!(conn.read(&mut buf), Ok(n) if n > 0) {}
+            });
+        }
+    });
+    (port, count)
+}
+
+/// A reply must carry the CRC of the request it answers followed by the reply: a
+/// correct reply whose CRC covers another request, or only the reply, is what a server
+/// that framed the wrong request would send, and the client rejects it (86).
+#[test]
+fn a_reply_whose_crc_covers_another_request_is_rejected() {
+    let crc = |b: &[u8]| lockstep_core::crc32c(b);
+    let trace = work_dir().join("trace-get-a.txt");
+    std::fs::write(&trace, "get a\n").unwrap();
+    let trace = trace.to_str().unwrap();
+    let end = b"END\r\n".as_slice();
+    for which in CLIENTS {
+        for (covered, accepted) in [
+            ([b"get a\r\n".as_slice(), end].concat(), true),
+            ([b"get b\r\n".as_slice(), end].concat(), false),
+            (end.to_vec(), false),
+            ([b"get a\r\n#crc 00000000\r\n".as_slice(), end].concat(), false),
+        ] {
+            let reply = [end, format!("#crc {:08x}\r\n", crc(&covered)).as_bytes()].concat();
+            let (port, _) = fake_server(reply, false);
+            let out = client(which, port, &["--crc", "trace", trace]);
+            let what = format!("{which:?}, a CRC over {:?}: {}", text(&covered), text(&out.stderr));
+            if accepted {
+                assert_eq!(out.status.code(), Some(0), "{what}");
+                assert_eq!(text(&out.stdout), "END\r\n", "{what}");
+            } else {
+                assert_eq!(out.status.code(), Some(86), "{what}");
+                assert!(text(&out.stderr).contains("does not cover the request"), "{what}");
+                assert_eq!(text(&out.stdout), "", "{what}");
+            }
+        }
+    }
+
+    // The fault this guards against: framing in a hardened server steps over a request
+    // (KV_TEST_SKIP_REQUEST), so each later reply answers the request after the one the
+    // client waits on. Every reply is STORED with a CRC its server computed: only the
+    // request inside the CRC shows the client that it answers another request.
+    let sets = work_dir().join("trace-sets.txt");
+    let lines: String = (0..30).map(|i| format!("set key{i} value{i}\n")).collect();
+    std::fs::write(&sets, lines).unwrap();
+    for (name, args) in [
+        ("kv_single", &["--crc"][..]),
+        ("kv_threads", &["--threads", "2", "--crc"][..]),
+    ] {
+        for which in CLIENTS {
+            let server = Server::start(name, Build::Hardened, args, &[("KV_TEST_SKIP_REQUEST", "15")]);
+            let out = client(
+                which,
+                server.port,
+                &["--crc", "--pipeline", "10", "trace", sets.to_str().unwrap()],
+            );
+            assert_eq!(out.status.code(), Some(86), "{name} {which:?}: {}", text(&out.stderr));
+            assert!(
+                text(&out.stderr).contains("does not cover the request"),
+                "{name} {which:?}: {}",
+                text(&out.stderr)
+            );
+            // the first pipeline came back whole; the second stopped at the skip
+            assert_eq!(text(&out.stdout), "STORED\r\n".repeat(10), "{name} {which:?}");
+            let (stderr, status) = server.stop();
+            assert_eq!(status, None, "{name}: {stderr}");
+        }
+    }
+}
+
+/// Ten pipelined requests whose order matters: run out of order, the get of request 4
+/// would see request 5's set, and request 7's delete would leave another value behind.
+const ORDERED: &str = "set a 1\nget a\nset b 2\nget c\nset c 3\nget c\ndelete a\nget a b c\nset a 4\nget a\n";
+const ORDERED_REPLIES: &str = "STORED\r\nVALUE a 0 1\r\n1\r\nEND\r\nSTORED\r\nEND\r\nSTORED\r\n\
+VALUE c 0 1\r\n3\r\nEND\r\nDELETED\r\nVALUE b 0 1\r\n2\r\nVALUE c 0 1\r\n3\r\nEND\r\nSTORED\r\n\
+VALUE a 0 1\r\n4\r\nEND\r\n";
+
+/// Request 4 of a pipeline of 10 is discarded, by a wrong CRC from the client or by
+/// corruption inside the server: the server runs nothing after it, the client sends
+/// again from request 4, and the replies and the store are those of running the ten
+/// in order.
+#[test]
+fn a_pipeline_cut_at_a_corrupt_request_runs_in_the_original_order_after_the_resend() {
+    let trace = work_dir().join("trace-ordered.txt");
+    std::fs::write(&trace, ORDERED).unwrap();
+    let trace = trace.to_str().unwrap();
+    let probe = work_dir().join("trace-probe.txt");
+    std::fs::write(&probe, "get a b c\n").unwrap();
+    let probe = probe.to_str().unwrap();
+    for (name, args) in [
+        ("kv_single", &["--crc"][..]),
+        ("kv_threads", &["--threads", "2", "--crc"][..]),
+    ] {
+        for which in CLIENTS {
+            for corrupt_at_server in [false, true] {
+                let env: &[(&str, &str)] = if corrupt_at_server {
+                    &[("KV_TEST_CORRUPT_REQUEST", "4")]
+                } else {
+                    &[]
+                };
+                let mut flags = vec!["--crc", "--pipeline", "10"];
+                if !corrupt_at_server {
+                    flags.extend(["--corrupt-crc", "4"]);
+                }
+                let server = Server::start(name, Build::Hardened, args, env);
+                let what = format!("{name} {which:?} corrupted in the server: {corrupt_at_server}");
+                let out = client(which, server.port, &[flags.as_slice(), &["trace", trace]].concat());
+                assert_eq!(out.status.code(), Some(0), "{what}: {}", text(&out.stderr));
+                assert!(
+                    text(&out.stderr).contains("discarded 1 pipelines"),
+                    "{what}: no resend: {}",
+                    text(&out.stderr)
+                );
+                assert_eq!(text(&out.stdout), ORDERED_REPLIES, "{what}");
+                let store = client(which, server.port, &["--crc", "trace", probe]);
+                assert_eq!(
+                    text(&store.stdout),
+                    "VALUE a 0 1\r\n4\r\nVALUE b 0 1\r\n2\r\nVALUE c 0 1\r\n3\r\nEND\r\n",
+                    "{what}"
+                );
+                let (stderr, status) = server.stop();
+                assert_eq!(status, None, "{what}: {stderr}");
+            }
+        }
+    }
+}
+
+/// A noreply request gets no reply that could confirm it: when the server discards it,
+/// its notice answers the next pipeline, which must send the noreply request again
+/// before its own.
+#[test]
+fn a_discarded_noreply_request_is_sent_again_with_the_next_pipeline() {
+    let trace = work_dir().join("trace-noreply.txt");
+    std::fs::write(&trace, "set a 1\nset a 2 noreply\nget a\ndelete a noreply\nget a\n").unwrap();
+    for which in CLIENTS {
+        for nth in ["2", "4"] {
+            let server = Server::start(
+                "kv_single",
+                Build::Hardened,
+                &["--crc"],
+                &[("KV_TEST_CORRUPT_REQUEST", nth)],
+            );
+            let out = client(which, server.port, &["--crc", "trace", trace.to_str().unwrap()]);
+            assert_eq!(out.status.code(), Some(0), "{which:?} {nth}: {}", text(&out.stderr));
+            assert!(text(&out.stderr).contains("discarded 1 pipelines"), "{which:?} {nth}");
+            assert_eq!(
+                text(&out.stdout),
+                "STORED\r\nVALUE a 0 1\r\n2\r\nEND\r\nEND\r\n",
+                "{which:?} {nth}"
+            );
+        }
+    }
+}
+
+/// A server that discards a request on every attempt: each client sends it three times,
+/// then stops with the detection status rather than retrying forever.
+#[test]
+fn a_request_discarded_three_times_is_a_detection() {
+    let trace = work_dir().join("trace-get-x.txt");
+    std::fs::write(&trace, "get x\n").unwrap();
+    for which in CLIENTS {
+        let (port, connections) = fake_server(b"CLIENT_ERROR crc mismatch\r\n".to_vec(), true);
+        let out = client(which, port, &["--crc", "trace", trace.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(86), "{which:?}: {}", text(&out.stderr));
+        assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 3, "{which:?}");
     }
 }
