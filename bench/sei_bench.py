@@ -3,7 +3,8 @@
 
 1. Handler cycles (SEI's Table 5 for our store): bench/sei_handler.c, rdtsc around each
    handler, get and set of 8 B, 128 B and 1 KiB values; native, sei-ecc, sei-dup. And the
-   handler-dominated service of issue 18's goals (bench/sei_ledger.c), interleaved runs.
+   handler-dominated service of issue 18's goals (bench/sei_ledger.c), interleaved runs;
+   and the server's CPU per request with 32 pipelined requests (sei/client/kv_cli).
 2. Memory per thread held by libsei's structures (sei_stats).
 3. Server throughput with memcaslap (libmemcached-tools), 90% get / 10% set, for the
    single-threaded server and the threaded one with 1 and 2 workers, values of 8 B,
@@ -46,6 +47,8 @@ def build():
         sh(*cc, *strict, *handler, "-o", os.path.join(BUILD, "handler-" + name), env=env)
         sh(*cc, *strict, os.path.join(ROOT, "bench", "sei_ledger.c"), "-o", os.path.join(BUILD, "ledger-" + name),
            env=env)
+        sh("gcc", "-std=gnu11", *strict, os.path.join(ROOT, "sei", "client", "sei_client.c"),
+           os.path.join(ROOT, "sei", "client", "kv_cli.c"), "-o", os.path.join(BUILD, "kv_cli"))
         for server in ("kv_single", "kv_threads"):
             srcs = [os.path.join(ex, f) for f in (server + ".c", "kv_net.c", "kv_store.c")]
             sh(*cc, *strict, *srcs, "-o", os.path.join(BUILD, "%s-%s" % (server, name)), env=env)
@@ -64,6 +67,48 @@ def handler_cycles():
 
 
 LEDGER_ROUNDS = 5
+PIPELINE = 32
+PIPELINED_REQUESTS = 300000
+PIPELINED_ROUNDS = 3
+
+
+def pipelined_cpu():
+    """The single-threaded server's CPU time per request when the C client sends a trace
+    in pipelines of 32 (handlers dominate the server's work there): native, ecc and dup,
+    rounds interleaved; every build must give the client the same replies."""
+    trace = os.path.join(BUILD, "pipelined-trace.txt")
+    with open(trace, "w") as f:
+        subprocess.run([sys.executable, os.path.join(ROOT, "sei", "examples", "kv_client.py"), "gen-trace",
+                        str(PIPELINED_REQUESTS), "5"], stdout=f, check=True)
+    us = {"native": [], "ecc": [], "dup": []}
+    outputs = set()
+    for _ in range(PIPELINED_ROUNDS):
+        for label, binary, mode in (("native", "kv_single-native", "ecc"), ("ecc", "kv_single-sei", "ecc"),
+                                    ("dup", "kv_single-sei", "dup")):
+            port = free_port()
+            proc = subprocess.Popen([os.path.join(BUILD, binary), "--port", str(port), "--crc"],
+                                    env=dict(os.environ, SEI_MODE=mode), stderr=subprocess.DEVNULL)
+            try:
+                for _ in range(500):
+                    try:
+                        socket.create_connection(("127.0.0.1", port)).close()
+                        break
+                    except OSError:
+                        time.sleep(0.01)
+                cpu0 = cpu_seconds(proc.pid)
+                out = subprocess.run([os.path.join(BUILD, "kv_cli"), "--port", str(port), "--crc", "--pipeline",
+                                      str(PIPELINE), "trace", trace], capture_output=True, check=True,
+                                     timeout=600).stdout
+                us[label].append(1e6 * (cpu_seconds(proc.pid) - cpu0) / PIPELINED_REQUESTS)
+                outputs.add(hash(out))
+            finally:
+                proc.kill()
+                proc.wait()
+    if len(outputs) != 1:
+        sys.exit("pipelined: the builds gave the client different replies")
+    median = {k: sorted(v)[len(v) // 2] for k, v in us.items()}
+    return {"us_per_request": us, "median": median, "ecc_ratio": median["ecc"] / median["native"],
+            "dup_ratio": median["dup"] / median["native"]}
 
 
 def ledger_cycles():
@@ -151,7 +196,7 @@ def throughput():
     return rows
 
 
-def markdown(cycles, memory, tput, ledger):
+def markdown(cycles, memory, tput, ledger, pipelined):
     m = ledger["median"]
     lines = ["### Handler-dominated service (bench/sei_ledger.c: 32 transfers per request; median of %d "
              "interleaved runs of the per-run median)" % LEDGER_ROUNDS, "",
@@ -159,6 +204,13 @@ def markdown(cycles, memory, tput, ledger):
              "| native | %d | 1.00x | |" % m["native"],
              "| sei ecc | %d | %.2fx | <= 2.2x |" % (m["ecc"], ledger["ecc_ratio"]),
              "| sei dup | %d | %.2fx | <= 4x |" % (m["dup"], ledger["dup_ratio"]), "",
+             "### Server CPU per request, %d pipelined requests (kv_single --crc, kv_cli --pipeline %d, "
+             "%d requests, median of %d interleaved rounds)" % (PIPELINE, PIPELINE, PIPELINED_REQUESTS,
+                                                                PIPELINED_ROUNDS), "",
+             "| build | CPU us per request | x native | goal |", "|---|---:|---:|---:|",
+             "| native | %.2f | 1.00x | |" % pipelined["median"]["native"],
+             "| sei ecc | %.2f | %.2fx | <= 1.3x |" % (pipelined["median"]["ecc"], pipelined["ecc_ratio"]),
+             "| sei dup | %.2f | %.2fx | |" % (pipelined["median"]["dup"], pipelined["dup_ratio"]), "",
              "### Handler cycles (mean per handler, rdtsc)", "",
              "| value | op | native | sei ecc | ratio | sei dup | ratio |", "|---:|---|---:|---:|---:|---:|---:|"]
     for i, size in enumerate(SIZES):
@@ -193,11 +245,14 @@ def main():
     ledger = ledger_cycles()
     print("ledger: native %d cycles, ecc %.2fx, dup %.2fx" % (ledger["median"]["native"], ledger["ecc_ratio"],
                                                               ledger["dup_ratio"]), flush=True)
+    pipelined = pipelined_cpu()
+    print("pipelined x%d: server CPU per request ecc %.2fx, dup %.2fx of native" % (
+        PIPELINE, pipelined["ecc_ratio"], pipelined["dup_ratio"]), flush=True)
     tput = throughput()
     os.makedirs(OUT, exist_ok=True)
-    json.dump({"handler_cycles": cycles, "memory": memory, "ledger": ledger, "throughput": tput},
-              open(os.path.join(OUT, "sei.json"), "w"), indent=1)
-    md = markdown(cycles, memory, tput, ledger)
+    json.dump({"handler_cycles": cycles, "memory": memory, "ledger": ledger, "pipelined": pipelined,
+               "throughput": tput}, open(os.path.join(OUT, "sei.json"), "w"), indent=1)
+    md = markdown(cycles, memory, tput, ledger, pipelined)
     open(os.path.join(OUT, "sei.md"), "w").write(md)
     print(md)
 

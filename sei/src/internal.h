@@ -129,6 +129,7 @@ struct sei_thread {
     struct sei_output outputs[SEI_MAX_OUTPUTS];
     uint32_t noutputs, output_cursor;
     uint32_t open_crc; /* CRC of the message being appended, this execution */
+    uint32_t open_segments; /* segments appended to it so far */
 
     struct sei_call calls[SEI_MAX_DEFERRED];
     uint32_t ncalls, call_cursor;
