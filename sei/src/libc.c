@@ -118,8 +118,10 @@ static unsigned long long parse_unsigned(const char *s, char **endptr, int base,
     const unsigned char *digits = p;
     unsigned long long value = 0;
     int overflow = 0;
+    /* the bound, computed once per call rather than a division per digit */
+    const unsigned long long limit = max / (unsigned long long)base, last = max % (unsigned long long)base;
     for (int d; (d = digit_value(*p)) < base; p++) {
-        if (value > (max - (unsigned long long)d) / (unsigned long long)base)
+        if (value > limit || (value == limit && (unsigned long long)d > last))
             overflow = 1;
         else
             value = value * (unsigned long long)base + (unsigned long long)d;
