@@ -11,6 +11,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub mod diagnose;
+
 /// The public header, `sei/include/sei.h`.
 pub const HEADER: &[u8] = include_bytes!("../../../sei/include/sei.h");
 /// The no-op twin of the header, for the unhardened build (`-DSEI_NATIVE`).
