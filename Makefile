@@ -57,6 +57,7 @@ bench: build
 	bench/inject_throughput.sh 300 reg
 	python3 bench/sei_bench.py 5
 	bench/sei_eval.sh 1000
+	bench/sei_ledger_eval.sh 1200
 	python3 bench/kv_bench.py 5 3
 	python3 bench/fs_bench.py 5 3
 	python3 bench/fs_vs_bindfs.py 5 3
