@@ -143,10 +143,15 @@ static inline SEI_SAFE size_t sei_strlen(const char *s) { return sei_libc_strlen
 static inline SEI_SAFE size_t sei_strnlen(const char *s, size_t max) {
     return sei_libc_strnlen(s, max) + SEI_ANCHOR_;
 }
+/* (a null result takes no offset: that would be undefined behaviour) */
 static inline SEI_SAFE void *sei_memchr(const void *s, int c, size_t n) {
-    return (char *)sei_libc_memchr(s, c, n) + SEI_ANCHOR_;
+    void *found = sei_libc_memchr(s, c, n);
+    return SEI_ANCHOR_ != 0 ? NULL : found;
 }
-static inline SEI_SAFE char *sei_strchr(const char *s, int c) { return sei_libc_strchr(s, c) + SEI_ANCHOR_; }
+static inline SEI_SAFE char *sei_strchr(const char *s, int c) {
+    char *found = sei_libc_strchr(s, c);
+    return SEI_ANCHOR_ != 0 ? NULL : found;
+}
 static inline SEI_SAFE unsigned long sei_strtoul(const char *s, char **endptr, int base) {
     return sei_libc_strtoul(s, endptr, base) + SEI_ANCHOR_;
 }
