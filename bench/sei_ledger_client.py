@@ -23,6 +23,7 @@ server's checksum equals the model's. stderr gets the number of discarded reques
 Standard library only.
 """
 import argparse
+import os
 import random
 import socket
 import sys
@@ -35,24 +36,9 @@ ATTEMPTS = 3
 MASK = (1 << 64) - 1
 
 
-def _crc_table():
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_TABLE = _crc_table()
-
-
-def crc32c(data, crc=0):
-    crc ^= 0xFFFFFFFF
-    for b in data:
-        crc = _TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
+# One CRC32C for every Python client: the example client's (docs/sei.md, "Wire format").
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sei", "examples"))
+from kv_client import crc32c  # noqa: E402
 
 
 class Detected(Exception):
