@@ -89,12 +89,7 @@ def pipelined_cpu():
             proc = subprocess.Popen([os.path.join(BUILD, binary), "--port", str(port), "--crc"],
                                     env=dict(os.environ, SEI_MODE=mode), stderr=subprocess.DEVNULL)
             try:
-                for _ in range(500):
-                    try:
-                        socket.create_connection(("127.0.0.1", port)).close()
-                        break
-                    except OSError:
-                        time.sleep(0.01)
+                wait_for_port(port)
                 cpu0 = cpu_seconds(proc.pid)
                 out = subprocess.run([os.path.join(BUILD, "kv_cli"), "--port", str(port), "--crc", "--pipeline",
                                       str(PIPELINE), "trace", trace], capture_output=True, check=True,
@@ -139,6 +134,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def wait_for_port(port):
+    """Until a server accepts connections on 127.0.0.1:port (at most 5 s)."""
+    for _ in range(500):
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
 def cpu_seconds(pid):
     fields = open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -151,12 +156,7 @@ def serve_and_load(server, build_name, threads, size, tps):
         args += ["--threads", str(threads)]
     proc = subprocess.Popen(args, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(500):
-            try:
-                socket.create_connection(("127.0.0.1", port)).close()
-                break
-            except OSError:
-                time.sleep(0.01)
+        wait_for_port(port)
         cpu0 = cpu_seconds(proc.pid)
         if tps:
             # memcaslap's --tps does not pace (1.1.4): bench/kv_load.py does
