@@ -7,7 +7,7 @@ CFLAGS_STRICT := -O2 -Wall -Wextra -Werror
 RUN_SUITE := --test run_output --test run_extra --test run_process --test run_signals \
 	--test run_faults --test run_cpython --test run_fast_shim
 
-.PHONY: all deps build clib demo test bench cpython-suite lint clean
+.PHONY: all deps build clib demo test bench cpython-suite sei-thirdparty lint clean
 
 all: build
 
@@ -43,6 +43,10 @@ test: deps clib
 cpython-suite: build
 	scripts/cpython_suite.sh
 
+# memcached from Debian's source package, configured, built and tested with CC="lockstep cc".
+sei-thirdparty: build
+	scripts/sei_thirdparty.sh
+
 bench: build
 	@scripts/deps.sh bench
 	python3 bench/run.py
@@ -57,7 +61,7 @@ bench: build
 	bench/inject_throughput.sh 300 reg
 	python3 bench/sei_bench.py 5
 	bench/sei_eval.sh 1000
-	bench/sei_ledger_eval.sh 1200
+	bench/sei_ledger_eval.sh 1300
 	python3 bench/kv_bench.py 5 3
 	python3 bench/fs_bench.py 5 3
 	python3 bench/fs_vs_bindfs.py 5 3

@@ -7,6 +7,21 @@ want=(gcc make libc6-dev coreutils python3 strace binutils python3-pymemcache py
 if [ "${1:-test}" = bench ]; then
     want+=(xz-utils bc bindfs zstd pigz)
 fi
+# scripts/sei_thirdparty.sh: memcached's source package, its build dependency and a
+# deb-src entry for apt-get source (Debian images ship without one).
+if [ "${1:-test}" = thirdparty ]; then
+    want+=(dpkg-dev libevent-dev)
+    src_list=/etc/apt/sources.list.d/lockstep-deb-src.sources
+    if ! grep -rqs '^Types:.*deb-src\|^deb-src' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+        echo "deps: adding a deb-src entry ($src_list) for apt-get source"
+        SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+        codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
+        printf '%s\n' 'Types: deb-src' 'URIs: http://deb.debian.org/debian' "Suites: $codename" \
+            'Components: main' 'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' |
+            $SUDO tee "$src_list" >/dev/null
+        $SUDO apt-get update -qq
+    fi
+fi
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
