@@ -73,12 +73,14 @@ struct MountArgs {
     /// Pages per second checked in the background (0: no scrubber).
     #[arg(long, default_value_t = 64, value_name = "RATE")]
     scrub: u64,
-    /// Memory for cached pages, e.g. 64M or 1G.
-    #[arg(long, default_value = "64M", value_name = "SIZE")]
-    cache_size: String,
-    /// Dirty pages are written back once they are this old (at most 30s).
-    #[arg(long, default_value = "5s", value_name = "DUR")]
-    dirty_age: String,
+    /// Memory for cached pages, e.g. 64M or 1G (at least 64K, at most the machine's memory).
+    #[arg(long, default_value = "64M", value_name = "SIZE", value_parser = crate::args::size_in(64 << 10, 1 << 50))]
+    cache_size: u64,
+    /// Dirty pages are written back once they are this old (at most 30s: Loris bounds the
+    /// age of dirty data).
+    #[arg(long, default_value = "5s", value_name = "DUR",
+          value_parser = crate::args::duration_in(Duration::ZERO, Duration::from_secs(30)))]
+    dirty_age: Duration,
     /// Write every event as a JSON line to FILE.
     #[arg(long, value_name = "FILE")]
     events: Option<PathBuf>,
@@ -255,47 +257,20 @@ fn adopt_cmd(a: AdoptArgs) -> i32 {
 }
 
 fn usage(msg: String) -> i32 {
-    eprintln!("lockstep fs: {msg}");
-    exit::USAGE
+    crate::args::usage("fs", &msg)
 }
 
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .map(|i| s.split_at(i))
-        .unwrap_or((s, "s"));
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("bad duration {s:?} (examples: 500ms, 2s, 1m)"))?;
-    let secs = match unit {
-        "ms" => v / 1000.0,
-        "s" | "" => v,
-        "m" => v * 60.0,
-        _ => return Err(format!("bad duration unit in {s:?} (use ms, s or m)")),
-    };
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("duration {s:?} is out of range"))
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let (num, mult) = match s.char_indices().last() {
-        Some((i, 'K' | 'k')) => (&s[..i], 1u64 << 10),
-        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
-        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("bad size {s:?} (examples: 512K, 64M, 1G)"))
-}
+/// The longest `last-check`/`last-use` window of --verify.
+const VERIFY_WINDOW_MAX: Duration = Duration::from_secs(86_400);
 
 fn parse_verify(s: &str) -> Result<Verify, String> {
+    let window = crate::args::duration_in(Duration::ZERO, VERIFY_WINDOW_MAX);
     match s {
         "every-read" => Ok(Verify::EveryRead),
         "none" => Ok(Verify::None),
         _ => match s.split_once('=') {
-            Some(("last-check", d)) => Ok(Verify::LastCheck(parse_duration(d)?)),
-            Some(("last-use", d)) => Ok(Verify::LastUse(parse_duration(d)?)),
+            Some(("last-check", d)) => Ok(Verify::LastCheck(window(d)?)),
+            Some(("last-use", d)) => Ok(Verify::LastUse(window(d)?)),
             _ => Err(format!(
                 "--verify {s:?}: use every-read, last-check=DUR, last-use=DUR or none"
             )),
@@ -308,23 +283,14 @@ fn mount_cmd(m: MountArgs) -> i32 {
         Ok(v) => v,
         Err(e) => return usage(e),
     };
-    let cache_bytes = match parse_size(&m.cache_size) {
-        Ok(v) if v < 64 << 10 => return usage("--cache-size must be at least 64K".into()),
-        // SAFETY: sysconf has no preconditions.
-        Ok(v) if v / 4096 > unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) }.max(0) as u64 => {
-            return usage(format!(
-                "--cache-size {} is more than this machine's memory",
-                m.cache_size
-            ))
-        }
-        Ok(v) => v,
-        Err(e) => return usage(e),
-    };
-    let dirty_age = match parse_duration(&m.dirty_age) {
-        Ok(d) if d <= Duration::from_secs(30) => d,
-        Ok(_) => return usage("--dirty-age is at most 30s (Loris bounds the age of dirty data)".into()),
-        Err(e) => return usage(e),
-    };
+    let cache_bytes = m.cache_size;
+    // SAFETY: sysconf has no preconditions.
+    if cache_bytes / 4096 > unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) }.max(0) as u64 {
+        return usage(format!(
+            "--cache-size {cache_bytes} bytes is more than this machine's memory"
+        ));
+    }
+    let dirty_age = m.dirty_age;
     let mut store = m.store.unwrap_or_else(|| {
         let mut s = m.mountpoint.clone().into_os_string();
         s.push(".store");
@@ -370,7 +336,9 @@ fn mount_cmd(m: MountArgs) -> i32 {
         eprintln!("lockstep fs: pipe: {}", std::io::Error::last_os_error());
         return 1;
     }
+    // SAFETY: pipe2 just returned these two fds, and nothing else owns them.
     let (mut rd, mut wr) = unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
+    // SAFETY: no thread exists yet (the mount's threads start in the child), so the child may run any code after fork.
     match unsafe { libc::fork() } {
         -1 => {
             eprintln!("lockstep fs: fork: {}", std::io::Error::last_os_error());
@@ -378,11 +346,13 @@ fn mount_cmd(m: MountArgs) -> i32 {
         }
         0 => {
             drop(rd);
+            // SAFETY: setsid has no preconditions; in a fresh child it cannot fail.
             unsafe { libc::setsid() };
             // Detached from the terminal's output: errors before the mount go back through
             // the pipe, and events go to --events.
             if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
                 use std::os::fd::AsRawFd;
+                // SAFETY: dup2 onto 0-2 from an open fd; the old stdio descriptors are ours to replace.
                 unsafe {
                     libc::dup2(null.as_raw_fd(), 0);
                     libc::dup2(null.as_raw_fd(), 1);

@@ -69,7 +69,7 @@ pub struct InjectArgs {
     #[arg(long, default_value = "reg", value_name = "MODEL")]
     fault: String,
     /// Number of injections (default 100 unless --confidence/--margin is given).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=MAX_RUNS))]
     runs: Option<u64>,
     /// With --margin: choose the number of runs for this confidence level (percent).
     #[arg(long, value_name = "PCT")]
@@ -78,7 +78,7 @@ pub struct InjectArgs {
     #[arg(long, value_name = "PCT")]
     margin: Option<f64>,
     /// Parallel workers (default: the number of CPUs).
-    #[arg(long, short = 'j', value_name = "J")]
+    #[arg(long, short = 'j', value_name = "J", value_parser = crate::args::usize_in(1, 1024))]
     jobs: Option<usize>,
     /// Seed of the campaign; each run's choices depend only on it and the run's number.
     #[arg(long, default_value_t = 1)]
@@ -87,7 +87,7 @@ pub struct InjectArgs {
     #[arg(long, default_value = "auto", value_name = "auto|SECS")]
     timeout: String,
     /// Number of golden (fault-free) runs.
-    #[arg(long, default_value_t = 3, value_name = "K")]
+    #[arg(long, default_value_t = 3, value_name = "K", value_parser = clap::value_parser!(u32).range(1..=1000))]
     golden: u32,
     /// Channels compared with the golden run: stdout, stderr, exit, file:PATH (a file the
     /// target writes; `{dir}` in PATH and in the command is each run's own directory).
@@ -104,7 +104,7 @@ pub struct InjectArgs {
     server: bool,
     /// Server mode: the TCP port on 127.0.0.1; worker w uses PORT+w, written `{port}` in
     /// the command and the client.
-    #[arg(long, value_name = "PORT", requires = "server")]
+    #[arg(long, value_name = "PORT", requires = "server", value_parser = clap::value_parser!(u16).range(1..))]
     port: Option<u16>,
     /// Server mode: the client workload (run with sh -c; `{port}` and `{dir}` expand).
     #[arg(long, value_name = "CMD", requires = "server")]
@@ -179,10 +179,11 @@ struct MergeArgs {
 }
 
 fn usage(msg: &str) -> i32 {
-    eprintln!("lockstep inject: {msg}");
-    eprintln!("Try 'lockstep inject --help' for more information.");
-    exit::USAGE
+    crate::args::usage("inject", msg)
 }
+
+/// The most runs one campaign (or one shard of it) may ask for.
+const MAX_RUNS: u64 = 1_000_000_000;
 
 fn fail(msg: &str) -> i32 {
     eprintln!("lockstep inject: {msg}");
@@ -208,9 +209,13 @@ pub fn main(a: InjectArgs) -> i32 {
     };
     let timeout = match a.timeout.as_str() {
         "auto" => None,
-        s => match s.parse::<f64>() {
-            Ok(v) if v > 0.0 && v.is_finite() => Some(Duration::from_secs_f64(v)),
-            _ => return usage(&format!("bad --timeout '{s}' (expected auto or a number of seconds)")),
+        s => match crate::args::duration_in(Duration::from_millis(1), Duration::from_secs(86_400))(s) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                return usage(&format!(
+                    "--timeout {e} (expected auto or a duration from 1ms to 1 day)"
+                ))
+            }
         },
     };
     if a.region != "all" && model != Model::Mem {
@@ -231,6 +236,11 @@ pub fn main(a: InjectArgs) -> i32 {
                 return usage("--confidence must be in [50, 100) and --margin in (0, 50) percent");
             }
             let n = stats::sample_size(c, m / 100.0, None);
+            if n > MAX_RUNS {
+                return usage(&format!(
+                    "--margin {m:?} at {c:?}% needs {n} runs, more than {MAX_RUNS}"
+                ));
+            }
             eprintln!("lockstep inject: {n} runs for ±{m}% at {c}% confidence (Leveugle et al.)");
             n
         }

@@ -73,12 +73,12 @@ struct StoreOpts {
     #[arg(long, value_enum)]
     mode: Option<ModeArg>,
     /// Memory for items before LRU eviction, in MiB.
-    #[arg(long, default_value_t = 64, value_name = "MIB")]
+    #[arg(long, default_value_t = 64, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     memory_limit: u64,
     /// Largest item accepted, in bytes, counted as memcached's -I counts it: the value
     /// plus its key and about 60 bytes of header (so 1 MiB holds a value of 1,048,516
     /// bytes under a 1-byte key).
-    #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
+    #[arg(long, default_value_t = 1 << 20, value_name = "BYTES", value_parser = crate::args::usize_in(1, 1 << 30))]
     item_max: usize,
     /// Do not fsync the Raft log (faster; a machine crash may then lose acknowledged writes).
     #[arg(long)]
@@ -90,20 +90,20 @@ struct StoreOpts {
     /// until the log since the last snapshot is as large as it was). In crosscheck mode
     /// each snapshot is taken at a state audit and becomes the one sent to lagging
     /// replicas once a majority confirmed it.
-    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1 << 40))]
     snapshot_every: u64,
     /// Seconds between state audits, whatever the load: the replicas compare digests of
     /// their whole state, so that a corrupt object no request touches is found and
     /// repaired by majority.
-    #[arg(long, default_value_t = 10, value_name = "SECS")]
+    #[arg(long, default_value_t = 10, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=86_400))]
     audit_every: u64,
     /// A replica that needs more than N recoveries within --recovery-window is removed
     /// from the cluster and re-added empty, to be rebuilt from a snapshot.
-    #[arg(long, default_value_t = 5, value_name = "N")]
+    #[arg(long, default_value_t = 5, value_name = "N", value_parser = crate::args::usize_in(0, 1000))]
     max_recoveries: usize,
     /// Client connections served at once; past it a new connection gets "ERROR Too many
     /// open connections" and is closed, as with memcached's -c.
-    #[arg(long, default_value_t = 1024, value_name = "N")]
+    #[arg(long, default_value_t = 1024, value_name = "N", value_parser = crate::args::usize_in(1, 1 << 20))]
     max_conns: usize,
     /// Event loops of a single replica (no --peers), each serving its own connections, as
     /// memcached's -t: 0 means one per CPU, at most 4. A cluster replica always has one
@@ -111,7 +111,7 @@ struct StoreOpts {
     #[arg(long, default_value_t = 0, value_name = "N", value_parser = clap::value_parser!(u64).range(0..=64))]
     threads: u64,
     /// The window for --max-recoveries, in seconds.
-    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    #[arg(long, default_value_t = 60, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=7 * 86_400))]
     recovery_window: u64,
 }
 
@@ -120,7 +120,7 @@ struct StoreOpts {
 #[command(after_help = AFTER_HELP)]
 struct ServeArgs {
     /// This replica's id: 1 for the first address in --peers, 2 for the second, ...
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     id: u64,
     /// Client (memcached) address.
     #[arg(long, default_value = "127.0.0.1:11211", value_name = "ADDR")]
@@ -143,7 +143,7 @@ struct ServeArgs {
 #[command(after_help = AFTER_HELP)]
 struct ClusterArgs {
     /// Number of replicas.
-    #[arg(short, long, default_value_t = 3)]
+    #[arg(short, long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=9))]
     n: u64,
     /// Client port of replica 1; replica i listens on PORT + i - 1.
     #[arg(long, default_value_t = 11211)]
@@ -177,8 +177,7 @@ pub fn main(args: KvArgs) -> i32 {
 }
 
 fn usage(msg: String) -> i32 {
-    eprintln!("lockstep kv: {msg}");
-    exit::USAGE
+    crate::args::usage("kv", &msg)
 }
 
 fn serve(a: ServeArgs) -> i32 {

@@ -1,5 +1,6 @@
 //! `lockstep`: the thin command-line front end. One module per subcommand.
 
+mod args;
 mod cc;
 mod fs;
 mod inject;
@@ -48,10 +49,13 @@ fn main() {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
-            // clap prints help/version to stdout with exit 0 and usage errors with exit 2.
-            let code = if e.use_stderr() { lockstep_core::exit::USAGE } else { 0 };
-            let _ = e.print();
-            std::process::exit(code);
+            // clap prints help/version to stdout with exit 0; usage errors are one line, exit 2.
+            if !e.use_stderr() {
+                let _ = e.print();
+                std::process::exit(0);
+            }
+            eprintln!("{}", args::one_line(&e));
+            std::process::exit(lockstep_core::exit::USAGE);
         }
     };
     let code = match cli.command {

@@ -94,10 +94,12 @@ pub struct RunArgs {
     #[arg(long, default_value_t = lockstep_run::fast::DEFAULT_SPIN, value_name = "N")]
     spin: u32,
 
-    /// Seconds the replicas that reached a rendezvous wait for a straggler before it is
-    /// declared faulty (TMR) or the run halts (DMR).
-    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
-    timeout: f64,
+    /// How long the replicas that reached a rendezvous wait for a straggler before it is
+    /// declared faulty (TMR) or the run halts (DMR): seconds, or with a unit (500ms, 1m);
+    /// from 1ms to 1 day.
+    #[arg(long, default_value = "10", value_name = "SECS",
+          value_parser = crate::args::duration_in(Duration::from_millis(1), Duration::from_secs(86_400)))]
+    timeout: Duration,
 
     /// Write one JSON object per event (divergence, vote, re-integration, ...) to FILE.
     #[arg(long, value_name = "FILE")]
@@ -116,7 +118,7 @@ pub struct RunArgs {
     /// the replicas in turn, so for syscall-heavy programs putting the monitor and the
     /// replicas on one CPU (e.g. --cpus 0,0 --monitor-cpu 0) avoids cross-CPU wake-ups and
     /// can be much faster; CPU-bound programs want the replicas spread (docs/results.md).
-    #[arg(long, value_name = "CPU")]
+    #[arg(long, value_name = "CPU", value_parser = crate::args::usize_in(0, CPU_MAX as u64))]
     monitor_cpu: Option<usize>,
 
     /// After voting out a replica, stay with the remaining ones instead of forking a new one.
@@ -145,6 +147,10 @@ pub struct RunArgs {
     command: Vec<String>,
 }
 
+/// CPU numbers above this are refused before a range is expanded (the kernel's
+/// CPU_SETSIZE; `0-99999999999` must not allocate).
+const CPU_MAX: usize = 1023;
+
 fn parse_cpus(list: &str) -> Result<Vec<usize>, String> {
     let mut cpus = Vec::new();
     for part in list.split(',').filter(|p| !p.is_empty()) {
@@ -152,12 +158,12 @@ fn parse_cpus(list: &str) -> Result<Vec<usize>, String> {
         match part.split_once('-') {
             Some((a, b)) => {
                 let (a, b): (usize, usize) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
-                if a > b {
+                if a > b || b > CPU_MAX {
                     return Err(bad());
                 }
                 cpus.extend(a..=b);
             }
-            None => cpus.push(part.parse().map_err(|_| bad())?),
+            None => cpus.push(part.parse().ok().filter(|&c| c <= CPU_MAX).ok_or_else(bad)?),
         }
     }
     if cpus.is_empty() {
@@ -167,9 +173,7 @@ fn parse_cpus(list: &str) -> Result<Vec<usize>, String> {
 }
 
 fn usage(msg: &str) -> i32 {
-    eprintln!("lockstep run: {msg}");
-    eprintln!("Try 'lockstep run --help' for more information.");
-    exit::USAGE
+    crate::args::usage("run", msg)
 }
 
 pub fn main(a: RunArgs) -> i32 {
@@ -177,9 +181,6 @@ pub fn main(a: RunArgs) -> i32 {
         Ok(c) => c,
         Err(e) => return usage(&e),
     };
-    if !(a.timeout > 0.0 && a.timeout.is_finite()) {
-        return usage("--timeout must be a positive number of seconds");
-    }
     let cpus = match a.cpus.as_deref().map(parse_cpus).transpose() {
         Ok(c) => c.unwrap_or_default(),
         Err(e) => return usage(&e),
@@ -216,7 +217,7 @@ pub fn main(a: RunArgs) -> i32 {
         spin: a.spin,
         output_check,
         sync_order,
-        timeout: Duration::from_secs_f64(a.timeout),
+        timeout: a.timeout,
         events: a.events,
         stats: a.stats,
         cpus,

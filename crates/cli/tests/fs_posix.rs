@@ -373,7 +373,7 @@ fn st_blocks_counts_allocated_space_not_size() {
 
         let dense = root.join("dense");
         let f = File::create(&dense).unwrap();
-        f.write_all_at(&fill(&mut Rng(3), MIB as usize), 0).unwrap();
+        f.write_all_at(&fill(&mut Rng::new(3), MIB as usize), 0).unwrap();
         let dirty = blocks(&dense);
         f.sync_all().unwrap();
         drop(f);
@@ -431,8 +431,8 @@ fn seek_data_and_seek_hole_find_the_holes() {
             .unwrap();
         // The size first: a truncate may write the file back.
         f.set_len(2 * MIB).unwrap();
-        f.write_all_at(&fill(&mut Rng(11), 4096), 0).unwrap();
-        f.write_all_at(&fill(&mut Rng(12), 4096), MIB).unwrap();
+        f.write_all_at(&fill(&mut Rng::new(11), 4096), 0).unwrap();
+        f.write_all_at(&fill(&mut Rng::new(12), 4096), MIB).unwrap();
         f
     };
     let fr = make(&reference);
@@ -517,9 +517,9 @@ impl Drop for Map {
 #[test]
 fn map_shared_reads_and_writes_reach_the_file() {
     let (_dir, reference, m) = setup("px-mmap", &["--cache-size", "256K"]);
-    let content = fill(&mut Rng(21), 50_000);
+    let content = fill(&mut Rng::new(21), 50_000);
     let mut edits = Vec::new();
-    let mut rng = Rng(22);
+    let mut rng = Rng::new(22);
     for off in [0usize, 4090, 20_000, 49_990] {
         let len = (1 + rng.below(3000) as usize).min(content.len() - off);
         edits.push((off, fill(&mut rng, len)));
@@ -662,7 +662,7 @@ fn fsx_with_mmap_matches_a_reference_directory() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0x00f5_7a11_5eed_0042u64);
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed | 1);
     let names: Vec<String> = (0..FSX_FILES).map(|i| format!("x{i}")).collect();
     let mut sides: Vec<Side> = [&m.mnt, &reference]
         .into_iter()
@@ -940,6 +940,7 @@ impl Drop for Unmount {
             let _ = lockstep().args(["fs", "umount"]).arg(&self.0).output();
             if mounted(&self.0) {
                 let target = std::ffi::CString::new(self.0.to_str().unwrap()).unwrap();
+                // SAFETY: target is a NUL-terminated path that outlives the call.
                 unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
             }
         }

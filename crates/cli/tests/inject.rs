@@ -663,14 +663,20 @@ fn ctrl_c_kills_running_targets_and_keeps_results() {
     // Fast during the golden run; once `slow` exists every run sleeps 30 s.
     let script = format!("test -e {} && sleep 30; echo ok", flag.display());
     let prog = vec!["sh".to_string(), "-c".to_string(), script];
-    let running = spawn(inject_cmd(
+    let mut running = spawn(inject_cmd(
         &out,
         &["--runs", "1000000", "-j", "2", "--golden", "1", "--timeout", "60"],
         &prog,
     ));
-    std::thread::sleep(Duration::from_millis(1500));
+    // The golden run is over once injected runs finish and are recorded.
+    let results = out.join("results.jsonl");
+    running.wait_for_processes("a recorded injection run", Duration::from_secs(30), |_| {
+        std::fs::read_to_string(&results).is_ok_and(|r| r.lines().count() > 0)
+    });
     std::fs::write(&flag, "").unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    running.wait_for_processes("a target asleep in `sleep 30`", Duration::from_secs(30), |procs| {
+        procs.iter().any(|p| p.argv0() == "sleep")
+    });
     running.signal(libc::SIGINT);
     let marker = running.marker.clone();
     // Without killing the targets this would take 30 s and time out here.

@@ -2,6 +2,7 @@
 
 mod common;
 use common::*;
+use lockstep_core::le;
 use std::time::Duration;
 
 #[test]
@@ -432,7 +433,7 @@ fn python_http_server_serves_and_stops_on_sigint() {
             dir_s.as_ref(),
         ],
     );
-    let running = spawn(cmd);
+    let mut running = spawn(cmd);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let body = loop {
         if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
@@ -446,8 +447,13 @@ fn python_http_server_serves_and_stops_on_sigint() {
     };
     assert!(body.contains("hello from lockstep"), "reply: {body}");
     // Interrupt it in the first poll() after the request (poll times out every 500 ms;
-    // that first poll is the one whose `revents` the leader's kernel has just rewritten).
-    std::thread::sleep(Duration::from_millis(250));
+    // that first poll is the one whose `revents` the leader's kernel has just rewritten):
+    // wait until a replica sleeps in poll, as the kernel reports it.
+    running.wait_for_processes("a replica asleep in poll()", Duration::from_secs(20), |procs| {
+        procs
+            .iter()
+            .any(|p| std::fs::read_to_string(format!("/proc/{}/wchan", p.pid)).is_ok_and(|w| w.contains("poll")))
+    });
     running.signal(libc::SIGINT);
     let out = running.finish(Duration::from_secs(30));
     out.assert_code(0);
@@ -517,7 +523,7 @@ const MSYNC_STOP: u32 = 9;
 
 fn counter_in(file: &std::path::Path) -> u64 {
     let bytes = std::fs::read(file).unwrap();
-    u64::from_le_bytes(bytes[..8].try_into().unwrap())
+    le::u64_at(&bytes, 0)
 }
 
 /// A read-modify-write through a writable MAP_SHARED mapping gives the native result

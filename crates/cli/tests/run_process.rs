@@ -179,11 +179,19 @@ fn sleeper(tag: &str) -> Vec<String> {
 /// Waits until `n` replicas (sh processes, not lockstep itself) exist and at least
 /// one of them has started its sleep; returns the replica processes.
 fn wait_for_replicas(r: &mut Running, n: usize) -> Vec<ProcInfo> {
-    r.wait_for_processes(&format!("{n} replicas running sleep"), Duration::from_secs(30), |ps| {
-        ps.iter().filter(|p| p.argv0() == "sh").count() >= n && ps.iter().any(|p| p.argv0() == "sleep")
-    });
-    // Let the replicas settle in their wait for sleep.
-    std::thread::sleep(Duration::from_millis(300));
+    // Settled: n replicas blocked (in wait4 for their sleep, or stopped by the monitor
+    // until the leader's wait4 returns), none still running towards it.
+    r.wait_for_processes(
+        &format!("{n} replicas waiting for sleep"),
+        Duration::from_secs(30),
+        |ps| {
+            let blocked = ps
+                .iter()
+                .filter(|p| p.argv0() == "sh" && matches!(p.state, 'S' | 't' | 'T'))
+                .count();
+            blocked >= n && ps.iter().any(|p| p.argv0() == "sleep")
+        },
+    );
     let mut shs: Vec<ProcInfo> = r.marked_processes().into_iter().filter(|p| p.argv0() == "sh").collect();
     shs.sort_by_key(|p| p.pid);
     assert!(shs.len() >= n, "replicas vanished: {shs:#?}");
@@ -191,6 +199,7 @@ fn wait_for_replicas(r: &mut Running, n: usize) -> Vec<ProcInfo> {
 }
 
 fn sigkill(pid: u32) {
+    // SAFETY: kill takes any pid and signal.
     let rc = unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
     assert_eq!(rc, 0, "kill -9 {pid}: {}", std::io::Error::last_os_error());
 }
@@ -222,7 +231,8 @@ fn orphans_replica_killed_tmr() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    // ... and keeps going.
+    // ... and keeps going: there is no event for "did not stop", so this is a window in
+    // which a wrongly stopping run would have exited.
     std::thread::sleep(Duration::from_millis(1000));
     assert!(r.is_running(), "TMR lockstep stopped after losing one replica");
     r.signal(libc::SIGINT);
@@ -284,7 +294,11 @@ fn sigterm_forwarded(r: &str) {
     let script = "trap 'echo got-term; exit 3' TERM; echo ready; while :; do sleep 0.1; done";
     let mut run = spawn(lockstep_run(&["-r", r], &["sh", "-c", script]));
     run.wait_for_stdout("ready\n", Duration::from_secs(30));
-    std::thread::sleep(Duration::from_millis(200));
+    // Every replica is in its loop once each has a sleep child.
+    let replicas: usize = r.parse().unwrap();
+    run.wait_for_processes("each replica in its loop", Duration::from_secs(30), |ps| {
+        ps.iter().filter(|p| p.argv0() == "sleep").count() >= replicas
+    });
     run.signal(libc::SIGTERM);
     let out = run.finish(RUN_TIMEOUT);
     out.assert_code(3).assert_stdout(b"ready\ngot-term\n");
@@ -306,6 +320,7 @@ fn sigterm_forwarded_tmr() {
 /// in every replica), so two concurrent runs never share pid-named files.
 #[test]
 fn concurrent_runs_get_different_pids() {
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return; // without namespaces the pid is replica 0's real pid, unique anyway
     }
@@ -429,7 +444,8 @@ fn kill_orphans_kills_the_background_job() {
     ));
     out.assert_code(0);
     assert_eq!(out.stderr.matches("outlived").count(), 1, "{}", out.context());
-    std::thread::sleep(Duration::from_secs(1));
+    // Once the job and its sleep are gone, nothing can write the file any more.
+    no_orphans(&out.marker);
     assert!(!file.exists(), "the killed job wrote\n{}", out.context());
 }
 

@@ -92,12 +92,17 @@ mod fold {
     const BY_64: (u64, u64) = shift(64);
     const BY_16: (u64, u64) = shift(16);
 
+    /// # Safety
+    /// The CPU has AVX-512F and VPCLMULQDQ (the caller checked at run time).
     #[target_feature(enable = "avx512f,vpclmulqdq")]
     unsafe fn lanes(k: (u64, u64)) -> __m512i {
         _mm512_broadcast_i32x4(_mm_set_epi64x(k.1 as i64, k.0 as i64))
     }
 
     /// `acc` moved along by the multipliers `k`, plus `next`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and VPCLMULQDQ.
     #[target_feature(enable = "avx512f,vpclmulqdq")]
     unsafe fn fold(acc: __m512i, k: __m512i, next: __m512i) -> __m512i {
         let first = _mm512_clmulepi64_epi128(acc, k, 0x00);
@@ -105,6 +110,8 @@ mod fold {
         _mm512_ternarylogic_epi64(first, second, next, 0x96)
     }
 
+    /// # Safety
+    /// The CPU has PCLMULQDQ and SSE4.2.
     #[target_feature(enable = "pclmulqdq,sse4.2")]
     unsafe fn fold_lane(acc: __m128i, k: (u64, u64), next: __m128i) -> __m128i {
         let k = _mm_set_epi64x(k.1 as i64, k.0 as i64);
@@ -114,6 +121,9 @@ mod fold {
     }
 
     /// Loads 64 bytes at `src + at` and stores them at `dst + at`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `src + at` is readable and `dst + at` writable for 64 bytes.
     #[target_feature(enable = "avx512f")]
     unsafe fn move64(src: *const u8, dst: *mut u8, at: usize) -> __m512i {
         let v = _mm512_loadu_si512(src.add(at) as *const __m512i);

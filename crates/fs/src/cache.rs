@@ -1186,11 +1186,9 @@ mod tests {
     }
 
     /// A small deterministic generator for picking pages and bits.
-    fn lcg(mut x: u64) -> impl FnMut() -> u64 {
-        move || {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-            x >> 11
-        }
+    fn lcg(seed: u64) -> impl FnMut() -> u64 {
+        let mut rng = lockstep_core::rng::Rng::new(seed);
+        move || rng.next_u64()
     }
 
     fn pattern(n: usize, seed: u8) -> Vec<u8> {
@@ -1290,13 +1288,8 @@ mod model_tests {
         // A small cache: pages are evicted and read back from the store.
         let (mut c, _) = super::tests::cache_with("model", Verify::EveryRead, 16 * PAGE as u64);
         let mut model: Vec<u8> = Vec::new();
-        let mut x: u64 = 0x1234_5678_9abc_def1;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = lockstep_core::rng::Rng::new(0x1234_5678_9abc_def1);
+        let mut next = || rng.next_u64();
         for op in 0..4000 {
             match next() % 6 {
                 0..=2 => {

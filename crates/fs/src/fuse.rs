@@ -11,6 +11,7 @@
 //! The trait mirrors the subset of operations the naming layer implements; anything else
 //! is answered with ENOSYS, which the kernel remembers and stops asking.
 
+use lockstep_core::le;
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
@@ -463,12 +464,11 @@ impl<'a> Args<'a> {
     }
 
     fn u32(&mut self) -> Option<u32> {
-        self.take(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        self.take(4).map(|b| le::u32_at(b, 0))
     }
 
     fn u64(&mut self) -> Option<u64> {
-        self.take(8)
-            .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+        self.take(8).map(|b| le::u64_at(b, 0))
     }
 
     /// A NUL-terminated name.
@@ -552,15 +552,14 @@ impl<'f, FS: Filesystem> Session<'f, FS> {
             if n < 40 {
                 continue;
             }
-            let word = |a: usize| u32::from_le_bytes([req[a], req[a + 1], req[a + 2], req[a + 3]]);
-            let len = word(0) as usize;
-            let opcode = word(4);
-            let unique = u64::from_le_bytes(req[8..16].try_into().expect("8 bytes"));
-            let nodeid = u64::from_le_bytes(req[16..24].try_into().expect("8 bytes"));
+            let len = le::u32_at(&req, 0) as usize;
+            let opcode = le::u32_at(&req, 4);
+            let unique = le::u64_at(&req, 8);
+            let nodeid = le::u64_at(&req, 16);
             let r = Request {
                 unique,
-                uid: word(24),
-                gid: word(28),
+                uid: le::u32_at(&req, 24),
+                gid: le::u32_at(&req, 28),
             };
             let body = &req[40..len.clamp(40, n)];
             current(unique);

@@ -5,6 +5,7 @@ use crate::cache::{Cache, Verify};
 use crate::naming::Naming;
 use crate::shared::Shared;
 use crate::store::Store;
+use lockstep_core::rng::Rng;
 use lockstep_core::{Event, EventSink};
 use std::ffi::CString;
 use std::io::{BufRead, BufReader, Write};
@@ -666,6 +667,7 @@ fn mount_fuse(o: &Options) -> Result<OwnedFd, String> {
     if fd < 0 {
         return Err(format!("cannot open /dev/fuse: {}", std::io::Error::last_os_error()));
     }
+    // SAFETY: fd was just returned by open and nothing else owns it.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     use std::os::fd::AsRawFd;
     let data = CString::new(format!(
@@ -765,7 +767,7 @@ fn start_control(o: &Options, cache: Arc<Mutex<Cache>>) -> Result<(), String> {
     thread::Builder::new()
         .name("control".into())
         .spawn(move || {
-            let mut seed = std::process::id() as u64 ^ 0x9E37_79B9_7F4A_7C15;
+            let mut seed = Rng::new(std::process::id() as u64 ^ 0x9E37_79B9_7F4A_7C15);
             for conn in listener.incoming().flatten() {
                 let _ = serve_control(conn, &cache, flips, crash, &rate, &mut seed);
             }
@@ -786,7 +788,7 @@ fn start_flipper(cache: Arc<Mutex<Cache>>, rate: Arc<FlipRate>) {
     thread::Builder::new()
         .name("flipper".into())
         .spawn(move || {
-            let mut seed = 0x2545_F491_4F6C_DD1Du64 ^ std::process::id() as u64;
+            let mut seed = Rng::new(0x2545_F491_4F6C_DD1D ^ std::process::id() as u64);
             let mut owed = 0.0f64;
             loop {
                 thread::sleep(Duration::from_millis(10));
@@ -805,12 +807,7 @@ fn start_flipper(cache: Arc<Mutex<Cache>>, rate: Arc<FlipRate>) {
                 cache
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .inject_flips(n, dirty, || {
-                        seed ^= seed << 13;
-                        seed ^= seed >> 7;
-                        seed ^= seed << 17;
-                        seed
-                    });
+                    .inject_flips(n, dirty, || seed.next_u64());
             }
         })
         .expect("spawn flipper");
@@ -822,7 +819,7 @@ fn serve_control(
     flips: bool,
     crash: bool,
     rate: &FlipRate,
-    seed: &mut u64,
+    seed: &mut Rng,
 ) -> std::io::Result<()> {
     let mut w = conn.try_clone()?;
     for line in BufReader::new(conn).lines() {
@@ -842,12 +839,7 @@ fn serve_control(
                     _ => None,
                 };
                 let n: usize = n.parse().unwrap_or(0);
-                let hit = c.inject_flips(n, dirty, || {
-                    *seed ^= *seed << 13;
-                    *seed ^= *seed >> 7;
-                    *seed ^= *seed << 17;
-                    *seed
-                });
+                let hit = c.inject_flips(n, dirty, || seed.next_u64());
                 serde_json::json!({"ok": true, "flipped": hit})
             }
             ["flip-rate", n, which] if flips => match n.parse::<u64>() {

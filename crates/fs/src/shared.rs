@@ -18,6 +18,7 @@
 
 use crate::crc::PAGE;
 use lockstep_core::checksum::crc32c;
+use lockstep_core::le;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 const MAGIC: u64 = 0x4C53_4653_5353_0001; // "LSFSSS" v1
@@ -83,6 +84,14 @@ fn pages_at(slots: usize) -> usize {
     handles_at(slots) + HANDLES * HANDLE
 }
 
+/// Bytes of a region for `slots` pages, or None if that overflows: a slot count read from
+/// a corrupt header must not wrap around into a size that happens to match the file.
+fn region_size(slots: usize) -> Option<usize> {
+    let records = slots.checked_mul(RECORD)?.div_ceil(PAGE).checked_mul(PAGE)?;
+    let pages_at = (PAGE + SIZES * RECORD + HANDLES * HANDLE).checked_add(records)?;
+    pages_at.checked_add(slots.checked_mul(PAGE)?)
+}
+
 impl Shared {
     /// A new region for `slots` pages (the supervisor creates it once per mount).
     pub fn create(slots: usize) -> std::io::Result<Shared> {
@@ -92,8 +101,14 @@ impl Shared {
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
+        // SAFETY: fd was just returned by memfd_create and nothing else owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let size = pages_at(slots) + slots * PAGE;
+        let size = region_size(slots).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{slots} cache pages do not fit in memory"),
+            )
+        })?;
         // SAFETY: valid fd.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } < 0 {
             return Err(std::io::Error::last_os_error());
@@ -106,6 +121,7 @@ impl Shared {
 
     /// Map a region created earlier (by the supervisor, for a restarted daemon).
     pub fn open(fd: OwnedFd) -> std::io::Result<Shared> {
+        // SAFETY: libc::stat is plain data, for which all-zero bytes are a valid value.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: valid fd and output struct.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
@@ -119,10 +135,10 @@ impl Shared {
                 "short shared region",
             ));
         }
-        let magic = u64::from_le_bytes(head[..8].try_into().unwrap());
-        let slots = u64::from_le_bytes(head[8..].try_into().unwrap()) as usize;
+        let magic = le::u64_at(&head, 0);
+        let slots = le::u64_at(&head, 8) as usize;
         let size = st.st_size as usize;
-        if magic != MAGIC || slots == 0 || pages_at(slots) + slots * PAGE != size {
+        if magic != MAGIC || slots == 0 || region_size(slots) != Some(size) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 "the shared region's header is corrupt",
@@ -228,18 +244,18 @@ impl Shared {
             if rec.iter().all(|&b| b == 0) {
                 continue;
             }
-            let sum = u32::from_le_bytes(rec[28..32].try_into().unwrap());
-            let state = u32::from_le_bytes(rec[0..4].try_into().unwrap());
-            let len = u32::from_le_bytes(rec[4..8].try_into().unwrap()) as usize;
+            let sum = le::u32_at(rec, 28);
+            let state = le::u32_at(rec, 0);
+            let len = le::u32_at(rec, 4) as usize;
             if crc32c(&rec[..28]) != sum || state != DIRTY || len > PAGE {
                 return Err(slot);
             }
             out.push(DirtyRecord {
                 slot,
-                ino: u64::from_le_bytes(rec[8..16].try_into().unwrap()),
-                block: u64::from_le_bytes(rec[16..24].try_into().unwrap()),
+                ino: le::u64_at(rec, 8),
+                block: le::u64_at(rec, 16),
                 len,
-                crc: u32::from_le_bytes(rec[24..28].try_into().unwrap()),
+                crc: le::u32_at(rec, 24),
             });
         }
         Ok(out)
@@ -258,7 +274,7 @@ impl Shared {
     }
 
     fn find_size(&self, ino: u64) -> Option<usize> {
-        (0..SIZES).find(|&i| u64::from_le_bytes(self.size_entry(i)[..8].try_into().expect("8 bytes")) == ino)
+        (0..SIZES).find(|&i| le::u64_at(self.size_entry(i), 0) == ino)
     }
 
     /// Record a pending size change of `r.ino`. False if the table is full (the caller then
@@ -293,9 +309,9 @@ impl Shared {
             if e.iter().all(|&b| b == 0) {
                 continue;
             }
-            let word = |a: usize| u64::from_le_bytes(e[a..a + 8].try_into().expect("8 bytes"));
-            let state = u32::from_le_bytes(e[24..28].try_into().expect("4 bytes"));
-            let sum = u32::from_le_bytes(e[28..32].try_into().expect("4 bytes"));
+            let word = |a: usize| le::u64_at(e, a);
+            let state = le::u32_at(e, 24);
+            let sum = le::u32_at(e, 28);
             if crc32c(&e[..28]) != sum || state != SIZE_STATE || word(0) == EMPTY {
                 return Err(i);
             }
@@ -320,7 +336,7 @@ impl Shared {
     }
 
     fn entry_id(&mut self, i: usize) -> u64 {
-        u64::from_le_bytes(self.handle_entry(i)[..8].try_into().unwrap())
+        le::u64_at(self.handle_entry(i), 0)
     }
 
     /// Find the entry of `nodeid`, or (with `insert`) a free one for it, within
@@ -407,16 +423,12 @@ impl Shared {
     pub fn handle(&mut self, nodeid: u64) -> Option<(u64, i32, Vec<u8>)> {
         let i = self.find_handle(nodeid, false)?;
         let e = self.handle_entry(i);
-        let sum = u32::from_le_bytes(e[HANDLE - 4..].try_into().unwrap());
-        let len = u16::from_le_bytes(e[20..22].try_into().unwrap()) as usize;
+        let sum = le::u32_at(e, HANDLE - 4);
+        let len = le::u16_at(e, 20) as usize;
         if crc32c(&e[..HANDLE - 4]) != sum || len > HANDLE_MAX {
             return None;
         }
-        Some((
-            u64::from_le_bytes(e[8..16].try_into().unwrap()),
-            i32::from_le_bytes(e[16..20].try_into().unwrap()),
-            e[22..22 + len].to_vec(),
-        ))
+        Some((le::u64_at(e, 8), le::i32_at(e, 16), e[22..22 + len].to_vec()))
     }
 
     /// Test-only: damage a record, as a wild write in the crashed daemon would.
@@ -445,11 +457,9 @@ mod tests {
         let spread: Vec<u64> = (1..5000u64).map(|n| n * 7919).collect();
         let keys: Vec<u64> = crowded.iter().chain(&spread).copied().collect();
         let mut model: std::collections::HashMap<u64, u64> = Default::default();
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rng = lockstep_core::rng::Rng::new(0x2545_F491_4F6C_DD1D);
         for step in 0..60_000u64 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             let k = keys[(x % keys.len() as u64) as usize];
             if x.is_multiple_of(3) {
                 s.drop_handle(k);
@@ -473,6 +483,25 @@ mod tests {
         }
         for &k in &keys {
             assert_eq!(s.handle(k), model.get(&k).map(|&l| (l, 1, k.to_le_bytes().to_vec())));
+        }
+    }
+
+    /// A header whose slot count would wrap the size computation is refused, not mapped.
+    #[test]
+    fn a_corrupt_slot_count_is_refused() {
+        assert_eq!(region_size(8), Some(pages_at(8) + 8 * PAGE));
+        assert_eq!(region_size(usize::MAX / PAGE + 1), None);
+        assert_eq!(region_size(usize::MAX / RECORD + 1), None);
+        let s = Shared::create(8).unwrap();
+        let fd = s.fd().try_clone().unwrap();
+        for slots in [0u64, 9, u64::MAX, (usize::MAX / PAGE + 1) as u64] {
+            // SAFETY: writes 8 bytes from a local into the region's header at offset 8.
+            let n = unsafe { libc::pwrite(fd.as_raw_fd(), slots.to_le_bytes().as_ptr().cast(), 8, 8) };
+            assert_eq!(n, 8);
+            let err = Shared::open(fd.try_clone().unwrap())
+                .err()
+                .expect("a corrupt header is refused");
+            assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "slots {slots}");
         }
     }
 

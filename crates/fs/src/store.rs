@@ -158,8 +158,7 @@ enum Chunk {
 }
 
 fn slot(chunk: &[u8; PAGE], i: u64) -> u32 {
-    let s = i as usize * 4;
-    u32::from_le_bytes([chunk[s], chunk[s + 1], chunk[s + 2], chunk[s + 3]])
+    lockstep_core::le::u32_at(chunk, i as usize * 4)
 }
 
 fn seal(chunk: &mut [u8; PAGE]) {

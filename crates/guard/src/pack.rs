@@ -207,11 +207,11 @@ impl<'a> Unpacker<'a> {
     }
     #[inline]
     pub fn u32(&mut self) -> Result<u32, UnpackError> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+        Ok(lockstep_core::le::u32_at(self.take(4)?, 0))
     }
     #[inline]
     pub fn u64(&mut self) -> Result<u64, UnpackError> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+        Ok(lockstep_core::le::u64_at(self.take(8)?, 0))
     }
     #[inline]
     pub fn bytes(&mut self) -> Result<&'a [u8], UnpackError> {
@@ -236,13 +236,11 @@ mod tests {
     /// hashes to the CRC of the packed bytes.
     #[test]
     fn hasher_is_the_crc_of_the_packed_bytes() {
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut rng = lockstep_core::rng::Rng::new(0x9e37_79b9_7f4a_7c15);
         let mut h = Hasher::default();
         let mut p = Packer::default();
         for i in 0..2000usize {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             match x % 4 {
                 0 => {
                     FieldSink::u8(&mut h, x as u8);

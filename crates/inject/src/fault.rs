@@ -123,28 +123,9 @@ impl std::str::FromStr for Region {
     }
 }
 
-/// A small deterministic generator (SplitMix64), one per injection run, so that a run's
-/// choices depend only on the campaign seed and the run's number.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in 0..n (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        assert!(n > 0, "empty range");
-        self.next_u64() % n
-    }
-}
+/// One generator per injection run (SplitMix64), so that a run's choices depend only on
+/// the campaign seed and the run's number.
+pub use lockstep_core::rng::Rng;
 
 /// What was changed, recorded so that the injection can be replayed and reported.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -667,13 +667,8 @@ mod tests {
     /// to any reply never panics either.
     #[test]
     fn random_frames_never_panic() {
-        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = lockstep_core::rng::Rng::new(0x9E37_79B9_7F4A_7C15);
+        let mut next = || rng.next_u64();
         for _ in 0..20_000 {
             let key = vec![b'k'; (next() % 300) as usize];
             let extras = vec![0xAB; (next() % 24) as usize];

@@ -175,12 +175,10 @@ mod tests {
     fn the_window_answers_as_a_set_of_every_tag_would() {
         let mut a = Applied::default();
         let mut set = std::collections::HashSet::new();
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut rng = lockstep_core::rng::Rng::new(0x9e37_79b9_7f4a_7c15);
         let mut next = [0u64; 3];
         for _ in 0..200_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             let conn = (x % 3) as usize;
             // A new request, or a retry of one up to PIPELINE_MAX back.
             let seq = if x.is_multiple_of(5) || next[conn] == 0 {

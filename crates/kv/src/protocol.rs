@@ -747,13 +747,11 @@ mod tests {
 
     #[test]
     fn binary_garbage_never_panics() {
-        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut rng = lockstep_core::rng::Rng::new(0x9E37_79B9_7F4A_7C15);
         for _ in 0..2000 {
             let mut buf = Vec::new();
-            for _ in 0..(x % 64) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+            for _ in 0..rng.below(64) {
+                let x = rng.next_u64();
                 buf.push(if x.is_multiple_of(5) { b'\n' } else { (x >> 8) as u8 });
             }
             let _ = parse(&buf, MAX);

@@ -11,6 +11,7 @@
 //! anywhere else, or in `state`/`snapshot`, it is corruption and the replica refuses to
 //! start (exit 86).
 
+use lockstep_core::frame;
 use prost::Message as _;
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, StorageError};
@@ -51,31 +52,24 @@ fn bad(msg: impl Into<String>) -> io::Error {
 }
 
 fn record(payload: &[u8]) -> Vec<u8> {
-    let mut r = Vec::with_capacity(payload.len() + 8);
-    r.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    r.extend_from_slice(&lockstep_core::crc32c(payload).to_le_bytes());
-    r.extend_from_slice(payload);
+    let mut r = Vec::new();
+    frame::append(&mut r, payload);
     r
 }
 
-/// Split a file into records; returns the records and whether a torn tail was cut off.
+/// Split a file into records; returns the records and whether a torn tail was cut off
+/// (a short or damaged record ends the valid prefix).
 fn records(data: &[u8]) -> (Vec<&[u8]>, bool) {
     let mut out = Vec::new();
     let mut at = 0;
     while at < data.len() {
-        if data.len() - at < 8 {
-            return (out, true);
+        match frame::decode(&data[at..], usize::MAX) {
+            Ok(frame::Decoded::Frame { payload, len }) => {
+                out.push(payload);
+                at += len;
+            }
+            Ok(frame::Decoded::Incomplete) | Err(_) => return (out, true),
         }
-        let len = u32::from_le_bytes(data[at..at + 4].try_into().unwrap()) as usize;
-        let crc = u32::from_le_bytes(data[at + 4..at + 8].try_into().unwrap());
-        let Some(payload) = data.get(at + 8..at + 8 + len) else {
-            return (out, true);
-        };
-        if lockstep_core::crc32c(payload) != crc {
-            return (out, true);
-        }
-        out.push(payload);
-        at += 8 + len;
     }
     (out, false)
 }

@@ -2,6 +2,7 @@
 //! kernel fills, copied from the leader into the followers.
 
 use crate::backend::Backend;
+use lockstep_core::le::{u32_at, u64_at};
 use lockstep_trace::syscalls::{Arg, Desc, Len, SOCKADDR_LIMIT};
 use lockstep_trace::Tid;
 
@@ -106,14 +107,6 @@ impl Folder<'_> {
             done += n;
         }
     }
-}
-
-fn u64_at(b: &[u8], off: usize) -> u64 {
-    u64::from_le_bytes(b[off..off + 8].try_into().expect("8 bytes"))
-}
-
-fn u32_at(b: &[u8], off: usize) -> u32 {
-    u32::from_le_bytes(b[off..off + 4].try_into().expect("4 bytes"))
 }
 
 /// Length of a buffer described by `len`, before (`ret` = None) or after the call.

@@ -22,6 +22,7 @@
 //! the namespace stub (pid 1 in each replica's PID namespace), or lockstep itself without
 //! namespaces. The program never sees the descriptors (`spawn.rs` closes them before exec).
 
+use lockstep_core::le;
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -798,7 +799,7 @@ fn is_static_elf(program: &std::ffi::CStr) -> bool {
         return false;
     }
     let u16_at = |o: usize| u16::from_le_bytes([head[o], head[o + 1]]) as usize;
-    let phoff = u64::from_le_bytes(head[32..40].try_into().expect("8 bytes")) as usize;
+    let phoff = le::u64_at(head, 32) as usize;
     let (phentsize, phnum) = (u16_at(54), u16_at(56));
     const PT_INTERP: u32 = 3;
     let has_interp = (0..phnum).any(|i| {

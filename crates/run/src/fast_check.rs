@@ -13,6 +13,7 @@
 
 use crate::fast::layout;
 use crate::fast_calls::{fast_arg, ArgKind, FAST_OUTPUTS};
+use lockstep_core::le;
 use std::io;
 
 /// Bytes read from the leader per step (a multiple of 8: the hash folds 8-byte words).
@@ -131,8 +132,8 @@ pub fn output_digest(nr: u64, args: &[u64; 6], scratch: &mut [u8], read: &mut Re
                 for k in 0..count {
                     let mut iov = [0u8; 16];
                     read(p.wrapping_add(16 * k), &mut iov).map_err(unreadable)?;
-                    let base = u64::from_le_bytes(iov[..8].try_into().expect("8 bytes"));
-                    let len = u64::from_le_bytes(iov[8..].try_into().expect("8 bytes"));
+                    let base = le::u64_at(&iov, 0);
+                    let len = le::u64_at(&iov, 8);
                     d.word(len);
                     if g.kind != ArgKind::IovOut {
                         if len > layout::PAYLOAD_MAX || (len > 0 && base == 0) {
@@ -155,7 +156,7 @@ fn sendable_iovecs(msghdr: u64, read: &mut Reader<'_>) -> Result<(u64, u64), Str
         return Err("no msghdr".into());
     }
     read(msghdr, &mut m).map_err(|e| format!("its msghdr cannot be read ({e})"))?;
-    let field = |at: usize| u64::from_le_bytes(m[at..at + 8].try_into().expect("8 bytes"));
+    let field = |at: usize| le::u64_at(&m, at);
     let (name, iov, iovlen, controllen) = (field(0), field(16), field(24), field(40));
     if name != 0 || controllen != 0 {
         return Err("its msghdr has an address or control data".into());

@@ -50,6 +50,11 @@ fn errno() -> i32 {
 }
 
 /// Runs in the program's process between fork and exec. Only async-signal-safe calls.
+///
+/// # Safety
+/// Only in the child of a fork of a process that may have had other threads: nothing here
+/// may allocate or take a lock. `argv` and `envp` are NULL-terminated arrays of pointers to
+/// NUL-terminated strings that the parent built before the fork.
 unsafe fn become_program(plan: &Plan, argv: &[*const libc::c_char], envp: &[*const libc::c_char]) -> ! {
     libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
     // Signal dispositions set to "ignore" survive exec; the program must start clean.
@@ -104,6 +109,10 @@ struct CloneArgs {
 /// fork(2), with the child's pid in the caller's (new) PID namespace set to `pid` when it
 /// is above 1 (clone3 with `set_tid`, which needs CAP_SYS_ADMIN there); a plain fork when
 /// the kernel refuses. Async-signal-safe.
+///
+/// # Safety
+/// As for fork(2): in a process with other threads, the child may only make
+/// async-signal-safe calls until it execs or exits.
 unsafe fn fork_with_pid(pid: libc::pid_t) -> libc::pid_t {
     if pid > 1 {
         let tids = [pid];

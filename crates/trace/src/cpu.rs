@@ -47,6 +47,7 @@ mod tests {
         std::hint::black_box(x);
         assert!(process_cpu(me).unwrap() > before);
         assert_eq!(process_cpu(4_194_000), None, "no such process");
+        // SAFETY: gettid has no preconditions.
         let own = thread_cpu(unsafe { libc::gettid() }).expect("own thread clock");
         assert!(own > Duration::ZERO && own <= process_cpu(me).unwrap());
     }

@@ -203,6 +203,7 @@ mod tests {
     fn counts_the_syscalls_of_a_thread() {
         if !SyscallCounter::available() {
             eprintln!("skipped: perf tracepoint counters need root here");
+            // SAFETY: geteuid has no preconditions.
             assert_ne!(unsafe { libc::geteuid() }, 0, "root must be able to count syscalls");
             return;
         }
@@ -224,6 +225,7 @@ mod tests {
     #[test]
     fn agrees_with_ptrace_syscall_stops_from_an_exec() {
         if !SyscallCounter::available() {
+            // SAFETY: geteuid has no preconditions.
             assert_ne!(unsafe { libc::geteuid() }, 0, "root must be able to count syscalls");
             return;
         }

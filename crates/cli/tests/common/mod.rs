@@ -209,7 +209,7 @@ pub fn python3() -> PathBuf {
     .clone()
 }
 
-/// A deterministic pseudo-random file of `size` bytes (xorshift64), cached per size.
+/// A deterministic pseudo-random file of `size` bytes, cached per size.
 pub fn random_file(size: usize) -> PathBuf {
     static FILES: OnceLock<Mutex<HashMap<usize, PathBuf>>> = OnceLock::new();
     let mut files = FILES
@@ -220,15 +220,8 @@ pub fn random_file(size: usize) -> PathBuf {
         return p.clone();
     }
     let p = work_dir().join(format!("random-{size}.bin"));
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d ^ size as u64;
-    let mut data = Vec::with_capacity(size + 8);
-    while data.len() < size {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        data.extend_from_slice(&x.to_le_bytes());
-    }
-    data.truncate(size);
+    let mut data = vec![0u8; size];
+    lockstep_core::rng::Rng::new(0x2545_f491_4f6c_dd1d ^ size as u64).fill(&mut data);
     std::fs::write(&p, &data).expect("write random file");
     files.insert(size, p.clone());
     p
@@ -498,6 +491,7 @@ impl Running {
 
     /// Sends signal `sig` to the process (not to its group).
     pub fn signal(&self, sig: i32) {
+        // SAFETY: kill takes any pid and signal; errors come back as -1.
         let r = unsafe { libc::kill(self.pid as libc::pid_t, sig) };
         assert_eq!(
             r,
@@ -544,6 +538,7 @@ impl Running {
     /// Kills the process group, the process, and every process with our marker;
     /// reaps the child. Used on failure paths and on drop.
     pub fn kill_everything(&mut self) {
+        // SAFETY: kill takes any pid and signal; a group already gone is fine.
         unsafe {
             libc::kill(-(self.pid as libc::pid_t), libc::SIGKILL);
         }
@@ -713,6 +708,7 @@ pub fn marked_processes(marker: &str) -> Vec<ProcInfo> {
 
 fn kill_marked(marker: &str) {
     for p in marked_processes(marker) {
+        // SAFETY: kill takes any pid and signal; a process already gone is fine.
         unsafe {
             libc::kill(p.pid as libc::pid_t, libc::SIGKILL);
         }

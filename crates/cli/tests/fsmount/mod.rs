@@ -152,6 +152,7 @@ impl Drop for Mount {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let target = std::ffi::CString::new(self.mnt.to_str().unwrap()).unwrap();
+            // SAFETY: target is a NUL-terminated path that outlives the call.
             unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
             let _ = c.kill();
             let _ = c.wait();
@@ -159,21 +160,11 @@ impl Drop for Mount {
     }
 }
 
-/// xorshift64: seeded, reproducible.
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+pub use lockstep_core::rng::Rng;
 
 /// `n` pseudo-random bytes.
 pub fn fill(rng: &mut Rng, n: usize) -> Vec<u8> {
-    (0..n).map(|_| rng.next() as u8).collect()
+    let mut bytes = vec![0; n];
+    rng.fill(&mut bytes);
+    bytes
 }

@@ -13,6 +13,7 @@
 //! most `PEERS_MAX` connections that said hello are served.
 
 use super::poll::{Interest, Poller};
+use lockstep_core::{frame, le};
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -45,9 +46,7 @@ pub const TOKEN_OUT: u64 = 3 << 56;
 
 fn append_frame(out: &mut Vec<u8>, payload: &[u8]) {
     assert!(payload.len() <= FRAME_MAX);
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&lockstep_core::crc32c(payload).to_le_bytes());
-    out.extend_from_slice(payload);
+    frame::append(out, payload);
 }
 
 enum LinkState {
@@ -423,30 +422,19 @@ impl InLink {
         deliver: &mut impl FnMut(Incoming<'_>) -> Result<(), String>,
     ) -> Result<(), String> {
         loop {
-            let rest = &self.buf[self.start..];
-            if rest.len() < 8 {
-                break;
-            }
-            let len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
-            let crc = u32::from_le_bytes(rest[4..8].try_into().unwrap());
             let max = if self.from.is_some() { FRAME_MAX } else { HELLO_LEN };
-            if len > max {
-                return Err(format!("frame of {len} bytes (at most {max})"));
-            }
-            if rest.len() < 8 + len {
-                break;
-            }
-            let payload = &rest[8..8 + len];
-            if lockstep_core::crc32c(payload) != crc {
-                return Err("frame CRC mismatch".into());
-            }
+            let (payload, len) = match frame::decode(&self.buf[self.start..], max) {
+                Ok(frame::Decoded::Frame { payload, len }) => (payload, len),
+                Ok(frame::Decoded::Incomplete) => break,
+                Err(e) => return Err(e.to_string()),
+            };
             match self.from {
                 Some(from) => deliver(Incoming::Frame(from, payload))?,
                 None => {
-                    if len != HELLO_LEN || &payload[..8] != HELLO {
+                    if payload.len() != HELLO_LEN || &payload[..8] != HELLO {
                         return Err("not a lockstep kv peer".into());
                     }
-                    let from = u64::from_le_bytes(payload[8..].try_into().unwrap());
+                    let from = le::u64_at(payload, 8);
                     if from == 0 || from > n_peers {
                         return Err(format!("unknown replica id {from}"));
                     }
@@ -454,7 +442,7 @@ impl InLink {
                     self.from = Some(from);
                 }
             }
-            self.start += 8 + len;
+            self.start += len;
         }
         if self.start == self.buf.len() {
             self.buf.clear();

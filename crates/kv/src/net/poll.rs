@@ -47,8 +47,8 @@ impl Poller {
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: fd was just returned by the kernel and nothing else owns it.
         Ok(Poller {
+            // SAFETY: fd was just returned by the kernel and nothing else owns it.
             epoll: unsafe { OwnedFd::from_raw_fd(fd) },
         })
     }

@@ -10,6 +10,7 @@ use crate::session::{
     describe_death, Arrival, Death, InputRecord, Phase, ReplicaId, Session, Slot, SlotState, Stopped, TaskId,
 };
 use crate::Error;
+use lockstep_core::le;
 use lockstep_core::Event;
 use lockstep_trace::syscalls::{self, Class, Desc, NewFds};
 use lockstep_trace::{ptrace, Tid, SYS_LOCKSTEP_INSTALL, SYS_LOCKSTEP_TRACE};
@@ -1562,12 +1563,7 @@ fn new_fds(desc: &Desc, args: &[u64; 6], ret: i64, outputs: &data::Outputs) -> V
         NewFds::PairAt(i) => outputs
             .at(args[i as usize])
             .filter(|b| b.len() >= 8)
-            .map(|b| {
-                vec![
-                    i32::from_le_bytes(b[0..4].try_into().expect("4")),
-                    i32::from_le_bytes(b[4..8].try_into().expect("4")),
-                ]
-            })
+            .map(|b| vec![le::i32_at(b, 0), le::i32_at(b, 4)])
             .unwrap_or_default(),
     }
 }

@@ -22,6 +22,7 @@ use crate::options::CompareMode;
 use crate::session::{
     Arrival, Phase, ProcId, ReplicaId, Session, SlotState, Stopped, TaskId, TrappedInsn, FORWARDED, RECEIVED,
 };
+use lockstep_core::le;
 use lockstep_trace::syscalls::{self, Class};
 use lockstep_trace::{ptrace, Regs, Tid};
 use std::sync::atomic::Ordering;
@@ -765,10 +766,7 @@ fn temporary_mask(be: &dyn Backend, tid: Tid, nr: u64, args: &[u64; 6]) -> (u64,
         libc::SYS_pselect6 if args[5] != 0 => {
             let mut pair = [0u8; 16];
             match be.read(tid, args[5], &mut pair) {
-                Ok(()) => (
-                    u64::from_le_bytes(pair[..8].try_into().expect("8 bytes")),
-                    u64::from_le_bytes(pair[8..].try_into().expect("8 bytes")),
-                ),
+                Ok(()) => (le::u64_at(&pair, 0), le::u64_at(&pair, 8)),
                 Err(_) => (0, SIGSET),
             }
         }
