@@ -4,6 +4,7 @@ export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 BUILD := build
 CFLAGS_STRICT := -O2 -Wall -Wextra -Werror
+MSRV := $(shell sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml)
 RUN_SUITE := --test run_output --test run_extra --test run_process --test run_signals \
 	--test run_faults --test run_cpython --test run_fast_shim
 
@@ -34,6 +35,9 @@ demo: build
 
 test: deps clib
 	$(CARGO) fmt --all -- --check
+	$(CARGO) deny check bans licenses sources
+	# The minimum Rust the workspace declares (rust-version) must build it.
+	$(CARGO) +$(MSRV) check --workspace --all-targets --locked --target-dir target/msrv
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) test --workspace --locked -- --test-threads=2
 	# The run suite once more on the ptrace backend (the default is fast; docs/run.md).

@@ -58,3 +58,17 @@ if ! command -v cargo >/dev/null 2>&1; then
         exit 1
     fi
 fi
+# `make test` checks the dependency graph with cargo-deny (deny.toml) and builds with the
+# minimum Rust the workspace declares (rust-version in Cargo.toml).
+if [ "${1:-test}" = test ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+    if ! cargo deny --version 2>/dev/null | grep -q '^cargo-deny 0\.20\.'; then
+        echo "deps: installing cargo-deny 0.20.2 (about 2 minutes)"
+        cargo install cargo-deny --version 0.20.2 --locked --quiet
+    fi
+    msrv=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' "$(dirname "$0")/../Cargo.toml")
+    if ! rustup run "$msrv" rustc --version >/dev/null 2>&1; then
+        echo "deps: installing Rust $msrv (the declared rust-version)"
+        rustup toolchain install "$msrv" --profile minimal >/dev/null
+    fi
+fi

@@ -2530,7 +2530,10 @@ fn requests_cut_at_any_byte_get_the_same_replies() {
                     .map(|t| {
                         if t.len() > 1 && t.starts_with('c') && t[1..].chars().all(|c| c.is_ascii_digit()) {
                             "cC".into()
-                        } else if t.strip_prefix("cas=").is_some_and(|n| n.chars().all(|c| c.is_ascii_digit())) {
+                        } else if t
+                            .strip_prefix("cas=")
+                            .is_some_and(|n| n.chars().all(|c| c.is_ascii_digit()))
+                        {
                             // `me` (meta debug) shows the CAS too, and it grows run to run
                             "cas=C".into()
                         } else {

@@ -482,7 +482,11 @@ impl Session {
             }
             Arrival::Cpuid { leaf, subleaf } => {
                 // The monitor itself is not trapped: it answers from the CPU it runs on.
-                let v = core::arch::x86_64::__cpuid_count(leaf, subleaf);
+                // `__cpuid_count` became safe in Rust 1.94; the block keeps the declared
+                // minimum (1.89) building.
+                #[allow(unused_unsafe)]
+                // SAFETY: CPUID has no preconditions on x86_64.
+                let v = unsafe { core::arch::x86_64::__cpuid_count(leaf, subleaf) };
                 let answer = plan::Answer::Cpuid([v.eax, v.ebx, v.ecx, v.edx]);
                 let plan = plan::answer_plan(&self.stopped_regs(task), answer);
                 self.carry_out(task, plan)
