@@ -41,8 +41,8 @@ pub struct RunArgs {
 
     /// What is compared: `io` compares only outputs; `args` folds every syscall into a
     /// per-replica signature voted at outputs; `every` votes at every syscall.
-    #[arg(long, default_value = "args", value_name = "MODE", value_parser = ["io", "args", "every"])]
-    compare: String,
+    #[arg(long, default_value = "args", value_name = "MODE", value_parser = one_of::<CompareMode>(&["io", "args", "every"]))]
+    compare: CompareMode,
 
     /// How replicas' syscalls reach the monitor. `fast` (the default): a shim preloaded
     /// into each replica replicates the hot inputs, outputs and clock reads in process
@@ -55,9 +55,9 @@ pub struct RunArgs {
         env = "LOCKSTEP_BACKEND",
         default_value = "fast",
         value_name = "BACKEND",
-        value_parser = ["fast", "ptrace"]
+        value_parser = one_of::<lockstep_run::BackendKind>(&["fast", "ptrace"])
     )]
-    backend: String,
+    backend: lockstep_run::BackendKind,
 
     /// Fast backend: who lets the leader's outputs leave. `strict`: the monitor checks each
     /// output against every follower's vote before it runs (a faulty leader cannot skip
@@ -69,9 +69,9 @@ pub struct RunArgs {
         env = "LOCKSTEP_OUTPUT_CHECK",
         default_value = "strict",
         value_name = "MODE",
-        value_parser = ["strict", "fast"]
+        value_parser = one_of::<lockstep_run::OutputCheck>(&["strict", "fast"])
     )]
-    output_check: String,
+    output_check: lockstep_run::OutputCheck,
 
     /// Fast backend: how the followers' threads keep the leader's order of the program's
     /// pthread and semaphore operations. `global`: one order of every operation and call
@@ -86,9 +86,9 @@ pub struct RunArgs {
         env = "LOCKSTEP_SYNC_ORDER",
         default_value = "global",
         value_name = "ORDER",
-        value_parser = ["global", "object", "serial"]
+        value_parser = one_of::<lockstep_run::SyncOrder>(&["global", "object", "serial"])
     )]
-    sync_order: String,
+    sync_order: lockstep_run::SyncOrder,
 
     /// Fast backend: pause iterations a waiting replica spins before it sleeps.
     #[arg(long, default_value_t = lockstep_run::fast::DEFAULT_SPIN, value_name = "N")]
@@ -176,11 +176,16 @@ fn usage(msg: &str) -> i32 {
     crate::args::usage("run", msg)
 }
 
+/// One of `names` (listed in --help and in the error), parsed into the library's type.
+fn one_of<T>(names: &'static [&'static str]) -> impl clap::builder::TypedValueParser<Value = T>
+where
+    T: std::str::FromStr<Err = String> + Clone + Send + Sync + 'static,
+{
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<T>())
+}
+
 pub fn main(a: RunArgs) -> i32 {
-    let compare: CompareMode = match a.compare.parse() {
-        Ok(c) => c,
-        Err(e) => return usage(&e),
-    };
     let cpus = match a.cpus.as_deref().map(parse_cpus).transpose() {
         Ok(c) => c.unwrap_or_default(),
         Err(e) => return usage(&e),
@@ -198,25 +203,13 @@ pub fn main(a: RunArgs) -> i32 {
             Err(e) => return usage(&e),
         }
     }
-    let backend: lockstep_run::BackendKind = match a.backend.parse() {
-        Ok(b) => b,
-        Err(e) => return usage(&e),
-    };
-    let output_check: lockstep_run::OutputCheck = match a.output_check.parse() {
-        Ok(c) => c,
-        Err(e) => return usage(&e),
-    };
-    let sync_order: lockstep_run::SyncOrder = match a.sync_order.parse() {
-        Ok(o) => o,
-        Err(e) => return usage(&e),
-    };
     let options = Options {
         replicas: a.replicas,
-        compare,
-        backend,
+        compare: a.compare,
+        backend: a.backend,
         spin: a.spin,
-        output_check,
-        sync_order,
+        output_check: a.output_check,
+        sync_order: a.sync_order,
         timeout: a.timeout,
         events: a.events,
         stats: a.stats,
