@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+from charts import bar_chart
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "target", "release", "lockstep")
 OUT = os.path.join(ROOT, "bench", "out")
@@ -224,29 +226,12 @@ def repair_times(count=24):
 
 
 def svg(tps):
-    W, H, L, B, T = 1100, 360, 60, 60, 40
     mixes = list(tps[MODES[0]].keys())
-    peak = max(statistics.median(v) for m in MODES for v in tps[m].values()) * 1.15
     colours = {"memcached": "#222222", "single": "#aaaaaa", "smr": "#4a7ab5", "gop": "#e2a33b", "crosscheck": "#3b9e5a"}
-    gw = (W - L - 20) / len(mixes)
-    bw = gw / (len(MODES) + 1)
-    out = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (W, H),
-           '<text x="%d" y="22" font-size="15">lockstep kv throughput (median TPS, memcaslap)</text>' % L]
-    ph = H - T - B
-    for gi, mix in enumerate(mixes):
-        for mi, mode in enumerate(MODES):
-            v = statistics.median(tps[mode][mix])
-            h = ph * v / peak
-            x = L + gi * gw + (mi + 0.5) * bw
-            out.append('<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"/>' % (x, T + ph - h, bw * 0.9, h, colours[mode]))
-            out.append('<text x="%.1f" y="%.1f" font-size="10" text-anchor="middle">%d</text>' % (x + bw * 0.45, T + ph - h - 3, v))
-        out.append('<text x="%.1f" y="%d" text-anchor="middle">%s</text>' % (L + gi * gw + gw / 2, H - B + 18, mix))
-    for mi, mode in enumerate(MODES):
-        out.append('<rect x="%d" y="%d" width="12" height="12" fill="%s"/><text x="%d" y="%d">%s</text>' % (
-            L + mi * 150, H - 22, colours[mode], L + mi * 150 + 16, H - 12, mode))
-    out.append('<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="#000"/>' % (L, T + ph, W - 20, T + ph))
-    out.append("</svg>")
-    return "\n".join(out)
+    series = [(mode, colours[mode], [statistics.median(tps[mode][mix]) for mix in mixes]) for mode in MODES]
+    peak = max(v for _, _, vals in series for v in vals) * 1.15
+    return bar_chart("lockstep kv throughput (median TPS, memcaslap)", "transactions per second", mixes, series,
+                     peak, lambda v: "%d" % v)
 
 
 def main():

@@ -44,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 
+from charts import bar_chart
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILT_LOCKSTEP = ROOT / "target" / "release" / "lockstep"
 LOCKSTEP = BUILT_LOCKSTEP  # replaced by a private copy in main(), so a rebuild mid-run changes nothing
@@ -762,62 +764,7 @@ def bench_recovery(quick, tmp):
 
 
 # --------------------------------------------------------------------------------------
-# SVG charts (hand-written)
-
-
-def esc(s):
-    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def bar_chart(title, ylabel, groups, series, ymax, fmt, hlines=(), group_marks=None, note=None):
-    """groups: [name]; series: [(name, colour, [value or None per group])];
-    hlines: [(value, label, colour)] across the plot; group_marks: {group index: [(value, label)]}."""
-    W, H = 760, 420
-    L, R, T, B = 70, 20, 50, 95
-    pw, ph = W - L - R, H - T - B
-    y = lambda v: T + ph - ph * min(max(v, 0), ymax) / ymax  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
-           'font-family="sans-serif" font-size="12">',
-           f'<rect width="{W}" height="{H}" fill="white"/>',
-           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">{esc(title)}</text>']
-    for i in range(6):
-        v = ymax * i / 5
-        out.append(f'<line x1="{L}" y1="{y(v):.1f}" x2="{L + pw}" y2="{y(v):.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{L - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{esc(fmt(v))}</text>')
-    out.append(f'<text transform="translate(16,{T + ph / 2}) rotate(-90)" text-anchor="middle">{esc(ylabel)}</text>')
-    gw = pw / len(groups)
-    bw = min(40, gw * 0.8 / max(1, len(series)))
-    for gi, g in enumerate(groups):
-        x0 = L + gi * gw + (gw - bw * len(series)) / 2
-        for si, (_, colour, vals) in enumerate(series):
-            v = vals[gi]
-            if v is None:
-                continue
-            x = x0 + si * bw
-            out.append(f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bw - 2:.1f}" height="{T + ph - y(v):.1f}" fill="{colour}"/>')
-            label = fmt(v) + ("+" if v > ymax else "")
-            out.append(f'<text x="{x + bw / 2 - 1:.1f}" y="{y(v) - 4:.1f}" text-anchor="middle" font-size="10">{esc(label)}</text>')
-        for v, label in (group_marks or {}).get(gi, []):
-            gx0, gx1 = L + gi * gw + 4, L + (gi + 1) * gw - 4
-            col = "#c00" if label.startswith("goal") else "#777"  # goals red, anchors grey
-            out.append(f'<line x1="{gx0:.1f}" y1="{y(v):.1f}" x2="{gx1:.1f}" y2="{y(v):.1f}" stroke="{col}" stroke-width="2" stroke-dasharray="6,3"/>')
-            tx, anchor = (gx1, "end") if col == "#c00" else (gx0, "start")  # anchors labelled on the left
-            out.append(f'<text x="{tx:.1f}" y="{y(v) - 3:.1f}" text-anchor="{anchor}" font-size="10" fill="{col}">{esc(label)}</text>')
-        out.append(f'<text x="{L + gi * gw + gw / 2:.1f}" y="{T + ph + 16}" text-anchor="middle" font-size="11">{esc(g)}</text>')
-    for v, label, colour in hlines:
-        out.append(f'<line x1="{L}" y1="{y(v):.1f}" x2="{L + pw}" y2="{y(v):.1f}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="6,3"/>')
-        out.append(f'<text x="{L + pw - 2}" y="{y(v) - 3:.1f}" text-anchor="end" font-size="10" fill="{colour}">{esc(label)}</text>')
-    out.append(f'<line x1="{L}" y1="{T + ph}" x2="{L + pw}" y2="{T + ph}" stroke="black"/>')
-    out.append(f'<line x1="{L}" y1="{T}" x2="{L}" y2="{T + ph}" stroke="black"/>')
-    lx = L
-    for name, colour, _ in series:
-        out.append(f'<rect x="{lx}" y="{H - 40}" width="12" height="12" fill="{colour}"/>')
-        out.append(f'<text x="{lx + 16}" y="{H - 30}">{esc(name)}</text>')
-        lx += 24 + 7 * len(name)
-    if note:
-        out.append(f'<text x="{L}" y="{H - 10}" font-size="10" fill="#555">{esc(note)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+# Charts: bench/charts.py (matplotlib)
 
 
 def nice_max(v, floor):

@@ -72,3 +72,10 @@ if [ "${1:-test}" = test ]; then
         rustup toolchain install "$msrv" --profile minimal >/dev/null
     fi
 fi
+# The bench scripts draw their charts with matplotlib (bench/charts.py), for whichever
+# python3 runs them (Debian's package serves only the system interpreter).
+if [ "${1:-test}" = bench ] && ! python3 -c 'import matplotlib' 2>/dev/null; then
+    echo "deps: installing matplotlib for $(command -v python3)"
+    python3 -m pip install --quiet matplotlib 2>/dev/null ||
+        { SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-matplotlib >/dev/null; }
+fi

@@ -129,36 +129,52 @@ pub fn markdown(s: &Summary) -> String {
     md
 }
 
-const COLOURS: [&str; 7] = [
-    "#4caf50", "#2196f3", "#ff9800", "#9c27b0", "#795548", "#f44336", "#bdbdbd",
+const COLOURS: [(u8, u8, u8); 7] = [
+    (0x4c, 0xaf, 0x50),
+    (0x21, 0x96, 0xf3),
+    (0xff, 0x98, 0x00),
+    (0x9c, 0x27, 0xb0),
+    (0x79, 0x55, 0x48),
+    (0xf4, 0x43, 0x36),
+    (0xbd, 0xbd, 0xbd),
 ];
 
-/// One stacked horizontal bar: the share of each class among all runs.
+/// One stacked horizontal bar: the share of each class among all runs, and a legend.
 pub fn svg(s: &Summary) -> String {
-    let (w, h, bar) = (640.0, 120.0, 560.0);
-    let mut out = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n");
-    out.push_str(&format!(
-        "<text x=\"40\" y=\"18\" font-size=\"13\">{} faults, {} runs</text>\n",
-        s.model, s.runs
-    ));
-    let mut x = 40.0;
-    for (i, c) in s.classes.iter().enumerate() {
-        if c.count == 0 || s.runs == 0 {
-            continue;
+    use plotters::prelude::*;
+    const BAR: f64 = 560.0;
+    // Drawing into a String has no I/O to fail.
+    const INTO_STRING: &str = "drawing into a string";
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (640, 120)).into_drawing_area();
+        root.fill(&WHITE).expect(INTO_STRING);
+        let title = format!("{} faults, {} runs", s.model, s.runs);
+        root.draw(&Text::new(title, (40, 6), ("sans-serif", 13)))
+            .expect(INTO_STRING);
+        let mut x: f64 = 40.0;
+        for (i, c) in s.classes.iter().enumerate() {
+            if c.count == 0 || s.runs == 0 {
+                continue;
+            }
+            let width = BAR * c.count as f64 / s.runs as f64;
+            let (r, g, b) = COLOURS[i % COLOURS.len()];
+            let span = [(x.round() as i32, 30), ((x + width).round() as i32, 60)];
+            root.draw(&Rectangle::new(span, RGBColor(r, g, b).filled()))
+                .expect(INTO_STRING);
+            x += width;
         }
-        let width = bar * c.count as f64 / s.runs as f64;
-        out.push_str(&format!(
-            "<rect x=\"{x:.1}\" y=\"30\" width=\"{width:.1}\" height=\"30\" fill=\"{}\"><title>{}: {}</title></rect>\n",
-            COLOURS[i], c.class, c.count
-        ));
-        x += width;
+        for (i, c) in s.classes.iter().enumerate() {
+            let lx = 40 + 86 * i as i32;
+            let (r, g, b) = COLOURS[i % COLOURS.len()];
+            root.draw(&Rectangle::new([(lx, 80), (lx + 10, 90)], RGBColor(r, g, b).filled()))
+                .expect(INTO_STRING);
+            let label = format!("{} ({})", c.class, c.count);
+            root.draw(&Text::new(label, (lx + 14, 80), ("sans-serif", 11)))
+                .expect(INTO_STRING);
+        }
+        root.present().expect(INTO_STRING);
     }
-    let mut lx = 40.0;
-    for (i, c) in s.classes.iter().enumerate() {
-        out.push_str(&format!("<rect x=\"{lx}\" y=\"80\" width=\"10\" height=\"10\" fill=\"{}\"/><text x=\"{}\" y=\"89\">{} ({})</text>\n", COLOURS[i], lx + 14.0, c.class, c.count));
-        lx += 86.0;
-    }
-    out.push_str("</svg>\n");
     out
 }
 
@@ -170,4 +186,45 @@ pub fn write_all(dir: &Path, s: &Summary) -> std::io::Result<()> {
     )?;
     std::fs::write(dir.join("summary.md"), markdown(s))?;
     std::fs::write(dir.join("summary.svg"), svg(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(class: &'static str, count: u64) -> ClassRow {
+        ClassRow {
+            class,
+            count,
+            percent: None,
+            interval_low: None,
+            interval_high: None,
+        }
+    }
+
+    /// The bar has one segment per class that occurred, widths in proportion; the legend
+    /// names every class with its count.
+    #[test]
+    fn the_chart_has_a_segment_per_class_seen_and_a_full_legend() {
+        let s = Summary {
+            command: vec!["prog".into()],
+            model: "reg".into(),
+            runs: 100,
+            activated: 90,
+            confidence: 95.0,
+            classes: vec![row("masked", 75), row("detected", 0), row("sdc", 25)],
+            sdc_upper_bound: None,
+            throughput: None,
+        };
+        let svg = svg(&s);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{svg}");
+        assert!(svg.contains("reg faults, 100 runs"));
+        for label in ["masked (75)", "detected (0)", "sdc (25)"] {
+            assert!(svg.contains(label), "{label} missing:\n{svg}");
+        }
+        // white background + 2 segments + 3 legend swatches
+        assert_eq!(svg.matches("<rect").count(), 6, "{svg}");
+        assert!(svg.contains(r#"x="40" y="30" width="420" height="30""#), "{svg}");
+        assert!(svg.contains(r#"x="460" y="30" width="140" height="30""#), "{svg}");
+    }
 }
