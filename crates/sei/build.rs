@@ -46,6 +46,7 @@ fn main() {
         objects.push(obj);
     }
     let lib = out.join("libsei.a");
+    // (an old archive, if any: ar appends to an existing one)
     let _ = std::fs::remove_file(&lib);
     let status = Command::new("ar")
         .arg("rcs")

@@ -124,6 +124,7 @@ fn compile(name: &str, lang: Lang, args: &[OsString], install: &Install) -> i32 
                 continue;
             }
         }
+        // (gcc's own messages to a closed stderr have nowhere to go)
         let _ = std::io::stderr().write_all(&out.stderr);
         if out.status.success() {
             return 0;

@@ -364,6 +364,7 @@ fn mount_cmd(m: MountArgs) -> i32 {
                     Ok(()) => "OK".to_string(),
                     Err(e) => e,
                 };
+                // (the parent may be gone; the message only spares it a wait)
                 let _ = wr.write_all(msg.as_bytes());
             });
             std::process::exit(code);
@@ -371,6 +372,7 @@ fn mount_cmd(m: MountArgs) -> i32 {
         _ => {
             drop(wr);
             let mut msg = String::new();
+            // (an empty message below means the child died before it could say why)
             let _ = rd.read_to_string(&mut msg);
             if msg == "OK" {
                 0

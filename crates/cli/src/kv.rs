@@ -312,6 +312,7 @@ fn cluster(a: ClusterArgs) -> i32 {
             Err(e) => {
                 eprintln!("lockstep kv: cannot start replica {id}: {e}");
                 for (_, c, _) in &mut children {
+                    // (a replica that already exited needs no kill)
                     let _ = c.kill();
                 }
                 return 1;
@@ -330,7 +331,9 @@ fn cluster(a: ClusterArgs) -> i32 {
         std::thread::sleep(Duration::from_millis(100));
         if STOP.load(std::sync::atomic::Ordering::SeqCst) {
             for (_, c, _) in &mut children {
+                // (a replica that already exited needs no kill)
                 let _ = c.kill();
+                // (reaped so that none is left a zombie; its status no longer matters)
                 let _ = c.wait();
             }
             return status;

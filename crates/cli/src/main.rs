@@ -51,6 +51,7 @@ fn main() {
         Err(e) => {
             // clap prints help/version to stdout with exit 0; usage errors are one line, exit 2.
             if !e.use_stderr() {
+                // (help to a closed stdout has nowhere to go)
                 let _ = e.print();
                 std::process::exit(0);
             }

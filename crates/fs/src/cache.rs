@@ -933,6 +933,7 @@ impl Cache {
             .filter(|&i| self.size_due(i, now, age))
             .collect();
         for i in resized {
+            // A failed size change stays pending: retried next round, reported by fsync.
             let _ = self.apply_size(i);
         }
         let dirty: Vec<u64> = self
@@ -1087,6 +1088,7 @@ impl Cache {
 
     /// The kernel forgot the inode: write back its pages and close its file.
     pub fn release_inode(&mut self, ino: u64) {
+        // Pages that fail stay dirty (or poisoned) and keep the file open below.
         let _ = self.flush(Some(ino), Duration::ZERO);
         if self.files.get(&ino).is_some_and(|f| f.idle()) {
             self.drop_pages(ino, 0);
@@ -1161,6 +1163,7 @@ mod tests {
     /// A cache over a fresh store with one attached file `f` (inode 1).
     pub(super) fn cache_with(tag: &str, verify: Verify, bytes: u64) -> (Cache, std::path::PathBuf) {
         let d = std::env::temp_dir().join(format!("lockstep-fs-cache-{tag}-{}", std::process::id()));
+        // (a leftover from an earlier run, if any)
         let _ = std::fs::remove_dir_all(&d);
         crate::store::require_store(&d, "store").unwrap();
         let store = Store::open(&d, None).unwrap();

@@ -648,6 +648,7 @@ impl<'f, FS: Filesystem> Session<'f, FS> {
             op::BATCH_FORGET => {
                 no_reply(reply);
                 let count = get_or(a.u32(), 0);
+                // (a field this implementation does not use; a short body fails at the next read)
                 let _ = a.u32();
                 // The count is checked against the message, not trusted.
                 for _ in 0..count {
@@ -729,6 +730,7 @@ impl<'f, FS: Filesystem> Session<'f, FS> {
             }
             op::WRITE => {
                 let (_fh, offset, size, write_flags) = (get!(a.u64()), get!(a.u64()), get!(a.u32()), get!(a.u32()));
+                // (fields this implementation does not use; get! already answers a short body)
                 let _ = (get!(a.u64()), get!(a.u32()), get!(a.u32()));
                 let data = get!(a.take(size as usize));
                 fs.write(r, ino, offset, data, write_flags, reply)

@@ -324,6 +324,7 @@ mod tests {
     #[test]
     fn paths_past_path_max_are_created_renamed_linked_and_removed() {
         let base = std::env::temp_dir().join(format!("lockstep-longpath-{}", std::process::id()));
+        // (a leftover from an earlier run, if any)
         let _ = std::fs::remove_dir_all(&base);
         std::fs::create_dir_all(&base).unwrap();
         // 40 components of 200 bytes: 8 KiB, twice PATH_MAX.

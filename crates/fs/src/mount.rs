@@ -127,6 +127,7 @@ pub fn preflight(o: &Options) -> Result<(), String> {
         crate::store::require_store(dir, what)?;
         let probe = dir.join(crate::store::META).join("write-test");
         std::fs::write(&probe, b"x").map_err(|e| format!("the {what} {} is not writable: {e}", dir.display()))?;
+        // (the probe proved the directory writable; a leftover probe file is harmless)
         let _ = std::fs::remove_file(probe);
         if let Ok(Some(holder)) = StoreLock::holder(dir) {
             return Err(format!("the {what} {} is in use: {holder}", dir.display()));
@@ -283,7 +284,14 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
             return 1;
         }
     }
-    let _ = std::fs::remove_file(report_path(&o.store));
+    // A report left by an earlier mount must never be read as this one's.
+    match std::fs::remove_file(report_path(&o.store)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            ready(Err(format!("cannot remove the old unmount report: {e}")));
+            return 1;
+        }
+        _ => {}
+    }
     let slots = (o.cache_bytes / crate::crc::PAGE as u64).max(16) as usize;
     let shared = match Shared::create(slots) {
         Ok(s) => s,
@@ -302,6 +310,7 @@ pub fn run(o: Options, ready: impl FnOnce(Result<(), String>)) -> i32 {
     // One events file for the supervisor and every daemon it starts: emptied once, then
     // appended to by all of them.
     if let Some(p) = &o.events {
+        // Best effort: a file that cannot be created shows as the sink's own one-time error.
         let _ = std::fs::File::create(p);
     }
     let mut events = EventSink::append(o.events.as_deref(), true).unwrap_or_else(|_| EventSink::stderr_only());
@@ -404,6 +413,7 @@ fn supervise(
         drop(started);
         let status = wait_child(child);
         if beacon.unmounted().load(Ordering::SeqCst) != 0 {
+            // (the socket dies with the daemon; a stale one is replaced at the next mount)
             let _ = std::fs::remove_file(control_path(&o.store));
             return status;
         }
@@ -629,6 +639,7 @@ fn daemon(
     // lost acknowledged data.
     let pending = {
         let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
+        // What fails stays poisoned, and the events below name it.
         let _ = c.flush(None, Duration::ZERO);
         c.take_events()
     };
@@ -657,7 +668,11 @@ fn daemon(
         sink.emit(Event::new("fs", "unmount", "exit").message(message.clone()));
     }
     let report = serde_json::json!({"status": status, "message": message});
-    let _ = std::fs::write(report_path(&o.store), format!("{report}\n"));
+    // `lockstep fs umount` reads its status from this report; if it cannot be written,
+    // the events say so (the daemon has no terminal).
+    if let Err(e) = std::fs::write(report_path(&o.store), format!("{report}\n")) {
+        sink.emit(Event::new("fs", "unmount", "report").message(format!("cannot write the unmount report: {e}")));
+    }
     status
 }
 
@@ -756,6 +771,7 @@ fn start_scrubber(cache: Arc<Mutex<Cache>>, rate: u64, stop: Arc<AtomicBool>) {
 /// Replies are one JSON line.
 fn start_control(o: &Options, cache: Arc<Mutex<Cache>>) -> Result<(), String> {
     let path = control_path(&o.store);
+    // (a stale socket from a crashed daemon; bind below reports any real problem)
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     let flips = o.test_flips;
@@ -769,6 +785,7 @@ fn start_control(o: &Options, cache: Arc<Mutex<Cache>>) -> Result<(), String> {
         .spawn(move || {
             let mut seed = Rng::new(std::process::id() as u64 ^ 0x9E37_79B9_7F4A_7C15);
             for conn in listener.incoming().flatten() {
+                // A control connection that errs ends; the mount serves on.
                 let _ = serve_control(conn, &cache, flips, crash, &rate, &mut seed);
             }
         })

@@ -882,6 +882,7 @@ impl Naming {
 
 impl Filesystem for Naming {
     fn destroy(&mut self) {
+        // What fails stays poisoned, and is named just below as lost.
         let _ = self.cache().flush(None, Duration::ZERO);
         let poisoned = self.cache().poisoned();
         let mut lost = Vec::new();

@@ -140,6 +140,7 @@ pub(crate) fn path_of(root: &std::path::Path, fd: std::os::fd::RawFd) -> Option<
         }
     }
     let mut hit = None;
+    // A walk that stops early leaves hit as found so far: the caller treats None as not found.
     let _ = crate::store::offline::walk(root, &mut |rel, x| {
         if hit.is_none() && x.ino() == m.ino() && x.dev() == m.dev() {
             hit = Some(rel.to_path_buf());

@@ -777,6 +777,7 @@ impl Store {
     pub fn orphan_gone(&self, ino: u64) {
         for (copy, with_data) in self.copies() {
             for p in copy.spots(Place::Orphan(ino), with_data) {
+                // Best effort: an orphan's table left behind is removed at the next mount (below).
                 let _ = p.remove();
             }
         }
@@ -979,6 +980,7 @@ mod tests {
 
     fn tmp(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("lockstep-fs-store-{tag}-{}", std::process::id()));
+        // (a leftover from an earlier run, if any)
         let _ = fs::remove_dir_all(&d);
         fs::create_dir_all(&d).unwrap();
         d

@@ -7,7 +7,7 @@ use crate::target::{self, Ending, Plan, Point};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
@@ -95,7 +95,7 @@ pub fn run_target(
     let argv: Vec<String> = cfg.argv.iter().map(|a| ws.expand(a)).collect();
     let files: Vec<PathBuf> = cfg.compare.files.iter().map(|f| PathBuf::from(ws.expand(f))).collect();
     for f in &files {
-        let _ = std::fs::remove_file(f);
+        remove_stale(f)?;
     }
     let mut o = match &cfg.server {
         Some(server) => {
@@ -256,7 +256,7 @@ fn golden_run(cfg: &Config, worker: usize, i: u32, limit: Duration) -> Result<Go
         None => Vec::new(),
     };
     let t0 = Instant::now();
-    let _ = std::fs::remove_file(&report);
+    remove_stale(&report).map_err(|e| format!("cannot remove {}: {e}", report.display()))?;
     let outcome =
         run_target(cfg, &ws, &Plan::None, limit.into(), &env).map_err(|e| format!("cannot run the target: {e}"))?;
     let whole = t0.elapsed();
@@ -545,6 +545,7 @@ fn keep_workspace(cfg: &Config, ws: &Workspace, run: u64) {
     };
     for e in entries.flatten() {
         if e.file_type().is_ok_and(|t| t.is_file()) {
+            // Best effort: a copy of a failed run's files for the user to look at.
             let _ = std::fs::copy(e.path(), dest.join(e.file_name()));
         }
     }
@@ -591,8 +592,8 @@ pub fn run_replica_fault(
     std::fs::create_dir_all(&ws.dir)?;
     let record = ws.dir.join("applied.json");
     let detections = crate::fault::detections_path(&record);
-    let _ = std::fs::remove_file(&record);
-    let _ = std::fs::remove_file(&detections);
+    remove_stale(&record)?;
+    remove_stale(&detections)?;
     fault.record = record.clone();
     let env = [(
         crate::fault::REPLICA_FAULT_ENV.to_string(),
@@ -752,5 +753,14 @@ fn progress(cfg: &Config, done: usize, total: usize, started: Instant) {
         );
     } else if done.is_multiple_of(100) || done == total {
         eprintln!("lockstep inject: {done}/{total} runs, {rate:.1} runs/s, ETA {eta:.0} s");
+    }
+}
+
+/// Removes a file a run is about to produce, so that one left by an earlier run is never
+/// read as this run's: a missing file is fine, any other failure stops the run.
+fn remove_stale(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
     }
 }

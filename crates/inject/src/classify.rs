@@ -168,6 +168,7 @@ fn diff_says_same(cmd: &str, golden: &[u8], run: &[u8]) -> bool {
             .stderr(std::process::Stdio::null())
             .status()
             .is_ok_and(|s| s.success());
+    // (a temporary directory; the system cleans what is left)
     let _ = std::fs::remove_dir_all(&dir);
     same
 }

@@ -22,6 +22,7 @@ const THREADS_MAX: usize = 256;
 /// Writes the description of the target `group` (its process group and descendants) into `dir`; best effort (a run's
 /// classification never depends on it).
 pub fn record(group: Tid, dir: &Path) {
+    // Best effort: the description helps a human; classification never reads it.
     let _ = std::fs::write(dir.join(STATE_FILE), describe(group));
 }
 
@@ -37,6 +38,7 @@ pub fn describe(group: Tid) -> String {
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
             .map(|b| String::from_utf8_lossy(&b).replace('\0', " ").trim_end().to_string())
             .unwrap_or_default();
+        // (writing into a String cannot fail)
         let _ = writeln!(out, "\nprocess {pid}: {cmdline}");
         let mut tids: Vec<Tid> = tasks
             .flatten()
@@ -46,6 +48,7 @@ pub fn describe(group: Tid) -> String {
         for tid in tids {
             threads += 1;
             if threads > THREADS_MAX {
+                // (writing into a String cannot fail)
                 let _ = writeln!(out, "(more threads not described: limit {THREADS_MAX})");
                 return out;
             }
@@ -65,6 +68,7 @@ fn describe_thread(out: &mut String, pid: Tid, tid: Tid) {
             .map(|v| v.trim().to_string())
             .unwrap_or_default()
     };
+    // (writing into a String cannot fail)
     let _ = writeln!(
         out,
         "  thread {tid} ({}): state {}, wchan {}, syscall {}, tracer {}, sigpnd {} shdpnd {} blocked {}",
@@ -78,6 +82,7 @@ fn describe_thread(out: &mut String, pid: Tid, tid: Tid) {
         field("SigBlk:"),
     );
     for line in read("stack").lines() {
+        // (writing into a String cannot fail)
         let _ = writeln!(out, "    {line}");
     }
 }

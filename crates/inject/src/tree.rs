@@ -209,6 +209,7 @@ impl Tree {
                         self.procs.push((new, Duration::ZERO));
                     }
                 }
+                // A task that cannot be resumed is gone: its exit arrives as a stop.
                 let _ = self.resume(tid, 0);
             }
             Stop::Signal(libc::SIGSTOP) if self.unborn.contains(&tid) || !self.tasks.contains(&tid) => {
@@ -217,9 +218,11 @@ impl Tree {
                 if !self.tasks.contains(&tid) {
                     self.tasks.push(tid);
                 }
+                // A task that cannot be resumed is gone: its exit arrives as a stop.
                 let _ = self.resume(tid, 0);
             }
             Stop::Signal(sig) => {
+                // A task that cannot be resumed is gone: its exit arrives as a stop.
                 let _ = self.resume(tid, sig);
             }
             Stop::Event(libc::PTRACE_EVENT_EXEC) if tid == self.root && self.exec_cpu.is_none() => {
@@ -238,6 +241,7 @@ impl Tree {
                     Some(RootSyscalls::Stops(count)) => *count = from_exec,
                     None => {}
                 }
+                // A task that cannot be resumed is gone: its exit arrives as a stop.
                 let _ = self.resume(tid, 0);
             }
             Stop::SyscallExit if tid == self.root => {
@@ -247,9 +251,11 @@ impl Tree {
                         count.entered += 1;
                     }
                 }
+                // A task that cannot be resumed is gone: its exit arrives as a stop.
                 let _ = self.resume(tid, 0);
             }
             _ => {
+                // A task that cannot be resumed is gone: its exit arrives as a stop.
                 let _ = self.resume(tid, 0);
             }
         }

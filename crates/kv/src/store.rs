@@ -132,6 +132,7 @@ impl Store {
                     // (Writing into a Vec cannot fail.)
                     let _ = write!(out, " {} {}", it.flags, it.value.len());
                     if *with_cas {
+                        // (writing into a Vec cannot fail)
                         let _ = write!(out, " {}", it.cas);
                     }
                     out.extend_from_slice(b"\r\n");

@@ -132,12 +132,15 @@ pub trait Backend {
         self.apply(Action::Signal(tgid, tid, sig))
     }
     fn kill(&self, pid: Tid) {
+        // Fire and forget: a process that is already gone needs no kill, and a live one's
+        // death arrives through `wait_any`.
         let _ = self.apply(Action::Kill(pid));
     }
     fn set_breakpoint(&self, tid: Tid, at: Option<u64>) -> io::Result<()> {
         self.apply(Action::Breakpoint(tid, at))
     }
     fn single_step(&self, tid: Option<Tid>) {
+        // It only marks the thread that later resumes single-step; no backend fails it.
         let _ = self.apply(Action::SingleStep(tid));
     }
     fn read_vec(&self, tid: Tid, addr: u64, len: usize) -> io::Result<Vec<u8>> {
@@ -285,6 +288,38 @@ pub struct Checked {
 
 const SET_REGS: &str = "setting its registers";
 
+/// Commands whose failure the caller leaves to the monitor, so that no call site drops a
+/// `Result`: a failure to steer a thread (registers, resume, interrupt, signal, siginfo,
+/// breakpoint) is recorded by [`Checked`] and fails its replica at the monitor's next
+/// look; a memory write that fails (a corrupted replica's bad pointer) shows in what the
+/// replica does next, which the vote judges. `ESRCH` (the thread is gone) arrives as its
+/// death through `wait_any`.
+pub struct Steer<'a>(&'a Checked);
+
+impl Steer<'_> {
+    pub fn set_regs(&self, tid: Tid, regs: &Regs) {
+        let _recorded = self.0.set_regs(tid, regs);
+    }
+    pub fn resume(&self, tid: Tid, how: Resume) {
+        let _recorded = self.0.resume(tid, how);
+    }
+    pub fn interrupt(&self, tid: Tid) {
+        let _recorded = self.0.interrupt(tid);
+    }
+    pub fn set_siginfo(&self, tid: Tid, info: &libc::siginfo_t) {
+        let _recorded = self.0.set_siginfo(tid, info);
+    }
+    pub fn signal_thread(&self, tgid: Tid, tid: Tid, sig: i32) {
+        let _recorded = self.0.signal_thread(tgid, tid, sig);
+    }
+    pub fn set_breakpoint(&self, tid: Tid, at: Option<u64>) {
+        let _recorded = self.0.set_breakpoint(tid, at);
+    }
+    pub fn write(&self, tid: Tid, addr: u64, data: &[u8]) {
+        let _judged_by_the_vote = self.0.write(tid, addr, data);
+    }
+}
+
 /// At most this many steering failures are kept between two looks: each names a thread,
 /// and one is enough to fail its replica.
 const MAX_FAILURES: usize = 64;
@@ -295,6 +330,11 @@ impl Checked {
             inner,
             failures: std::cell::RefCell::new(Vec::new()),
         }
+    }
+
+    /// The commands whose failure the monitor handles by itself (see [`Steer`]).
+    pub fn steer(&self) -> Steer<'_> {
+        Steer(self)
     }
 
     /// The failures since the last call: (thread, what failed, why).

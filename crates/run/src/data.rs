@@ -432,7 +432,9 @@ pub fn sync_inout(
                 continue;
             }
             if let Ok(bytes) = be.read_vec(leader, leader_args[i], n) {
-                let _ = be.write(follower, follower_args[i], &bytes);
+                // A follower whose pointer a fault corrupted refuses the write; what it
+                // does next differs from the leader, and the vote judges that.
+                let _judged_by_the_vote = be.write(follower, follower_args[i], &bytes);
             }
         }
     }

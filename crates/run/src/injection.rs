@@ -191,7 +191,7 @@ impl Injector {
                 }
             }
             _ => {
-                let _ = s.backend().interrupt(tid);
+                s.backend().steer().interrupt(tid);
             }
         }
     }
@@ -299,7 +299,12 @@ impl Injector {
     ) {
         match result {
             Ok(applied) => {
-                let _ = std::fs::write(record, serde_json::to_string(&applied).unwrap_or_default());
+                if let Err(e) = std::fs::write(record, serde_json::to_string(&applied).unwrap_or_default()) {
+                    eprintln!(
+                        "lockstep run: cannot write the injection record {}: {e}",
+                        record.display()
+                    );
+                }
                 let what = match (&applied.register, applied.address) {
                     (Some(reg), _) => format!("{reg} ^= {:#x}", applied.mask),
                     (None, Some(addr)) => format!("memory at {addr:#x} ^= {:#x}", applied.mask),
@@ -336,13 +341,13 @@ impl Injector {
         let (result, own) = match stop {
             Stop::Signal(libc::SIGTRAP) if st.skip > 0 => {
                 st.skip -= 1;
-                let _ = s.backend().resume(tid, Resume::Run);
+                s.backend().steer().resume(tid, Resume::Run);
                 self.stepping = Some(st);
                 return true;
             }
             Stop::Signal(libc::SIGTRAP) => match st.stepper.as_mut().map(|f| f.on_stop(tid)) {
                 Some(Ok(Progress::Step)) => {
-                    let _ = s.backend().resume(tid, Resume::Run);
+                    s.backend().steer().resume(tid, Resume::Run);
                     self.stepping = Some(st);
                     return true;
                 }
@@ -371,7 +376,7 @@ impl Injector {
             self.report_replica_fault(s, st.replica, &st.fault.record, result, "by single-stepping");
         }
         if own {
-            let _ = s.backend().resume(tid, Resume::Run);
+            s.backend().steer().resume(tid, Resume::Run);
         }
         own
     }
@@ -394,6 +399,8 @@ impl Injector {
                 let addr = lockstep_trace::regs::by_name(&mut copy, base)
                     .map(|v| v.wrapping_add(*offset as u64))
                     .unwrap_or(0);
+                // A test flip at an unmapped address changes nothing: the run goes on
+                // unfaulted, and the test that asked for it sees no detection.
                 let _ = reapply(tid, &Applied::flip(Model::Mem, None, Some(addr), 1u64 << flip.bit));
                 format!("bit {} of the byte at {base}{offset:+} ({addr:#x})", flip.bit)
             }
@@ -408,11 +415,11 @@ impl Injector {
             }
             FlipTarget::Hang => {
                 // `jmp .` at the return address, then skip the syscall: the thread spins.
-                let _ = s.backend().write(tid, regs.rip, &[0xeb, 0xfe]);
+                s.backend().steer().write(tid, regs.rip, &[0xeb, 0xfe]);
                 let mut spin = *regs;
                 ptrace::skip_with_result(&mut spin, 0);
-                let _ = s.backend().set_regs(tid, &spin);
-                let _ = s.backend().resume(tid, Resume::Run);
+                s.backend().steer().set_regs(tid, &spin);
+                s.backend().steer().resume(tid, Resume::Run);
                 s.slot_mut(task, r).leave(SlotState::Running);
                 "an endless loop".to_string()
             }
@@ -504,10 +511,13 @@ impl FaultHook for Injector {
 
     fn finish(&mut self, s: &Session) {
         if let Some(record) = &self.record {
-            let _ = std::fs::write(
-                lockstep_inject::fault::detections_path(record),
-                format!("{}\n", s.report().detections()),
-            );
+            let path = lockstep_inject::fault::detections_path(record);
+            if let Err(e) = std::fs::write(&path, format!("{}\n", s.report().detections())) {
+                eprintln!(
+                    "lockstep run: cannot write the detection record {}: {e}",
+                    path.display()
+                );
+            }
         }
     }
 }

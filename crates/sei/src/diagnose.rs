@@ -769,6 +769,7 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
+        // (a temporary directory; the system cleans what is left)
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -53,6 +53,7 @@ pub fn install() -> io::Result<Install> {
     }
     std::fs::create_dir_all(&base)?;
     let staging = base.join(format!(".sei-staging-{}", std::process::id()));
+    // (a staging directory a killed run left behind, if any)
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(staging.join("include"))?;
     std::fs::create_dir_all(staging.join("lib"))?;
@@ -62,6 +63,7 @@ pub fn install() -> io::Result<Install> {
     match std::fs::rename(&staging, &root) {
         Ok(()) => Ok(install),
         Err(_) if install.archive().is_file() => {
+            // (another process installed first; this staging copy is not needed)
             let _ = std::fs::remove_dir_all(&staging);
             Ok(install)
         }

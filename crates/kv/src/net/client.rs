@@ -359,7 +359,10 @@ impl Client {
         let want = read.with_write(self.unsent() > 0);
         if want != self.interest {
             self.interest = want;
-            let _ = poll.modify(&self.stream, token, want);
+            // A connection the poller no longer watches would stall: close it instead.
+            if poll.modify(&self.stream, token, want).is_err() {
+                return false;
+            }
         }
         true
     }

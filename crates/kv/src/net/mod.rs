@@ -204,6 +204,7 @@ impl<S: Service> Loop<'_, S> {
             if stream.set_nonblocking(true).is_err() || self.poll.add(&stream, token, Interest::READ).is_err() {
                 continue;
             }
+            // (latency only: a socket without it still works)
             let _ = stream.set_nodelay(true);
             self.listeners.live.fetch_add(1, Ordering::Relaxed);
             self.clients

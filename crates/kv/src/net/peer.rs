@@ -300,7 +300,13 @@ impl Link {
         let want_write = self.out_at < self.out.len();
         if want_write != self.watching_write {
             self.watching_write = want_write;
-            let _ = poll.modify(s, TOKEN_OUT | self.id, Interest::READ.with_write(want_write));
+            // A link the poller no longer watches would stall: drop it and reconnect.
+            if poll
+                .modify(s, TOKEN_OUT | self.id, Interest::READ.with_write(want_write))
+                .is_err()
+            {
+                self.fail(poll);
+            }
         }
     }
 }
@@ -351,6 +357,7 @@ fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
             return Err(e);
         }
     }
+    // (latency only: a socket without it still works)
     let _ = stream.set_nodelay(true);
     Ok(stream)
 }
@@ -374,6 +381,7 @@ pub struct InLink {
 
 impl InLink {
     pub fn new(stream: TcpStream) -> InLink {
+        // (latency only: a socket without it still works)
         let _ = stream.set_nodelay(true);
         InLink {
             stream,

@@ -76,6 +76,7 @@ impl Poller {
 
     /// Stop watching `fd` (closing it does that too; this is for a socket that stays open).
     pub fn remove(&self, fd: &impl AsRawFd) {
+        // Not watched (any more) is the state asked for.
         let _ = self.ctl(libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0, Interest::NONE);
     }
 

@@ -399,6 +399,7 @@ pub fn run(cfg: Config) -> i32 {
                     1
                 }
             };
+            // (the waiter may have given up; the code is then not needed)
             let _ = done.send(code);
         });
         if let Err(e) = spawned {
@@ -1026,6 +1027,7 @@ impl Replica {
                     if r.rejoining && m.get_msg_type() == MessageType::MsgHeartbeat {
                         m.commit = m.commit.min(r.node.raft.raft_log.last_index());
                     }
+                    // raft refuses messages it must ignore (a stale term, an unknown peer): nothing to do.
                     let _ = r.node.step(m);
                     Ok(())
                 }

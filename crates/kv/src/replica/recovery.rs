@@ -133,6 +133,7 @@ impl Replica {
             let mut cc = ConfChange::default();
             cc.set_change_type(ConfChangeType::RemoveNode);
             cc.node_id = x;
+            // Refused while another change is pending; this check runs again on the next tick.
             let _ = r.node.propose_conf_change(b"replace".to_vec(), cc);
             return;
         }
@@ -183,7 +184,13 @@ impl Replica {
         let storage = match &self.cfg.data_dir {
             Some(dir) => {
                 for f in ["state", "log", "snapshot"] {
-                    let _ = std::fs::remove_file(dir.join(f));
+                    // A file that stayed would be read back as this replica's state.
+                    match std::fs::remove_file(dir.join(f)) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                            return Err(self.fatal_io("reset the data directory", e));
+                        }
+                        _ => {}
+                    }
                 }
                 LogStore::open(dir, vec![], self.cfg.fsync).map_err(|e| self.fatal_io("reset the data directory", e))?
             }

@@ -133,7 +133,7 @@ impl Session {
                 continue;
             };
             for &r in live.iter() {
-                let _ = self.be.interrupt(self.slot(task, r).tid());
+                self.be.steer().interrupt(self.slot(task, r).tid());
             }
             self.tasks[task].catch_up = Some(CatchUp {
                 sig,
@@ -181,13 +181,13 @@ impl Session {
                     self.catch_up_mut(task).set(r, Hunt::Hunting { hits: hits + 1 });
                 }
                 // Stopped at the hit: on it goes, to the next hit or into the signal.
-                let _ = self.be.resume(tid, Resume::Run);
+                self.be.steer().resume(tid, Resume::Run);
                 true
             }
             _ if hit && self.slot(task, r).breakpoint_armed() => {
                 // A hit of a breakpoint left armed by an attempt that ended meanwhile.
                 self.disarm(task, r);
-                let _ = self.be.resume(tid, Resume::Run);
+                self.be.steer().resume(tid, Resume::Run);
                 true
             }
             _ => {
@@ -208,7 +208,7 @@ impl Session {
 
     fn disarm(&mut self, task: TaskId, r: ReplicaId) {
         let tid = self.slot(task, r).tid();
-        let _ = self.be.set_breakpoint(tid, None);
+        self.be.steer().set_breakpoint(tid, None);
         self.slot_mut(task, r).set_breakpoint_armed(false);
     }
 
@@ -271,7 +271,7 @@ impl Session {
             }
             self.slot_mut(task, r).set_breakpoint_armed(true);
             self.catch_up_mut(task).set(r, Hunt::Hunting { hits: 0 });
-            let _ = self.be.resume(tid, Resume::Run);
+            self.be.steer().resume(tid, Resume::Run);
             hunting = true;
         }
         if !hunting {
@@ -317,7 +317,7 @@ impl Session {
                 if self.slot(task, r).breakpoint_armed() {
                     self.disarm(task, r);
                 }
-                let _ = self.be.resume(self.slot(task, r).tid(), Resume::Run);
+                self.be.steer().resume(self.slot(task, r).tid(), Resume::Run);
             }
         }
     }
@@ -333,7 +333,7 @@ impl Session {
                 if self.slot(task, r).breakpoint_armed() {
                     self.disarm(task, r);
                 }
-                let _ = self.be.resume(self.slot(task, r).tid(), Resume::Run);
+                self.be.steer().resume(self.slot(task, r).tid(), Resume::Run);
             }
         }
         // Not at once again: the rendezvous is near.

@@ -252,7 +252,7 @@ impl Session {
         for tid in tids {
             // A replica that cannot be told keeps the old ring (off) and fails the hello's
             // vote, like any replica that differs.
-            let _ = self.be.write(tid, word, &epoch.to_ne_bytes());
+            self.be.steer().write(tid, word, &epoch.to_ne_bytes());
         }
         if self.debug {
             eprintln!("lockstep debug: the fast path's ring {epoch} is armed for task {task}");
@@ -381,7 +381,7 @@ impl Session {
                     fast.approved[lane] = seq;
                 }
                 // A failed resume is recorded by the backend and fails the replica.
-                let _ = self.be.resume(tid, Resume::Run);
+                self.be.steer().resume(tid, Resume::Run);
                 Ok(())
             }
             Err(why) => {
@@ -588,7 +588,7 @@ impl Session {
         let slot = self.slot(task, self.replicas.leader());
         if matches!(slot.state(), SlotState::Running) {
             // Fails only for a thread that is gone, whose death is handled at its stop.
-            let _ = self.be.interrupt(slot.tid());
+            self.be.steer().interrupt(slot.tid());
         }
     }
 
@@ -692,7 +692,7 @@ impl Session {
                 let author = fast.record_author(lane, seq);
                 if r != leader || author != Some(leader) {
                     // A failed resume is recorded by the backend and fails the replica.
-                    let _ = self.be.resume(tid, Resume::Run);
+                    self.be.steer().resume(tid, Resume::Run);
                     if author != Some(leader) || !self.live_slots(task).contains(&leader) {
                         return Some(Ok(())); // blamed already
                     }
@@ -719,9 +719,9 @@ impl Session {
         let delivered = self
             .leader_siginfo(task, sig)
             .unwrap_or_else(|| forwarded_siginfo(sig, info));
-        let _ = self.be.set_siginfo(tid, &delivered);
+        self.be.steer().set_siginfo(tid, &delivered);
         // A failed resume is recorded by the backend and fails the replica.
-        let _ = self.be.resume(tid, Resume::Signal(sig));
+        self.be.steer().resume(tid, Resume::Signal(sig));
         Some(Ok(()))
     }
 

@@ -547,9 +547,11 @@ impl Session {
                 continue;
             }
             let waited = task.waiting_since().map(|t| t.elapsed());
+            // (writing into a String cannot fail)
             let _ = writeln!(out, "task {id}: {:?}, waiting for {waited:?}", task.phase());
             for r in self.live_slots(id) {
                 let slot = self.slot(id, r);
+                // (writing into a String cannot fail)
                 let _ = writeln!(
                     out,
                     "  replica {r}: tid {}, {:?}, arrival {:?}",
@@ -561,6 +563,7 @@ impl Session {
             let Some(fast) = self.fast.as_ref() else { continue };
             let Some(lane) = fast.lane_of(id) else { continue };
             for r in self.live_slots(id) {
+                // (writing into a String cannot fail)
                 let _ = writeln!(
                     out,
                     "  ring lane {lane}, replica {r}: published {:?}, consumed {:?}, awaiting {:?}, sleeping {}",
@@ -755,7 +758,7 @@ impl Session {
                 );
             }
         }
-        let _ = self.be.resume(tid, how);
+        self.be.steer().resume(tid, how);
     }
 
     // ----- stops -----
@@ -789,7 +792,7 @@ impl Session {
             if matches!(stop, Stop::Exited(_) | Stop::Killed(_)) {
                 self.by_tid.remove(&tid);
             } else {
-                let _ = self.be.resume(tid, Resume::Run);
+                self.be.steer().resume(tid, Resume::Run);
             }
             return Ok(());
         }
@@ -856,7 +859,7 @@ impl Session {
         } else {
             Resume::Run
         };
-        let _ = self.be.resume(slot.tid(), how);
+        self.be.steer().resume(slot.tid(), how);
     }
 
     fn on_seccomp(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
@@ -865,7 +868,7 @@ impl Session {
             return Ok(());
         };
         if self.slot_mut(task, r).take_rerun() {
-            let _ = self.be.resume(tid, Resume::ToExit);
+            self.be.steer().resume(tid, Resume::ToExit);
             return Ok(());
         }
         self.slot_mut(task, r).count_stop();
@@ -902,13 +905,13 @@ impl Session {
             // This process is being killed by a signal we sent: do not park the thread at
             // a rendezvous; let it return so the signal is delivered.
             ptrace::skip_with_result(&mut regs, -(libc::EINTR as i64));
-            let _ = self.be.set_regs(tid, &regs);
-            let _ = self.be.resume(tid, Resume::Run);
+            self.be.steer().set_regs(tid, &regs);
+            self.be.steer().resume(tid, Resume::Run);
             return Ok(());
         }
         if nr == libc::SYS_munmap as u64 && !self.unmaps_shared(task, &args) {
             // Nothing of ours goes away: a local effect, no meeting.
-            let _ = self.be.resume(tid, Resume::Run);
+            self.be.steer().resume(tid, Resume::Run);
             return Ok(());
         }
         if let Some(clock) = crate::clock::clock_of(nr, &args) {
@@ -931,7 +934,7 @@ impl Session {
             let slot = self.slot_mut(task, r);
             if someone_done {
                 slot.rejoin(regs);
-                let _ = self.be.resume(tid, Resume::ToExit);
+                self.be.steer().resume(tid, Resume::ToExit);
                 return Ok(());
             }
             slot.arrive(regs, Arrival::Syscall { nr, args });
@@ -972,8 +975,8 @@ impl Session {
         crate::data::apply_outputs(&self.be, tid, desc, &args, record.ret, &record.outputs);
         self.stats.bytes_copied += record.outputs.bytes();
         ptrace::skip_with_result(&mut regs, record.ret);
-        let _ = self.be.set_regs(tid, &regs);
-        let _ = self.be.resume(tid, Resume::Run);
+        self.be.steer().set_regs(tid, &regs);
+        self.be.steer().resume(tid, Resume::Run);
         self.slot_mut(task, r).consumed_input(consumed);
         self.trim_inputs(task);
         Ok(true)
@@ -1024,14 +1027,14 @@ impl Session {
             }
             _ => {
                 if args[0] != 0 {
-                    let _ = self.be.write(tid, args[0], &sec.to_le_bytes());
+                    self.be.steer().write(tid, args[0], &sec.to_le_bytes());
                 }
                 sec
             }
         };
         ptrace::skip_with_result(&mut regs, result);
-        let _ = self.be.set_regs(tid, &regs);
-        let _ = self.be.resume(tid, Resume::Run);
+        self.be.steer().set_regs(tid, &regs);
+        self.be.steer().resume(tid, Resume::Run);
     }
 
     /// With LOCKSTEP_CPU_REPORT=PATH (set by `lockstep inject --replica` for its golden
@@ -1052,7 +1055,12 @@ impl Session {
             .collect();
         if !seen.is_empty() {
             let mean = seen.iter().sum::<f64>() / seen.len() as f64;
-            let _ = std::fs::write(path, format!("{{\"cpu_us\": {mean:.0}}}\n"));
+            if let Err(e) = std::fs::write(&path, format!("{{\"cpu_us\": {mean:.0}}}\n")) {
+                eprintln!(
+                    "lockstep run: cannot write the CPU report {}: {e}",
+                    std::path::Path::new(&path).display()
+                );
+            }
         }
     }
 
@@ -1158,7 +1166,7 @@ impl Session {
         self.tasks[child_task].place(r, slot);
         self.by_tid.insert(child, (child_task, r));
         if state == SlotState::Running {
-            let _ = self.be.resume(child, Resume::Run);
+            self.be.steer().resume(child, Resume::Run);
         }
         Ok(())
     }

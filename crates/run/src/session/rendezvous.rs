@@ -563,7 +563,7 @@ impl Session {
                 Command::TranslatePids { replica, nr, args } => self.translate_pid_args(task, replica, nr, &args),
                 Command::SetRegs(r, regs) => {
                     // A failure is recorded by the backend and fails the replica.
-                    let _ = self.be.set_regs(self.slot(task, r).tid(), &regs.0);
+                    self.be.steer().set_regs(self.slot(task, r).tid(), &regs.0);
                 }
                 Command::Resume(r, how, state) => self.resume(task, r, how, state),
                 Command::VoteOut(_) | Command::Halt | Command::Agree { .. } => {
@@ -607,7 +607,7 @@ impl Session {
                         self.slot(task, r).tid(),
                         ptrace::syscall_args(&self.slot(task, r).regs()),
                     );
-                    let _ = self.be.write(tid, own[1], &PR_TSC_ENABLE.to_le_bytes());
+                    self.be.steer().write(tid, own[1], &PR_TSC_ENABLE.to_le_bytes());
                 }
                 0
             }
@@ -640,7 +640,7 @@ impl Session {
         for r in self.live_slots(task) {
             let mut regs = self.slot(task, r).regs();
             ptrace::skip_with_result(&mut regs, result_of(r));
-            let _ = self.be.set_regs(self.slot(task, r).tid(), &regs);
+            self.be.steer().set_regs(self.slot(task, r).tid(), &regs);
             self.resume(task, r, Resume::Run, SlotState::Running);
         }
     }
@@ -675,7 +675,7 @@ impl Session {
                     self.tasks[task].signals.interrupt(Interrupted { nr, regs });
                 }
                 ptrace::rewind_to_syscall(&mut regs, nr);
-                let _ = self.be.set_regs(tid, &regs);
+                self.be.steer().set_regs(tid, &regs);
                 self.tasks[task].end();
                 self.resume(task, r, Resume::Run, SlotState::Running);
                 Ok(())
@@ -695,7 +695,7 @@ impl Session {
                             let ftid = self.slot(task, f).tid();
                             let mut regs = self.slot(task, f).regs();
                             ptrace::skip_with_result(&mut regs, 0);
-                            let _ = self.be.set_regs(ftid, &regs);
+                            self.be.steer().set_regs(ftid, &regs);
                             self.slot_mut(task, f).finish(0);
                         }
                         // Reap exactly the child the leader reaped, whatever finished first here.
@@ -715,7 +715,7 @@ impl Session {
                 if ptrace::is_restart(ret) && !self.tasks[task].signals.kicked() =>
             {
                 ptrace::rewind_to_syscall(&mut regs, nr);
-                let _ = self.be.set_regs(tid, &regs);
+                self.be.steer().set_regs(tid, &regs);
                 self.resume(task, r, Resume::Run, SlotState::Rerun);
                 Ok(())
             }
@@ -727,7 +727,7 @@ impl Session {
             Phase::All { nr, .. } => {
                 if self.tasks[task].signals.kicked() && ptrace::is_restart(ret) {
                     ptrace::rewind_to_syscall(&mut regs, nr);
-                    let _ = self.be.set_regs(tid, &regs);
+                    self.be.steer().set_regs(tid, &regs);
                     self.resume(task, r, Resume::Run, SlotState::Running);
                     return Ok(());
                 }
@@ -737,7 +737,7 @@ impl Session {
             }
             Phase::Collect => {
                 // An exit we did not ask for (e.g. after a rewind race): just go on.
-                let _ = self.be.resume(tid, Resume::Run);
+                self.be.steer().resume(tid, Resume::Run);
                 Ok(())
             }
         }
@@ -930,7 +930,7 @@ impl Session {
                 // Resumed to the exit: the install itself, interrupted (a restart code) or
                 // entering again after its restart (-ENOSYS at a syscall-entry stop).
                 Ok(Some(Stop::SyscallExit)) if self.at_own_install(ftid) => {
-                    let _ = self.be.resume(ftid, how);
+                    self.be.steer().resume(ftid, how);
                 }
                 // Another syscall instead of the install: its registers were corrupted (it
                 // did not restart the call). Faulty; it must not run anything unsupervised.
@@ -945,10 +945,10 @@ impl Session {
                 // An asynchronous signal is suppressed here as everywhere in a follower: the
                 // leader's copy is delivered to every replica at the same point.
                 Ok(Some(Stop::Signal(_))) => {
-                    let _ = self.be.resume(ftid, how);
+                    self.be.steer().resume(ftid, how);
                 }
                 Ok(Some(_)) => {
-                    let _ = self.be.resume(ftid, Resume::Run);
+                    self.be.steer().resume(ftid, Resume::Run);
                 }
                 _ => {}
             }
@@ -1021,7 +1021,7 @@ impl Session {
         let ftid = self.slot(task, f).tid();
         let mut regs = self.slot(task, f).regs();
         regs.orig_rax = SYS_LOCKSTEP_INSTALL;
-        let _ = self.be.set_regs(ftid, &regs);
+        self.be.steer().set_regs(ftid, &regs);
         // To the install's exit: a reply alone does not prove that the install ended (a
         // signal that comes with the reply makes the kernel restart the call), and signals
         // the leader took at this call reach the follower there, not before (a pending
@@ -1059,7 +1059,7 @@ impl Session {
             match self.await_install_exit(ftid)? {
                 Ok(true) => break,
                 Ok(false) => {
-                    let _ = self.be.resume(ftid, Resume::ToExit);
+                    self.be.steer().resume(ftid, Resume::ToExit);
                 }
                 Err(death) => return Ok(Some(death)),
             }
@@ -1107,7 +1107,7 @@ impl Session {
                 }
                 Ok(Stop::Seccomp) => return Ok(Err(self.kill_stray(ftid))),
                 Ok(_) => {
-                    let _ = self.be.resume(ftid, Resume::ToExit);
+                    self.be.steer().resume(ftid, Resume::ToExit);
                 }
                 Err(_) => return Ok(Err(self.death_of(ftid).unwrap_or(Death::Killed(libc::SIGKILL)))),
             }
@@ -1122,7 +1122,7 @@ impl Session {
                 Ok(lockstep_trace::Stop::Exited(code)) => return Some(Death::Exited(code)),
                 Ok(lockstep_trace::Stop::Killed(sig)) => return Some(Death::Killed(sig)),
                 Ok(_) => {
-                    let _ = self.be.resume(tid, Resume::Run);
+                    self.be.steer().resume(tid, Resume::Run);
                 }
                 Err(_) => return None,
             }
@@ -1279,7 +1279,7 @@ impl Session {
             match random {
                 None => random = self.be.read_vec(tid, at_random, 16).ok(),
                 Some(ref bytes) => {
-                    let _ = self.be.write(tid, at_random, bytes);
+                    self.be.steer().write(tid, at_random, bytes);
                 }
             }
         }
@@ -1317,7 +1317,7 @@ impl Session {
             regs.rsi = pid as u64;
             regs.r10 &= no_hang;
         }
-        let _ = self.be.set_regs(tid, &regs);
+        self.be.steer().set_regs(tid, &regs);
     }
 
     /// Pid arguments are logical; a re-integrated replica may use other numbers.
@@ -1355,7 +1355,7 @@ impl Session {
             }
         }
         if changed {
-            let _ = self.be.set_regs(tid, &regs);
+            self.be.steer().set_regs(tid, &regs);
         }
     }
 
@@ -1420,7 +1420,7 @@ impl Session {
                         .be
                         .event_msg(stid)
                         .map_err(|e| Error::Io("PTRACE_GETEVENTMSG", e))? as Tid;
-                    let _ = self.be.resume(stid, Resume::ToExit);
+                    self.be.steer().resume(stid, Resume::ToExit);
                 }
                 // The failed fork's exit, then (after the signal) the retried fork's entry,
                 // which a syscall stop shows with -ENOSYS in rax.
@@ -1433,7 +1433,7 @@ impl Session {
                         }) =>
                 {
                     tries += 1;
-                    let _ = self.be.resume(stid, Resume::ToExit);
+                    self.be.steer().resume(stid, Resume::ToExit);
                 }
                 lockstep_trace::Stop::SyscallExit => break,
                 lockstep_trace::Stop::Signal(sig) => {
@@ -1441,13 +1441,13 @@ impl Session {
                     if source == self.replicas.leader() {
                         self.async_signal(task, sig);
                     }
-                    let _ = self.be.resume(stid, Resume::ToExit);
+                    self.be.steer().resume(stid, Resume::ToExit);
                 }
                 lockstep_trace::Stop::Exited(_) | lockstep_trace::Stop::Killed(_) => {
                     return Err(Stopped::Failure(Error::Setup("the re-integration source died".into())))
                 }
                 _ => {
-                    let _ = self.be.resume(stid, Resume::ToExit);
+                    self.be.steer().resume(stid, Resume::ToExit);
                 }
             }
         }
@@ -1456,7 +1456,7 @@ impl Session {
         // the fork now), and so does the new replica.
         let mut rewound = saved;
         ptrace::rewind_to_syscall(&mut rewound, nr);
-        let _ = self.be.set_regs(stid, &rewound);
+        self.be.steer().set_regs(stid, &rewound);
         if child <= 0 || local_pid <= 0 {
             // A signal of the source's own that came during every try (ERESTARTNOINTR)
             // only postpones it to the next meeting; anything else ends the attempts.
@@ -1482,7 +1482,7 @@ impl Session {
             }
         }
         self.early_stops.remove(&child);
-        let _ = self.be.set_regs(child, &rewound);
+        self.be.steer().set_regs(child, &rewound);
         if let Some(cpu) = dead {
             self.be.pin(child, cpu);
         }
@@ -1505,7 +1505,7 @@ impl Session {
             self.arm_next_ring(task);
         }
         self.resume(task, source, Resume::Run, SlotState::Running);
-        let _ = self.be.resume(child, Resume::Run);
+        self.be.steer().resume(child, Resume::Run);
         self.stats.reintegrations += 1;
         let rss = self
             .be

@@ -151,7 +151,7 @@ impl Session {
             let mut regs = self.slot(task, f).regs();
             let Some(bytes) = copy.clone() else {
                 lockstep_trace::ptrace::skip_with_result(&mut regs, ret);
-                let _ = self.be.set_regs(ftid, &regs);
+                self.be.steer().set_regs(ftid, &regs);
                 self.raise_mirrored(task, f);
                 self.resume(task, f, Resume::Run, SlotState::Running);
                 continue;
@@ -161,7 +161,7 @@ impl Session {
             regs.r10 = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE) as u64;
             regs.r8 = u64::MAX;
             regs.r9 = 0;
-            let _ = self.be.set_regs(ftid, &regs);
+            self.be.steer().set_regs(ftid, &regs);
             let signals = self.tasks[task].signals.mirror();
             self.slot_mut(task, f).signals.stand_in(StandIn {
                 restore: None,
