@@ -23,28 +23,7 @@ export LOCKSTEP_SEI_DIR=$OUT/sei
 gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include $EX/kv_single.c $EX/kv_net.c $EX/kv_store.c \
     -pthread -o "$OUT/kv_native"
 python3 $EX/kv_client.py gen-trace 200 11 > "$OUT/trace.txt"
-port=24000
-for fault in ${FAULTS:-reg dest mem ip}; do
-    for cfg in "${CONFIGS[@]}"; do
-        cell="$OUT/kv-$fault-$cfg"
-        port=$((port + 10))
-        if [ -f "$cell/summary.json" ] && [ "$(wc -l < "$cell/results.jsonl")" -ge "$RUNS" ]; then
-            continue
-        fi
-        case $cfg in
-            native) server=("$OUT/kv_native");;
-            ecc) server=(env SEI_MODE=ecc "$OUT/kv_sei");;
-            dup) server=(env SEI_MODE=dup "$OUT/kv_sei");;
-        esac
-        echo "== kv $fault $cfg: $(date +%T)" >&2
-        "$L" inject --fault "$fault" --runs "$RUNS" --seed 11 -j 2 --timeout 2 --out "$cell" \
-            --server --port "$port" \
-            --client "python3 $PWD/$EX/kv_client.py --port {port} --crc trace $OUT/trace.txt" \
-            -- "${server[@]}" --port '{port}' --crc > "$cell.log" 2>&1 || {
-            echo "campaign $cell failed; see $cell.log" >&2
-            exit 1
-        }
-        cp "$OUT/commit" "$cell/commit"
-    done
-done
+. bench/sei_campaign.sh
+sei_cells kv "${FAULTS:-reg dest mem ip}" 24000 "$OUT/kv_native" "$OUT/kv_sei" \
+    "python3 $PWD/$EX/kv_client.py --port {port} --crc trace $OUT/trace.txt" --crc
 python3 bench/inject_eval_table.py "$OUT"

@@ -26,28 +26,7 @@ OUT=${OUT:-$PWD/target/sei-ledger-eval}
 export LOCKSTEP_SEI_DIR=$OUT/sei
 "$L" cc -O2 -Wall -Wextra -Werror bench/sei_ledger_server.c -o "$OUT/ledger_sei"
 gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include bench/sei_ledger_server.c -o "$OUT/ledger_native"
-port=25000
-for fault in ${FAULTS:-reg dest mem}; do
-    for cfg in "${CONFIGS[@]}"; do
-        cell="$OUT/ledger-$fault-$cfg"
-        port=$((port + 10))
-        if [ -f "$cell/summary.json" ] && [ "$(wc -l < "$cell/results.jsonl")" -ge "$RUNS" ]; then
-            continue
-        fi
-        case $cfg in
-            native) server=("$OUT/ledger_native");;
-            ecc) server=(env SEI_MODE=ecc "$OUT/ledger_sei");;
-            dup) server=(env SEI_MODE=dup "$OUT/ledger_sei");;
-        esac
-        echo "== ledger $fault $cfg: $(date +%T)" >&2
-        "$L" inject --fault "$fault" --runs "$RUNS" --seed 11 -j 2 --timeout 2 --out "$cell" \
-            --server --port "$port" \
-            --client "python3 $PWD/bench/sei_ledger_client.py --port {port} --batches 1000 --seed 1 --pipeline 8" \
-            -- "${server[@]}" --port '{port}' > "$cell.log" 2>&1 || {
-            echo "campaign $cell failed; see $cell.log" >&2
-            exit 1
-        }
-        cp "$OUT/commit" "$cell/commit"
-    done
-done
+. bench/sei_campaign.sh
+sei_cells ledger "${FAULTS:-reg dest mem}" 25000 "$OUT/ledger_native" "$OUT/ledger_sei" \
+    "python3 $PWD/bench/sei_ledger_client.py --port {port} --batches 1000 --seed 1 --pipeline 8"
 python3 bench/inject_eval_table.py "$OUT"

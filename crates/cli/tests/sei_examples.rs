@@ -7,13 +7,12 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+mod sei_server;
+use sei_server::{compile, repo, Build, Server};
 
 fn examples() -> PathBuf {
     repo().join("sei/examples")
@@ -26,12 +25,6 @@ fn work_dir() -> &'static Path {
         std::fs::create_dir_all(&dir).unwrap();
         dir
     })
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Build {
-    Hardened,
-    Native,
 }
 
 /// Builds kv_single or kv_threads, once per variant and test process.
@@ -48,91 +41,15 @@ fn server_binary(name: &str, build: Build) -> PathBuf {
         dir.join("kv_net.c"),
         dir.join("kv_store.c"),
     ];
-    let mut cmd = match build {
-        Build::Hardened => {
-            let mut c = Command::new(env!("CARGO_BIN_EXE_lockstep"));
-            c.arg("cc").env("LOCKSTEP_SEI_DIR", work_dir().join("sei"));
-            c
-        }
-        Build::Native => {
-            let mut c = Command::new("gcc");
-            c.arg("-DSEI_NATIVE")
-                .arg("-I")
-                .arg(repo().join("sei/include"))
-                .arg("-pthread");
-            c
-        }
-    };
-    let result = cmd
-        .args(["-O2", "-Wall", "-Wextra", "-Werror"])
-        .args(&sources)
-        .arg("-o")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        result.status.success(),
-        "building {name} {build:?}: {}",
-        String::from_utf8_lossy(&result.stderr)
-    );
+    compile(&sources, build, work_dir(), &out);
     out
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind(("127.0.0.1", 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A running server, killed on drop.
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Server {
-    fn start(name: &str, build: Build, args: &[&str], env: &[(&str, &str)]) -> Server {
-        let port = free_port();
-        let child = Command::new(server_binary(name, build))
-            .arg("--port")
-            .arg(port.to_string())
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "{name} did not open port {port}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Server { child, port }
-    }
-
-    /// Stops the server and returns its stderr and exit status (None: killed by us).
-    fn stop(mut self) -> (String, Option<i32>) {
-        let status = match self.child.try_wait().unwrap() {
-            Some(s) => s.code(),
-            None => {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                None
-            }
-        };
-        let mut err = String::new();
-        self.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-        (err, status)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts example server `name` with `args` and `env` on a port of its own.
+fn start_server(name: &str, build: Build, args: &[&str], env: &[(&str, &str)]) -> Server {
+    let mut cmd = Command::new(server_binary(name, build));
+    cmd.args(args).envs(env.iter().copied());
+    Server::start(cmd)
 }
 
 /// Runs a command to completion (60 s at most), collecting its output as it comes.
@@ -225,7 +142,7 @@ fn every_server_variant_passes_the_functional_check_with_and_without_crcs() {
                 continue;
             }
             let env: Vec<(&str, &str)> = mode.map(|m| vec![("SEI_MODE", m)]).unwrap_or_default();
-            let plain = Server::start(name, build, args, &env);
+            let plain = start_server(name, build, args, &env);
             let out = kv_client(plain.port, &["check"]);
             assert_eq!(
                 out.status.code(),
@@ -235,7 +152,7 @@ fn every_server_variant_passes_the_functional_check_with_and_without_crcs() {
             );
             assert!(text(&out.stdout).starts_with("ok: 614 checks"));
             let crc_args: Vec<&str> = args.iter().copied().chain(["--crc"]).collect();
-            let checked = Server::start(name, build, &crc_args, &env);
+            let checked = start_server(name, build, &crc_args, &env);
             let out = kv_client(checked.port, &["--crc", "check"]);
             assert_eq!(
                 out.status.code(),
@@ -257,7 +174,7 @@ fn hardened_and_native_servers_give_identical_replies_to_a_trace() {
     let mut replies = Vec::new();
     for (name, build, args) in VARIANTS {
         let crc_args: Vec<&str> = args.iter().copied().chain(["--crc"]).collect();
-        let server = Server::start(name, build, &crc_args, &[]);
+        let server = start_server(name, build, &crc_args, &[]);
         let out = kv_client(server.port, &["--crc", "trace", trace.to_str().unwrap()]);
         assert_eq!(out.status.code(), Some(0), "{name} {build:?}: {}", text(&out.stderr));
         replies.push(out.stdout);
@@ -286,7 +203,7 @@ assert all(c.get("k%d" % i) == str(i).encode() * 10 for i in range(200))
 print("pymemcache ok")
 "#;
     for (name, build, args) in VARIANTS {
-        let server = Server::start(name, build, args, &[]);
+        let server = start_server(name, build, args, &[]);
         // Debian's pymemcache is installed for the system interpreter
         let out = run(Command::new("/usr/bin/python3")
             .arg("-c")
@@ -299,7 +216,7 @@ print("pymemcache ok")
 
 #[test]
 fn libmemcached_tools_copy_read_and_remove_through_the_hardened_server() {
-    let server = Server::start("kv_threads", Build::Hardened, &["--threads", "2"], &[]);
+    let server = start_server("kv_threads", Build::Hardened, &["--threads", "2"], &[]);
     let servers = format!("--servers=127.0.0.1:{}", server.port);
     let file = work_dir().join("payload.txt");
     std::fs::write(&file, "a value copied by memccp\n").unwrap();
@@ -322,7 +239,7 @@ fn a_reply_corrupted_after_validation_is_rejected_by_the_client() {
     let trace = work_dir().join("trace-corrupt.txt");
     std::fs::write(&trace, kv_client(0, &["gen-trace", "50", "3"]).stdout).unwrap();
     for build in [Build::Hardened, Build::Native] {
-        let server = Server::start("kv_single", build, &["--crc"], &[("KV_TEST_CORRUPT_REPLY", "7")]);
+        let server = start_server("kv_single", build, &["--crc"], &[("KV_TEST_CORRUPT_REPLY", "7")]);
         let out = kv_client(server.port, &["--crc", "trace", trace.to_str().unwrap()]);
         assert_eq!(out.status.code(), Some(86), "{build:?}: {}", text(&out.stderr));
         assert!(text(&out.stderr).contains("rejected a reply"), "{}", text(&out.stderr));
@@ -335,11 +252,11 @@ fn a_request_corrupted_on_arrival_is_discarded_and_sent_again() {
     let trace = work_dir().join("trace-resend.txt");
     std::fs::write(&trace, kv_client(0, &["gen-trace", "50", "5"]).stdout).unwrap();
     let golden = {
-        let server = Server::start("kv_single", Build::Hardened, &["--crc"], &[]);
+        let server = start_server("kv_single", Build::Hardened, &["--crc"], &[]);
         kv_client(server.port, &["--crc", "trace", trace.to_str().unwrap()])
     };
     assert_eq!(golden.status.code(), Some(0), "{}", text(&golden.stderr));
-    let server = Server::start(
+    let server = start_server(
         "kv_single",
         Build::Hardened,
         &["--crc"],
@@ -371,7 +288,7 @@ fn exchange(port: u16, request: &[u8], until: &str) -> String {
 
 #[test]
 fn corrupt_requests_are_discarded_and_bad_input_gets_clear_errors() {
-    let server = Server::start("kv_single", Build::Hardened, &["--crc"], &[]);
+    let server = start_server("kv_single", Build::Hardened, &["--crc"], &[]);
     let crc = |b: &[u8]| lockstep_core::crc32c(b);
     let set = b"set k 0 0 2\r\nhi\r\n";
     // the request's CRC is off by one bit: discarded, the state is unchanged
@@ -409,7 +326,7 @@ fn corrupt_requests_are_discarded_and_bad_input_gets_clear_errors() {
     let (stderr, status) = server.stop();
     assert_eq!(status, None, "the server died: {stderr}");
 
-    let plain = Server::start("kv_single", Build::Hardened, &[], &[]);
+    let plain = start_server("kv_single", Build::Hardened, &[], &[]);
     assert_eq!(exchange(plain.port, b"bogus\r\n", "\r\n"), "ERROR\r\n");
     let long = [vec![b'g'; 5000], b"\r\n".to_vec()].concat();
     assert_eq!(
@@ -446,7 +363,7 @@ fn a_bad_server_argument_is_a_usage_error() {
 fn the_threaded_server_survives_a_concurrent_load_in_both_modes() {
     for mode in ["ecc", "dup"] {
         for size in ["8", "1024"] {
-            let server = Server::start(
+            let server = start_server(
                 "kv_threads",
                 Build::Hardened,
                 &["--threads", "2"],
@@ -490,7 +407,7 @@ fn the_c_and_python_clients_pass_the_functional_check_against_the_hardened_serve
         let crc_args: Vec<&str> = args.iter().copied().chain(["--crc"]).collect();
         for which in CLIENTS {
             for pipeline in ["1", "32"] {
-                let server = Server::start(name, Build::Hardened, &crc_args, &[]);
+                let server = start_server(name, Build::Hardened, &crc_args, &[]);
                 let out = client(which, server.port, &["--crc", "--pipeline", pipeline, "check"]);
                 assert_eq!(
                     out.status.code(),
@@ -504,7 +421,7 @@ fn the_c_and_python_clients_pass_the_functional_check_against_the_hardened_serve
             }
         }
         // without --crc, the same clients speak plain memcached
-        let server = Server::start(name, Build::Hardened, args, &[]);
+        let server = start_server(name, Build::Hardened, args, &[]);
         let out = kv_cli(server.port, &["--pipeline", "16", "check"]);
         assert_eq!(out.status.code(), Some(0), "{name} plain: {}", text(&out.stderr));
     }
@@ -518,7 +435,7 @@ fn the_c_and_python_clients_give_the_same_replies_to_a_trace() {
     let mut outputs = Vec::new();
     for which in CLIENTS {
         for pipeline in ["1", "25"] {
-            let server = Server::start("kv_threads", Build::Hardened, &["--threads", "2", "--crc"], &[]);
+            let server = start_server("kv_threads", Build::Hardened, &["--threads", "2", "--crc"], &[]);
             let out = client(
                 which,
                 server.port,
@@ -616,7 +533,7 @@ fn a_reply_whose_crc_covers_another_request_is_rejected() {
         ("kv_threads", &["--threads", "2", "--crc"][..]),
     ] {
         for which in CLIENTS {
-            let server = Server::start(name, Build::Hardened, args, &[("KV_TEST_SKIP_REQUEST", "15")]);
+            let server = start_server(name, Build::Hardened, args, &[("KV_TEST_SKIP_REQUEST", "15")]);
             let out = client(
                 which,
                 server.port,
@@ -670,7 +587,7 @@ fn a_pipeline_cut_at_a_corrupt_request_runs_in_the_original_order_after_the_rese
                 if !corrupt_at_server {
                     flags.extend(["--corrupt-crc", "4"]);
                 }
-                let server = Server::start(name, Build::Hardened, args, env);
+                let server = start_server(name, Build::Hardened, args, env);
                 let what = format!("{name} {which:?} corrupted in the server: {corrupt_at_server}");
                 let out = client(which, server.port, &[flags.as_slice(), &["trace", trace]].concat());
                 assert_eq!(out.status.code(), Some(0), "{what}: {}", text(&out.stderr));
@@ -702,7 +619,7 @@ fn a_discarded_noreply_request_is_sent_again_with_the_next_pipeline() {
     std::fs::write(&trace, "set a 1\nset a 2 noreply\nget a\ndelete a noreply\nget a\n").unwrap();
     for which in CLIENTS {
         for nth in ["2", "4"] {
-            let server = Server::start(
+            let server = start_server(
                 "kv_single",
                 Build::Hardened,
                 &["--crc"],

@@ -7,14 +7,13 @@
 //! The wire format is in the server's header comment.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+mod sei_server;
+use sei_server::{compile, repo, Build, Server};
 
 fn work_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("lockstep-sei-ledger-{}", std::process::id()));
@@ -25,67 +24,18 @@ fn work_dir() -> PathBuf {
 /// Builds the server natively or hardened, with the flags the campaign uses.
 fn build(hardened: bool) -> PathBuf {
     let out = work_dir().join(if hardened { "ledger_sei" } else { "ledger_native" });
-    let mut cmd = if hardened {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_lockstep"));
-        c.arg("cc").env("LOCKSTEP_SEI_DIR", work_dir().join("sei"));
-        c
-    } else {
-        let mut c = Command::new("gcc");
-        c.arg("-DSEI_NATIVE").arg("-I").arg(repo().join("sei/include"));
-        c
-    };
-    let result = cmd
-        .args(["-O2", "-Wall", "-Wextra", "-Werror"])
-        .arg(repo().join("bench/sei_ledger_server.c"))
-        .arg("-o")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        result.status.success(),
-        "building the ledger server (hardened: {hardened}): {}",
-        String::from_utf8_lossy(&result.stderr)
-    );
+    let how = if hardened { Build::Hardened } else { Build::Native };
+    compile(&[repo().join("bench/sei_ledger_server.c")], how, &work_dir(), &out);
     out
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind(("127.0.0.1", 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A running server, killed on drop.
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Server {
-    fn start(binary: &Path, mode: Option<&str>) -> Server {
-        let port = free_port();
-        let mut cmd = Command::new(binary);
-        cmd.arg("--port").arg(port.to_string());
-        if let Some(mode) = mode {
-            cmd.env("SEI_MODE", mode);
-        }
-        let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "the ledger server did not open port {port}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Server { child, port }
+/// The ledger server `binary` in SEI_MODE `mode` on a port of its own.
+fn start_server(binary: &Path, mode: Option<&str>) -> Server {
+    let mut cmd = Command::new(binary);
+    if let Some(mode) = mode {
+        cmd.env("SEI_MODE", mode);
     }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    Server::start(cmd)
 }
 
 /// The client's run against port: 20 batches of seed 5, checked against its model.
@@ -135,7 +85,7 @@ fn the_ledger_server_serves_alike_native_and_hardened_and_resends_a_discarded_re
     let hardened = build(true);
     let mut outputs = Vec::new();
     for (binary, mode) in [(&native, None), (&hardened, Some("ecc")), (&hardened, Some("dup"))] {
-        let server = Server::start(binary, mode);
+        let server = start_server(binary, mode);
         let out = client(server.port, &[]);
         assert!(String::from_utf8_lossy(&out.stderr).contains(" 0 discarded"));
         outputs.push((mode, out.stdout));
@@ -161,7 +111,7 @@ fn the_ledger_server_serves_alike_native_and_hardened_and_resends_a_discarded_re
     // The 3rd frame's CRC is wrong: the hardened server discards it and runs nothing
     // after it on the connection; the client resends from there, and the replies and
     // the state are those of the run without the fault.
-    let server = Server::start(&hardened, Some("dup"));
+    let server = start_server(&hardened, Some("dup"));
     let out = client(server.port, &["--corrupt-crc", "3"]);
     assert!(
         String::from_utf8_lossy(&out.stderr).contains(" 1 discarded"),

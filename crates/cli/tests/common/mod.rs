@@ -389,33 +389,31 @@ pub fn spawn(mut cmd: Command) -> Running {
     }
 }
 
+/// Appends to `buf` what `rx` holds now, without waiting; clears `open` once the sender is
+/// gone. Returns whether anything arrived.
+fn drain(rx: &Receiver<Vec<u8>>, open: &mut bool, buf: &mut Vec<u8>) -> bool {
+    let mut got = false;
+    while *open {
+        match rx.try_recv() {
+            Ok(b) => {
+                buf.extend_from_slice(&b);
+                got = true;
+            }
+            Err(mpsc::TryRecvError::Empty) => break,
+            Err(mpsc::TryRecvError::Disconnected) => *open = false,
+        }
+    }
+    got
+}
+
 impl Running {
     /// Moves whatever output arrived into `stdout`/`stderr`, waiting at most `wait`.
     fn pump(&mut self, wait: Duration) {
         let deadline = Instant::now() + wait;
         loop {
-            let mut got = false;
-            while self.out_open {
-                match self.out_rx.try_recv() {
-                    Ok(b) => {
-                        self.stdout.extend_from_slice(&b);
-                        got = true;
-                    }
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => self.out_open = false,
-                }
-            }
-            while self.err_open {
-                match self.err_rx.try_recv() {
-                    Ok(b) => {
-                        self.stderr.extend_from_slice(&b);
-                        got = true;
-                    }
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => self.err_open = false,
-                }
-            }
-            if got || Instant::now() >= deadline || (!self.out_open && !self.err_open) {
+            let got_out = drain(&self.out_rx, &mut self.out_open, &mut self.stdout);
+            let got_err = drain(&self.err_rx, &mut self.err_open, &mut self.stderr);
+            if got_out || got_err || Instant::now() >= deadline || (!self.out_open && !self.err_open) {
                 return;
             }
             // Block briefly on stdout (the interesting one).
