@@ -1,7 +1,8 @@
 """Helpers shared by the bench scripts bench/fast_bench.py and bench/nginx_bench.py: the
 repository root and lockstep binary, the list of anomalies a run collects (and its markdown
 section), the process groups a script starts (each child in a session of its own) and their
-clean-up, running a command with a timeout, and small formatting and lookup helpers.
+clean-up, running a command with a timeout, lockstep --stats parsing, and small formatting
+and lookup helpers.
 
 The anomaly list (ANOMALIES) and the sets of process groups (LIVE_PGIDS, ALL_PGIDS) live
 here, once per process: the scripts read them as benchproc.ANOMALIES etc. Standard library
@@ -232,3 +233,20 @@ def fmt(x, spec):
 
 def pct(x, digits=1):
     return "n/a" if x is None else f"{100 * x:.{digits}f}%"
+
+
+FAST_RE = re.compile(r"fast-path calls:\s+(\d+)")
+INTERCEPTED_RE = re.compile(r"syscalls intercepted:\s+(\d+)")
+
+
+def parse_stats(stderr):
+    """The counts of `lockstep run --stats` on stderr: fast-path calls, intercepted calls and
+    the fast fraction, or None if the run printed no statistics."""
+    f = FAST_RE.search(stderr)
+    i = INTERCEPTED_RE.search(stderr)
+    if not f or not i:
+        return None
+    fast, intercepted = int(f.group(1)), int(i.group(1))
+    total = fast + intercepted
+    return {"fast_path_calls": fast, "intercepted": intercepted,
+            "fast_fraction": fast / total if total else None}

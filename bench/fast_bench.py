@@ -59,26 +59,12 @@ from benchproc import (BIN, ROOT, anomaly, bin_id, check_bin_unchanged, cleanup_
                        read_file, reap, run, sh, spawn, tail)
 
 SRC = os.path.join(ROOT, "bench", "fast_loop.c")
-
-FAST_RE = re.compile(r"fast-path calls:\s+(\d+)")
-INTERCEPTED_RE = re.compile(r"syscalls intercepted:\s+(\d+)")
 NS_RE = re.compile(r"^ns_per_call\s+([0-9.eE+-]+)\s*$", re.M)
-
-
-def parse_stats(stderr):
-    f = FAST_RE.search(stderr)
-    i = INTERCEPTED_RE.search(stderr)
-    if not f or not i:
-        return None
-    fast, intercepted = int(f.group(1)), int(i.group(1))
-    total = fast + intercepted
-    return {"fast_path_calls": fast, "intercepted": intercepted,
-            "fast_fraction": fast / total if total else None}
 
 
 def add_stats(rec, where, cmd, err):
     """Adds lockstep's --stats counters from `err` to `rec`; a missing block is an anomaly."""
-    st = parse_stats(err)
+    st = benchproc.parse_stats(err)
     if st is None:
         anomaly(where, "no --stats counters on lockstep's stderr", cmd, err)
     else:

@@ -57,8 +57,6 @@ CONFIGS = ["native"] + list(OPTIONS)
 
 TPS_RE = re.compile(r"TPS:\s+(\d+)")
 OPS_RE = re.compile(r"Ops:\s+(\d+)")
-FAST_RE = re.compile(r"fast-path calls:\s+(\d+)")
-INTERCEPTED_RE = re.compile(r"syscalls intercepted:\s+(\d+)")
 
 
 def replicas_of(config):
@@ -138,11 +136,7 @@ def one(setup, config, args, tmp, where):
         reap(p)
     err = read_file(err_path)
     if config != "native":
-        f, i = FAST_RE.search(err), INTERCEPTED_RE.search(err)
-        if f and i:
-            fast, intercepted = int(f.group(1)), int(i.group(1))
-            rec.update({"fast_path_calls": fast, "intercepted": intercepted,
-                        "fast_fraction": fast / (fast + intercepted) if fast + intercepted else None})
+        rec.update(benchproc.parse_stats(err) or {})
         if "[divergence]" in err:
             rec["diverged"] = True
             anomaly(where, "divergence reported", cmd, err)

@@ -80,8 +80,6 @@ READY_TIMEOUT = 20       # s until the server must answer GET with 200 and the f
 QUIT_TIMEOUT = 15        # s after SIGQUIT before SIGTERM to the process group
 TERM_TIMEOUT = 5         # s after SIGTERM before SIGKILL
 
-FAST_RE = re.compile(r"fast-path calls:\s+(\d+)")
-INTERCEPTED_RE = re.compile(r"syscalls intercepted:\s+(\d+)")
 LOAD_RE = re.compile(r"^requests (\d+) errors (\d+) seconds ([0-9.]+) rps ([0-9.]+)\s*$", re.M)
 LAT_RE = re.compile(r"latency p50 (\d+) us, p99 (\d+) us, max (\d+) us")
 EVENT_RE = re.compile(r"^lockstep run: \[([\w-]+)\]")
@@ -104,19 +102,14 @@ NOTES = []
 
 
 def parse_stats(stderr):
-    f = FAST_RE.search(stderr)
-    i = INTERCEPTED_RE.search(stderr)
-    if not f or not i:
+    st = benchproc.parse_stats(stderr)
+    if st is None:
         return None
-    fast, intercepted = int(f.group(1)), int(i.group(1))
-    total = fast + intercepted
-    st = {"fast_path_calls": fast, "intercepted": intercepted,
-          "fast_fraction": fast / total if total else None}
     # The per-class breakdown that follows `syscalls intercepted:` (input, output, ...).
     classes = {}
     lines = stderr.splitlines()
     for k, ln in enumerate(lines):
-        if INTERCEPTED_RE.search(ln):
+        if benchproc.INTERCEPTED_RE.search(ln):
             for sub in lines[k + 1:]:
                 m = re.match(r"^\s{4}([a-z-]+)\s+(\d+)\s*$", sub)
                 if not m:

@@ -2,7 +2,18 @@
 # (the key-value example) and bench/sei_ledger_eval.sh (the ledger): one `lockstep inject`
 # campaign per fault model and build, each in its own cell OUT/NAME-FAULT-CONFIG; a cell
 # that already has RUNS results is skipped, a smaller one is extended.
-# Uses L (lockstep), OUT, RUNS and CONFIGS (native ecc dup) from the caller.
+# Source it from the repository's root as `. bench/sei_campaign.sh DIR "$@"`, where the
+# script's arguments are [RUNS] [CONFIGS...] (default 1000, native ecc dup): it sets RUNS,
+# CONFIGS and OUT (default target/DIR), and makes the private lockstep copy L
+# (bench/private_lockstep.sh).
+sei_out_dir=$1
+shift
+RUNS=${1:-1000}
+shift || true
+CONFIGS=("$@")
+[ $# -eq 0 ] && CONFIGS=(native ecc dup)
+OUT=${OUT:-$PWD/target/$sei_out_dir}
+. bench/private_lockstep.sh
 #
 # sei_cells NAME "FAULTS" BASE_PORT NATIVE_BINARY HARDENED_BINARY "CLIENT" [SERVER_ARG...]
 sei_cells() {

@@ -11,19 +11,13 @@
 # skipped and a larger RUNS extends them, as in bench/inject_eval.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUNS=${1:-1000}
-shift || true
-CONFIGS=("$@")
-[ $# -eq 0 ] && CONFIGS=(native ecc dup)
-OUT=${OUT:-$PWD/target/sei-eval}
-. bench/private_lockstep.sh
+. bench/sei_campaign.sh sei-eval "$@"
 EX=sei/examples
 export LOCKSTEP_SEI_DIR=$OUT/sei
 "$L" cc -O2 -Wall -Wextra -Werror $EX/kv_single.c $EX/kv_net.c $EX/kv_store.c -o "$OUT/kv_sei"
 gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include $EX/kv_single.c $EX/kv_net.c $EX/kv_store.c \
     -pthread -o "$OUT/kv_native"
 python3 $EX/kv_client.py gen-trace 200 11 > "$OUT/trace.txt"
-. bench/sei_campaign.sh
 sei_cells kv "${FAULTS:-reg dest mem ip}" 24000 "$OUT/kv_native" "$OUT/kv_sei" \
     "python3 $PWD/$EX/kv_client.py --port {port} --crc trace $OUT/trace.txt" --crc
 python3 bench/inject_eval_table.py "$OUT"

@@ -17,16 +17,10 @@
 # are skipped and a larger RUNS extends them, as in bench/inject_eval.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUNS=${1:-1000}
-shift || true
-CONFIGS=("$@")
-[ $# -eq 0 ] && CONFIGS=(native ecc dup)
-OUT=${OUT:-$PWD/target/sei-ledger-eval}
-. bench/private_lockstep.sh
+. bench/sei_campaign.sh sei-ledger-eval "$@"
 export LOCKSTEP_SEI_DIR=$OUT/sei
 "$L" cc -O2 -Wall -Wextra -Werror bench/sei_ledger_server.c -o "$OUT/ledger_sei"
 gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include bench/sei_ledger_server.c -o "$OUT/ledger_native"
-. bench/sei_campaign.sh
 sei_cells ledger "${FAULTS:-reg dest mem}" 25000 "$OUT/ledger_native" "$OUT/ledger_sei" \
     "python3 $PWD/bench/sei_ledger_client.py --port {port} --batches 1000 --seed 1 --pipeline 8"
 python3 bench/inject_eval_table.py "$OUT"

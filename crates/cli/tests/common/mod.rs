@@ -117,30 +117,26 @@ pub fn unique_marker(tag: &str) -> String {
 }
 
 /// gcc flags for each C fixture (on top of `-O1 -Wall -Wextra -Werror`).
+/// A static program with no libc: its syscalls are exactly the ones its source makes.
+const FREESTANDING: &[&str] = &[
+    "-static",
+    "-nostdlib",
+    "-ffreestanding",
+    "-fno-stack-protector",
+    "-fno-pie",
+    "-no-pie",
+];
+
 pub fn fixture_flags(name: &str) -> &'static [&'static str] {
     match name {
         // freestanding + static: the syscall sequence is exactly execve, 20 writes, exit_group
-        "flip_target" => &[
-            "-static",
-            "-nostdlib",
-            "-ffreestanding",
-            "-fno-stack-protector",
-            "-fno-pie",
-            "-no-pie",
-        ],
+        "flip_target" => FREESTANDING,
         "threads" | "lanes" | "sync_order" => &["-pthread"],
         // Static: a short, fixed list of intercepted syscalls (msync is stop 9).
         "shared_counter" => &["-static"],
         // Static: the main thread's write of "main\n" is its 9th intercepted stop.
         "leader_dies_mid_call" => &["-static", "-pthread"],
-        "trace_user" | "io_copy" | "outcome" | "step_target" => &[
-            "-static",
-            "-nostdlib",
-            "-ffreestanding",
-            "-fno-stack-protector",
-            "-fno-pie",
-            "-no-pie",
-        ],
+        "trace_user" | "io_copy" | "outcome" | "step_target" => FREESTANDING,
         _ => &[],
     }
 }
