@@ -18,6 +18,15 @@ fn golden_of(argv: &[String]) -> Golden {
     Golden::of(&o)
 }
 
+/// `lockstep run OPTIONS -- FIXTURE`, as the target of a campaign.
+fn lockstep_run_argv(options: &[&str], fixture_name: &str) -> Vec<String> {
+    let mut v = vec![env!("CARGO_BIN_EXE_lockstep").to_string(), "run".to_string()];
+    v.extend(options.iter().map(|o| o.to_string()));
+    v.push("--".to_string());
+    v.extend(argv(fixture_name, &[]));
+    v
+}
+
 fn argv(name: &str, args: &[&str]) -> Vec<String> {
     let mut v = vec![fixture(name).to_string_lossy().into_owned()];
     v.extend(args.iter().map(|s| s.to_string()));
@@ -613,19 +622,7 @@ fn a_time_based_replica_fault_strikes_the_thread_that_uses_the_cpu() {
 #[test]
 fn a_follower_that_faults_during_a_descriptor_install_is_voted_out_without_a_hang() {
     let out = scratch_dir("install-fault");
-    let mut target = vec![
-        env!("CARGO_BIN_EXE_lockstep").to_string(),
-        "run".into(),
-        "--backend".into(),
-        "ptrace".into(),
-        "-r".into(),
-        "3".into(),
-        "-q".into(),
-        "--timeout".into(),
-        "1".into(),
-        "--".into(),
-    ];
-    target.extend(argv("open_loop", &[]));
+    let target = lockstep_run_argv(&["--backend", "ptrace", "-r", "3", "-q", "--timeout", "1"], "open_loop");
     let opts = [
         "--fault",
         "ip",
@@ -786,15 +783,7 @@ fn replica_faults_at_exact_steps_replay_exactly() {
     // is about to store rdx. Under -r 2 a fault there is detected or harmless, and the
     // replay of each record must end the same way.
     let out = scratch_dir("replica-replay");
-    let mut target = vec![
-        env!("CARGO_BIN_EXE_lockstep").to_string(),
-        "run".into(),
-        "-r".into(),
-        "2".into(),
-        "-q".into(),
-        "--".into(),
-    ];
-    target.extend(argv("step_target", &[]));
+    let target = lockstep_run_argv(&["-r", "2", "-q"], "step_target");
     let opts = [
         "--fault",
         "mixed",
