@@ -25,6 +25,12 @@ pub fn one_line(e: &clap::Error) -> String {
     format!("lockstep: {} (see --help)", parts.join(" "))
 }
 
+/// How long to wait for a straggler or a hung run (`run --timeout`, `inject --timeout`):
+/// from 1 ms to 1 day.
+pub fn timeout() -> impl Fn(&str) -> Result<Duration, String> + Clone {
+    duration_in(Duration::from_millis(1), Duration::from_secs(86_400))
+}
+
 /// A count within `[min, max]`, for `usize` options (clap's `range` is for u64 and i64).
 pub fn usize_in(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(min..=max)

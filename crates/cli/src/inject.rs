@@ -10,7 +10,6 @@ use lockstep_inject::target::{Plan, Point};
 use lockstep_inject::{report, stats};
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::time::Duration;
 
 const AFTER_HELP: &str = "\
 How it works:
@@ -209,7 +208,7 @@ pub fn main(a: InjectArgs) -> i32 {
     };
     let timeout = match a.timeout.as_str() {
         "auto" => None,
-        s => match crate::args::duration_in(Duration::from_millis(1), Duration::from_secs(86_400))(s) {
+        s => match crate::args::timeout()(s) {
             Ok(d) => Some(d),
             Err(e) => {
                 return usage(&format!(

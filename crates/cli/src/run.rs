@@ -98,7 +98,7 @@ pub struct RunArgs {
     /// declared faulty (TMR) or the run halts (DMR): seconds, or with a unit (500ms, 1m);
     /// from 1ms to 1 day.
     #[arg(long, default_value = "10", value_name = "SECS",
-          value_parser = crate::args::duration_in(Duration::from_millis(1), Duration::from_secs(86_400)))]
+          value_parser = crate::args::timeout())]
     timeout: Duration,
 
     /// Write one JSON object per event (divergence, vote, re-integration, ...) to FILE.

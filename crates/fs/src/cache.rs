@@ -1188,8 +1188,8 @@ mod tests {
         cache_with(tag, verify, 1 << 20)
     }
 
-    /// A small deterministic generator for picking pages and bits.
-    fn lcg(seed: u64) -> impl FnMut() -> u64 {
+    /// The seeded generator as the closure `inject_flips` takes, for picking pages and bits.
+    fn rand_fn(seed: u64) -> impl FnMut() -> u64 {
         let mut rng = lockstep_core::rng::Rng::new(seed);
         move || rng.next_u64()
     }
@@ -1246,7 +1246,7 @@ mod tests {
         let a = pattern(8192, 4);
         c.write(1, 0, &a).unwrap();
         c.flush(None, Duration::ZERO).unwrap();
-        assert_eq!(c.inject_flips(1, Some(false), lcg(7)), 1);
+        assert_eq!(c.inject_flips(1, Some(false), rand_fn(7)), 1);
         assert_eq!(c.read(1, 0, 8192).unwrap(), a);
         assert_eq!(c.stats.clean_detected, 1);
     }
@@ -1258,7 +1258,7 @@ mod tests {
         c.write(1, 0, &a).unwrap();
         c.flush(None, Duration::ZERO).unwrap();
         c.write(1, 0, &pattern(4096, 6)).unwrap();
-        c.inject_flips(1, Some(true), lcg(3));
+        c.inject_flips(1, Some(true), rand_fn(3));
         assert_eq!(c.read(1, 0, 4096), Err(libc::EIO));
         assert_eq!(c.fsync(1), Err(libc::EIO));
         // The disk still has the last good version, not the corrupt one.
@@ -1274,7 +1274,7 @@ mod tests {
         let (mut c, _) = cache("scrub", Verify::None);
         c.write(1, 0, &pattern(40_000, 8)).unwrap();
         c.flush(None, Duration::ZERO).unwrap();
-        c.inject_flips(3, None, lcg(11));
+        c.inject_flips(3, None, rand_fn(11));
         c.scrub(100);
         assert_eq!(c.stats.clean_detected, 3);
         assert_eq!(c.read(1, 0, 40_000).unwrap(), pattern(40_000, 8));

@@ -84,12 +84,14 @@ fn pages_at(slots: usize) -> usize {
     handles_at(slots) + HANDLES * HANDLE
 }
 
-/// Bytes of a region for `slots` pages, or None if that overflows: a slot count read from
-/// a corrupt header must not wrap around into a size that happens to match the file.
+/// The most slots a region may have: far above any machine's memory, and low enough that
+/// the layout arithmetic above cannot overflow.
+const MAX_SLOTS: usize = isize::MAX as usize / (4 * PAGE);
+
+/// Bytes of a region for `slots` pages, or None above MAX_SLOTS: a slot count read from a
+/// corrupt header must not wrap around into a size that happens to match the file.
 fn region_size(slots: usize) -> Option<usize> {
-    let records = slots.checked_mul(RECORD)?.div_ceil(PAGE).checked_mul(PAGE)?;
-    let pages_at = (PAGE + SIZES * RECORD + HANDLES * HANDLE).checked_add(records)?;
-    pages_at.checked_add(slots.checked_mul(PAGE)?)
+    (slots <= MAX_SLOTS).then(|| pages_at(slots) + slots * PAGE)
 }
 
 impl Shared {
