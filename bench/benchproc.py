@@ -1,16 +1,19 @@
-"""Helpers shared by the bench scripts bench/fast_bench.py and bench/nginx_bench.py: the
-repository root and lockstep binary, the list of anomalies a run collects (and its markdown
-section), the process groups a script starts (each child in a session of its own) and their
-clean-up, running a command with a timeout, lockstep --stats parsing, and small formatting
-and lookup helpers.
+"""Helpers shared by the bench scripts (fast_bench.py, nginx_bench.py, memcached_bench.py and
+others): the repository root and lockstep binary, the start and end of a measuring bench
+(its command line and the identity of the run), the list of anomalies a run collects (and
+its markdown section), the process groups a script starts (each child in a session of its
+own) and their clean-up, running a command with a timeout, building a C helper, lockstep
+--stats parsing, and small formatting and lookup helpers.
 
 The anomaly list (ANOMALIES) and the sets of process groups (LIVE_PGIDS, ALL_PGIDS) live
 here, once per process: the scripts read them as benchproc.ANOMALIES etc. Standard library
 only; the scripts import it as `benchproc` (a script's own directory is on sys.path when it
 is run as `python3 bench/SCRIPT.py`, from any directory).
 """
+import argparse
 import json
 import os
+import platform
 import re
 import shlex
 import signal
@@ -250,3 +253,57 @@ def parse_stats(stderr):
     total = fast + intercepted
     return {"fast_path_calls": fast, "intercepted": intercepted,
             "fast_fraction": fast / total if total else None}
+
+
+def bench_start(doc, counts, quick):
+    """The start of a measuring bench. Parses its command line: the positive counts
+    [(option, default, help[, maximum])] (--rounds among them), --out DIR (default
+    bench/out) and --quick (the values in `quick`, by attribute name); checks that the
+    release binary is there and installs the signal clean-up. Returns (args, meta): meta
+    is what the results record about the run (commit, dirty tree, kernel, nproc, the
+    binary's identity), to which bench_end adds the wall time. Says on stderr what runs."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    for option, default, help_, *_ in counts:
+        ap.add_argument(option, type=int, default=default, help=f"{help_} (default {default})")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"), help="results folder (default bench/out)")
+    ap.add_argument("--quick", action="store_true",
+                    help=" ".join(f"--{name.replace('_', '-')} {value}" for name, value in quick.items()))
+    args = ap.parse_args()
+    if args.quick:
+        for name, value in quick.items():
+            setattr(args, name, value)
+    for option, _, _, *maximum in counts:
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value < 1 or (maximum and value > maximum[0]):
+            ap.error(f"{option} must be in 1..{maximum[0]}, not {value}" if maximum
+                     else f"{option} must be positive, not {value}")
+    if not os.access(BIN, os.X_OK):
+        sys.exit(f"{BIN} not found: run `cargo build --release --locked -p lockstep-cli` first")
+    install_signal_cleanup()
+    meta = {"commit": sh(["git", "rev-parse", "--short", "HEAD"]),
+            "dirty": bool(sh(["git", "status", "--porcelain", "--untracked-files=no"])),
+            "uname_r": platform.release(), "nproc": sh(["nproc"]),
+            "lockstep": BIN, "lockstep_binary": bin_id(), "started": time.monotonic()}
+    print(f"{os.path.basename(sys.argv[0])}: commit {meta['commit']}{' (dirty)' if meta['dirty'] else ''}, "
+          f"kernel {meta['uname_r']}, nproc {meta['nproc']}, rounds {args.rounds}", file=sys.stderr, flush=True)
+    return args, meta
+
+
+def bench_end(meta):
+    """After the last measurement: kills what is left of the bench's processes, checks that
+    the binary did not change under it, and records the date and the wall time."""
+    kill_leftovers()
+    check_bin_unchanged(meta["lockstep_binary"])
+    meta["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    meta["wall_seconds"] = time.monotonic() - meta.pop("started")
+
+
+def build_c(source, out, *flags):
+    """gcc -O2 -Wall -Wextra -Werror source -o out; ends the bench with gcc's messages if
+    the build fails."""
+    cc = subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", *flags, "-o", out, source],
+                        capture_output=True, text=True)
+    if cc.returncode != 0:
+        sys.exit(f"gcc {source} failed:\n" + cc.stderr)
+    return out

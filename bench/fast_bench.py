@@ -40,12 +40,10 @@ bench/out/fast.json) with every raw per-round number and the summary, and prints
 markdown summary on stdout. Needs gcc, redis-server, redis-cli and redis-benchmark; the
 fast backend needs root (see docs/run.md).
 """
-import argparse
 import csv
 import io
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -54,9 +52,8 @@ import tempfile
 import time
 
 import benchproc
-from benchproc import (BIN, ROOT, anomaly, bin_id, check_bin_unchanged, cleanup_all, fmt,
-                       free_port, install_signal_cleanup, kill_leftovers, killpg, median, pct,
-                       read_file, reap, run, sh, spawn, tail)
+from benchproc import (BIN, ROOT, anomaly, cleanup_all, fmt, free_port, killpg, median, pct,
+                       read_file, reap, run, spawn, tail)
 
 SRC = os.path.join(ROOT, "bench", "fast_loop.c")
 NS_RE = re.compile(r"^ns_per_call\s+([0-9.eE+-]+)\s*$", re.M)
@@ -370,7 +367,7 @@ def markdown(meta, a, b, c):
               f"- lockstep binary: `{meta['lockstep']}` ({meta['lockstep_binary']})",
               f"- rounds: {meta['rounds']}, fast_loop N: {meta['loop']} (ptrace: {a['n_ptrace']}),"
               f" redis-benchmark -n {meta['requests']} -c 50",
-              f"- wall time: {meta['seconds']:.0f} s", "", "Commands (interleaved in this order "
+              f"- wall time: {meta['wall_seconds']:.0f} s", "", "Commands (interleaved in this order "
               "every round):", "", "```"]
     lines += meta["commands"]
     lines += ["```", "", "## Per-call cost (read 64 B /dev/zero + write 64 B /dev/null)", "",
@@ -409,31 +406,12 @@ def markdown(meta, a, b, c):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=100000, help="redis-benchmark -n")
-    ap.add_argument("--loop", type=int, default=200000, help="fast_loop iterations")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
-    ap.add_argument("--mask-runs", type=int, default=20, help="runs per faulty replica (part C)")
-    ap.add_argument("--quick", action="store_true",
-                    help="--rounds 1 --requests 20000 --loop 50000 --mask-runs 5")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.requests, args.loop, args.mask_runs = 1, 20000, 50000, 5
-    if args.rounds < 1 or args.requests < 1 or args.loop < 1:
-        ap.error("--rounds, --requests and --loop must be positive")
-    if not os.access(BIN, os.X_OK):
-        sys.exit(f"{BIN} not found: run `cargo build --release --locked -p lockstep-cli` first")
-
-    install_signal_cleanup()
-
-    t_start = time.monotonic()
-    commit = sh(["git", "rev-parse", "--short", "HEAD"])
-    dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
-    uname_r = platform.release()
-    nproc = sh(["nproc"])
-    bin_start = bin_id()
+    args, meta = benchproc.bench_start(__doc__, [
+        ("--rounds", 3, "measuring rounds"),
+        ("--requests", 100000, "redis-benchmark -n"),
+        ("--loop", 200000, "fast_loop iterations"),
+        ("--mask-runs", 20, "runs per faulty replica (part C)"),
+    ], quick={"rounds": 1, "requests": 20000, "loop": 50000, "mask_runs": 5})
     n_ptrace = max(2000, args.loop // 20)
     commands = [
         f"A: fast_loop {args.loop}",
@@ -449,37 +427,21 @@ def main():
         "fast_loop = gcc -O2 -Wall -Wextra -Werror bench/fast_loop.c",
         "fast_target = gcc -O2 -Wall -Wextra -Werror tests/fixtures/fast_target.c",
     ]
-    print(f"fast_bench: commit {commit}{' (dirty)' if dirty else ''}, kernel {uname_r}, "
-          f"nproc {nproc}, rounds {args.rounds}", file=sys.stderr, flush=True)
-
     try:
         with tempfile.TemporaryDirectory(prefix="fast_bench.") as tmp:
-            loop_bin = os.path.join(tmp, "fast_loop")
-            cc = subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", loop_bin, SRC],
-                                capture_output=True, text=True)
-            if cc.returncode != 0:
-                sys.exit("gcc failed:\n" + cc.stderr)
+            loop_bin = benchproc.build_c(SRC, os.path.join(tmp, "fast_loop"))
             print("Part A: per-call cost", file=sys.stderr, flush=True)
             a = part_a(args, loop_bin)
             print("Part B: redis", file=sys.stderr, flush=True)
             b = part_b(args, tmp)
-            target_bin = os.path.join(tmp, "fast_target")
-            cc = subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", target_bin, TARGET_SRC],
-                                capture_output=True, text=True)
-            if cc.returncode != 0:
-                sys.exit("gcc failed:\n" + cc.stderr)
+            target_bin = benchproc.build_c(TARGET_SRC, os.path.join(tmp, "fast_target"))
             print("Part C: masking latency", file=sys.stderr, flush=True)
             c = part_c(args, target_bin, tmp)
     finally:
         cleanup_all()
 
-    kill_leftovers()
-    check_bin_unchanged(bin_start)
-    meta = {"commit": commit, "lockstep_binary": bin_start, "dirty": dirty, "uname_r": uname_r, "nproc": nproc,
-            "rounds": args.rounds, "loop": args.loop, "requests": args.requests,
-            "commands": commands, "lockstep": BIN,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "seconds": time.monotonic() - t_start}
+    benchproc.bench_end(meta)
+    meta.update({"rounds": args.rounds, "loop": args.loop, "requests": args.requests, "commands": commands})
     report = markdown(meta, a, b, c)
     out_json = benchproc.write_results(args.out, "fast.json",
                                        {"meta": meta, "per_call": a, "redis": b, "masking": c})

@@ -26,9 +26,7 @@ Usage (from anywhere):
 --quick is --rounds 1 --seconds 3. Writes DIR/memcached.json (default bench/out) with every
 raw number, and prints a markdown summary. Needs memcached and memcaslap (libmemcached-tools).
 """
-import argparse
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -37,8 +35,7 @@ import tempfile
 import time
 
 import benchproc
-from benchproc import (BIN, anomaly, bin_id, check_bin_unchanged, cleanup_all, fmt, free_port,
-                       install_signal_cleanup, kill_leftovers, killpg, median, pct, port_accepts,
+from benchproc import (BIN, anomaly, cleanup_all, fmt, free_port, killpg, median, pct, port_accepts,
                        read_file, reap, sh, spawn)
 
 NO_BACKGROUND = "no_lru_crawler,no_lru_maintainer,no_hashexpand,no_slab_reassign"
@@ -149,7 +146,7 @@ def markdown(meta, rounds, summary):
     lines = [f"# memcached under lockstep run ({meta['commit']})", "",
              f"- commit: `{meta['commit']}`{' (dirty tree)' if meta['dirty'] else ''}, kernel "
              f"`{meta['uname_r']}`, nproc {meta['nproc']}, rounds {meta['rounds']}, "
-             f"memcaslap -T 1 -c 8 -t {meta['seconds']}s", f"- wall time: {meta['wall']:.0f} s", "",
+             f"memcaslap -T 1 -c 8 -t {meta['seconds']}s", f"- wall time: {meta['wall_seconds']:.0f} s", "",
              "Commands (interleaved in this order every round, for each set-up):", "", "```"]
     lines += meta["commands"] + ["```", ""]
     for setup in SETUPS:
@@ -169,25 +166,11 @@ def markdown(meta, rounds, summary):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=int, default=5, help="memcaslap -t")
-    ap.add_argument("--out", default=os.path.join(benchproc.ROOT, "bench", "out"))
-    ap.add_argument("--quick", action="store_true", help="--rounds 1 --seconds 3")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.seconds = 1, 3
-    if args.rounds < 1 or args.seconds < 1:
-        ap.error("--rounds and --seconds must be positive")
-    if not os.access(BIN, os.X_OK):
-        sys.exit(f"{BIN} not found: run `cargo build --release --locked -p lockstep-cli` first")
-    install_signal_cleanup()
-    start = time.monotonic()
-    commit = sh(["git", "rev-parse", "--short", "HEAD"])
-    dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
-    bin_start = bin_id()
-    commands = [f"memcached -u root -p P -l 127.0.0.1 <set-up options>"]
+    args, meta = benchproc.bench_start(__doc__, [
+        ("--rounds", 3, "measuring rounds"),
+        ("--seconds", 5, "memcaslap -t"),
+    ], quick={"rounds": 1, "seconds": 3})
+    commands = ["memcached -u root -p P -l 127.0.0.1 <set-up options>"]
     commands += [f"{BIN} run {' '.join(o)} --stats -- memcached ..." for o in OPTIONS.values()]
     commands += [f"(each) memcaslap -s 127.0.0.1:P -T 1 -c 8 -t {args.seconds}s; SIGINT to the server"]
     rounds = []
@@ -199,8 +182,7 @@ def main():
                 rounds.append(row)
     finally:
         cleanup_all()
-    kill_leftovers()
-    check_bin_unchanged(bin_start)
+    benchproc.bench_end(meta)
     summary = {}
     for setup in SETUPS:
         summary[setup] = {}
@@ -219,10 +201,7 @@ def main():
                 "fast_fraction_median": median([rec.get("fast_fraction") for rec in recs]),
                 "diverged": sum(bool(rec.get("diverged")) for rec in recs),
             }
-    meta = {"commit": commit, "dirty": dirty, "uname_r": platform.release(), "nproc": sh(["nproc"]),
-            "rounds": args.rounds, "seconds": args.seconds, "commands": commands,
-            "lockstep_binary": bin_start, "wall": time.monotonic() - start,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    meta.update({"rounds": args.rounds, "seconds": args.seconds, "commands": commands})
     out_json = benchproc.write_results(args.out, "memcached.json",
                                        {"meta": meta, "rounds": rounds, "summary": summary})
     print(markdown(meta, rounds, summary), end="")

@@ -55,11 +55,9 @@ Writes DIR/nginx.json (default bench/out/nginx.json) with every raw per-round nu
 the summary, and prints a markdown summary on stdout. Needs gcc and nginx; the fast
 backend needs root (see docs/run.md).
 """
-import argparse
 import base64
 import http.client
 import os
-import platform
 import re
 import shlex
 import signal
@@ -69,8 +67,7 @@ import tempfile
 import time
 
 import benchproc
-from benchproc import (BIN, ROOT, anomaly, bin_id, check_bin_unchanged, cleanup_all, fmt,
-                       free_port, install_signal_cleanup, kill_leftovers, killpg, median, pct,
+from benchproc import (BIN, ROOT, anomaly, cleanup_all, fmt, free_port, killpg, median, pct,
                        port_accepts, read_file, reap, sh, spawn)
 
 SRC = os.path.join(ROOT, "bench", "http_load.c")
@@ -375,7 +372,7 @@ def markdown(meta, res):
               f"- {meta['nginx']}; {FILE_SIZE}-byte file; http_load -c {meta['conns']} "
               f"-n {meta['requests']} (HTTP/1.1 keep-alive, one request in flight per "
               "connection)",
-              f"- rounds: {meta['rounds']}, wall time: {meta['seconds']:.0f} s", "",
+              f"- rounds: {meta['rounds']}, wall time: {meta['wall_seconds']:.0f} s", "",
               "Commands (interleaved in this order every round):", "", "```"]
     lines += meta["commands"]
     lines += ["```", "",
@@ -415,31 +412,13 @@ def loadavg():
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=50000, help="http_load -n (total requests)")
-    ap.add_argument("--conns", type=int, default=50, help="http_load -c (connections)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
-    ap.add_argument("--quick", action="store_true", help="--rounds 1 --requests 10000")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.requests = 1, 10000
-    if args.rounds < 1 or args.requests < 1 or not 1 <= args.conns <= 1000:
-        ap.error("--rounds and --requests must be positive, --conns in 1..1000")
-    if not os.access(BIN, os.X_OK):
-        sys.exit(f"{BIN} not found: run `cargo build --release --locked -p lockstep-cli` first")
-
-    install_signal_cleanup()
-
-    t_start = time.monotonic()
-    commit = sh(["git", "rev-parse", "--short", "HEAD"], or_stderr=True)
-    dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"], or_stderr=True))
-    uname_r = platform.release()
-    nproc = sh(["nproc"], or_stderr=True)
+    args, meta = benchproc.bench_start(__doc__, [
+        ("--rounds", 3, "measuring rounds"),
+        ("--requests", 50000, "http_load -n (total requests)"),
+        ("--conns", 50, "http_load -c (connections)", 1000),
+    ], quick={"rounds": 1, "requests": 10000})
     nginx_version = sh(["nginx", "-v"], or_stderr=True)
     load_start = loadavg()
-    bin_start = bin_id()
     commands = [
         "nginx -c CONF",
         *[f"{BIN} run {' '.join(opts)} --backend fast --stats -- nginx -c CONF"
@@ -448,17 +427,11 @@ def main():
         f"-n {args.requests} -u {URL_PATH}; SIGQUIT",
         "http_load = gcc -O2 -Wall -Wextra -Werror bench/http_load.c",
     ]
-    print(f"nginx_bench: commit {commit}{' (dirty)' if dirty else ''}, kernel {uname_r}, "
-          f"nproc {nproc}, {nginx_version}, rounds {args.rounds}, load {load_start}",
-          file=sys.stderr, flush=True)
+    print(f"nginx_bench: {nginx_version}, load {load_start}", file=sys.stderr, flush=True)
 
     try:
         with tempfile.TemporaryDirectory(prefix="nginx_bench.") as tmp:
-            load_bin = os.path.join(tmp, "http_load")
-            cc = subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", load_bin,
-                                 SRC], capture_output=True, text=True)
-            if cc.returncode != 0:
-                sys.exit("gcc failed:\n" + cc.stderr)
+            load_bin = benchproc.build_c(SRC, os.path.join(tmp, "http_load"))
             www = os.path.join(tmp, "www")
             os.makedirs(www)
             content = base64.b64encode(os.urandom(FILE_SIZE))[:FILE_SIZE]
@@ -468,14 +441,9 @@ def main():
     finally:
         cleanup_all()
 
-    kill_leftovers()
-    check_bin_unchanged(bin_start)
-    meta = {"commit": commit, "lockstep_binary": bin_start, "dirty": dirty, "uname_r": uname_r,
-            "nproc": nproc, "nginx": nginx_version, "rounds": args.rounds,
-            "requests": args.requests, "conns": args.conns, "commands": commands,
-            "lockstep": BIN, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "loadavg_start": load_start, "loadavg_end": loadavg(),
-            "seconds": time.monotonic() - t_start}
+    benchproc.bench_end(meta)
+    meta.update({"nginx": nginx_version, "rounds": args.rounds, "requests": args.requests, "conns": args.conns,
+                 "commands": commands, "loadavg_start": load_start, "loadavg_end": loadavg()})
     report = markdown(meta, res)
     out_json = benchproc.write_results(args.out, "nginx.json", {"meta": meta, "nginx": res, "events": NOTES})
     print(report, end="")

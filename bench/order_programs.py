@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+from benchproc import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -120,12 +122,6 @@ def git_gc_run(lockstep, r, template, work, timeout):
     if p.returncode == 0 and same and not div:
         return True, False, None
     return False, div, None if div else f"exit {p.returncode}" + ("" if same else ", repository differs")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def memcached_run(lockstep, r, timeout):

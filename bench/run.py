@@ -44,6 +44,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchproc import free_port
 from charts import bar_chart
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,12 +278,6 @@ def parse_stats(text):
 
 # --------------------------------------------------------------------------------------
 # 1. redis
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(port, proc, timeout):

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from benchproc import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "bench", "out")
 BUILD = os.path.join(ROOT, "target", "sei-bench")
@@ -50,20 +52,24 @@ def build():
         sh("gcc", "-std=gnu11", *strict, os.path.join(ROOT, "sei", "client", "sei_client.c"),
            os.path.join(ROOT, "sei", "client", "kv_cli.c"), "-o", os.path.join(BUILD, "kv_cli"))
         for server in ("kv_single", "kv_threads"):
-            srcs = [os.path.join(ex, f) for f in (server + ".c", "kv_net.c", "kv_store.c")]
+            srcs = [os.path.join(ex, f) for f in (server + ".c", "kv_net.c", "kv_store.c", "wire.c")]
             sh(*cc, *strict, *srcs, "-o", os.path.join(BUILD, "%s-%s" % (server, name)), env=env)
 
 
-def handler_cycles():
-    rows = {}
-    for label, binary, mode in (("native", "handler-native", None), ("ecc", "handler-sei", "ecc"),
-                                ("dup", "handler-sei", "dup")):
+def each_build(name):
+    """Runs the native build of bench `name` and its hardened build in ecc and dup mode;
+    yields (label, the run's stdout)."""
+    for label, binary, mode in (("native", name + "-native", None), ("ecc", name + "-sei", "ecc"),
+                                ("dup", name + "-sei", "dup")):
         env = dict(os.environ)
         if mode:
             env["SEI_MODE"] = mode
         out = subprocess.run([os.path.join(BUILD, binary)], env=env, check=True, capture_output=True, text=True)
-        rows[label] = [json.loads(line) for line in out.stdout.splitlines()]
-    return rows
+        yield label, out.stdout
+
+
+def handler_cycles():
+    return {label: [json.loads(line) for line in stdout.splitlines()] for label, stdout in each_build("handler")}
 
 
 LEDGER_ROUNDS = 5
@@ -112,13 +118,8 @@ def ledger_cycles():
     runs = {"native": [], "ecc": [], "dup": []}
     checksums = set()
     for _ in range(LEDGER_ROUNDS):
-        for label, binary, mode in (("native", "ledger-native", None), ("ecc", "ledger-sei", "ecc"),
-                                    ("dup", "ledger-sei", "dup")):
-            env = dict(os.environ)
-            if mode:
-                env["SEI_MODE"] = mode
-            out = subprocess.run([os.path.join(BUILD, binary)], env=env, check=True, capture_output=True, text=True)
-            row = json.loads(out.stdout)
+        for label, stdout in each_build("ledger"):
+            row = json.loads(stdout)
             runs[label].append(row["handler_cycles"])
             checksums.add(row["state_checksum"])
     if len(checksums) != 1:
@@ -126,12 +127,6 @@ def ledger_cycles():
     median = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
     return {"runs": runs, "median": median, "ecc_ratio": median["ecc"] / median["native"],
             "dup_ratio": median["dup"] / median["native"]}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port):

@@ -14,8 +14,8 @@ cd "$(dirname "$0")/.."
 . bench/sei_campaign.sh sei-eval "$@"
 EX=sei/examples
 export LOCKSTEP_SEI_DIR=$OUT/sei
-"$L" cc -O2 -Wall -Wextra -Werror $EX/kv_single.c $EX/kv_net.c $EX/kv_store.c -o "$OUT/kv_sei"
-gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include $EX/kv_single.c $EX/kv_net.c $EX/kv_store.c \
+"$L" cc -O2 -Wall -Wextra -Werror $EX/kv_single.c $EX/kv_net.c $EX/kv_store.c $EX/wire.c -o "$OUT/kv_sei"
+gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include $EX/kv_single.c $EX/kv_net.c $EX/kv_store.c $EX/wire.c \
     -pthread -o "$OUT/kv_native"
 python3 $EX/kv_client.py gen-trace 200 11 > "$OUT/trace.txt"
 sei_cells kv "${FAULTS:-reg dest mem ip}" 24000 "$OUT/kv_native" "$OUT/kv_sei" \

@@ -25,109 +25,30 @@ Standard library only.
 import argparse
 import os
 import random
-import socket
 import sys
 
-DETECTED = 86
 ACCOUNTS = 4096
 TRANSFERS = 32
-NOTICE = b"CLIENT_ERROR crc mismatch\r\n"
-ATTEMPTS = 3
 MASK = (1 << 64) - 1
 
 
-# One CRC32C for every Python client: the example client's (docs/sei.md, "Wire format").
+# The example servers' client (docs/sei.md, "Wire format"): the ledger's server speaks
+# the same wire, with one-line replies.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sei", "examples"))
-from kv_client import crc32c  # noqa: E402
+import kv_client  # noqa: E402
+from kv_client import DETECTED, Rejected  # noqa: E402
 
 
-class Detected(Exception):
-    pass
+class Client(kv_client.Client):
+    """The example client, always with CRC lines, for replies of one line each. Its
+    pipeline() sends a pipeline and resends it from the first request the server
+    discarded."""
 
-
-class Client:
     def __init__(self, port, corrupt_nth=0):
-        self.port = port
-        self.corrupt_nth = corrupt_nth
-        self.sent = 0
-        self.discards = 0
-        self.sock = None
+        super().__init__(port, True, corrupt_nth)
 
-    def _connect(self):
-        self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = b""
-
-    def _need(self, n):
-        while len(self.buf) < n:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the server closed the connection")
-            self.buf += chunk
-
-    def _line(self):
-        """The next line (with its \\r\\n), taken off the buffer."""
-        while True:
-            at = self.buf.find(b"\r\n")
-            if at >= 0:
-                line, self.buf = self.buf[:at + 2], self.buf[at + 2:]
-                return line
-            if len(self.buf) > 4096:
-                raise Detected(b"a reply line without its end: " + self.buf[:40])
-            self._need(len(self.buf) + 1)
-
-    def _frame(self, req):
-        self.sent += 1
-        crc = crc32c(req) ^ (1 if self.sent == self.corrupt_nth else 0)
-        return req + b"#crc %08x\r\n" % crc
-
-    def _reply(self, req):
-        """The reply to req, or None for the server's notice that it discarded it."""
-        reply = self._line()
-        if reply == NOTICE:
-            return None
-        self._need(15)
-        line, self.buf = self.buf[:15], self.buf[15:]
-        given = line[5:13]
-        if not (line.startswith(b"#crc ") and line.endswith(b"\r\n")) or \
-                not all(c in b"0123456789abcdefABCDEF" for c in given) or \
-                int(given, 16) != crc32c(reply, crc32c(req)):
-            raise Detected(b"reply " + reply[:60] + b" with CRC line " + line)
-        return reply
-
-    def pipeline(self, reqs):
-        """Sends reqs as one pipeline and returns their replies in order. The server runs
-        them in order or not at all: after a discarded request it runs nothing more on
-        the connection, so the client sends again from the first request whose reply it
-        did not get."""
-        replies = [None] * len(reqs)
-        start, restart, attempts = 0, None, 1
-        while True:
-            if self.sock is None:
-                self._connect()
-            try:
-                self.sock.sendall(b"".join(self._frame(r) for r in reqs[start:]))
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the server cut the pipeline: the replies say where
-            discarded = False
-            for i in range(start, len(reqs)):
-                reply = self._reply(reqs[i])
-                if reply is None:
-                    discarded = True
-                    break
-                replies[i] = reply
-                start = i + 1
-            if not discarded:
-                return replies
-            self.discards += 1
-            self.sock.close()
-            self.sock = None
-            if start == restart:
-                attempts += 1
-                if attempts >= ATTEMPTS:
-                    raise Detected(b"request discarded %d times: " % ATTEMPTS + reqs[start][:40])
-            else:
-                restart, attempts = start, 1
+    def _reply_end(self, end):
+        return end
 
 
 def batches(n, seed):
@@ -170,16 +91,16 @@ def main():
     ap.add_argument("--verify", action="store_true")
     a = ap.parse_args()
     reqs = list(batches(a.batches, a.seed))
-    client = Client(a.port, a.corrupt_crc)
     out = sys.stdout.buffer
     try:
+        client = Client(a.port, a.corrupt_crc)
         for at in range(0, len(reqs), a.pipeline):
             for reply in client.pipeline(reqs[at:at + a.pipeline]):
                 out.write(reply.rstrip(b"\r\n") + b"\n")
         checksum = client.pipeline([b"C\n\n"])[0]
         out.write(checksum.rstrip(b"\r\n") + b"\n")
         out.flush()
-    except Detected as e:
+    except Rejected as e:
         out.flush()
         print("sei_ledger_client: rejected: %r" % e.args[0], file=sys.stderr)
         sys.exit(DETECTED)

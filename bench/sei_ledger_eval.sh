@@ -19,8 +19,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/sei_campaign.sh sei-ledger-eval "$@"
 export LOCKSTEP_SEI_DIR=$OUT/sei
-"$L" cc -O2 -Wall -Wextra -Werror bench/sei_ledger_server.c -o "$OUT/ledger_sei"
-gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include bench/sei_ledger_server.c -o "$OUT/ledger_native"
+"$L" cc -O2 -Wall -Wextra -Werror bench/sei_ledger_server.c sei/examples/wire.c -o "$OUT/ledger_sei"
+gcc -O2 -Wall -Wextra -Werror -DSEI_NATIVE -Isei/include bench/sei_ledger_server.c sei/examples/wire.c -o "$OUT/ledger_native"
 sei_cells ledger "${FAULTS:-reg dest mem}" 25000 "$OUT/ledger_native" "$OUT/ledger_sei" \
     "python3 $PWD/bench/sei_ledger_client.py --port {port} --batches 1000 --seed 1 --pipeline 8"
 python3 bench/inject_eval_table.py "$OUT"

@@ -55,6 +55,8 @@ class Rejected(Exception):
 
 NOTICE = b"CLIENT_ERROR crc mismatch\r\n"
 ATTEMPTS = 3
+# the longest reply line the servers write is a VALUE line with a 250-byte key
+MAX_LINE = 4096
 
 
 def wants_reply(req):
@@ -91,7 +93,13 @@ class Client:
             at = self.buf.find(b"\r\n", start)
             if at >= 0:
                 return at + 2
+            if len(self.buf) - start > MAX_LINE:
+                self._malformed(b"a reply line without its end: " + self.buf[start:start + 40])
             self._fill()
+
+    def _malformed(self, what):
+        """A reply the protocol does not allow: with CRCs, a corrupted one."""
+        raise Rejected(what) if self.crc else ConnectionError(what.decode(errors="replace"))
 
     def _need(self, n):
         while len(self.buf) < n:
@@ -132,24 +140,29 @@ class Client:
         crc = crc32c(req) ^ (1 if self.sent == self.corrupt_nth else 0)
         return req + b"#crc %08x\r\n" % crc
 
+    def _reply_end(self, end):
+        """The end of the reply whose first line ends at buf[end]: "VALUE key flags bytes"
+        lines each carry a data block, and any other line ends the reply."""
+        line = 0
+        while self.buf.startswith(b"VALUE ", line):
+            words = self.buf[line:end - 2].split(b" ")
+            if len(words) != 4 or not words[3].isdigit():
+                self._malformed(b"a malformed VALUE line: " + self.buf[line:end])
+            size = int(words[3])
+            self._need(end + size + 2)
+            if self.buf[end + size:end + size + 2] != b"\r\n":
+                self._malformed(b"a data block without its end: " + self.buf[line:end])
+            line = end + size + 2
+            end = self._line(line)
+        return end
+
     def _reply(self, req):
         """The reply to req, or None for the server's notice that it discarded it."""
         end = self._line()
         if self.buf[:end] == NOTICE:
             self.buf = self.buf[end:]
             return None
-        # "VALUE key flags bytes" lines each carry a data block; any other line ends it
-        line = 0
-        while self.buf.startswith(b"VALUE ", line):
-            words = self.buf[line:end - 2].split(b" ")
-            if len(words) != 4 or not words[3].isdigit():
-                raise Rejected(self.buf[:end]) if self.crc else ConnectionError("a malformed VALUE line")
-            size = int(words[3])
-            self._need(end + size + 2)
-            if self.buf[end + size:end + size + 2] != b"\r\n":
-                raise Rejected(self.buf[:end]) if self.crc else ConnectionError("a data block without its end")
-            line = end + size + 2
-            end = self._line(line)
+        end = self._reply_end(end)
         reply, self.buf = self.buf[:end], self.buf[end:]
         if self.crc:
             self._need(15)

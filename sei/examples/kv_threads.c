@@ -6,13 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/epoll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include "kv_net.h"
 
 static struct kv_store store;
 static struct kv_options options;
+static struct wire_protocol protocol;
 
 struct worker {
     pthread_t thread;
@@ -21,18 +20,7 @@ struct worker {
 
 static void *work(void *arg) {
     struct worker *w = arg;
-    for (;;) {
-        struct epoll_event events[64];
-        int n = epoll_wait(w->ep, events, 64, -1);
-        for (int i = 0; i < n; i++) {
-            struct kv_conn *c = events[i].data.ptr;
-            if (kv_serve(&store, c, options.crc) != 0) {
-                epoll_ctl(w->ep, EPOLL_CTL_DEL, c->fd, NULL);
-                close(c->fd);
-                free(c);
-            }
-        }
-    }
+    wire_loop(&protocol, w->ep, -1);
     return NULL;
 }
 
@@ -42,7 +30,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "kv: out of memory\n");
         return 1;
     }
-    int lfd = kv_listen(options.port);
+    protocol = kv_protocol(&store, options.crc);
+    int lfd = wire_listen(options.port);
     struct worker *workers = calloc((size_t)options.threads, sizeof *workers);
     for (int i = 0; i < options.threads; i++) {
         workers[i].ep = epoll_create1(0);
@@ -60,6 +49,6 @@ int main(int argc, char **argv) {
     for (int i = 0; i < options.threads; i++) eps[i] = workers[i].ep;
     for (;;) {
         struct epoll_event e;
-        if (epoll_wait(ep, &e, 1, -1) > 0) kv_accept(lfd, eps, options.threads);
+        if (epoll_wait(ep, &e, 1, -1) > 0) wire_accept(&protocol, lfd, eps, options.threads);
     }
 }

@@ -32,9 +32,7 @@ void sei_effects_begin(struct sei_thread *t) {
     t->noutputs = 0;
     t->ncalls = 0;
     t->defer_used = 0;
-    t->open_crc = 0;
-    t->open_segments = 0;
-    sei_effects_rewind(t);
+    sei_effects_rewind(t); /* and the cursors and the open CRC */
 }
 
 /* Before E2: E2 replays E1's effects from the start. */

@@ -143,14 +143,19 @@ fn step_fault(model: Model, steps: u64, seed: u64) -> (Applied, target::Outcome)
         point: Point::Syscall { k: 1, steps },
         rng: Rng::new(seed),
     };
-    let o = target::run(
+    let o = run_step_target(&plan);
+    (o.applied.clone().expect("applied"), o)
+}
+
+/// `step_target` under `plan`.
+fn run_step_target(plan: &Plan) -> target::Outcome {
+    target::run(
         &argv("step_target", &[]),
-        &plan,
+        plan,
         Duration::from_secs(2),
         &scratch_dir("step"),
     )
-    .unwrap();
-    (o.applied.clone().expect("applied"), o)
+    .unwrap()
 }
 
 fn stdout_of(o: &target::Outcome) -> String {
@@ -235,13 +240,7 @@ fn dest_and_addr_faults_replay_exactly() {
                 point: Point::Syscall { k: 1, steps: 0 },
                 applied: a.clone(),
             };
-            let r = target::run(
-                &argv("step_target", &[]),
-                &plan,
-                Duration::from_secs(2),
-                &scratch_dir("step"),
-            )
-            .unwrap();
+            let r = run_step_target(&plan);
             let b = r.applied.clone().expect("replayed");
             assert_eq!(
                 (b.register, b.address, b.mask, b.steps),

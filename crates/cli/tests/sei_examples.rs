@@ -40,6 +40,7 @@ fn server_binary(name: &str, build: Build) -> PathBuf {
         dir.join(format!("{name}.c")),
         dir.join("kv_net.c"),
         dir.join("kv_store.c"),
+        dir.join("wire.c"),
     ];
     compile(&sources, build, work_dir(), &out);
     out

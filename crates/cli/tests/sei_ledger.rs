@@ -25,7 +25,11 @@ fn work_dir() -> PathBuf {
 fn build(hardened: bool) -> PathBuf {
     let out = work_dir().join(if hardened { "ledger_sei" } else { "ledger_native" });
     let how = if hardened { Build::Hardened } else { Build::Native };
-    compile(&[repo().join("bench/sei_ledger_server.c")], how, &work_dir(), &out);
+    let sources = [
+        repo().join("bench/sei_ledger_server.c"),
+        repo().join("sei/examples/wire.c"),
+    ];
+    compile(&sources, how, &work_dir(), &out);
     out
 }
 
