@@ -59,17 +59,19 @@ pub struct RunArgs {
     )]
     backend: lockstep_run::BackendKind,
 
-    /// Fast backend: who lets the leader's outputs leave. `strict`: the monitor checks each
-    /// output against every follower's vote before it runs (a faulty leader cannot skip
-    /// the check; one stop of the leader per output). `fast`: the leader checks in process,
-    /// twice (no stop; a fault in the leader at the wrong moment can let a wrong output
-    /// out). docs/run.md has the measurements.
+    /// Fast backend: who lets the leader's outputs leave. `strict`: the monitor; its
+    /// committer thread copies each output out of the leader, digests the copy and writes
+    /// it only if every follower voted that digest (a faulty leader cannot skip the check;
+    /// no stop, outputs to pipes and ttys are checked at a stop). `strict-stop`: the
+    /// monitor checks each output at a ptrace stop of the leader (the older strict path).
+    /// `fast`: the leader checks in process, twice (no monitor; a fault in the leader at
+    /// the wrong moment can let a wrong output out). docs/run.md has the measurements.
     #[arg(
         long,
         env = "LOCKSTEP_OUTPUT_CHECK",
         default_value = "strict",
         value_name = "MODE",
-        value_parser = one_of::<lockstep_run::OutputCheck>(&["strict", "fast"])
+        value_parser = one_of::<lockstep_run::OutputCheck>(&["strict", "strict-stop", "fast"])
     )]
     output_check: lockstep_run::OutputCheck,
 

@@ -157,6 +157,12 @@ struct lf_header {
     /* The region + 1 of a leader replaced in place by a follower (0: none; see "a new
      * leader in place"): records up to each lane's `cut` are that region's. */
     uint32_t former;
+    /* 1: the monitor's committer makes the leader's outputs (see "the output commit") */
+    uint32_t commit;
+    /* nonzero while the committer sleeps on the doorbell */
+    uint32_t committer_sleeping;
+    /* where the doorbell word lies: in the page after the clock areas, writable by all */
+    uint64_t doorbell_offset;
 };
 
 /* The monitor's request to deliver a signal in one lane: `request` grows by one per request,
@@ -166,7 +172,22 @@ struct lf_mailbox {
     uint32_t request, sig;
     int64_t code;
 };
-_Static_assert(LF_MAILBOX_OFFSET + LF_LANES * sizeof(struct lf_mailbox) <= LF_HEADER_SIZE, "mailboxes");
+_Static_assert(LF_MAILBOX_OFFSET + LF_LANES * sizeof(struct lf_mailbox) <= LF_COMMIT_OFFSET, "mailboxes");
+
+/* The committer's answer to a lane's commit request (see "the output commit"): `seq` is
+ * the request answered, `verdict` a COMMIT_* code, `ret` the kernel's result when
+ * COMMIT_DONE. `word` is the futex word the leader sleeps on. In the header page, written
+ * by the monitor alone. */
+struct lf_commit_answer {
+    uint64_t seq;
+    int64_t ret;
+    uint32_t word, verdict;
+    uint64_t pad;
+};
+#define COMMIT_DONE 1     /* the committer wrote the output; `ret` is the call's result */
+#define COMMIT_ESCALATE 2 /* no go-ahead (votes differ, the ring changed, an error): the monitor votes */
+#define COMMIT_OWN 3      /* a descriptor the committer does not write (a pipe, a tty): the leader does */
+_Static_assert(LF_COMMIT_OFFSET + LF_LANES * sizeof(struct lf_commit_answer) <= LF_HEADER_SIZE, "commit answers");
 
 struct lf_time {
     int64_t sec, nsec;
@@ -221,6 +242,10 @@ struct lf_region_head {
     /* As a leader promoted in place (by the monitor): the former leader published this
      * lane's records up to this one (see "a new leader in place"). */
     uint64_t cut;
+    /* written as the leader: the output call `commit_seq` waits for the committer, with
+     * its number and arguments (see "the output commit") */
+    uint64_t commit_seq, commit_nr;
+    uint64_t commit_args[6];
 };
 /* The order of events (issue 17). Threads of the leader run as they will; each record of
  * any lane claims the next index of the leader's order when it is published (an event
@@ -295,6 +320,8 @@ struct lf_state {
     struct lf_region *regions[LF_MAX_REPLICAS];
     struct lf_order *orders[LF_MAX_REPLICAS];
     const volatile struct lf_mailbox *mailbox;
+    volatile struct lf_commit_answer *answer; /* this lane's commit answers (header page, read-only) */
+    volatile uint32_t *doorbell;                    /* the committer's futex word */
     uint32_t me, leader, replicas, spin;
     uint32_t signal_seen; /* the mailbox's last request taken */
     uint32_t promoted;    /* this lane led after its replica was promoted in place */
@@ -800,7 +827,7 @@ typedef int (*ready_fn)(const struct wait_for *);
 /* What a sleeper's `sleeping` word says: whom it wants to be woken by. A leader waiting
  * for votes is not woken by each record a follower consumes meanwhile (on a shared CPU
  * each such wake-up is a pair of context switches for nothing). */
-enum { AWAKE = 0, WAKE_ON_ANY = 1, WAKE_ON_VOTE = 2 };
+enum { AWAKE = 0, WAKE_ON_ANY = 1, WAKE_ON_VOTE = 2, WAKE_ON_COMMIT = 3 };
 
 /* Spinning threads per process: one at a time. With a lane per thread, a server's idle
  * threads (an event loop each, waiting for the leader's next record while it blocks in
@@ -1446,8 +1473,12 @@ static long raw_then_resume(struct lf_state *st, long nr, const long *a)
     return ret;
 }
 
+static void fd_hints_forget(long nr, const long *a);
+static void commit_nudge(struct lf_state *st, uint64_t s);
+
 static long slow_call(struct lf_state *st, long nr, const long *a)
 {
+    fd_hints_forget(nr, a);
     if (st != NULL && st->hdr != NULL && futex_waits(nr, a)) {
         /* Seen by a sibling thread waiting for its turn behind this one (take_turn). */
         volatile uint64_t *in_futex = &st->regions[st->me]->h.in_futex;
@@ -1481,6 +1512,7 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
         return after_slow_call(raw_then_resume(st, nr, a));
     }
     store(&own->h.slow_seq, st->seq + 1);
+    commit_nudge(st, st->seq + 1);
     signal_progress(st, &own->h.progress, st->leader, 1);
     long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
     if (st->hdr == NULL)
@@ -1659,6 +1691,127 @@ static void test_die(struct lf_state *st, uint64_t s, uint64_t at)
         lf_fast(SYS_kill, lf_fast(SYS_getpid, 0, 0, 0, 0, 0, 0), SIGKILL, 0, 0, 0, 0);
 }
 
+/* --- the output commit -------------------------------------------------------------------
+ * With strict output checks the leader does not make an output itself: it posts the call
+ * (number and arguments) in its region and waits; the committer, a thread of the monitor
+ * (crates/run/src/commit.rs), copies the buffers out of the leader's memory, digests the
+ * copy as `inspect` does, writes it through its own duplicate of the leader's descriptor
+ * once every follower voted that digest for this call, and answers in the header page
+ * (struct lf_commit_answer). No ptrace stop, no rendezvous. Whoever completes a request
+ * last (the leader posting, or the last follower voting) rings the committer's doorbell.
+ * A descriptor the committer does not write (pipes, ttys: COMMIT_OWN) is remembered per
+ * process until it is closed, and its outputs take the older path: the leader waits for
+ * the votes, makes the call from the fast gate, and the monitor checks it at that stop. */
+
+/* Descriptors whose outputs the committer left to the leader (COMMIT_OWN), until closed.
+ * Only a hint: a wrong one costs a round trip or a stop, never a check. */
+#define FD_HINTS 4096
+static unsigned char lf_fd_own[FD_HINTS];
+
+static int fd_is_own(long fd) { return fd >= 0 && fd < FD_HINTS && lf_fd_own[fd]; }
+
+static void fd_set_own(long fd)
+{
+    if (fd >= 0 && fd < FD_HINTS)
+        lf_fd_own[fd] = 1;
+}
+
+static void fd_forget(long fd)
+{
+    if (fd >= 0 && fd < FD_HINTS)
+        lf_fd_own[fd] = 0;
+}
+
+/* A call that frees or replaces descriptors forgets their hints. */
+static void fd_hints_forget(long nr, const long *a)
+{
+    if (nr == SYS_close)
+        fd_forget(a[0]);
+    else if (nr == SYS_dup2 || nr == SYS_dup3)
+        fd_forget(a[1]);
+    else if (nr == SYS_close_range)
+        for (long fd = 0; fd < FD_HINTS; fd++)
+            fd_forget(fd);
+}
+
+static void ring_doorbell(struct lf_state *st)
+{
+    __atomic_fetch_add(st->doorbell, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&st->hdr->committer_sleeping, __ATOMIC_SEQ_CST))
+        futex_wake(st->doorbell);
+}
+
+/* Whether every follower has voted on call `s` or stands still at it (the committer then
+ * has all it needs to answer): the leader rings the doorbell only then. */
+static int followers_at(const struct lf_state *st, uint64_t s)
+{
+    for (uint32_t r = 0; r < st->replicas; r++) {
+        if (r == st->me || region_lost(st, r))
+            continue;
+        const struct lf_region_head *f = &st->regions[r]->h;
+        if (load(&f->vote_seq) < s && load(&f->awaiting) < s && load(&f->slow_seq) == 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* A follower that reached call `s` (voted, or waits for its record, or went to the monitor)
+ * rings the doorbell if the leader's commit request for it waits. */
+static void commit_nudge(struct lf_state *st, uint64_t s)
+{
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (st->hdr->commit && load(&st->regions[st->leader]->h.commit_seq) == s)
+        ring_doorbell(st);
+}
+
+/* Posts output `s` to the committer and waits for its answer: COMMIT_* (`*ret` with
+ * COMMIT_DONE). An answer for a later call than ours cannot be: taken as no go-ahead. */
+static int commit_output(struct lf_state *st, uint64_t s, long nr, const long *a, long *ret)
+{
+    struct lf_region_head *h = &st->regions[st->me]->h;
+    h->commit_nr = (uint64_t)nr;
+    for (int i = 0; i < 6; i++)
+        h->commit_args[i] = (uint64_t)a[i];
+    store(&h->vote_wanted, s);
+    __atomic_store_n(&h->commit_seq, s, __ATOMIC_SEQ_CST);
+    if (followers_at(st, s))
+        ring_doorbell(st);
+    flush_wakes(st); /* the followers catch up while we wait */
+    volatile struct lf_commit_answer *ans = st->answer;
+    volatile uint32_t *sleeping = &h->sleeping;
+    uint64_t got;
+    for (;;) {
+        uint32_t seen = load32(&ans->word);
+        __atomic_exchange_n(sleeping, WAKE_ON_COMMIT, __ATOMIC_SEQ_CST);
+        got = load(&ans->seq);
+        if (got < s)
+            futex_wait(&ans->word, seen);
+        __atomic_store_n(sleeping, AWAKE, __ATOMIC_RELEASE);
+        if (got >= s)
+            break;
+    }
+    store(&h->vote_wanted, 0);
+    uint32_t verdict = __atomic_load_n(&ans->verdict, __ATOMIC_ACQUIRE);
+    *ret = ans->ret;
+    if (got != s || load(&ans->seq) != s)
+        return COMMIT_ESCALATE;
+    return verdict == COMMIT_DONE || verdict == COMMIT_OWN ? (int)verdict : COMMIT_ESCALATE;
+}
+
+/* The leader's in-process check of an output: every follower voted our digest. */
+static int outputs_agree(struct lf_state *st, uint64_t s, uint64_t digest)
+{
+    struct lf_region *own = st->regions[st->me];
+    store(&own->h.vote_wanted, s);
+    int got = wait_followers(st, voted, s);
+    store(&own->h.vote_wanted, 0);
+    if (got == READY)
+        for (uint32_t r = 0; r < st->replicas; r++)
+            if (r != st->me && !region_lost(st, r) && load(&st->regions[r]->h.vote_digest) != digest)
+                got = GIVE_UP_SLOW;
+    return got;
+}
+
 static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc *d, const long *a, uint64_t digest, long bound)
 {
     struct lf_region *own = st->regions[st->me];
@@ -1693,16 +1846,16 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         return deliver_signal(st, rec, s, nr, digest, a, NULL, sig, 0);
     if (bound > (long)LF_PAYLOAD_MAX)
         return escalate(st, rec, s, nr, digest, a, NULL);
-    if (d->fast == F_OUTPUT) {
-        store(&own->h.vote_wanted, s);
-        int got = wait_followers(st, voted, s);
-        store(&own->h.vote_wanted, 0);
+    /* test: the leader makes one byte less than it compared (and than it digested) */
+    long lie[6] = {a[0], a[1], s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2], a[3], a[4], a[5]};
+    int commit = d->fast == F_OUTPUT && st->hdr->commit && !fd_is_own(a[0]);
+    /* A leader on a CPU of its own waits for the votes here, spinning, as without the
+     * committer: the committer (on the leader's CPU) is then woken by the leader, not
+     * across CPUs by the last follower to vote. */
+    if (d->fast == F_OUTPUT && (!commit || may_spin(st))) {
+        int got = outputs_agree(st, s, digest);
         if (got == GIVE_UP_OFF)
             return slow_call(st, nr, a);
-        if (got == READY)
-            for (uint32_t r = 0; r < st->replicas; r++)
-                if (r != st->me && !region_lost(st, r) && load(&st->regions[r]->h.vote_digest) != digest)
-                    got = GIVE_UP_SLOW;
         if (got == READY && !st->hdr->strict) {
             /* Without the monitor's check, check again, over the buffers as they are now:
              * memory corrupted while the leader waited for the votes is caught here. */
@@ -1724,9 +1877,20 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     if ((sig = take_signal(st, &code, 0)) != 0)
         return deliver_signal(st, rec, s, nr, digest, a, NULL, sig, 0);
     serial_leave(st); /* the call's result takes a place of its own afterwards */
-    long third = s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2];
     long ret_copy = 0;
-    long ret = lf_fast_dup(nr, a[0], a[1], third, a[3], a[4], a[5], &ret_copy);
+    long ret = 0;
+    int verdict = commit ? commit_output(st, s, nr, lie, &ret) : COMMIT_OWN;
+    if (verdict == COMMIT_OWN && commit) {
+        fd_set_own(a[0]);
+        if (outputs_agree(st, s, digest) != READY)
+            return escalate(st, rec, s, nr, digest, lie, NULL);
+    }
+    if (verdict == COMMIT_ESCALATE)
+        return escalate(st, rec, s, nr, digest, lie, NULL);
+    if (verdict == COMMIT_OWN)
+        ret = lf_fast_dup(nr, lie[0], lie[1], lie[2], lie[3], lie[4], lie[5], &ret_copy);
+    else
+        ret_copy = st->answer->ret; /* read again: the record is checked against it */
     if (s == lf_test_result)
         ret ^= 1; /* test: the result changed on its way from rax into the record */
     if (s == lf_test_crash)
@@ -1773,6 +1937,7 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
     }
     /* A leader waiting for votes on this call looks at both (see voted()). */
     store(&own->h.awaiting, s);
+    commit_nudge(st, s);
     if (d->fast == F_OUTPUT || load(&leader->h.vote_wanted) == s)
         signal_progress(st, &own->h.progress, st->leader, 1);
     struct wait_for w = {st, src, s};
@@ -2415,7 +2580,8 @@ static void attach_ring(uint32_t epoch)
         map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);
     unsigned char *regions[LF_MAX_REPLICAS];
     struct lf_order *orders[LF_MAX_REPLICAS];
-    int ok = clocks != NULL;
+    int ok = clocks != NULL && hdr->doorbell_offset >= hdr->clocks_offset + LF_LANES * hdr->clocks_size &&
+             hdr->doorbell_offset + sizeof(uint32_t) <= hdr->regions_offset;
     const uint64_t replica_len = LF_LANES * hdr->region_size;
     for (uint32_t r = 0; r < hdr->replicas; r++) {
         int prot = r == (uint32_t)me ? PROT_READ | PROT_WRITE : PROT_READ;
@@ -2442,6 +2608,8 @@ static void attach_ring(uint32_t epoch)
             if (r != st->me && hdr->cpu[st->me] >= 0 && hdr->cpu[r] == hdr->cpu[st->me])
                 st->spin = 0;
         st->mailbox = mailbox_of(hdr, lane);
+        st->answer = (volatile struct lf_commit_answer *)((unsigned char *)hdr + LF_COMMIT_OFFSET) + lane;
+        st->doorbell = (volatile uint32_t *)((unsigned char *)clocks + (hdr->doorbell_offset - hdr->clocks_offset));
         st->signal_seen = seen[lane];
         st->clocks = (struct lf_clock *)((unsigned char *)clocks + lane * hdr->clocks_size);
         for (uint32_t r = 0; r < st->replicas; r++) {

@@ -73,6 +73,10 @@ pub trait Backend {
     /// The next stop of any replica thread; `None` when interrupted by lockstep's own
     /// signals (timer tick, forwarded signals).
     fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>>;
+    /// What the backend has cost so far, as counts (`--stats`, and the counter tests).
+    fn counts(&self) -> MonitorCounts {
+        MonitorCounts::default()
+    }
     /// The next stop of one thread.
     fn wait_tid(&self, tid: Tid) -> io::Result<Stop>;
     /// A stop of one thread if it has one to report now.
@@ -150,11 +154,36 @@ pub trait Backend {
     }
 }
 
+/// Exact counts of what the monitor's thread spent: each is a context switch or a file
+/// read that a request can cost, so a regression shows as a count, whatever the noise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MonitorCounts {
+    /// Stops of replica threads the monitor took (each `waitpid` that reported one).
+    pub stops: u64,
+    /// Files of /proc the monitor read or looked at.
+    pub proc_reads: u64,
+}
+
 /// The ptrace backend.
 #[derive(Default)]
 pub struct Ptrace {
     /// The thread being single-stepped (a fault injection in progress), or 0.
     stepping: std::cell::Cell<Tid>,
+    stops: std::cell::Cell<u64>,
+    proc_reads: std::cell::Cell<u64>,
+}
+
+impl Ptrace {
+    fn stopped<T>(&self, got: io::Result<T>, is_stop: impl Fn(&T) -> bool) -> io::Result<T> {
+        if got.as_ref().is_ok_and(is_stop) {
+            self.stops.set(self.stops.get() + 1);
+        }
+        got
+    }
+
+    fn proc(&self) {
+        self.proc_reads.set(self.proc_reads.get() + 1);
+    }
 }
 
 impl Backend for Ptrace {
@@ -190,23 +219,30 @@ impl Backend for Ptrace {
         mem::read(tid, addr, buf)
     }
     fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>> {
-        ptrace::wait_any()
+        self.stopped(ptrace::wait_any(), Option::is_some)
+    }
+    fn counts(&self) -> MonitorCounts {
+        MonitorCounts {
+            stops: self.stops.get(),
+            proc_reads: self.proc_reads.get(),
+        }
     }
     fn wait_tid(&self, tid: Tid) -> io::Result<Stop> {
-        ptrace::wait_tid(tid)
+        self.stopped(ptrace::wait_tid(tid), |_| true)
     }
     fn wait_tid_or_tick(&self, tid: Tid) -> io::Result<Option<Stop>> {
-        ptrace::wait_tid_interruptible(tid)
+        self.stopped(ptrace::wait_tid_interruptible(tid), Option::is_some)
     }
     fn try_wait_tid(&self, tid: Tid) -> io::Result<Option<Stop>> {
         let mut status = 0;
         // SAFETY: non-blocking waitpid on one traced thread.
         let r = unsafe { libc::waitpid(tid, &mut status, libc::WNOHANG | libc::__WALL) };
-        match r {
+        let got = match r {
             0 => Ok(None),
             r if r == tid => Ok(Some(ptrace::decode(status))),
             _ => Err(io::Error::last_os_error()),
-        }
+        };
+        self.stopped(got, Option::is_some)
     }
     fn event_msg(&self, tid: Tid) -> io::Result<u64> {
         ptrace::event_msg(tid)
@@ -218,18 +254,23 @@ impl Backend for Ptrace {
         mem::read_cstr(tid, addr, limit)
     }
     fn proc_read(&self, pid: Tid, file: &str) -> io::Result<String> {
+        self.proc();
         std::fs::read_to_string(format!("/proc/{pid}/{file}"))
     }
     fn proc_link(&self, pid: Tid, file: &str) -> io::Result<std::path::PathBuf> {
+        self.proc();
         std::fs::read_link(format!("/proc/{pid}/{file}"))
     }
     fn fd_file_len(&self, pid: Tid, fd: i32) -> Option<u64> {
+        self.proc();
         std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).ok().map(|m| m.len())
     }
     fn fd_is_regular_file(&self, pid: Tid, fd: i32) -> bool {
+        self.proc();
         std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).is_ok_and(|m| m.is_file())
     }
     fn has_children(&self, pid: Tid) -> bool {
+        self.proc();
         let Ok(dir) = std::fs::read_dir("/proc") else {
             return true;
         };
@@ -247,9 +288,11 @@ impl Backend for Ptrace {
             })
     }
     fn process_cpu(&self, pid: Tid) -> Option<std::time::Duration> {
+        self.proc();
         lockstep_trace::cpu::process_cpu(pid)
     }
     fn thread_cpu(&self, tid: Tid) -> Option<std::time::Duration> {
+        self.proc();
         lockstep_trace::cpu::thread_cpu(tid)
     }
     fn pin(&self, tid: Tid, cpu: usize) {
@@ -395,6 +438,9 @@ impl Backend for Checked {
     }
     fn wait_any(&self) -> io::Result<Option<(Tid, Stop)>> {
         self.inner.wait_any()
+    }
+    fn counts(&self) -> MonitorCounts {
+        self.inner.counts()
     }
     fn wait_tid(&self, tid: Tid) -> io::Result<Stop> {
         self.inner.wait_tid(tid)

@@ -90,6 +90,12 @@ struct Header {
     lost: u32,
     /// The region + 1 of a leader replaced in place (`Ring::promote`; 0: none).
     former: u32,
+    /// 1: the committer (`commit.rs`) makes the leader's outputs.
+    commit: u32,
+    /// Nonzero while the committer sleeps on the doorbell.
+    committer_sleeping: u32,
+    /// Where the doorbell word lies (the page after the clock areas, writable by every replica).
+    doorbell_offset: u64,
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -118,6 +124,40 @@ struct RegionHead {
     in_futex: u64,
     /// As a leader promoted in place: the former leader published up to this record.
     cut: u64,
+    /// As the leader: the output call waiting for the committer, its number and arguments.
+    commit_seq: u64,
+    commit_nr: u64,
+    commit_args: [u64; 6],
+}
+
+/// The committer's answer to a lane's commit request; same fields as `struct
+/// lf_commit_answer` (in the header page, at `layout::COMMIT_OFFSET`).
+#[repr(C)]
+struct CommitAnswer {
+    seq: u64,
+    ret: i64,
+    word: u32,
+    verdict: u32,
+    pad: u64,
+}
+
+/// The committer wrote the output; `ret` is the call's result.
+pub const COMMIT_DONE: u32 = 1;
+/// No go-ahead (votes differ or are missing for good, the ring changed, an error the
+/// leader's own call through the monitor will see again): the monitor votes.
+pub const COMMIT_ESCALATE: u32 = 2;
+/// A descriptor the committer does not write (a pipe, a tty): the leader makes the call
+/// from the fast gate, where the monitor's stop checks it.
+pub const COMMIT_OWN: u32 = 3;
+
+/// Where a follower stands, as the committer sees it ([`Ring::follower_at`]).
+#[derive(Clone, Copy, Debug)]
+pub struct FollowerAt {
+    pub vote_seq: u64,
+    pub vote_digest: u64,
+    pub awaiting: u64,
+    pub slow_seq: u64,
+    pub slow_calls: u64,
 }
 
 /// The start of a replica's order area; same fields as `struct lf_order_head`.
@@ -301,14 +341,15 @@ fn memfd(name: &std::ffi::CStr) -> io::Result<OwnedFd> {
 impl Ring {
     /// Creates the ring for `replicas` replicas, led by replica 0.
     /// `placement`: each replica's CPU, when pinned.
-    /// `strict`: the monitor checks every output before it runs (`fast_check.rs`).
+    /// `check`: who lets outputs leave (strict: the committer, `commit.rs`; strict-stop:
+    /// the monitor at a stop, `fast_check.rs`; fast: the leader).
     /// `epoch`: its place in the run's list of rings.
     pub fn create(
         epoch: u32,
         replicas: u32,
         spin: u32,
         placement: &[usize],
-        strict: bool,
+        check: crate::OutputCheck,
         sync_order: crate::SyncOrder,
     ) -> io::Result<Ring> {
         assert!(
@@ -319,7 +360,10 @@ impl Ring {
         let file = memfd(c"lockstep-ring")?;
         // Header, every lane's clock area, then each replica's regions, one per lane, side
         // by side: a replica maps its own regions with one mapping, another's with one.
-        let regions_offset = layout::HEADER_SIZE + layout::LANES * CLOCKS_SIZE;
+        // The doorbell page (the committer's futex word) lies between the clocks and the
+        // regions, so that the replicas' read-write mapping of the clocks covers it.
+        let doorbell_offset = layout::HEADER_SIZE + layout::LANES * CLOCKS_SIZE;
+        let regions_offset = doorbell_offset + layout::PAGE;
         let orders_offset = regions_offset + layout::MAX_REPLICAS * layout::LANES * REGION_SIZE;
         let total = orders_offset + layout::MAX_REPLICAS * layout::ORDER_SIZE;
         // SAFETY: ftruncate and mmap of our own memfd; checked below.
@@ -360,7 +404,7 @@ impl Ring {
                 region_size: REGION_SIZE,
                 total_size: total,
                 cpu: std::array::from_fn(|r| placement.get(r).map_or(-1, |&c| c as i32)),
-                strict: strict as u32,
+                strict: check.is_strict() as u32,
                 epoch,
                 lanes: layout::LANES as u32,
                 leader_lost: 0,
@@ -368,6 +412,9 @@ impl Ring {
                 orders_offset,
                 lost: 0,
                 former: 0,
+                commit: (check == crate::OutputCheck::Strict) as u32,
+                committer_sleeping: 0,
+                doorbell_offset,
             })
         };
         Ok(ring)
@@ -666,6 +713,93 @@ impl Ring {
         (seq, self.word64(&region.in_flight_nr).load(Ordering::Acquire))
     }
 
+    /// Replicas (regions) of this ring.
+    pub fn replicas(&self) -> u32 {
+        self.replicas
+    }
+
+    /// Whether region `r` was removed while the ring stays on (see [`Ring::drop_region`]).
+    pub fn is_lost(&self, r: u32) -> bool {
+        (self.word32(&self.header().lost).load(Ordering::SeqCst) >> r) & 1 != 0
+    }
+
+    /// Whether the committer makes this ring's outputs (`commit.rs`).
+    pub fn commits(&self) -> bool {
+        self.header().commit != 0
+    }
+
+    /// The committer's futex word, which the replicas bump when a request is complete.
+    pub fn doorbell(&self) -> &AtomicU32 {
+        let offset = self.header().doorbell_offset as usize;
+        assert!(offset + 4 <= self.len, "the doorbell lies inside the ring");
+        // SAFETY: an aligned u32 inside our mapping (a page of its own, checked above).
+        unsafe { AtomicU32::from_ptr(self.base.add(offset).cast()) }
+    }
+
+    /// Whether the committer sleeps on the doorbell (the replicas then wake it).
+    pub fn set_committer_sleeping(&self, sleeping: bool) {
+        self.word32(&self.header().committer_sleeping)
+            .store(sleeping as u32, Ordering::SeqCst);
+    }
+
+    fn answer(&self, lane: Lane) -> &CommitAnswer {
+        assert!(lane < LANES);
+        let offset = layout::COMMIT_OFFSET as usize + lane * std::mem::size_of::<CommitAnswer>();
+        // SAFETY: inside the header page (layout test), aligned; written by us alone.
+        unsafe { &*self.base.add(offset).cast::<CommitAnswer>() }
+    }
+
+    /// Leader `r`'s commit request in `lane`: (sequence number, syscall number, arguments);
+    /// sequence 0 when it never posted one.
+    pub fn commit_request(&self, lane: Lane, r: u32) -> (u64, u64, [u64; 6]) {
+        let region = self.region(lane, r);
+        // The leader writes number and arguments first and the sequence with release.
+        let seq = self.word64(&region.commit_seq).load(Ordering::Acquire);
+        let nr = self.word64(&region.commit_nr).load(Ordering::Acquire);
+        let args = std::array::from_fn(|i| self.word64(&region.commit_args[i]).load(Ordering::Acquire));
+        (seq, nr, args)
+    }
+
+    /// Where follower `r` of `lane` stands for the committer.
+    pub fn follower_at(&self, lane: Lane, r: u32) -> FollowerAt {
+        let region = self.region(lane, r);
+        // A follower votes before it waits for the record: read in the other order, a
+        // follower seen waiting is seen with its vote.
+        let awaiting = self.word64(&region.awaiting).load(Ordering::SeqCst);
+        let slow_seq = self.word64(&region.slow_seq).load(Ordering::SeqCst);
+        let slow_calls = self.word64(&region.slow_calls).load(Ordering::SeqCst);
+        let (vote_seq, vote_digest) = self.vote(lane, r);
+        FollowerAt {
+            vote_seq,
+            vote_digest,
+            awaiting,
+            slow_seq,
+            slow_calls,
+        }
+    }
+
+    /// The last commit request of `lane` the committer answered: (sequence, verdict).
+    pub fn answered(&self, lane: Lane) -> (u64, u32) {
+        let answer = self.answer(lane);
+        let seq = self.word64(&answer.seq).load(Ordering::Acquire);
+        (seq, self.word32(&answer.verdict).load(Ordering::Acquire))
+    }
+
+    /// The committer's answer to request `seq` of `lane` (`COMMIT_*`), and a wake-up for
+    /// leader `leader` if it sleeps on it.
+    pub fn answer_commit(&self, lane: Lane, leader: u32, seq: u64, verdict: u32, ret: i64) {
+        let answer = self.answer(lane);
+        // SAFETY: as in word64 (an aligned i64 of the shared mapping, read as u64).
+        let ret_word = unsafe { AtomicU64::from_ptr(std::ptr::addr_of!(answer.ret).cast::<u64>().cast_mut()) };
+        ret_word.store(ret as u64, Ordering::Relaxed);
+        self.word32(&answer.verdict).store(verdict, Ordering::Release);
+        self.word64(&answer.seq).store(seq, Ordering::SeqCst);
+        self.word32(&answer.word).fetch_add(1, Ordering::SeqCst);
+        if self.word32(&self.region(lane, leader).sleeping).load(Ordering::SeqCst) != 0 {
+            futex_wake(self.word32(&answer.word));
+        }
+    }
+
     /// Calls replica `r` completed on the fast path.
     pub fn fast_calls(&self, lane: Lane, r: u32) -> u64 {
         self.word64(&self.region(lane, r).fast_calls).load(Ordering::Acquire)
@@ -870,6 +1004,16 @@ pub struct FastPath {
     delivered: [[(u64, i32); DELIVERED_KEPT]; LANES],
     /// Per lane: the leader's ring position when the catch-up last looked.
     catch_up_seen: [u64; LANES],
+    /// The thread that makes the leaders' outputs under strict checks (`commit.rs`),
+    /// once the first ring is attached.
+    committer: Option<crate::commit::Committer>,
+}
+
+impl Drop for FastPath {
+    fn drop(&mut self) {
+        // The committer reads the rings: it stops before they are unmapped.
+        self.committer = None;
+    }
 }
 
 /// Ring signals remembered per lane for followers that raise them late: a follower is at
@@ -907,10 +1051,10 @@ impl FastPath {
             }
             return Ok(None);
         }
-        let strict = opts.output_check == crate::OutputCheck::Strict;
+        let check = opts.output_check;
         let creating = |e| crate::Error::Io("creating the fast path's ring", e);
         let rings = (0..RINGS as u32)
-            .map(|epoch| Ring::create(epoch, opts.replicas, opts.spin, placement, strict, opts.sync_order))
+            .map(|epoch| Ring::create(epoch, opts.replicas, opts.spin, placement, check, opts.sync_order))
             .collect::<io::Result<Vec<Ring>>>()
             .map_err(creating)?;
         let shim = shim_file().map_err(creating)?;
@@ -932,6 +1076,7 @@ impl FastPath {
             posted: [None; LANES],
             delivered: [[(0, 0); DELIVERED_KEPT]; LANES],
             catch_up_seen: [0; LANES],
+            committer: None,
         }))
     }
 
@@ -1035,6 +1180,7 @@ impl FastPath {
     /// Switches the current ring off (see [`Ring::switch_off`]).
     pub fn switch_off(&self) {
         self.ring().switch_off(self.lanes_in_use().map(|(lane, _)| lane));
+        self.kick_committer();
     }
 
     /// Replica `r`'s region in the current ring.
@@ -1152,6 +1298,7 @@ impl FastPath {
         }
         let lanes: Vec<Lane> = self.lanes_in_use().map(|(lane, _)| lane).collect();
         self.ring().drop_region(region, lanes.into_iter());
+        self.kick_committer();
         true
     }
 
@@ -1162,7 +1309,9 @@ impl FastPath {
         let (Some(from), Some(to)) = (self.region(old), self.region(new)) else {
             return false;
         };
-        from == self.ring().leader() && self.ring().is_on() && self.ring().promote(from, to)
+        let promoted = from == self.ring().leader() && self.ring().is_on() && self.ring().promote(from, to);
+        self.kick_committer();
+        promoted
     }
 
     /// The next epoch's number, when one is armed.
@@ -1188,7 +1337,60 @@ impl FastPath {
         self.posted = [None; LANES];
         self.delivered = [[(0, 0); DELIVERED_KEPT]; LANES];
         self.members = members;
+        if let Some(committer) = &self.committer {
+            committer.set_current(self.current);
+        }
         true
+    }
+
+    /// Starts the committer (strict output checks) if it is not running: at the first
+    /// hello, once the replicas are started (a thread of the monitor must not exist while
+    /// it forks them).
+    pub fn start_committer(&mut self) -> io::Result<()> {
+        if self.committer.is_none() && self.rings[0].commits() {
+            match crate::commit::Committer::start(&self.rings) {
+                Ok(committer) => self.committer = Some(committer),
+                Err(e) => {
+                    // Nobody would answer: the leaders make their outputs themselves,
+                    // each checked at its stop.
+                    for ring in &self.rings {
+                        ring.word32(&ring.header().commit).store(0, Ordering::SeqCst);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The committer, when outputs go through it.
+    pub fn committer(&self) -> Option<&crate::commit::Committer> {
+        self.committer.as_ref()
+    }
+
+    /// Tells the committer which process holds each region of the current ring.
+    pub fn commit_pids(&self, pid_of: impl Fn(u32) -> Option<i32>) {
+        let Some(committer) = &self.committer else {
+            return;
+        };
+        for (region, &replica) in self.members.iter().enumerate() {
+            if let Some(pid) = pid_of(replica) {
+                committer.set_pid(self.current, region as u32, pid);
+            }
+        }
+    }
+
+    /// Whether the committer wrote output `seq` of `lane` in the current ring (sure while
+    /// it is paused).
+    pub fn commit_written(&self, lane: Lane, seq: u64) -> bool {
+        self.committer.is_some() && crate::commit::was_written(self.ring(), lane, seq)
+    }
+
+    /// Wakes the committer to look at every request again (the ring changed).
+    fn kick_committer(&self) {
+        if let Some(committer) = &self.committer {
+            committer.kick();
+        }
     }
 
     /// Posts `sig` to `lane`'s leader unless a signal waits there already. Whether it did.
@@ -1343,7 +1545,7 @@ mod tests {
 
     #[test]
     fn a_follower_promoted_in_place_goes_on_from_the_old_leaders_cut() {
-        let ring = Ring::create(0, 3, 10, &[], false, crate::SyncOrder::Global).unwrap();
+        let ring = Ring::create(0, 3, 10, &[], crate::OutputCheck::Fast, crate::SyncOrder::Global).unwrap();
         let set = |field: &u64, v: u64| ring.word64(field).store(v, Ordering::SeqCst);
         // Leader 0 published 5 records in lane 1 and 3 in lane 2, and took signal request 2
         // in lane 1. Its order: places 0 and 1 published, 2 claimed for an unpublished
@@ -1393,16 +1595,22 @@ mod tests {
 
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {
-        assert_eq!(std::mem::size_of::<Header>(), 120);
+        assert_eq!(std::mem::size_of::<Header>(), 136);
         assert_eq!(std::mem::size_of::<OrderHead>(), 128);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
         assert_eq!(layout::ORDER_SIZE % layout::PAGE, 0);
         assert!(layout::MAILBOX_OFFSET >= std::mem::size_of::<Header>() as u64);
-        assert!(layout::MAILBOX_OFFSET + layout::LANES * std::mem::size_of::<Mailbox>() as u64 <= layout::HEADER_SIZE);
+        assert!(
+            layout::MAILBOX_OFFSET + layout::LANES * std::mem::size_of::<Mailbox>() as u64 <= layout::COMMIT_OFFSET
+        );
+        assert_eq!(std::mem::size_of::<CommitAnswer>(), 32);
+        assert!(
+            layout::COMMIT_OFFSET + layout::LANES * std::mem::size_of::<CommitAnswer>() as u64 <= layout::HEADER_SIZE
+        );
         assert_eq!(std::mem::size_of::<RecordHead>(), 40 + 8 * layout::CLOCKS as usize + 8);
         assert!(std::mem::size_of::<RecordHead>() as u64 <= layout::RECORD_HEAD);
-        let ring = Ring::create(0, 2, 10, &[0, 1], true, crate::SyncOrder::Object).unwrap();
+        let ring = Ring::create(0, 2, 10, &[0, 1], crate::OutputCheck::Strict, crate::SyncOrder::Object).unwrap();
         assert!(ring.is_on());
         assert_eq!(ring.leader(), 0);
         assert_eq!(ring.published(0, 0), 0);

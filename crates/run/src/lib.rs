@@ -19,6 +19,9 @@
 //!   (shared with `build.rs`, which generates the shim's table from it).
 //! * [`fast_check`]: strict output checks: the monitor digests a leader's output as the
 //!   shim does and lets it run only if every follower voted that digest.
+//! * [`commit`]: the output commit of strict checks: a thread of the monitor copies each
+//!   output out of the leader, digests the copy, and writes it through its own duplicate
+//!   of the leader's descriptor once every follower voted that digest.
 //! * [`front`]: the process the caller waits for, split from the monitor so that processes
 //!   outliving the program's first one stay replicated after lockstep returns.
 //! * [`replica`]: the replica set: liveness, leadership, pid translation.
@@ -38,6 +41,7 @@
 
 pub mod backend;
 pub mod clock;
+pub mod commit;
 pub mod data;
 pub mod fast;
 pub mod fast_calls;

@@ -51,11 +51,17 @@ impl std::str::FromStr for BackendKind {
 /// Who lets a leader's output leave, with the fast backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OutputCheck {
-    /// The monitor: every output the leader makes from the fast path stops in seccomp,
-    /// and the monitor compares the leader's arguments, read from its memory, with every
-    /// follower's vote before the call runs (`fast_check.rs`). A faulty leader cannot
-    /// skip it.
+    /// The monitor: its committer thread copies each output out of the leader's memory,
+    /// digests the copy, and writes it through its own duplicate of the leader's
+    /// descriptor only if every follower voted that digest (`commit.rs`). Outputs to
+    /// descriptors it does not write (pipes, ttys) take `StrictStop`'s path. A faulty
+    /// leader cannot skip it.
     Strict,
+    /// The monitor, at a stop: every output the leader makes from the fast path stops in
+    /// seccomp, and the monitor compares the leader's arguments, read from its memory,
+    /// with every follower's vote before the call runs (`fast_check.rs`). The path of
+    /// strict checks before the committer: a ptrace stop per output.
+    StrictStop,
     /// The leader itself compares its followers' votes with its own digest, twice (the
     /// second time over the buffers again, just before the call). No stop; a fault in
     /// the leader at the wrong moment can let a wrong output out.
@@ -67,9 +73,19 @@ impl std::str::FromStr for OutputCheck {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "strict" => Ok(OutputCheck::Strict),
+            "strict-stop" => Ok(OutputCheck::StrictStop),
             "fast" => Ok(OutputCheck::Fast),
-            _ => Err(format!("unknown output check '{s}' (expected strict or fast)")),
+            _ => Err(format!(
+                "unknown output check '{s}' (expected strict, strict-stop or fast)"
+            )),
         }
+    }
+}
+
+impl OutputCheck {
+    /// Whether the monitor gives the go-ahead for every output (not the leader itself).
+    pub fn is_strict(self) -> bool {
+        self != OutputCheck::Fast
     }
 }
 

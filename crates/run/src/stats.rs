@@ -25,6 +25,10 @@ pub struct Stats {
     pub checked_outputs: Option<u64>,
     /// The leader's order of events across threads (fast backend).
     pub order: Option<crate::fast::OrderCounts>,
+    /// What the output committer did (strict output checks on the fast backend).
+    pub commits: Option<crate::commit::CommitCounts>,
+    /// The monitor's own stops and /proc reads.
+    pub monitor: crate::backend::MonitorCounts,
     pub reintegrations: u64,
     pub monitor_time: Duration,
 }
@@ -76,6 +80,16 @@ impl Stats {
                 "    outputs checked:    {n} (by the monitor before they ran: --output-check strict)\n"
             ));
         }
+        if let Some(c) = self.commits {
+            s.push_str(&format!(
+                "    outputs committed:  {} (written by the monitor's committer; {} escalated, {} left to the leader)\n",
+                c.written, c.escalated, c.own
+            ));
+            s.push_str(&format!(
+                "    committer wake-ups: {} ({} descriptors duplicated)\n",
+                c.wakeups, c.duplicated
+            ));
+        }
         if let Some(order) = self.order {
             s.push_str(&format!(
                 "  ordered events:       {} ({} taken out of turn, {} late wake-ups)\n",
@@ -104,6 +118,11 @@ impl Stats {
             ));
         }
         s.push_str(&format!("  divergences:          {}\n", self.divergences));
+        s.push_str(&format!(
+            "  monitor stops:        {} (ptrace stops of replica threads)\n",
+            self.monitor.stops
+        ));
+        s.push_str(&format!("  monitor /proc reads:  {}\n", self.monitor.proc_reads));
         s.push_str(&format!("  re-integrations:      {}\n", self.reintegrations));
         let per = (self.monitor_time.as_nanos() as u64).checked_div(total).unwrap_or(0);
         // SAFETY: getrusage into a zeroed struct.

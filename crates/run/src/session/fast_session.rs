@@ -413,6 +413,18 @@ impl Session {
     /// (its other threads, running on as usual until they are stopped, are the common
     /// case: the fault was found in one thread of the leader, and the others were busy).
     pub(crate) fn lose_leader(&mut self, r: ReplicaId) -> Result<bool, String> {
+        // What the committer wrote must not change while we decide what ran.
+        if let Some(committer) = self.fast.as_ref().and_then(|f| f.committer()) {
+            committer.pause();
+        }
+        let lost = self.lose_paused_leader(r);
+        if let Some(committer) = self.fast.as_ref().and_then(|f| f.committer()) {
+            committer.resume();
+        }
+        lost
+    }
+
+    fn lose_paused_leader(&mut self, r: ReplicaId) -> Result<bool, String> {
         let Some(fast) = &self.fast else {
             return Ok(false);
         };
@@ -492,7 +504,7 @@ impl Session {
             libc::SYS_getrandom,
         ];
         let fast = self.fast.as_ref()?;
-        let strict = self.opts.output_check == crate::OutputCheck::Strict;
+        let strict = self.opts.output_check.is_strict();
         let slot = self.slot(task, r);
         let tid = slot.tid();
         // Only a thread that runs on its own is stopped here, and let run to its record;
@@ -507,7 +519,10 @@ impl Session {
             let (seq, nr) = fast.in_flight(lane, r)?;
             let settled = seq <= fast.published(lane, r)?
                 || REPEATABLE.contains(&(nr as i64))
-                || (crate::fast_check::is_fast_output(nr) && strict && fast.approved[lane] != seq)
+                || (crate::fast_check::is_fast_output(nr)
+                    && strict
+                    && fast.approved[lane] != seq
+                    && !fast.commit_written(lane, seq))
                 || self.be.regs(tid).is_ok_and(|regs| in_fast_gate_restart(&regs));
             if settled {
                 return None;
@@ -1041,6 +1056,21 @@ impl Session {
                 fast.epoch()
             );
         }
+        if result == 0 {
+            // After the replicas started: the committer is a thread of the monitor.
+            if let Err(e) = self.fast.as_mut().map_or(Ok(()), |f| f.start_committer()) {
+                eprintln!("lockstep run: cannot start the output committer ({e}); outputs are checked at a stop");
+            }
+            let pids: Vec<Option<i32>> = (0..self.replicas.ids() as ReplicaId)
+                .map(|r| self.tasks[task].slot(r).filter(|s| !s.is_dead()).map(|s| s.tgid()))
+                .collect();
+            if let Some(fast) = &self.fast {
+                fast.commit_pids(|r| pids.get(r as usize).copied().flatten());
+            }
+        }
+        let Some(fast) = &self.fast else {
+            return Ok(());
+        };
         let regions: Vec<Option<u32>> = (0..self.replicas.ids() as ReplicaId).map(|r| fast.region(r)).collect();
         // The answer: the replica's region, and the lane above it (`HELLO_LANE_SHIFT`).
         self.answer_each(task, |r| match regions.get(r as usize).copied().flatten() {
@@ -1049,6 +1079,28 @@ impl Session {
             _ => result,
         });
         Ok(())
+    }
+
+    /// A call that closes or replaces descriptors of the leader's process, about to run:
+    /// the committer drops its duplicates of them first (`Committer::forget`).
+    pub(crate) fn commit_forget(&self, task: TaskId, nr: u64, args: &[u64; 6]) {
+        let Some(committer) = self.fast.as_ref().and_then(|f| f.committer()) else {
+            return;
+        };
+        let fd = match nr as i64 {
+            libc::SYS_close => Some(args[0]),
+            libc::SYS_dup2 | libc::SYS_dup3 => Some(args[1]),
+            libc::SYS_close_range | libc::SYS_execve | libc::SYS_execveat | libc::SYS_exit_group => None,
+            _ => return,
+        };
+        let Some(slot) = self.tasks[task].slot(self.replicas.leader()) else {
+            return;
+        };
+        match fd.map(i32::try_from) {
+            Some(Ok(fd)) => committer.forget(slot.tgid(), Some(fd)),
+            Some(Err(_)) => {} // not a descriptor: the call fails with EBADF
+            None => committer.forget(slot.tgid(), None),
+        }
     }
 
     /// Calls the leaders completed on the fast path, for `--stats`.

@@ -330,7 +330,7 @@ impl Session {
         install_signal_handlers();
         let gate = match (&fast, opts.output_check) {
             (None, _) => Gate::Absent,
-            (Some(_), crate::OutputCheck::Strict) => Gate::StopOutputs,
+            (Some(_), crate::OutputCheck::Strict | crate::OutputCheck::StrictStop) => Gate::StopOutputs,
             (Some(_), crate::OutputCheck::Fast) => Gate::AllowAll,
         };
         let filter = lockstep_trace::seccomp::build_filter(gate);
@@ -1509,8 +1509,10 @@ impl Session {
             self.stats.checked_outputs = self
                 .fast
                 .as_ref()
-                .filter(|_| self.opts.output_check == crate::OutputCheck::Strict)
+                .filter(|_| self.opts.output_check.is_strict())
                 .map(|f| f.checked_outputs);
+            self.stats.commits = self.fast.as_ref().and_then(|f| f.committer()).map(|c| c.counts());
+            self.stats.monitor = self.be.counts();
             eprint!("{}", self.stats.render(self.started.elapsed()));
         }
     }

@@ -521,6 +521,7 @@ impl Session {
             .map(|d| self.class_of(task, d, &args))
             .unwrap_or(Class::Unsupported);
         self.stats.count(class);
+        self.commit_forget(task, nr, &args);
         let plan = plan::execution_plan(class, nr, args, self.replicas.leader(), &self.live_slots(task));
         self.carry_out(task, plan)
     }

@@ -1,0 +1,230 @@
+//! The output commit of strict checks (`crates/run/src/commit.rs`): the monitor's
+//! committer writes the ring leader's socket and file outputs, without a ptrace stop.
+//!
+//! * Replies through every path (write, writev, send, a reply larger than the send buffer,
+//!   a connection the server closes, writes to a peer that is gone) are what the program
+//!   sends natively, under DMR and TMR.
+//! * Counters, not timings: for a fixed redis workload the monitor takes at most a fixed
+//!   number of ptrace stops, wake-ups and /proc reads, and the older strict path (a stop
+//!   per output) is shown to exceed that bound, so the test fails on the next regression
+//!   to it whatever the machine's noise.
+//! * A leader that writes something else than it digested is stopped (DMR) or masked
+//!   (TMR) by the committer's own digest of what it writes.
+
+mod common;
+use common::*;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+const FAST: &str = "--backend=fast";
+
+/// The number after `key` in `--stats`.
+fn stat(out: &Output, key: &str) -> Option<u64> {
+    out.stderr
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(key))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+}
+
+fn stat_or_panic(out: &Output, key: &str) -> u64 {
+    stat(out, key).unwrap_or_else(|| panic!("no '{key}' in the stats\n{}", out.context()))
+}
+
+/// One connection: sends `line`, returns everything up to the server's end of stream.
+fn exchange(port: u16, line: &str) -> Vec<u8> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to commit_server");
+    // The server closes after its reply: a read that waits this long never saw the end.
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut got = Vec::new();
+    s.read_to_end(&mut got)
+        .unwrap_or_else(|e| panic!("no end of stream after {} bytes for {line:?}: {e}", got.len()));
+    got
+}
+
+/// A connection whose client goes away before the server writes.
+fn gone(port: u16) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to commit_server");
+    s.write_all(b"gone\n").unwrap();
+}
+
+const SMALL: usize = 20;
+const BIG: usize = 1 << 20;
+
+/// Serves the fixed workload under `opts` (or natively); returns the run's output.
+fn serve(opts: Option<&[&str]>) -> Output {
+    let connections = (SMALL + 2 + 1).to_string();
+    let prog = [fixture("commit_server").into_os_string(), connections.into()];
+    let mut r = spawn(match opts {
+        Some(opts) => lockstep_run(opts, &prog),
+        None => native_cmd(&prog),
+    });
+    let port = parse_port(&r.wait_for_stdout("\n", Duration::from_secs(30)));
+    for i in 0..SMALL {
+        let line = format!("request {i} {}", "x".repeat(i * 7));
+        let want = format!("w:{line}\nv:{line}\ns:{line}\n");
+        assert_eq!(String::from_utf8_lossy(&exchange(port, &line)), want, "{}", r.what);
+    }
+    for _ in 0..2 {
+        let got = exchange(port, &format!("big {BIG}"));
+        assert_eq!(got.len(), BIG, "{}", r.what);
+        assert!(got.iter().enumerate().all(|(i, &b)| b == b'a' + (i % 26) as u8));
+    }
+    gone(port);
+    r.finish(RUN_TIMEOUT)
+}
+
+#[test]
+fn replies_through_the_committer_are_the_native_ones() {
+    let native = serve(None);
+    native.assert_code(0);
+    assert_eq!(
+        String::from_utf8_lossy(&native.stdout).lines().last(),
+        Some(format!("served {} lines, 1 epipe", SMALL + 3).as_str()),
+        "{}",
+        native.context()
+    );
+    for r in ["2", "3"] {
+        let out = serve(Some(&["-r", r, FAST, "--stats"]));
+        out.assert_code(0);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).lines().last(),
+            String::from_utf8_lossy(&native.stdout).lines().last(),
+            "{}",
+            out.context()
+        );
+        // 20 connections of 4 replies each, and the big replies' first writes at least
+        // (a full send buffer sends the rest through the monitor, or in short writes).
+        let committed = stat_or_panic(&out, "outputs committed:");
+        assert!(committed >= 4 * SMALL as u64 + 2, "{}", out.context());
+        assert!(out.stderr.contains("divergences:          0"), "{}", out.context());
+    }
+}
+
+/// A port nobody listens on now (the kernel's pick; redis cannot take port 0).
+fn unused_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+const REQUESTS: usize = 10_000;
+
+/// redis under `lockstep run -r 2 --output-check CHECK --stats`, `REQUESTS` SETs and as
+/// many GETs from one redis-benchmark connection.
+fn redis_workload(check: &str) -> Output {
+    let port = unused_port().to_string();
+    let mut r = spawn(lockstep_run(
+        &["-r", "2", FAST, "--output-check", check, "--stats"],
+        &[
+            "redis-server",
+            "--port",
+            &port,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+    ));
+    r.wait_for_stdout("Ready to accept connections", Duration::from_secs(30));
+    let n = REQUESTS.to_string();
+    let bench = std::process::Command::new("redis-benchmark")
+        .args(["-p", &port, "-c", "1", "-n", &n, "-t", "set,get", "-q"])
+        .output()
+        .expect("redis-benchmark (scripts/deps.sh installs redis-tools)");
+    assert!(bench.status.success(), "{}", String::from_utf8_lossy(&bench.stderr));
+    std::process::Command::new("redis-cli")
+        .args(["-p", &port, "shutdown", "nosave"])
+        .output()
+        .expect("redis-cli");
+    r.finish(RUN_TIMEOUT)
+}
+
+/// Upper bounds for the redis workload (2 × REQUESTS requests, 2 × REQUESTS outputs):
+/// start-up, the benchmark's connections and shutdown take about 1,200 stops here; a stop
+/// per output would take 20,000 more.
+const MAX_STOPS: u64 = 2_500;
+/// The watchdog's looks at sleeping replicas read /proc by the time the run takes (about
+/// 500 a second here), not by request: a read per request would add 20,000.
+const MAX_PROC_READS: u64 = 2_000;
+const MAX_PROC_READS_PER_SECOND: u64 = 1_000;
+
+#[test]
+fn a_steady_stream_of_outputs_takes_no_ptrace_stop() {
+    let out = redis_workload("strict");
+    out.assert_code(0);
+    let outputs = 2 * REQUESTS as u64;
+    let (stops, proc_reads) = (
+        stat_or_panic(&out, "monitor stops:"),
+        stat_or_panic(&out, "monitor /proc reads:"),
+    );
+    let committed = stat_or_panic(&out, "outputs committed:");
+    let wakeups = stat_or_panic(&out, "committer wake-ups:");
+    let ordered = stat_or_panic(&out, "ordered events:");
+    assert!(committed >= outputs, "{}", out.context());
+    assert!(stops <= MAX_STOPS, "{stops} stops\n{}", out.context());
+    let reads_allowed = MAX_PROC_READS + MAX_PROC_READS_PER_SECOND * out.elapsed.as_secs().max(1);
+    assert!(
+        proc_reads <= reads_allowed,
+        "{proc_reads} /proc reads\n{}",
+        out.context()
+    );
+    // About one wake-up of the committer per output (two when the leader and a follower
+    // both ring), and a bounded number of ordered events per request (3 ring calls each
+    // here: the event loop's wait, a read, a write; the allocator's locks).
+    assert!(wakeups <= 2 * committed, "{}", out.context());
+    assert!(ordered <= 6 * outputs, "{}", out.context());
+    // The same workload on the older strict path: a stop per output. The bound above
+    // fails for it.
+    let old = redis_workload("strict-stop");
+    old.assert_code(0);
+    let old_stops = stat_or_panic(&old, "monitor stops:");
+    assert!(
+        old_stops > MAX_STOPS + outputs / 2,
+        "{old_stops} stops\n{}",
+        old.context()
+    );
+    assert_eq!(stat(&old, "outputs committed:"), None, "{}", old.context());
+}
+
+/// `fast_target` with its stdout a socket (so the committer writes it), the leader lying
+/// at its 9th ring call (a write of one byte fewer than it digested). Returns the run and
+/// what arrived on the socket.
+fn lying_leader_on_a_socket(replicas: &str) -> (std::process::ExitStatus, Vec<u8>, String) {
+    use std::os::fd::OwnedFd;
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+    let mut cmd = lockstep_run(&["-r", replicas, FAST, "--stats"], &[fixture("fast_target")]);
+    cmd.env("LOCKSTEP_FAST_TEST", "lie:9")
+        .current_dir(work_dir())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::from(OwnedFd::from(theirs)))
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().expect("start lockstep");
+    // Our copy of the other end is in the child now: the stream ends when the run does.
+    drop(cmd);
+    let mut ours = ours;
+    ours.set_read_timeout(Some(RUN_TIMEOUT)).unwrap();
+    let mut got = Vec::new();
+    ours.read_to_end(&mut got).expect("the run's output");
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    (child.wait().expect("wait for lockstep"), got, stderr)
+}
+
+#[test]
+fn the_committer_stops_or_masks_a_leader_that_writes_what_it_did_not_digest() {
+    let native = native_stdout(&[fixture("fast_target")]);
+    let (status, got, stderr) = lying_leader_on_a_socket("2");
+    assert_eq!(status.code(), Some(86), "{stderr}");
+    // The first 8 writes went out whole; the 9th never did.
+    let lines: Vec<&[u8]> = native.split_inclusive(|&b| b == b'\n').collect();
+    assert_eq!(got, lines[..8].concat(), "{stderr}");
+    let (status, got, stderr) = lying_leader_on_a_socket("3");
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert_eq!(got, native, "{stderr}");
+    assert!(stderr.contains("outputs committed:"), "{stderr}");
+}
