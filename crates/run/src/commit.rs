@@ -33,6 +33,7 @@
 //! send buffer fills midway returns a short count, where natively the call would block
 //! until everything is sent.
 
+use crate::data::{IOVEC as IOVEC_SIZE, MSGHDR as MSGHDR_SIZE};
 use crate::fast::{layout, Ring, COMMIT_DONE, COMMIT_ESCALATE, COMMIT_OWN, LANES};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -551,9 +552,6 @@ struct Piece {
     len: usize,
     at: usize,
 }
-
-const MSGHDR_SIZE: usize = 56;
-const IOVEC_SIZE: usize = 16;
 
 impl Copy {
     fn new() -> Copy {

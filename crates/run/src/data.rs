@@ -11,8 +11,9 @@ use lockstep_trace::Tid;
 pub const MAX_BUFFER: usize = 64 << 20;
 /// Longest path we read.
 const MAX_PATH: usize = 4096;
-const IOVEC: usize = 16;
-const MSGHDR: usize = 56;
+/// Bytes of a `struct iovec` and of a `struct msghdr` (x86-64).
+pub(crate) const IOVEC: usize = 16;
+pub(crate) const MSGHDR: usize = 56;
 /// Most iovec entries read from one array (the kernel's UIO_MAXIOV).
 const MAX_IOVECS: usize = 1024;
 /// Most bytes of ancillary data (a message's control buffer) compared or copied.
