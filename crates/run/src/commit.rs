@@ -121,6 +121,8 @@ struct Desk {
     kcmp_works: bool,
     /// Duplicates made since the counters last heard of them.
     duplicated: u64,
+    /// The process the duplicates were taken from.
+    leader_pid: i32,
 }
 
 /// A duplicate of a leader's descriptor.
@@ -183,6 +185,7 @@ impl Committer {
                 scratch: vec![0; crate::fast_check::CHUNK],
                 kcmp_works: true,
                 duplicated: 0,
+                leader_pid: 0,
             }),
             counters: Counters::default(),
         });
@@ -217,11 +220,16 @@ impl Committer {
     /// Process `pid` closes or replaces its descriptor `fd` (None: all of them: an exec,
     /// an exit, `close_range`): our duplicates go first, so that the file closes when the
     /// program closes it (a peer waiting for the end of a connection sees it).
+    /// A descriptor number names the same file in every replica of the ring's process, so
+    /// a close forgets the duplicates of that number taken from any of them.
     pub fn forget(&self, pid: i32, fd: Option<i32>) {
         let mut desk = self.hold();
-        desk.dups.retain(|d| d.pid != pid || fd.is_some_and(|fd| d.fd != fd));
-        if fd.is_none() {
-            desk.pidfds.retain(|(p, _)| *p != pid);
+        match fd {
+            Some(fd) => desk.dups.retain(|d| d.fd != fd),
+            None => {
+                desk.dups.retain(|d| d.pid != pid);
+                desk.pidfds.retain(|(p, _)| *p != pid);
+            }
         }
     }
 
@@ -399,6 +407,11 @@ impl Desk {
         if pid <= 0 {
             return escalate;
         }
+        if pid != self.leader_pid {
+            // A new leader: the old one's duplicates would keep its files open.
+            self.dups.clear();
+            self.leader_pid = pid;
+        }
         let (local, kind) = match self.descriptor(pid, fd) {
             Ok(found) => found,
             Err(_) => return escalate, // not open in the leader: its own call says so
@@ -432,14 +445,13 @@ impl Desk {
             }
             self.dups.swap_remove(i);
         }
-        let pidfd = self.pidfd(pid)?;
-        // SAFETY: pidfd_getfd returns a new descriptor or -1; it is owned from here on.
-        let local = unsafe {
-            let got = libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0);
-            if got < 0 {
-                return Err(io::Error::last_os_error());
+        let local = match self.pidfd(pid).and_then(|pidfd| get_fd(pidfd, fd)) {
+            // A pidfd of a process that died: its pid may be another process's now.
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                self.pidfds.retain(|(p, _)| *p != pid);
+                get_fd(self.pidfd(pid)?, fd)?
             }
-            OwnedFd::from_raw_fd(got as RawFd)
+            got => got?,
         };
         self.duplicated += 1;
         let kind = kind_of(&local)?;
@@ -466,6 +478,18 @@ impl Desk {
         // SAFETY: just created, ours.
         self.pidfds.push((pid, unsafe { OwnedFd::from_raw_fd(fd as RawFd) }));
         Ok(fd as RawFd)
+    }
+}
+
+/// A duplicate of descriptor `fd` of the process behind `pidfd`.
+fn get_fd(pidfd: RawFd, fd: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_getfd returns a new descriptor or -1; it is owned from here on.
+    unsafe {
+        let got = libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0);
+        if got < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(OwnedFd::from_raw_fd(got as RawFd))
     }
 }
 
