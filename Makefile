@@ -56,6 +56,7 @@ bench: build
 	python3 bench/run.py
 	python3 bench/fast_bench.py
 	python3 bench/memcached_bench.py
+	python3 bench/server_costs.py
 	python3 bench/signal_bench.py
 	python3 bench/order_programs.py --runs 10
 	python3 bench/kernels.py
