@@ -119,6 +119,17 @@ def replicas_of(config):
     return 1 if config in NATIVES else int(OPTIONS[config][OPTIONS[config].index("-r") + 1])
 
 
+def run_load(cmd, timeout, where):
+    """Runs a load generator: its record (command, exit status, seconds), status, stdout
+    and stderr; status None when it timed out."""
+    res = benchproc.run(cmd, timeout, where)
+    if res is None:
+        return {"load_command": cmd}, None, "", ""
+    rc, out, err, secs = res
+    return {"load_command": cmd, "load_rc": rc, "load_seconds": round(secs, 3)}, rc, out, err
+
+
+
 def parse_stats(stderr):
     """The numbers of lockstep's --stats block, by line name ("monitor stops", ...; the
     per-class lines under `syscalls intercepted` as "intercepted input" etc.), and the
@@ -219,11 +230,9 @@ class Redis:
     def load(self, port, where):
         cmd = ["redis-benchmark", "-p", str(port), "-t", "get,set", "-n", str(self.n),
                "-c", "50", "-q"]
-        res = benchproc.run(cmd, 120 + 2 * self.n * 5e-3, where)
-        if res is None:
-            return {"load_command": cmd}, "redis-benchmark timed out"
-        rc, out, err, secs = res
-        rec = {"load_command": cmd, "load_rc": rc, "load_seconds": round(secs, 3)}
+        rec, rc, out, err = run_load(cmd, 120 + 2 * self.n * 5e-3, where)
+        if rc is None:
+            return rec, "redis-benchmark timed out"
         rates = {}
         for op, rate in REDIS_RE.findall(out.replace("\r", "\n")):
             rates[op] = float(rate)          # the last line of each op wins
@@ -262,11 +271,9 @@ class Memcached:
 
     def load(self, port, where):
         cmd = ["memcaslap", "-s", f"127.0.0.1:{port}", "-T", "1", "-c", "8", "-t", f"{self.seconds}s"]
-        res = benchproc.run(cmd, self.seconds + 60, where)
-        if res is None:
-            return {"load_command": cmd}, "memcaslap timed out"
-        rc, out, err, secs = res
-        rec = {"load_command": cmd, "load_rc": rc, "load_seconds": round(secs, 3)}
+        rec, rc, out, err = run_load(cmd, self.seconds + 60, where)
+        if rc is None:
+            return rec, "memcaslap timed out"
         tps = memcached_bench.TPS_RE.findall(out)
         ops = memcached_bench.OPS_RE.findall(out)
         if rc != 0 or not tps or not ops or not int(tps[-1]) or not int(ops[-1]):
@@ -304,11 +311,9 @@ class Nginx:
 
     def load(self, port, where):
         cmd = [self.load_bin, "-p", str(port), "-c", "50", "-n", str(self.n), "-u", nginx_bench.URL_PATH]
-        res = benchproc.run(cmd, 120 + self.n * 20e-3, where)
-        if res is None:
-            return {"load_command": cmd}, "http_load timed out"
-        rc, out, err, secs = res
-        rec = {"load_command": cmd, "load_rc": rc, "load_seconds": round(secs, 3)}
+        rec, rc, out, err = run_load(cmd, 120 + self.n * 20e-3, where)
+        if rc is None:
+            return rec, "http_load timed out"
         m = nginx_bench.LOAD_RE.search(out)
         lat = nginx_bench.LAT_RE.search(err)
         if lat:
