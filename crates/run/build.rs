@@ -21,7 +21,7 @@ use std::process::Command;
 
 /// Numbers of the shared layout: (name, value, what it is). Changing one changes both sides.
 const LAYOUT: &[(&str, u64, &str)] = &[
-    ("VERSION", 7, "layout version, checked by the hello call"),
+    ("VERSION", 8, "layout version, checked by the hello call"),
     ("MAX_REPLICAS", 3, "regions in the ring file"),
     (
         "LANES",
@@ -51,9 +51,9 @@ const LAYOUT: &[(&str, u64, &str)] = &[
     (
         "COMMIT_OFFSET",
         2560,
-        "where the header page's commit answers start (one per lane, 32 bytes each)",
+        "where the header page's commit answers start (one per lane, 48 bytes each)",
     ),
-    ("RECORD_HEAD", 160, "bytes of a record before its payload"),
+    ("RECORD_HEAD", 176, "bytes of a record before its payload"),
     ("REGION_HEAD", 4096, "bytes of a replica region before its records"),
     ("MAX_IOVECS", 1024, "iovecs one call may carry on the fast path"),
     (

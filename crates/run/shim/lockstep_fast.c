@@ -64,6 +64,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -163,6 +164,9 @@ struct lf_header {
     uint32_t committer_sleeping;
     /* where the doorbell word lies: in the page after the clock areas, writable by all */
     uint64_t doorbell_offset;
+    /* bumped by the committer when some descriptor may no longer take posted outputs: each
+     * replica then forgets every posting hint it holds (see "posted outputs") */
+    uint32_t post_epoch, pad;
 };
 
 /* The monitor's request to deliver a signal in one lane: `request` grows by one per request,
@@ -182,7 +186,12 @@ struct lf_commit_answer {
     uint64_t seq;
     int64_t ret;
     uint32_t word, verdict;
-    uint64_t pad;
+    /* every posted output of the lane up to this record is written (or will never be) */
+    uint64_t taken;
+    /* with COMMIT_DONE: nonzero when the descriptor may take posted outputs from now on,
+     * the committer's name for the open file (see "posted outputs") */
+    uint32_t handle, pad;
+    uint64_t pad2;
 };
 #define COMMIT_DONE 1     /* the committer wrote the output; `ret` is the call's result */
 #define COMMIT_ESCALATE 2 /* no go-ahead (votes differ, the ring changed, an error): the monitor votes */
@@ -208,7 +217,12 @@ struct lf_record {
     uint64_t clock_sync[LF_CLOCKS];
     uint64_t signal; /* KIND_SIGNAL: SIGNAL_* */
     uint64_t order;  /* the record's place in the leader's order of events across lanes */
-    uint64_t reserved[1];
+    /* A posted output (see "posted outputs"): the bytes of its copy in the payload (0: not
+     * posted), the committer's handle of its descriptor, and where the leader saw the
+     * payload (the copy's iovecs point into it). */
+    uint32_t post_len, post_handle;
+    uint64_t post_base;
+    uint64_t post_flags; /* sendto's and sendmsg's flags; writev's iovec count << 32 */
     unsigned char payload[LF_PAYLOAD_MAX];
 };
 _Static_assert(offsetof(struct lf_record, payload) == LF_RECORD_HEAD, "record head");
@@ -246,6 +260,9 @@ struct lf_region_head {
      * its number and arguments (see "the output commit") */
     uint64_t commit_seq, commit_nr;
     uint64_t commit_args[6];
+    /* written as a follower: its vote on posted output `post_vote_seq` (at that output's
+     * seq % LF_SLOTS), the digest of its own call, once it found the record the same */
+    uint64_t post_vote_seq[LF_SLOTS], post_vote_digest[LF_SLOTS];
 };
 /* The order of events (issue 17). Threads of the leader run as they will; each record of
  * any lane claims the next index of the leader's order when it is published (an event
@@ -327,6 +344,8 @@ struct lf_state {
     uint32_t promoted;    /* this lane led after its replica was promoted in place */
     uint32_t spin_budget; /* this lane's current spin (adaptive, at most `spin`) */
     uint32_t wake_pending; /* a leader sharing its CPU published without waking (below) */
+    uint32_t owed_votes;   /* as a follower: posted outputs voted on since the last doorbell */
+    uint32_t posting;      /* as the leader: the record being published is a posted output */
     uint64_t seq; /* the last replicated call */
     uint64_t clock_next[LF_CLOCKS];
     unsigned char *stack; /* RING_STACK bytes above a guard page */
@@ -387,8 +406,10 @@ static long after_slow_call(long ret);
  * before call N; "flap:N" makes the leader, before call N, spin and sleep on ring memory in
  * turn for ever; "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
  * never posted, as a corrupted mailbox check would;
+ * "post-corrupt:N" makes the leader damage the copy of posted output N after its digest;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
+static uint64_t lf_test_post_corrupt;
 static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal,
     lf_test_hang, lf_test_bad_wait, lf_test_flap, lf_test_die, lf_test_die_call;
 static int lf_test_selector_allow;
@@ -1476,9 +1497,13 @@ static long raw_then_resume(struct lf_state *st, long nr, const long *a)
 static void fd_hints_forget(long nr, const long *a);
 static void commit_nudge(struct lf_state *st, uint64_t s);
 
+static void owe_doorbell(struct lf_state *st, int caught_up);
+
 static long slow_call(struct lf_state *st, long nr, const long *a)
 {
     fd_hints_forget(nr, a);
+    if (st != NULL && st->hdr != NULL)
+        owe_doorbell(st, 1);
     if (st != NULL && st->hdr != NULL && futex_waits(nr, a)) {
         /* Seen by a sibling thread waiting for its turn behind this one (take_turn). */
         volatile uint64_t *in_futex = &st->regions[st->me]->h.in_futex;
@@ -1542,6 +1567,11 @@ static void publish_on(struct lf_state *st, struct lf_record *rec, uint64_t s, c
     if (!record_matches(rec, d, a, ret)) {
         report_divergence(s, rec->nr, rec->digest, DIVERGED_LEADER, 0);
         return;
+    }
+    if (!st->posting) {
+        rec->post_len = 0;
+        rec->post_handle = 0;
+        rec->post_base = 0;
     }
     if (object == 0)
         serial_claim(st);
@@ -1708,6 +1738,11 @@ static void test_die(struct lf_state *st, uint64_t s, uint64_t at)
 #define FD_HINTS 4096
 static unsigned char lf_fd_own[FD_HINTS];
 
+/* Descriptors that take posted outputs: the committer's handle of each (0: none), valid
+ * while the header's post_epoch is the one seen when it was given. */
+static uint32_t lf_fd_post[FD_HINTS];
+static uint32_t lf_post_epoch_seen;
+
 static int fd_is_own(long fd) { return fd >= 0 && fd < FD_HINTS && lf_fd_own[fd]; }
 
 static void fd_set_own(long fd)
@@ -1718,14 +1753,28 @@ static void fd_set_own(long fd)
 
 static void fd_forget(long fd)
 {
-    if (fd >= 0 && fd < FD_HINTS)
+    if (fd >= 0 && fd < FD_HINTS) {
         lf_fd_own[fd] = 0;
+        lf_fd_post[fd] = 0;
+    }
 }
 
-/* A call that frees or replaces descriptors forgets their hints. */
+/* The handle under which output on `fd` may be posted (0: it may not). */
+static uint32_t fd_post_handle(const struct lf_state *st, long fd)
+{
+    uint32_t epoch = __atomic_load_n(&st->hdr->post_epoch, __ATOMIC_ACQUIRE);
+    if (epoch != lf_post_epoch_seen) {
+        for (long f = 0; f < FD_HINTS; f++)
+            lf_fd_post[f] = 0;
+        lf_post_epoch_seen = epoch;
+    }
+    return fd >= 0 && fd < FD_HINTS ? lf_fd_post[fd] : 0;
+}
+
+/* A call that frees or replaces descriptors, or may make one block, forgets their hints. */
 static void fd_hints_forget(long nr, const long *a)
 {
-    if (nr == SYS_close)
+    if (nr == SYS_close || (nr == SYS_fcntl && a[1] == F_SETFL) || (nr == SYS_ioctl && a[1] == FIONBIO))
         fd_forget(a[0]);
     else if (nr == SYS_dup2 || nr == SYS_dup3)
         fd_forget(a[1]);
@@ -1793,8 +1842,13 @@ static int commit_output(struct lf_state *st, uint64_t s, long nr, const long *a
     store(&h->vote_wanted, 0);
     uint32_t verdict = __atomic_load_n(&ans->verdict, __ATOMIC_ACQUIRE);
     *ret = ans->ret;
+    uint32_t handle = __atomic_load_n(&ans->handle, __ATOMIC_ACQUIRE);
     if (got != s || load(&ans->seq) != s)
         return COMMIT_ESCALATE;
+    if (verdict == COMMIT_DONE && a[0] >= 0 && a[0] < FD_HINTS) {
+        fd_post_handle(st, a[0]); /* a newer epoch first: this handle belongs to it */
+        lf_fd_post[a[0]] = handle;
+    }
     return verdict == COMMIT_DONE || verdict == COMMIT_OWN ? (int)verdict : COMMIT_ESCALATE;
 }
 
@@ -1812,11 +1866,164 @@ static int outputs_agree(struct lf_state *st, uint64_t s, uint64_t digest)
     return got;
 }
 
+/* --- posted outputs ------------------------------------------------------------------
+ * On a descriptor the committer named with a handle (a non-blocking stream socket whose
+ * last output it wrote whole), the leader does not wait for an output at all: it copies
+ * the output (its buffers, and the iovecs and msghdr that describe them, at the same
+ * offsets the committer reads them from) into the record's payload, digests that copy,
+ * and publishes the record with every byte as the call's result. Each follower compares
+ * the record with its own call as for any output and, when they match, votes the digest
+ * into the record. The committer writes the copy once every live follower voted it,
+ * after digesting the copy again (a copy changed after the leader's digest is a detected
+ * fault, the run stops), and marks it taken; the leader reuses that record's slot only
+ * then. Bytes the socket does not take at once the committer keeps and writes as it
+ * drains; the descriptor then loses its handle (post_epoch), and the next output on it
+ * goes the synchronous way, which answers EAGAIN until the kept bytes are out. */
+
+/* Copies output `nr` (arguments `a`) into `rec`'s payload, with `pa` the same call over
+ * the copy; the copy's length, or 0 when it does not fit (the call then commits as usual). */
+static uint32_t post_copy(struct lf_record *rec, long nr, const long *a, long *pa)
+{
+    unsigned char *p = rec->payload, *end = rec->payload + LF_PAYLOAD_MAX;
+    const struct iovec *iov = NULL;
+    long count = 0;
+    for (int i = 0; i < 6; i++)
+        pa[i] = a[i];
+    pa[1] = (long)p;
+    if (nr == SYS_write || nr == SYS_sendto) {
+        if ((uint64_t)a[2] > LF_PAYLOAD_MAX || (a[2] > 0 && a[1] == 0))
+            return 0;
+        copy_bytes(p, (const void *)a[1], (uint64_t)a[2]);
+        return (uint32_t)a[2];
+    }
+    if (nr == SYS_sendmsg) {
+        const struct msghdr *m = (const struct msghdr *)a[1];
+        if (m == NULL || m->msg_name != NULL || m->msg_controllen != 0)
+            return 0;
+        struct msghdr *copy = (struct msghdr *)p;
+        copy_bytes(copy, m, sizeof *m);
+        iov = m->msg_iov;
+        count = (long)m->msg_iovlen;
+        p += sizeof *m;
+        copy->msg_iov = (struct iovec *)p;
+    } else if (nr == SYS_writev) {
+        iov = (const struct iovec *)a[1];
+        count = a[2];
+    } else {
+        return 0;
+    }
+    if (count < 0 || (uint64_t)count > LF_MAX_IOVECS || (count > 0 && iov == NULL) ||
+        (uint64_t)(end - p) < (uint64_t)count * sizeof(struct iovec))
+        return 0;
+    struct iovec *to = (struct iovec *)p;
+    p += count * sizeof(struct iovec);
+    for (long k = 0; k < count; k++) {
+        uint64_t n = iov[k].iov_len;
+        if (n > (uint64_t)(end - p) || (n > 0 && iov[k].iov_base == NULL))
+            return 0;
+        copy_bytes(p, iov[k].iov_base, n);
+        to[k].iov_base = p;
+        to[k].iov_len = n;
+        p += n;
+    }
+    return (uint32_t)(p - rec->payload);
+}
+
+/* Publishes output `s` as posted under `handle`; its result (every byte), or LONG_MIN
+ * when it cannot be posted (too large with its iovecs). */
+static long post_output(struct lf_state *st, struct lf_record *rec, uint64_t s, long nr, const struct lf_desc *d,
+                        const long *a, uint32_t handle)
+{
+    long pa[6];
+    uint32_t len = post_copy(rec, nr, a, pa);
+    uint64_t digest;
+    if (len == 0 || inspect(nr, d, pa, &digest) < 0)
+        return LONG_MIN;
+    long total = 0;
+    if (nr == SYS_write || nr == SYS_sendto) {
+        total = a[2];
+    } else {
+        int count;
+        const struct iovec *iov = iovecs(&d->args[1], pa, 1, &count);
+        for (int k = 0; k < count; k++)
+            total += (long)iov[k].iov_len;
+    }
+    if (s == lf_test_post_corrupt && len > 0)
+        rec->payload[len - 1] ^= 1; /* test: the copy changes after its digest */
+    rec->nr = (uint32_t)nr;
+    rec->kind = KIND_RESULT;
+    rec->digest = digest;
+    rec->ret = total;
+    rec->len = 0;
+    rec->post_len = len;
+    rec->post_handle = handle;
+    rec->post_base = (uint64_t)rec->payload;
+    /* What the committer needs to rebuild the call over the copy: its flags (sendto's,
+     * sendmsg's; low half) and writev's iovec count (high half). */
+    uint64_t flags = nr == SYS_sendto ? (uint64_t)(uint32_t)a[3] : nr == SYS_sendmsg ? (uint64_t)(uint32_t)a[2] : 0;
+    rec->post_flags = flags | (nr == SYS_writev ? (uint64_t)a[2] << 32 : 0);
+    clock_snapshot(st, rec->clock_sync);
+    clock_align(st, rec->clock_sync);
+    st->posting = 1;
+    publish(st, rec, s, d, pa, total);
+    st->posting = 0;
+    st->regions[st->me]->h.fast_calls++;
+    return total;
+}
+
+/* Waits until the committer took posted record `old` of this lane (its slot is reused
+ * next); 0 when the ring went off meanwhile. */
+static int wait_taken(struct lf_state *st, uint64_t old)
+{
+    volatile struct lf_commit_answer *ans = st->answer;
+    volatile uint32_t *sleeping = &st->regions[st->me]->h.sleeping;
+    while (load(&ans->taken) < old) {
+        if (is_off(st))
+            return 0;
+        uint32_t seen = load32(&ans->word);
+        __atomic_exchange_n(sleeping, WAKE_ON_COMMIT, __ATOMIC_SEQ_CST);
+        ring_doorbell(st);
+        if (load(&ans->taken) < old)
+            futex_wait(&ans->word, seen);
+        __atomic_store_n(sleeping, AWAKE, __ATOMIC_RELEASE);
+    }
+    return 1;
+}
+
+/* The slot of record `s` is free: every follower consumed the record it held, and the
+ * committer took it if it was a posted output. */
+static int slot_ready(struct lf_state *st, struct lf_record *rec, uint64_t s)
+{
+    if (wait_followers(st, slot_free, s) != READY)
+        return 0;
+    uint64_t old = load(&rec->seq);
+    return rec->post_len == 0 || old + LF_SLOTS != s || wait_taken(st, old);
+}
+
+/* A follower's vote on posted output `s` goes where its vote on `s - LF_SLOTS` was: only
+ * once the committer took that one (a leader promoted in place does not wait for the
+ * committer before reusing a slot its former filled). 0 when the ring went off. */
+static int vote_slot_free(struct lf_state *st, uint64_t s)
+{
+    uint64_t old = load(&st->regions[st->me]->h.post_vote_seq[s % LF_SLOTS]);
+    return old == 0 || old >= s || wait_taken(st, old);
+}
+
+/* A follower voted on posted outputs: the committer hears of it when the follower caught
+ * up with the leader (or goes to the monitor), once per batch, not per output. */
+static void owe_doorbell(struct lf_state *st, int caught_up)
+{
+    if (st->owed_votes != 0 && (caught_up || st->owed_votes >= LF_SLOTS / 2)) {
+        st->owed_votes = 0;
+        ring_doorbell(st);
+    }
+}
+
 static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc *d, const long *a, uint64_t digest, long bound)
 {
     struct lf_region *own = st->regions[st->me];
     struct lf_record *rec = &own->records[s % LF_SLOTS];
-    if (is_off(st) || wait_followers(st, slot_free, s) != READY) {
+    if (is_off(st) || !slot_ready(st, rec, s)) {
         own->h.unrecorded++;
         return slow_call(st, nr, a); /* no record: the monitor finds out why */
     }
@@ -1849,6 +2056,12 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     /* test: the leader makes one byte less than it compared (and than it digested) */
     long lie[6] = {a[0], a[1], s == lf_test_lie && a[2] > 0 ? a[2] - 1 : a[2], a[3], a[4], a[5]};
     int commit = d->fast == F_OUTPUT && st->hdr->commit && !fd_is_own(a[0]);
+    uint32_t handle = commit ? fd_post_handle(st, a[0]) : 0;
+    if (handle != 0 && (nr == SYS_write || nr == SYS_writev || (nr == SYS_sendto && a[5] == 0) || nr == SYS_sendmsg)) {
+        long posted = post_output(st, rec, s, nr, d, lie, handle);
+        if (posted != LONG_MIN)
+            return posted;
+    }
     /* A leader on a CPU of its own waits for the votes here, spinning, as without the
      * committer: the committer (on the leader's CPU) is then woken by the leader, not
      * across CPUs by the last follower to vote. */
@@ -1985,8 +2198,14 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
     ret = rec->ret;
     if (d->fast == F_OUTPUT)
         clock_align(st, rec->clock_sync);
+    if (rec->post_len != 0 && vote_slot_free(st, s)) {
+        own->h.post_vote_digest[s % LF_SLOTS] = digest;
+        __atomic_store_n(&own->h.post_vote_seq[s % LF_SLOTS], s, __ATOMIC_SEQ_CST);
+        st->owed_votes++;
+    }
     store(&own->h.consumed, s);
     signal_progress(st, &own->h.progress, st->leader, 0);
+    owe_doorbell(st, load(&leader->h.published) <= s);
     own->h.fast_calls++;
     return ret;
 }
@@ -2084,7 +2303,8 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
      * ring off): a synchronisation record never goes to the monitor. */
     while ((got = wait_followers(st, slot_free, s)) == GIVE_UP_SLOW)
         futex_wait(&st->regions[st->me]->h.published_word, load32(&st->regions[st->me]->h.published_word));
-    if (got != READY)
+    uint64_t old = load(&rec->seq);
+    if (got != READY || (rec->post_len != 0 && old + LF_SLOTS == s && !wait_taken(st, old)))
         return SYNC_NONE;
     test_die(st, s, lf_test_die);
     rec->nr = nr;
@@ -3397,6 +3617,8 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_corrupt = strtoull(test + 8, NULL, 10);
     if (test != NULL && strncmp(test, "lie:", 4) == 0)
         lf_test_lie = strtoull(test + 4, NULL, 10);
+    if (test != NULL && strncmp(test, "post-corrupt:", 13) == 0)
+        lf_test_post_corrupt = strtoull(test + 13, NULL, 10);
     if (test != NULL && strncmp(test, "result:", 7) == 0)
         lf_test_result = strtoull(test + 7, NULL, 10);
     if (test != NULL && strncmp(test, "wild-result:", 12) == 0)

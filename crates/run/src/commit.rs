@@ -34,7 +34,8 @@
 //! until everything is sent.
 
 use crate::data::{IOVEC as IOVEC_SIZE, MSGHDR as MSGHDR_SIZE};
-use crate::fast::{layout, Ring, COMMIT_DONE, COMMIT_ESCALATE, COMMIT_OWN, LANES};
+use crate::fast::{layout, Posted, Ring, COMMIT_DONE, COMMIT_ESCALATE, COMMIT_OWN, LANES};
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -48,6 +49,17 @@ const PATIENCE_NS: i64 = 10_000_000;
 const MAX_DUPS: usize = 1024;
 /// Processes it keeps pidfds of (the replicas of every ring).
 const MAX_PIDFDS: usize = 16;
+/// Descriptors named for posted outputs at once (`Named`); past this no new one is named
+/// (their outputs commit one by one) until closed ones are let go.
+const MAX_HANDLES: usize = 65536;
+/// Bytes of posted outputs the committer keeps, in all, for sockets that did not take
+/// them at once; past this a socket's connection is shut down (see `Desk::keep`).
+const BACKLOG_MAX: usize = 64 << 20;
+/// How often the committer offers kept bytes again.
+const BACKLOG_RETRY_NS: i64 = 1_000_000;
+/// How long the committer, at the end of a run, and the monitor, before a call it makes
+/// on a socket with kept bytes, wait for the socket to take them.
+const DRAIN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 const KCMP_FILE: i32 = 0;
 
 /// What the committer has done, for `--stats` and the counter tests.
@@ -63,6 +75,12 @@ pub struct CommitCounts {
     pub wakeups: u64,
     /// Descriptors it duplicated from a leader (`pidfd_getfd`).
     pub duplicated: u64,
+    /// Posted outputs it wrote (or kept, for a socket that took them later).
+    pub posted: u64,
+    /// Posted outputs a socket did not take whole at once (the rest was kept).
+    pub kept: u64,
+    /// Posted outputs a follower did not vote for (the monitor judged the call).
+    pub refused: u64,
 }
 
 #[derive(Default)]
@@ -72,6 +90,9 @@ struct Counters {
     own: AtomicU64,
     wakeups: AtomicU64,
     duplicated: AtomicU64,
+    posted: AtomicU64,
+    kept: AtomicU64,
+    refused: AtomicU64,
 }
 
 /// The run's rings, owned by `FastPath`, which stops the committer before it drops them.
@@ -94,6 +115,18 @@ struct Shared {
     paused: AtomicBool,
     desk: Mutex<Desk>,
     counters: Counters,
+    /// Why the committer stopped writing for good (a posted output it cannot make as the
+    /// replicas agreed on it): the monitor stops the run.
+    failure: Mutex<Option<String>>,
+    failed: AtomicBool,
+}
+
+impl Shared {
+    fn fail(&self, why: String) {
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure.get_or_insert(why);
+        self.failed.store(true, Ordering::SeqCst);
+    }
 }
 
 impl Shared {
@@ -123,6 +156,25 @@ struct Desk {
     duplicated: u64,
     /// The process the duplicates were taken from.
     leader_pid: i32,
+    /// Per ring, per lane: the next record to look at for a posted output (every earlier
+    /// one is taken).
+    cursors: Vec<[u64; LANES]>,
+    /// Per ring: regions whose replica was removed (bit r), whose votes nobody waits for.
+    gone: Vec<u32>,
+    /// The descriptors named for posted outputs, by handle.
+    names: HashMap<u32, Named>,
+    next_handle: u32,
+    /// Bytes kept for sockets, in all (`Dup::backlog`).
+    kept_bytes: usize,
+    /// A posted output waited for a vote at the last look.
+    posted_pending: bool,
+}
+
+/// The next posted output of a lane, as `Desk::head` found it.
+enum Head {
+    Empty,
+    Pending,
+    Ready { seq: u64, author: u32, order: u64 },
 }
 
 /// A duplicate of a leader's descriptor.
@@ -131,11 +183,28 @@ struct Dup {
     fd: i32,
     local: OwnedFd,
     kind: Kind,
+    /// The handle posted outputs name it by (0: none given).
+    handle: u32,
+    /// Bytes of posted outputs the socket did not take yet, in order.
+    backlog: Vec<u8>,
+    /// A write failed (the peer is gone): later posted outputs are dropped, as the bytes
+    /// of a connection that broke are; the next output on it goes to the monitor.
+    broken: bool,
+    /// The program closed it; kept until its backlog is out.
+    retired: bool,
+}
+
+/// What a handle names: descriptor `fd` of process `pid`, the open file with inode `ino`.
+#[derive(Clone, Copy)]
+struct Named {
+    pid: i32,
+    fd: i32,
+    ino: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
-    Socket { seqpacket: bool },
+    Socket { seqpacket: bool, stream: bool },
     File,
     Other,
 }
@@ -186,8 +255,16 @@ impl Committer {
                 kcmp_works: true,
                 duplicated: 0,
                 leader_pid: 0,
+                cursors: vec![[1; LANES]; rings.len()],
+                gone: vec![0; rings.len()],
+                names: HashMap::new(),
+                next_handle: 1,
+                kept_bytes: 0,
+                posted_pending: false,
             }),
             counters: Counters::default(),
+            failure: Mutex::new(None),
+            failed: AtomicBool::new(false),
         });
         let serving = Arc::clone(&shared);
         // The thread must take none of the monitor's signals (SIGCHLD, SIGINT, ...): they
@@ -222,15 +299,64 @@ impl Committer {
     /// program closes it (a peer waiting for the end of a connection sees it).
     /// A descriptor number names the same file in every replica of the ring's process, so
     /// a close forgets the duplicates of that number taken from any of them.
+    ///
+    /// A duplicate with bytes still kept for its socket, or named by a handle that a
+    /// posted output not yet taken may carry, is only retired: it goes once that is done,
+    /// as the kernel sends what a closed socket's buffer holds.
     pub fn forget(&self, pid: i32, fd: Option<i32>) {
         let mut desk = self.hold();
-        match fd {
-            Some(fd) => desk.dups.retain(|d| d.fd != fd),
-            None => {
-                desk.dups.retain(|d| d.pid != pid);
-                desk.pidfds.retain(|(p, _)| *p != pid);
+        let closed = |d: &Dup| match fd {
+            Some(fd) => d.fd == fd,
+            None => d.pid == pid,
+        };
+        for dup in desk.dups.iter_mut().filter(|d| closed(d)) {
+            dup.retired = true;
+        }
+        desk.names.retain(|_, n| match fd {
+            Some(fd) => n.fd != fd,
+            None => n.pid != pid,
+        });
+        if fd.is_none() {
+            desk.pidfds.retain(|(p, _)| *p != pid);
+        }
+        desk.let_go();
+    }
+
+    /// Replica region `region` of ring `epoch` was removed: nobody waits for its votes.
+    pub fn region_gone(&self, epoch: usize, region: u32) {
+        let mut desk = self.hold();
+        if let Some(gone) = desk.gone.get_mut(epoch) {
+            *gone |= 1 << region;
+        }
+        drop(desk);
+        self.kick();
+    }
+
+    /// Writes every posted output the replicas agreed on (the monitor is about to make a
+    /// call of the program's, which comes after them), and waits up to DRAIN_PATIENCE for
+    /// bytes kept for descriptor `fd` of `pid` to go out (the call may write there too).
+    pub fn drain(&self, pid: i32, fd: Option<i32>) {
+        let shared = &*self.shared;
+        let mut desk = self.hold();
+        if shared.paused.load(Ordering::SeqCst) {
+            return;
+        }
+        for (epoch, ring) in shared.rings().iter().enumerate() {
+            if ring.commits() {
+                desk.serve_posted(shared, epoch, ring);
             }
         }
+        if let Some(fd) = fd {
+            desk.flush_waiting(|d| d.pid == pid && d.fd == fd, DRAIN_PATIENCE);
+        }
+    }
+
+    /// Why the committer stopped writing, if it did: the run must stop.
+    pub fn failure(&self) -> Option<String> {
+        if !self.shared.failed.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.shared.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Wakes the committer to look at every request again (the ring changed: off, a
@@ -270,6 +396,9 @@ impl Committer {
             own: c.own.load(Ordering::Relaxed),
             wakeups: c.wakeups.load(Ordering::Relaxed),
             duplicated: c.duplicated.load(Ordering::Relaxed),
+            posted: c.posted.load(Ordering::Relaxed),
+            kept: c.kept.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -282,6 +411,18 @@ impl Drop for Committer {
             // A committer that panicked has nothing left to clean up.
             let _ = thread.join();
         }
+        // The run is over: what the replicas agreed on goes out, and what sockets did
+        // not take yet gets its chance.
+        let shared = &*self.shared;
+        let mut desk = self.hold();
+        if !shared.failed.load(Ordering::SeqCst) {
+            for (epoch, ring) in shared.rings().iter().enumerate() {
+                if ring.commits() {
+                    desk.serve_posted(shared, epoch, ring);
+                }
+            }
+        }
+        desk.flush_waiting(|_| true, DRAIN_PATIENCE);
     }
 }
 
@@ -305,15 +446,17 @@ fn serve(shared: &Shared) {
         let rung = bell.load(Ordering::SeqCst);
         let mut pending = false;
         for (epoch, ring) in rings[..=current].iter().enumerate() {
-            if ring.commits() {
+            if ring.commits() && !shared.failed.load(Ordering::SeqCst) {
                 pending |= serve_ring(shared, epoch, ring);
             }
         }
+        let keeping = lock(&shared.desk).flush(shared);
         // A replica rings after it changed what we look at, and wakes us only if it sees
         // us asleep: we say so before we look at the bell a last time.
         rings[current].set_committer_sleeping(true);
         if bell.load(Ordering::SeqCst) == rung && !shared.stop.load(Ordering::SeqCst) {
-            let woken = futex(bell, libc::FUTEX_WAIT, rung, Some(PATIENCE_NS)) == 0;
+            let patience = if keeping { BACKLOG_RETRY_NS } else { PATIENCE_NS };
+            let woken = futex(bell, libc::FUTEX_WAIT, rung, Some(patience)) == 0;
             if woken || pending {
                 shared.counters.wakeups.fetch_add(1, Ordering::Relaxed);
             }
@@ -325,6 +468,12 @@ fn serve(shared: &Shared) {
 /// Answers every complete request of `ring`; whether one still waits for a follower.
 fn serve_ring(shared: &Shared, epoch: usize, ring: &Ring) -> bool {
     let mut pending = false;
+    {
+        let mut desk = lock(&shared.desk);
+        if !shared.paused.load(Ordering::SeqCst) {
+            pending |= desk.serve_posted(shared, epoch, ring);
+        }
+    }
     for lane in 0..LANES {
         let leader = ring.leader();
         if leader >= ring.replicas() {
@@ -336,7 +485,7 @@ fn serve_ring(shared: &Shared, epoch: usize, ring: &Ring) -> bool {
         }
         let mut desk = lock(&shared.desk);
         // The monitor may have paused us, or replaced the leader, meanwhile.
-        if shared.paused.load(Ordering::SeqCst) || ring.leader() != leader {
+        if shared.paused.load(Ordering::SeqCst) || ring.leader() != leader || shared.failed.load(Ordering::SeqCst) {
             continue;
         }
         let request = Request {
@@ -353,6 +502,11 @@ fn serve_ring(shared: &Shared, epoch: usize, ring: &Ring) -> bool {
                 continue;
             }
             Verdict::Answer(verdict, ret) => {
+                let handle = match verdict {
+                    COMMIT_DONE => desk.handle_for(&request, ret),
+                    _ => 0,
+                };
+                ring.set_answer_handle(lane, handle);
                 ring.answer_commit(lane, leader, seq, verdict, ret);
                 match verdict {
                     COMMIT_DONE => &shared.counters.written,
@@ -407,18 +561,38 @@ impl Desk {
         if pid <= 0 {
             return escalate;
         }
+        if self.cursors.get(epoch).is_none_or(|c| c[lane] < seq) {
+            return Verdict::Pending; // a posted output of the lane before this one waits
+        }
         if pid != self.leader_pid {
             // A new leader: the old one's duplicates would keep its files open.
-            self.dups.clear();
+            for dup in &mut self.dups {
+                dup.retired = true;
+            }
+            self.let_go();
             self.leader_pid = pid;
         }
-        let (local, kind) = match self.descriptor(pid, fd) {
+        let (at, kind) = match self.descriptor(pid, fd) {
             Ok(found) => found,
             Err(_) => return escalate, // not open in the leader: its own call says so
         };
         let Some(how) = how_to_write(kind, nr, args) else {
             return Verdict::Answer(COMMIT_OWN, 0);
         };
+        if self.dups[at].broken {
+            return escalate; // the monitor's call meets the error
+        }
+        if !self.dups[at].backlog.is_empty() {
+            self.offer(at);
+        }
+        if !self.dups[at].backlog.is_empty() {
+            // Bytes of earlier outputs wait for the socket: this one comes after them.
+            return match nonblocking(self.dups[at].local.as_raw_fd()) {
+                true => Verdict::Answer(COMMIT_DONE, -(libc::EAGAIN as i64)),
+                false => Verdict::Pending,
+            };
+        }
+        let local = self.dups[at].local.as_raw_fd();
         if self.copy.take(pid, nr, args).is_err() {
             return escalate;
         }
@@ -436,15 +610,42 @@ impl Desk {
         }
     }
 
-    /// Our duplicate of `fd` of process `pid`, and what it is.
-    fn descriptor(&mut self, pid: i32, fd: i32) -> io::Result<(RawFd, Kind)> {
-        if let Some(i) = self.dups.iter().position(|d| d.pid == pid && d.fd == fd) {
+    /// Our duplicate of `fd` of process `pid` (its index in `dups`), and what it is.
+    fn descriptor(&mut self, pid: i32, fd: i32) -> io::Result<(usize, Kind)> {
+        if let Some(i) = self.dups.iter().position(|d| !d.retired && d.pid == pid && d.fd == fd) {
             let dup = &self.dups[i];
             if self.kcmp_works && same_file(pid, fd, dup.local.as_raw_fd(), &mut self.kcmp_works) {
-                return Ok((dup.local.as_raw_fd(), dup.kind));
+                return Ok((i, dup.kind));
             }
-            self.dups.swap_remove(i);
+            self.dups[i].retired = true;
+            self.let_go();
         }
+        let local = self.duplicate(pid, fd)?;
+        let kind = kind_of(&local)?;
+        Ok((self.keep_dup(pid, fd, local, kind, 0), kind))
+    }
+
+    /// Adds a duplicate to the cache (making room first); its index.
+    fn keep_dup(&mut self, pid: i32, fd: i32, local: OwnedFd, kind: Kind, handle: u32) -> usize {
+        if self.dups.len() >= MAX_DUPS {
+            // Room first: duplicates that hold nothing back are taken again when needed.
+            self.dups.retain(|d| !d.backlog.is_empty());
+        }
+        self.dups.push(Dup {
+            pid,
+            fd,
+            local,
+            kind,
+            handle,
+            backlog: Vec::new(),
+            broken: false,
+            retired: false,
+        });
+        self.dups.len() - 1
+    }
+
+    /// A new duplicate of `fd` of process `pid`.
+    fn duplicate(&mut self, pid: i32, fd: i32) -> io::Result<OwnedFd> {
         let local = match self.pidfd(pid).and_then(|pidfd| get_fd(pidfd, fd)) {
             // A pidfd of a process that died: its pid may be another process's now.
             Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
@@ -454,13 +655,349 @@ impl Desk {
             got => got?,
         };
         self.duplicated += 1;
-        let kind = kind_of(&local)?;
-        if self.dups.len() >= MAX_DUPS {
-            self.dups.clear();
+        Ok(local)
+    }
+
+    /// The handle to give with a "done" answer to `request` (0: none): a whole output on
+    /// a non-blocking stream socket, whose later outputs may then be posted.
+    fn handle_for(&mut self, request: &Request, ret: i64) -> u32 {
+        let pid = self.pids.get(request.epoch).map_or(0, |p| p[request.leader as usize]);
+        let Ok(fd) = i32::try_from(request.args[0]) else {
+            return 0;
+        };
+        let whole = self.copy.data.iter().map(|d| d.iov_len as i64).sum::<i64>();
+        let Some(at) = self.dups.iter().position(|d| !d.retired && d.pid == pid && d.fd == fd) else {
+            return 0;
+        };
+        let dup = &self.dups[at];
+        let postable = matches!(dup.kind, Kind::Socket { stream: true, .. })
+            && ret == whole
+            && dup.backlog.is_empty()
+            && !dup.broken
+            && nonblocking(dup.local.as_raw_fd());
+        if !postable {
+            return 0;
         }
-        let raw = local.as_raw_fd();
-        self.dups.push(Dup { pid, fd, local, kind });
-        Ok((raw, kind))
+        if dup.handle != 0 && self.names.contains_key(&dup.handle) {
+            return dup.handle;
+        }
+        let Ok(ino) = inode_of(dup.local.as_raw_fd()) else {
+            return 0;
+        };
+        if self.names.len() >= MAX_HANDLES {
+            return 0;
+        }
+        let handle = self.next_handle;
+        self.next_handle = self.next_handle.checked_add(1).unwrap_or(1);
+        self.names.insert(handle, Named { pid, fd, ino });
+        self.dups[at].handle = handle;
+        handle
+    }
+
+    /// Takes every posted output of `ring` whose votes are in, across lanes in the
+    /// leader's order of events; whether one still waits for a vote.
+    fn serve_posted(&mut self, shared: &Shared, epoch: usize, ring: &Ring) -> bool {
+        if epoch >= self.cursors.len() {
+            return false;
+        }
+        let mut pending = false;
+        while !shared.failed.load(Ordering::SeqCst) {
+            let mut first: Option<(u64, usize, u64, u32)> = None;
+            for lane in 0..LANES {
+                match self.head(shared, epoch, ring, lane) {
+                    Ok(Head::Empty) => {}
+                    Ok(Head::Pending) => pending = true,
+                    Ok(Head::Ready { seq, author, order }) => {
+                        if first.is_none_or(|(o, ..)| order < o) {
+                            first = Some((order, lane, seq, author));
+                        }
+                    }
+                    Err(why) => shared.fail(why),
+                }
+            }
+            let Some((_, lane, seq, author)) = first else {
+                break;
+            };
+            if let Err(why) = self.take_posted(shared, epoch, ring, lane, seq, author) {
+                shared.fail(why);
+                break;
+            }
+            self.cursors[epoch][lane] = seq + 1;
+            ring.set_taken(lane, seq);
+        }
+        self.posted_pending = pending;
+        pending
+    }
+
+    /// The next posted output of `lane` and whether its votes are in; steps over records
+    /// that are not posted outputs, and over posted ones a follower went past without a
+    /// vote (it found them different from its own call: the monitor judged that call).
+    fn head(&mut self, shared: &Shared, epoch: usize, ring: &Ring, lane: usize) -> Result<Head, String> {
+        loop {
+            let seq = self.cursors[epoch][lane];
+            let author = ring.author_of(lane, seq);
+            if ring.published(lane, author) < seq {
+                return Ok(Head::Empty);
+            }
+            let Some(posted) = ring.posted(lane, author, seq) else {
+                self.cursors[epoch][lane] = seq + 1;
+                continue;
+            };
+            let gone = self.gone[epoch];
+            let (mut missing, mut refused) = (false, false);
+            let voters = (0..ring.replicas()).filter(|&v| v != author && !ring.is_lost(v) && gone & (1 << v) == 0);
+            for v in voters {
+                match ring.post_vote(lane, seq, v) {
+                    Some(vote) if vote == posted.digest => {}
+                    Some(vote) => {
+                        return Err(format!(
+                            "replica region {v} voted {vote:#x} for posted output #{seq} of lane {lane}, whose record \
+                             says {:#x}",
+                            posted.digest
+                        ))
+                    }
+                    // It votes before it moves on: past the record without a vote, it
+                    // never votes.
+                    None if ring.consumed(lane, v) >= seq && ring.post_vote(lane, seq, v).is_none() => refused = true,
+                    None => missing = true,
+                }
+            }
+            if refused {
+                shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+                self.cursors[epoch][lane] = seq + 1;
+                ring.set_taken(lane, seq);
+                continue;
+            }
+            return Ok(match missing {
+                true => Head::Pending,
+                false => Head::Ready {
+                    seq,
+                    author,
+                    order: posted.order,
+                },
+            });
+        }
+    }
+
+    /// Writes posted output `seq` of `lane` (every vote is in): copies it out of the
+    /// record, digests the copy, and writes it, or keeps what the socket does not take.
+    fn take_posted(
+        &mut self,
+        shared: &Shared,
+        epoch: usize,
+        ring: &Ring,
+        lane: usize,
+        seq: u64,
+        author: u32,
+    ) -> Result<(), String> {
+        let what = || format!("posted output #{seq} of lane {lane}");
+        let posted = ring
+            .posted(lane, author, seq)
+            .ok_or_else(|| format!("{} changed before it was written", what()))?;
+        let at = self.posted_dup(epoch, ring, posted.handle).map_err(|e| {
+            format!(
+                "{}: its descriptor (handle {}) cannot be found again: {e}",
+                what(),
+                posted.handle
+            )
+        })?;
+        let args = posted_args(&posted, self.dups[at].fd);
+        self.copy
+            .take_local(&posted, &args)
+            .map_err(|e| format!("{}: its copy is not well formed: {e}", what()))?;
+        let copy = &self.copy;
+        let mut read = |addr: u64, buf: &mut [u8]| copy.read(addr, buf);
+        let digest = crate::fast_check::output_digest(posted.nr, &args, &mut self.scratch, &mut read)
+            .map_err(|e| format!("{}: {e}", what()))?;
+        if digest != posted.digest {
+            return Err(format!(
+                "{}: the copy in the ring has digest {digest:#x}, the replicas voted {:#x} (the copy changed after \
+                 the leader digested it); nothing of it was written",
+                what(),
+                posted.digest
+            ));
+        }
+        let flags = posted.flags as u32 as i32;
+        shared.counters.posted.fetch_add(1, Ordering::Relaxed);
+        if self.put(at, flags, ring) {
+            shared.counters.kept.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The duplicate that posted outputs under `handle` go to: the one that got the
+    /// handle, or (let go from the cache since) a new one of the same open file from any
+    /// replica of the ring (they all hold it under the same number).
+    fn posted_dup(&mut self, epoch: usize, ring: &Ring, handle: u32) -> io::Result<usize> {
+        if let Some(at) = self.dups.iter().position(|d| d.handle == handle) {
+            return Ok(at);
+        }
+        let named = *self
+            .names
+            .get(&handle)
+            .ok_or_else(|| io::Error::other("closed since"))?;
+        let gone = self.gone.get(epoch).copied().unwrap_or(0);
+        let pids: Vec<i32> = self.pids.get(epoch).map_or(Vec::new(), |p| {
+            (0..ring.replicas())
+                .filter(|&r| !ring.is_lost(r) && gone & (1 << r) == 0)
+                .map(|r| p[r as usize])
+                .filter(|&pid| pid > 0)
+                .collect()
+        });
+        let mut last = io::Error::other("no replica holds it");
+        for pid in pids {
+            match self.duplicate(pid, named.fd) {
+                Ok(local) if inode_of(local.as_raw_fd()).is_ok_and(|ino| ino == named.ino) => {
+                    let kind = kind_of(&local)?;
+                    return Ok(self.keep_dup(named.pid, named.fd, local, kind, handle));
+                }
+                Ok(_) => last = io::Error::other("the descriptor names another file now"),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// Writes the copy to duplicate `at` behind what it keeps already; whether bytes were
+    /// kept (the socket did not take them all). After a failed write the connection is
+    /// broken: its bytes go nowhere, as a broken connection's do.
+    fn put(&mut self, at: usize, flags: i32, ring: &Ring) -> bool {
+        if self.dups[at].broken {
+            return false;
+        }
+        let whole: usize = self.copy.data.iter().map(|d| d.iov_len).sum();
+        let sent = match self.dups[at].backlog.is_empty() {
+            true => self.copy.write(
+                self.dups[at].local.as_raw_fd(),
+                How::Send(libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | flags),
+                &[0; 6],
+            ),
+            false => 0,
+        };
+        let sent = match sent {
+            n if n >= 0 => n as usize,
+            n if n == -(libc::EAGAIN as i64) => 0,
+            _ => {
+                self.break_connection(at, ring);
+                return false;
+            }
+        };
+        if sent >= whole {
+            return false;
+        }
+        if self.kept_bytes + (whole - sent) > BACKLOG_MAX {
+            // The peer has not read for long: the connection is shut down, which the
+            // program and the peer both see, rather than bytes dropped silently.
+            // SAFETY: shutdown of our own duplicate.
+            unsafe { libc::shutdown(self.dups[at].local.as_raw_fd(), libc::SHUT_RDWR) };
+            self.break_connection(at, ring);
+            return false;
+        }
+        let mut skip = sent;
+        let copy = &self.copy;
+        let dup = &mut self.dups[at];
+        for piece in &copy.data {
+            let len = piece.iov_len;
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            // SAFETY: the copy's iovecs point into its own `bytes` (see `Copy`).
+            let bytes = unsafe { std::slice::from_raw_parts(piece.iov_base.cast::<u8>(), len) };
+            dup.backlog.extend_from_slice(&bytes[skip..]);
+            skip = 0;
+        }
+        self.kept_bytes += whole - sent;
+        // Its next output goes the synchronous way (after the kept bytes).
+        ring.bump_post_epoch();
+        true
+    }
+
+    fn break_connection(&mut self, at: usize, ring: &Ring) {
+        let dup = &mut self.dups[at];
+        dup.broken = true;
+        self.kept_bytes -= dup.backlog.len();
+        dup.backlog = Vec::new();
+        ring.bump_post_epoch();
+    }
+
+    /// Offers duplicate `at`'s kept bytes to its socket once more.
+    fn offer(&mut self, at: usize) {
+        let dup = &mut self.dups[at];
+        if dup.backlog.is_empty() {
+            return;
+        }
+        // SAFETY: a send from our own buffer on our own duplicate.
+        let sent = unsafe {
+            libc::send(
+                dup.local.as_raw_fd(),
+                dup.backlog.as_ptr().cast(),
+                dup.backlog.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if sent > 0 {
+            dup.backlog.drain(..sent as usize);
+            self.kept_bytes -= sent as usize;
+            if dup.backlog.is_empty() {
+                dup.backlog = Vec::new();
+            }
+        } else if sent < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN) {
+            self.kept_bytes -= dup.backlog.len();
+            dup.backlog = Vec::new();
+            dup.broken = true;
+        }
+    }
+
+    /// Offers every socket its kept bytes; whether any are still kept.
+    fn flush(&mut self, _shared: &Shared) -> bool {
+        if self.kept_bytes == 0 {
+            return false;
+        }
+        for at in 0..self.dups.len() {
+            self.offer(at);
+        }
+        self.let_go();
+        self.kept_bytes > 0
+    }
+
+    /// Offers the kept bytes of the duplicates `which` selects until they are out or
+    /// `patience` ran out.
+    fn flush_waiting(&mut self, which: impl Fn(&Dup) -> bool, patience: std::time::Duration) {
+        let deadline = std::time::Instant::now() + patience;
+        loop {
+            for at in 0..self.dups.len() {
+                if which(&self.dups[at]) {
+                    self.offer(at);
+                }
+            }
+            let mut waiting: Vec<libc::pollfd> = self
+                .dups
+                .iter()
+                .filter(|d| which(d) && !d.backlog.is_empty())
+                .map(|d| libc::pollfd {
+                    fd: d.local.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                })
+                .collect();
+            let now = std::time::Instant::now();
+            if waiting.is_empty() || now >= deadline {
+                break;
+            }
+            let ms = (deadline - now).as_millis().min(100) as i32;
+            // SAFETY: poll on our own array of our own descriptors.
+            unsafe { libc::poll(waiting.as_mut_ptr(), waiting.len() as libc::nfds_t, ms) };
+        }
+        self.let_go();
+    }
+
+    /// Closes retired duplicates that nothing needs any more (no kept bytes, and no
+    /// posted output not yet taken can name them).
+    fn let_go(&mut self) {
+        let pending = self.posted_pending;
+        self.dups
+            .retain(|d| !d.retired || !d.backlog.is_empty() || (pending && d.handle != 0));
     }
 
     fn pidfd(&mut self, pid: i32) -> io::Result<RawFd> {
@@ -479,6 +1016,34 @@ impl Desk {
         self.pidfds.push((pid, unsafe { OwnedFd::from_raw_fd(fd as RawFd) }));
         Ok(fd as RawFd)
     }
+}
+
+/// The call a posted output makes, over its copy: the pointers are the leader's
+/// addresses of the record's payload (`Posted::base`), which `Copy::take_local` maps.
+fn posted_args(posted: &Posted<'_>, fd: i32) -> [u64; 6] {
+    let (fd, base, flags) = (fd as u64, posted.base, posted.flags & 0xffff_ffff);
+    match posted.nr as i64 {
+        libc::SYS_writev => [fd, base, posted.flags >> 32, 0, 0, 0],
+        libc::SYS_sendto => [fd, base, posted.len as u64, flags, 0, 0],
+        libc::SYS_sendmsg => [fd, base, flags, 0, 0, 0],
+        _ => [fd, base, posted.len as u64, 0, 0, 0],
+    }
+}
+
+fn nonblocking(fd: RawFd) -> bool {
+    // SAFETY: F_GETFL reads the open file's status flags.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    flags >= 0 && flags & libc::O_NONBLOCK != 0
+}
+
+fn inode_of(fd: RawFd) -> io::Result<u64> {
+    // SAFETY: fstat into a zeroed stat of our own.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.st_ino)
 }
 
 /// A duplicate of descriptor `fd` of the process behind `pidfd`.
@@ -527,6 +1092,7 @@ fn kind_of(fd: &OwnedFd) -> io::Result<Kind> {
             };
             Kind::Socket {
                 seqpacket: r == 0 && ty == libc::SOCK_SEQPACKET,
+                stream: r == 0 && ty == libc::SOCK_STREAM,
             }
         }
         libc::S_IFREG => Kind::File,
@@ -540,7 +1106,7 @@ fn how_to_write(kind: Kind, nr: u64, args: &[u64; 6]) -> Option<How> {
     let never_wait = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
     match kind {
         // write(2) on a SEQPACKET socket ends a record (sock_write_iter adds MSG_EOR).
-        Kind::Socket { seqpacket } if nr == libc::SYS_write || nr == libc::SYS_writev => {
+        Kind::Socket { seqpacket, .. } if nr == libc::SYS_write || nr == libc::SYS_writev => {
             Some(How::Send(never_wait | if seqpacket { libc::MSG_EOR } else { 0 }))
         }
         Kind::Socket { .. } if nr == libc::SYS_sendto => Some(How::Send(never_wait | args[3] as i32)),
@@ -570,6 +1136,14 @@ struct Copy {
 // the committer's thread moves what they point to with it (a Vec's heap buffer).
 unsafe impl Send for Copy {}
 
+/// Where a copy's bytes come from: a leader's memory, or a posted output's copy in the
+/// ring (whose pointers are addresses from `base` on).
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Remote(i32),
+    Local { bytes: &'a [u8], base: u64 },
+}
+
 #[derive(Clone, Copy)]
 struct Piece {
     addr: u64,
@@ -595,6 +1169,20 @@ impl Copy {
 
     /// Copies output `nr`'s buffers out of process `pid`.
     fn take(&mut self, pid: i32, nr: u64, args: &[u64; 6]) -> Result<(), String> {
+        self.take_from(Source::Remote(pid), nr, args)
+    }
+
+    /// Copies posted output `posted` (its call `args`) out of its record's payload.
+    fn take_local(&mut self, posted: &Posted<'_>, args: &[u64; 6]) -> Result<(), String> {
+        let source = Source::Local {
+            bytes: &posted.payload[..posted.len],
+            base: posted.base,
+        };
+        self.take_from(source, posted.nr, args)
+    }
+
+    fn take_from(&mut self, source: Source<'_>, nr: u64, args: &[u64; 6]) -> Result<(), String> {
+        let pid = source;
         self.pieces.clear();
         self.data.clear();
         self.wanted.clear();
@@ -616,7 +1204,7 @@ impl Copy {
     }
 
     /// Reads the iovec array at `addr` into `wanted`.
-    fn iovecs(&mut self, pid: i32, addr: u64, count: u64) -> Result<(), String> {
+    fn iovecs(&mut self, pid: Source<'_>, addr: u64, count: u64) -> Result<(), String> {
         if count > layout::MAX_IOVECS {
             return Err(format!("{count} iovecs"));
         }
@@ -631,7 +1219,7 @@ impl Copy {
     }
 
     /// Reads `len` bytes at `addr` of `pid` as one more piece; where they start in `bytes`.
-    fn fetch(&mut self, pid: i32, addr: u64, len: usize) -> Result<usize, String> {
+    fn fetch(&mut self, pid: Source<'_>, addr: u64, len: usize) -> Result<usize, String> {
         let at = self.used();
         if at + len > self.bytes.len() {
             return Err("too large".into());
@@ -647,7 +1235,7 @@ impl Copy {
     }
 
     /// Reads every buffer of `wanted` with one `process_vm_readv`.
-    fn fetch_data(&mut self, pid: i32) -> Result<(), String> {
+    fn fetch_data(&mut self, pid: Source<'_>) -> Result<(), String> {
         let total = self.wanted.iter().try_fold(0u64, |sum, &(_, len)| sum.checked_add(len));
         let total = match total {
             Some(t) if t <= layout::PAYLOAD_MAX => t as usize,
@@ -683,11 +1271,28 @@ impl Copy {
         self.read_remote(pid, start, total)
     }
 
-    /// `process_vm_readv` of `self.remote` into `bytes[at..at + len]`, all of it.
-    fn read_remote(&mut self, pid: i32, at: usize, len: usize) -> Result<(), String> {
+    /// `process_vm_readv` of `self.remote` into `bytes[at..at + len]`, all of it (or the
+    /// same from a posted output's copy).
+    fn read_remote(&mut self, source: Source<'_>, at: usize, len: usize) -> Result<(), String> {
         if len == 0 {
             return Ok(());
         }
+        let pid = match source {
+            Source::Remote(pid) => pid,
+            Source::Local { bytes, base } => {
+                let mut to = at;
+                for iov in &self.remote {
+                    let from = (iov.iov_base as u64)
+                        .checked_sub(base)
+                        .map(|f| f as usize)
+                        .filter(|&f| f.checked_add(iov.iov_len).is_some_and(|end| end <= bytes.len()))
+                        .ok_or("a pointer outside the copy")?;
+                    self.bytes[to..to + iov.iov_len].copy_from_slice(&bytes[from..from + iov.iov_len]);
+                    to += iov.iov_len;
+                }
+                return Ok(());
+            }
+        };
         let local = libc::iovec {
             // SAFETY: inside `bytes` (callers check the bound).
             iov_base: unsafe { self.bytes.as_mut_ptr().add(at) }.cast(),

@@ -96,6 +96,10 @@ struct Header {
     committer_sleeping: u32,
     /// Where the doorbell word lies (the page after the clock areas, writable by every replica).
     doorbell_offset: u64,
+    /// Bumped by the committer when a descriptor may no longer take posted outputs: every
+    /// replica then forgets its posting hints.
+    post_epoch: u32,
+    pad: u32,
 }
 
 /// The start of a replica region; same field order as `struct lf_region_head`.
@@ -128,6 +132,9 @@ struct RegionHead {
     commit_seq: u64,
     commit_nr: u64,
     commit_args: [u64; 6],
+    /// As a follower: its vote on posted output `post_vote_seq[seq % SLOTS]`, the digest.
+    post_vote_seq: [u64; layout::SLOTS as usize],
+    post_vote_digest: [u64; layout::SLOTS as usize],
 }
 
 /// The committer's answer to a lane's commit request; same fields as `struct
@@ -138,7 +145,12 @@ struct CommitAnswer {
     ret: i64,
     word: u32,
     verdict: u32,
-    pad: u64,
+    /// Every posted output of the lane up to this record is taken (written, or never will be).
+    taken: u64,
+    /// With `COMMIT_DONE`: the descriptor's handle, when it may take posted outputs (0: not).
+    handle: u32,
+    pad: u32,
+    pad2: u64,
 }
 
 /// The committer wrote the output; `ret` is the call's result.
@@ -149,6 +161,22 @@ pub const COMMIT_ESCALATE: u32 = 2;
 /// A descriptor the committer does not write (a pipe, a tty): the leader makes the call
 /// from the fast gate, where the monitor's stop checks it.
 pub const COMMIT_OWN: u32 = 3;
+
+/// A posted output as its record holds it ([`Ring::posted`]).
+pub struct Posted<'a> {
+    pub nr: u64,
+    pub digest: u64,
+    pub handle: u32,
+    /// Where the leader saw the payload: the copy's own pointers (its iovecs, its
+    /// msghdr's) are addresses in there.
+    pub base: u64,
+    pub order: u64,
+    /// sendto's or sendmsg's flags (low half), writev's iovec count (high half).
+    pub flags: u64,
+    /// Bytes of the copy.
+    pub len: usize,
+    pub payload: &'a [u8],
+}
 
 /// Where a follower stands, as the committer sees it ([`Ring::follower_at`]).
 #[derive(Clone, Copy, Debug)]
@@ -243,6 +271,13 @@ struct RecordHead {
     crc: u32,
     clock_sync: [u64; layout::CLOCKS as usize],
     signal: u64,
+    order: u64,
+    /// A posted output: the bytes of its copy in the payload (0: not posted), the
+    /// committer's handle of its descriptor, and where the leader saw the payload.
+    post_len: u32,
+    post_handle: u32,
+    post_base: u64,
+    post_flags: u64,
 }
 
 /// The program's synchronisation operations that are records of the ring, by their
@@ -415,6 +450,8 @@ impl Ring {
                 commit: (check == crate::OutputCheck::Strict) as u32,
                 committer_sleeping: 0,
                 doorbell_offset,
+                post_epoch: 0,
+                pad: 0,
             })
         };
         Ok(ring)
@@ -798,6 +835,87 @@ impl Ring {
         if self.word32(&self.region(lane, leader).sleeping).load(Ordering::SeqCst) != 0 {
             futex_wake(self.word32(&answer.word));
         }
+    }
+
+    /// The region whose record `seq` of `lane` is: the current leader's, or, up to the
+    /// cut of a leader promoted in place, the former leader's.
+    pub fn author_of(&self, lane: Lane, seq: u64) -> u32 {
+        let leader = self.leader();
+        let former = self.word32(&self.header().former).load(Ordering::SeqCst);
+        let cut = self.word64(&self.region(lane, leader).cut).load(Ordering::SeqCst);
+        if former != 0 && former - 1 != leader && former - 1 < self.replicas && seq <= cut {
+            former - 1
+        } else {
+            leader
+        }
+    }
+
+    fn record_head(&self, lane: Lane, r: u32, seq: u64) -> (&RecordHead, *const u8) {
+        let region = self.region(lane, r) as *const RegionHead as *const u8;
+        let offset = (layout::REGION_HEAD + (seq % layout::SLOTS) * RECORD_SIZE) as usize;
+        // SAFETY: a record inside the region (SLOTS records follow its head).
+        let head = unsafe { &*region.add(offset).cast::<RecordHead>() };
+        // SAFETY: its payload follows the head, inside the same record.
+        (head, unsafe { region.add(offset + layout::RECORD_HEAD as usize) })
+    }
+
+    /// Record `seq` of `lane` in region `r`, if it is there and a posted output.
+    pub fn posted(&self, lane: Lane, r: u32, seq: u64) -> Option<Posted<'_>> {
+        let (head, payload) = self.record_head(lane, r, seq);
+        if self.word64(&head.seq).load(Ordering::Acquire) != seq {
+            return None;
+        }
+        let len = self.word32(&head.post_len).load(Ordering::Acquire);
+        if len == 0 {
+            return None;
+        }
+        let posted = Posted {
+            nr: self.word32(&head.nr).load(Ordering::Acquire) as u64,
+            digest: self.word64(&head.digest).load(Ordering::Acquire),
+            handle: self.word32(&head.post_handle).load(Ordering::Acquire),
+            base: self.word64(&head.post_base).load(Ordering::Acquire),
+            order: self.word64(&head.order).load(Ordering::Acquire),
+            flags: self.word64(&head.post_flags).load(Ordering::Acquire),
+            len: (len as u64).min(layout::PAYLOAD_MAX) as usize,
+            // SAFETY: the payload of a record of our mapping, PAYLOAD_MAX bytes long;
+            // read as plain bytes (a replica that changes them is what the digest catches).
+            payload: unsafe { std::slice::from_raw_parts(payload, layout::PAYLOAD_MAX as usize) },
+        };
+        // Still record `seq` after we read it (the leader reuses a slot only once it is
+        // taken, but a faulty one may not wait).
+        (self.word64(&head.seq).load(Ordering::Acquire) == seq).then_some(posted)
+    }
+
+    /// Replica `v`'s vote on posted output `seq` of `lane`: its digest.
+    pub fn post_vote(&self, lane: Lane, seq: u64, v: u32) -> Option<u64> {
+        let region = self.region(lane, v);
+        let slot = (seq % layout::SLOTS) as usize;
+        // The follower writes the digest first and the sequence with release.
+        (self.word64(&region.post_vote_seq[slot]).load(Ordering::SeqCst) == seq)
+            .then(|| self.word64(&region.post_vote_digest[slot]).load(Ordering::Acquire))
+    }
+
+    /// Every posted output of `lane` up to `seq` is taken: the leader may reuse its slot.
+    pub fn set_taken(&self, lane: Lane, seq: u64) {
+        let answer = self.answer(lane);
+        if self.word64(&answer.taken).fetch_max(seq, Ordering::SeqCst) >= seq {
+            return;
+        }
+        self.word32(&answer.word).fetch_add(1, Ordering::SeqCst);
+        let leader = self.leader();
+        if leader < self.replicas && self.word32(&self.region(lane, leader).sleeping).load(Ordering::SeqCst) != 0 {
+            futex_wake(self.word32(&answer.word));
+        }
+    }
+
+    /// The handle that goes with the next `COMMIT_DONE` answer of `lane` (0: none).
+    pub fn set_answer_handle(&self, lane: Lane, handle: u32) {
+        self.word32(&self.answer(lane).handle).store(handle, Ordering::Release);
+    }
+
+    /// Tells every replica to forget its posting hints.
+    pub fn bump_post_epoch(&self) {
+        self.word32(&self.header().post_epoch).fetch_add(1, Ordering::SeqCst);
     }
 
     /// Calls replica `r` completed on the fast path.
@@ -1380,6 +1498,13 @@ impl FastPath {
         }
     }
 
+    /// Replica `r` was removed: the committer waits for its votes no more.
+    pub fn commit_gone(&self, r: u32) {
+        if let (Some(committer), Some(region)) = (&self.committer, self.region(r)) {
+            committer.region_gone(self.current, region);
+        }
+    }
+
     /// Whether the committer wrote output `seq` of `lane` in the current ring (sure while
     /// it is paused).
     pub fn commit_written(&self, lane: Lane, seq: u64) -> bool {
@@ -1595,7 +1720,7 @@ mod tests {
 
     #[test]
     fn the_rust_view_of_the_layout_matches_the_generated_one() {
-        assert_eq!(std::mem::size_of::<Header>(), 136);
+        assert_eq!(std::mem::size_of::<Header>(), 144);
         assert_eq!(std::mem::size_of::<OrderHead>(), 128);
         assert!(std::mem::size_of::<RegionHead>() as u64 <= layout::REGION_HEAD);
         assert_eq!(REGION_SIZE % layout::PAGE, 0);
@@ -1604,11 +1729,14 @@ mod tests {
         assert!(
             layout::MAILBOX_OFFSET + layout::LANES * std::mem::size_of::<Mailbox>() as u64 <= layout::COMMIT_OFFSET
         );
-        assert_eq!(std::mem::size_of::<CommitAnswer>(), 32);
+        assert_eq!(std::mem::size_of::<CommitAnswer>(), 48);
         assert!(
             layout::COMMIT_OFFSET + layout::LANES * std::mem::size_of::<CommitAnswer>() as u64 <= layout::HEADER_SIZE
         );
-        assert_eq!(std::mem::size_of::<RecordHead>(), 40 + 8 * layout::CLOCKS as usize + 8);
+        assert_eq!(
+            std::mem::size_of::<RecordHead>(),
+            40 + 8 * layout::CLOCKS as usize + 16 + 24
+        );
         assert!(std::mem::size_of::<RecordHead>() as u64 <= layout::RECORD_HEAD);
         let ring = Ring::create(0, 2, 10, &[0, 1], crate::OutputCheck::Strict, crate::SyncOrder::Object).unwrap();
         assert!(ring.is_on());

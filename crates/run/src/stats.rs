@@ -86,6 +86,10 @@ impl Stats {
                 c.written, c.escalated, c.own
             ));
             s.push_str(&format!(
+                "    outputs posted:     {} (the leader went on at once; {} kept for a full socket, {} refused by a vote)\n",
+                c.posted, c.kept, c.refused
+            ));
+            s.push_str(&format!(
                 "    committer wake-ups: {} ({} descriptors duplicated)\n",
                 c.wakeups, c.duplicated
             ));

@@ -742,6 +742,9 @@ impl Session {
 
     /// The watchdog, for every lane in use.
     pub(crate) fn check_ring_progress(&mut self) -> Result<(), Stopped> {
+        if let Some(why) = self.commit_failure() {
+            return Err(self.halt(why));
+        }
         type Lanes = Vec<(Lane, TaskId)>;
         let (lanes, overdue): (Lanes, Lanes) = match &mut self.fast {
             Some(fast) => {
@@ -1081,26 +1084,57 @@ impl Session {
         Ok(())
     }
 
-    /// A call that closes or replaces descriptors of the leader's process, about to run:
-    /// the committer drops its duplicates of them first (`Committer::forget`).
-    pub(crate) fn commit_forget(&self, task: TaskId, nr: u64, args: &[u64; 6]) {
+    /// A call of the program's that the monitor is about to make: posted outputs that
+    /// came before it go out first (`Committer::drain`), and a call that closes or
+    /// replaces descriptors of the leader's process makes the committer drop its
+    /// duplicates of them (`Committer::forget`). Err: the committer stopped writing for
+    /// good (what it could not write was agreed on), and so must the run.
+    pub(crate) fn commit_before(&self, task: TaskId, nr: u64, args: &[u64; 6]) -> Result<(), String> {
         let Some(committer) = self.fast.as_ref().and_then(|f| f.committer()) else {
-            return;
+            return Ok(());
         };
+        let Some(slot) = self.tasks[task].slot(self.replicas.leader()) else {
+            return Ok(());
+        };
+        // A call that writes to a descriptor waits for bytes kept for it.
+        let writes_to = match nr as i64 {
+            libc::SYS_write
+            | libc::SYS_writev
+            | libc::SYS_pwrite64
+            | libc::SYS_pwritev
+            | libc::SYS_pwritev2
+            | libc::SYS_sendto
+            | libc::SYS_sendmsg
+            | libc::SYS_sendmmsg
+            | libc::SYS_sendfile
+            | libc::SYS_shutdown => i32::try_from(args[0]).ok(),
+            _ => None,
+        };
+        committer.drain(slot.tgid(), writes_to);
+        if let Some(why) = committer.failure() {
+            return Err(why);
+        }
+        self.commit_forget(committer, slot.tgid(), nr, args);
+        Ok(())
+    }
+
+    fn commit_forget(&self, committer: &crate::commit::Committer, pid: i32, nr: u64, args: &[u64; 6]) {
         let fd = match nr as i64 {
             libc::SYS_close => Some(args[0]),
             libc::SYS_dup2 | libc::SYS_dup3 => Some(args[1]),
             libc::SYS_close_range | libc::SYS_execve | libc::SYS_execveat | libc::SYS_exit_group => None,
             _ => return,
         };
-        let Some(slot) = self.tasks[task].slot(self.replicas.leader()) else {
-            return;
-        };
         match fd.map(i32::try_from) {
-            Some(Ok(fd)) => committer.forget(slot.tgid(), Some(fd)),
+            Some(Ok(fd)) => committer.forget(pid, Some(fd)),
             Some(Err(_)) => {} // not a descriptor: the call fails with EBADF
-            None => committer.forget(slot.tgid(), None),
+            None => committer.forget(pid, None),
         }
+    }
+
+    /// Whether the committer stopped writing for good (the run must stop too).
+    pub(crate) fn commit_failure(&self) -> Option<String> {
+        self.fast.as_ref().and_then(|f| f.committer()).and_then(|c| c.failure())
     }
 
     /// Calls the leaders completed on the fast path, for `--stats`.

@@ -1374,6 +1374,10 @@ impl Session {
         } else {
             self.drop_follower_from_ring(r)
         };
+        if let Some(fast) = &self.fast {
+            // Posted outputs wait for this replica's votes no more.
+            fast.commit_gone(r);
+        }
         if !ring_stays_on {
             self.fast_off();
         }

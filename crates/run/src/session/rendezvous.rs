@@ -521,7 +521,9 @@ impl Session {
             .map(|d| self.class_of(task, d, &args))
             .unwrap_or(Class::Unsupported);
         self.stats.count(class);
-        self.commit_forget(task, nr, &args);
+        if let Err(why) = self.commit_before(task, nr, &args) {
+            return Err(self.halt(why));
+        }
         let plan = plan::execution_plan(class, nr, args, self.replicas.leader(), &self.live_slots(task));
         self.carry_out(task, plan)
     }
