@@ -21,10 +21,19 @@ const FAST: &str = "--backend=fast";
 
 /// The number after `key` in `--stats`.
 fn stat(out: &Output, key: &str) -> Option<u64> {
-    out.stderr
+    stat_in(&out.stderr, key)
+}
+
+fn stat_in(stderr: &str, key: &str) -> Option<u64> {
+    stderr
         .lines()
         .find_map(|l| l.trim().strip_prefix(key))
         .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .or_else(|| {
+            // A count inside a line: "..., N refused by a vote)".
+            let line = stderr.lines().find(|l| l.contains(key))?;
+            line[..line.find(key)?].split_whitespace().last()?.parse().ok()
+        })
 }
 
 fn stat_or_panic(out: &Output, key: &str) -> u64 {
@@ -52,10 +61,14 @@ fn gone(port: u16) {
 const SMALL: usize = 20;
 const BIG: usize = 1 << 20;
 
-/// Serves the fixed workload under `opts` (or natively); returns the run's output.
-fn serve(opts: Option<&[&str]>) -> Output {
+/// Serves the fixed workload under `opts` (or natively), on blocking connections or (with
+/// `nonblock`) non-blocking ones, whose outputs are posted; returns the run's output.
+fn serve(opts: Option<&[&str]>, nonblock: bool) -> Output {
     let connections = (SMALL + 2 + 1).to_string();
-    let prog = [fixture("commit_server").into_os_string(), connections.into()];
+    let mut prog = vec![fixture("commit_server").into_os_string(), connections.into()];
+    if nonblock {
+        prog.push("nonblock".into());
+    }
     let mut r = spawn(match opts {
         Some(opts) => lockstep_run(opts, &prog),
         None => native_cmd(&prog),
@@ -75,9 +88,8 @@ fn serve(opts: Option<&[&str]>) -> Output {
     r.finish(RUN_TIMEOUT)
 }
 
-#[test]
-fn replies_through_the_committer_are_the_native_ones() {
-    let native = serve(None);
+fn replies_are_the_native_ones(nonblock: bool) {
+    let native = serve(None, nonblock);
     native.assert_code(0);
     assert_eq!(
         String::from_utf8_lossy(&native.stdout).lines().last(),
@@ -86,7 +98,7 @@ fn replies_through_the_committer_are_the_native_ones() {
         native.context()
     );
     for r in ["2", "3"] {
-        let out = serve(Some(&["-r", r, FAST, "--stats"]));
+        let out = serve(Some(&["-r", r, FAST, "--stats"]), nonblock);
         out.assert_code(0);
         assert_eq!(
             String::from_utf8_lossy(&out.stdout).lines().last(),
@@ -96,10 +108,36 @@ fn replies_through_the_committer_are_the_native_ones() {
         );
         // 20 connections of 4 replies each, and the big replies' first writes at least
         // (a full send buffer sends the rest through the monitor, or in short writes).
-        let committed = stat_or_panic(&out, "outputs committed:");
+        let posted = stat_or_panic(&out, "outputs posted:");
+        let committed = stat_or_panic(&out, "outputs committed:") + posted;
         assert!(committed >= 4 * SMALL as u64 + 2, "{}", out.context());
         assert!(out.stderr.contains("divergences:          0"), "{}", out.context());
+        if nonblock {
+            // Each connection's first reply names its socket; the next three are posted,
+            // and so are the big replies' pieces after the first.
+            assert!(posted >= 3 * SMALL as u64, "{}", out.context());
+        } else {
+            assert_eq!(
+                posted,
+                0,
+                "a blocking socket's outputs wait for the committer\n{}",
+                out.context()
+            );
+        }
     }
+}
+
+#[test]
+fn replies_through_the_committer_are_the_native_ones() {
+    replies_are_the_native_ones(false);
+}
+
+/// Posted outputs: the bytes a full send buffer did not take are kept and sent in order
+/// as it drains (the big replies), a closed connection still gets everything before its
+/// end of stream, and a peer that is gone shows as EPIPE on a later write.
+#[test]
+fn posted_replies_are_the_native_ones() {
+    replies_are_the_native_ones(true);
 }
 
 /// A port nobody listens on now (the kernel's pick; redis cannot take port 0).
@@ -199,10 +237,21 @@ fn a_steady_stream_of_outputs_takes_no_ptrace_stop() {
 /// at its 9th ring call (a write of one byte fewer than it digested). Returns the run and
 /// what arrived on the socket.
 fn lying_leader_on_a_socket(replicas: &str) -> (std::process::ExitStatus, Vec<u8>, String) {
+    faulty_leader_on_a_socket(replicas, "lie:9", false)
+}
+
+/// `fast_target` under test hook `hook`, its stdout a stream socket (non-blocking with
+/// `nonblock`, so that its outputs are posted).
+fn faulty_leader_on_a_socket(
+    replicas: &str,
+    hook: &str,
+    nonblock: bool,
+) -> (std::process::ExitStatus, Vec<u8>, String) {
     use std::os::fd::OwnedFd;
     let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+    theirs.set_nonblocking(nonblock).unwrap();
     let mut cmd = lockstep_run(&["-r", replicas, FAST, "--stats"], &[fixture("fast_target")]);
-    cmd.env("LOCKSTEP_FAST_TEST", "lie:9")
+    cmd.env("LOCKSTEP_FAST_TEST", hook)
         .current_dir(work_dir())
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::from(OwnedFd::from(theirs)))
@@ -231,4 +280,41 @@ fn the_committer_stops_or_masks_a_leader_that_writes_what_it_did_not_digest() {
     assert_eq!(status.code(), Some(0), "{stderr}");
     assert_eq!(got, native, "{stderr}");
     assert!(stderr.contains("outputs committed:"), "{stderr}");
+}
+
+/// The same on the posted path: the leader's copy is what the followers compare with
+/// their own calls, so a leader that copies something else than its program wrote is
+/// stopped (DMR) or masked (TMR) before any of it leaves.
+#[test]
+fn a_posted_output_that_differs_from_the_program_is_stopped_or_masked() {
+    let native = native_stdout(&[fixture("fast_target")]);
+    let lines: Vec<&[u8]> = native.split_inclusive(|&b| b == b'\n').collect();
+    let (status, got, stderr) = faulty_leader_on_a_socket("2", "lie:9", true);
+    assert_eq!(status.code(), Some(86), "{stderr}");
+    assert_eq!(got, lines[..8].concat(), "{stderr}");
+    let (status, got, stderr) = faulty_leader_on_a_socket("3", "lie:9", true);
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert_eq!(got, native, "{stderr}");
+    // The followers went past the lying leader's posted record without a vote.
+    assert!(stat_from(&stderr, "refused by a vote") >= 1, "{stderr}");
+}
+
+/// A posted output whose copy in the ring changed after the leader digested it (every
+/// follower agreed with the digest): the committer's own digest of the copy differs, it
+/// writes nothing more, and the run stops, under TMR too (no replica holds the bytes any
+/// more). What came before went out whole.
+#[test]
+fn a_posted_copy_changed_in_the_ring_stops_the_run_with_nothing_of_it_written() {
+    let native = native_stdout(&[fixture("fast_target")]);
+    let lines: Vec<&[u8]> = native.split_inclusive(|&b| b == b'\n').collect();
+    for replicas in ["2", "3"] {
+        let (status, got, stderr) = faulty_leader_on_a_socket(replicas, "post-corrupt:9", true);
+        assert_eq!(status.code(), Some(86), "{stderr}");
+        assert_eq!(got, lines[..8].concat(), "{stderr}");
+        assert!(stderr.contains("the copy in the ring has digest"), "{stderr}");
+    }
+}
+
+fn stat_from(stderr: &str, key: &str) -> u64 {
+    stat_in(stderr, key).unwrap_or_else(|| panic!("no '{key}' in\n{stderr}"))
 }

@@ -263,6 +263,9 @@ struct lf_region_head {
     /* written as a follower: its vote on posted output `post_vote_seq` (at that output's
      * seq % LF_SLOTS), the digest of its own call, once it found the record the same */
     uint64_t post_vote_seq[LF_SLOTS], post_vote_digest[LF_SLOTS];
+    /* written as a follower: it is done with the records up to this one, having taken
+     * them (and voted) or gone to the monitor instead: it votes on none of them later */
+    uint64_t passed;
 };
 /* The order of events (issue 17). Threads of the leader run as they will; each record of
  * any lane claims the next index of the leader's order when it is published (an event
@@ -1537,6 +1540,8 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
         return after_slow_call(raw_then_resume(st, nr, a));
     }
     store(&own->h.slow_seq, st->seq + 1);
+    if (load(&own->h.passed) < st->seq + 1)
+        __atomic_store_n(&own->h.passed, st->seq + 1, __ATOMIC_SEQ_CST);
     commit_nudge(st, st->seq + 1);
     signal_progress(st, &own->h.progress, st->leader, 1);
     long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
@@ -2137,6 +2142,8 @@ static void report_divergence(uint64_t s, long nr, uint64_t digest, uint64_t lea
     lf_raw(LF_SYS_FAST, OP_DIVERGED, (long)s, nr, (long)digest, (long)leader_nr, (long)leader_digest);
 }
 
+static int vote_slot_free(struct lf_state *st, uint64_t s);
+
 static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const struct lf_desc *d, const long *a,
                    uint64_t digest)
 {
@@ -2192,6 +2199,13 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
     }
     if (rec->nr != (uint32_t)nr || rec->digest != digest ||
         (rec->ret >= 0 && !unpack(d, a, rec->payload, rec->len))) {
+        /* A posted output that differs from ours: our own digest is our vote, which the
+         * monitor weighs against the leader's and the other followers' (see "posted
+         * outputs"); the committer writes none of them meanwhile. */
+        if (rec->post_len != 0 && d->fast == F_OUTPUT && vote_slot_free(st, s)) {
+            own->h.post_vote_digest[s % LF_SLOTS] = digest;
+            __atomic_store_n(&own->h.post_vote_seq[s % LF_SLOTS], s, __ATOMIC_SEQ_CST);
+        }
         report_divergence(s, nr, digest, rec->nr, rec->digest);
         return slow_call(st, nr, a);
     }
@@ -2204,6 +2218,7 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
         st->owed_votes++;
     }
     store(&own->h.consumed, s);
+    store(&own->h.passed, s);
     signal_progress(st, &own->h.progress, st->leader, 0);
     owe_doorbell(st, load(&leader->h.published) <= s);
     own->h.fast_calls++;

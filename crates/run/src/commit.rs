@@ -705,14 +705,13 @@ impl Desk {
             let mut first: Option<(u64, usize, u64, u32)> = None;
             for lane in 0..LANES {
                 match self.head(shared, epoch, ring, lane) {
-                    Ok(Head::Empty) => {}
-                    Ok(Head::Pending) => pending = true,
-                    Ok(Head::Ready { seq, author, order }) => {
+                    Head::Empty => {}
+                    Head::Pending => pending = true,
+                    Head::Ready { seq, author, order } => {
                         if first.is_none_or(|(o, ..)| order < o) {
                             first = Some((order, lane, seq, author));
                         }
                     }
-                    Err(why) => shared.fail(why),
                 }
             }
             let Some((_, lane, seq, author)) = first else {
@@ -732,12 +731,12 @@ impl Desk {
     /// The next posted output of `lane` and whether its votes are in; steps over records
     /// that are not posted outputs, and over posted ones a follower went past without a
     /// vote (it found them different from its own call: the monitor judged that call).
-    fn head(&mut self, shared: &Shared, epoch: usize, ring: &Ring, lane: usize) -> Result<Head, String> {
+    fn head(&mut self, shared: &Shared, epoch: usize, ring: &Ring, lane: usize) -> Head {
         loop {
             let seq = self.cursors[epoch][lane];
             let author = ring.author_of(lane, seq);
             if ring.published(lane, author) < seq {
-                return Ok(Head::Empty);
+                return Head::Empty;
             }
             let Some(posted) = ring.posted(lane, author, seq) else {
                 self.cursors[epoch][lane] = seq + 1;
@@ -749,16 +748,14 @@ impl Desk {
             for v in voters {
                 match ring.post_vote(lane, seq, v) {
                     Some(vote) if vote == posted.digest => {}
-                    Some(vote) => {
-                        return Err(format!(
-                            "replica region {v} voted {vote:#x} for posted output #{seq} of lane {lane}, whose record \
-                             says {:#x}",
-                            posted.digest
-                        ))
-                    }
+                    // A follower found its own call different: the monitor weighs the
+                    // votes and removes the odd one. A removed author's output is not
+                    // made (its successor makes the call); otherwise it waits.
+                    Some(_) if ring.is_lost(author) || gone & (1 << author) != 0 => refused = true,
+                    Some(_) => missing = true,
                     // It votes before it moves on: past the record without a vote, it
                     // never votes.
-                    None if ring.consumed(lane, v) >= seq && ring.post_vote(lane, seq, v).is_none() => refused = true,
+                    None if ring.passed(lane, v) >= seq && ring.post_vote(lane, seq, v).is_none() => refused = true,
                     None => missing = true,
                 }
             }
@@ -768,14 +765,14 @@ impl Desk {
                 ring.set_taken(lane, seq);
                 continue;
             }
-            return Ok(match missing {
+            return match missing {
                 true => Head::Pending,
                 false => Head::Ready {
                     seq,
                     author,
                     order: posted.order,
                 },
-            });
+            };
         }
     }
 

@@ -135,6 +135,9 @@ struct RegionHead {
     /// As a follower: its vote on posted output `post_vote_seq[seq % SLOTS]`, the digest.
     post_vote_seq: [u64; layout::SLOTS as usize],
     post_vote_digest: [u64; layout::SLOTS as usize],
+    /// As a follower: done with the records up to this one (taken, or went to the monitor
+    /// instead): it votes on none of them later.
+    passed: u64,
 }
 
 /// The committer's answer to a lane's commit request; same fields as `struct
@@ -884,6 +887,11 @@ impl Ring {
         // Still record `seq` after we read it (the leader reuses a slot only once it is
         // taken, but a faulty one may not wait).
         (self.word64(&head.seq).load(Ordering::Acquire) == seq).then_some(posted)
+    }
+
+    /// The record up to which follower `v` of `lane` is done (it votes on none later).
+    pub fn passed(&self, lane: Lane, v: u32) -> u64 {
+        self.word64(&self.region(lane, v).passed).load(Ordering::SeqCst)
     }
 
     /// Replica `v`'s vote on posted output `seq` of `lane`: its digest.

@@ -69,6 +69,21 @@ impl Session {
                 false => format!("{} with digest {digest:016x}", crate::fast::call_name(nr)),
             }
         };
+        if lead_nr != DIVERGED_STATE {
+            match self.weigh_posted_votes(task, r, seq, own_digest) {
+                PostedVerdict::NotPosted => {}
+                PostedVerdict::AuthorGone => return self.resume_reporter(task, r),
+                PostedVerdict::LeaderOdd => {
+                    let msg = format!(
+                        "leader {leader} posted output #{seq} of task {task} as {}, its followers made {}",
+                        what(lead_nr, lead_digest, leader),
+                        what(own_nr, own_digest, r)
+                    );
+                    self.replica_failed(task, leader, "divergence", msg)?;
+                    return self.resume_reporter(task, r);
+                }
+            }
+        }
         // The reporter fails: voted out (the ring stays on without it in a threaded
         // program, see `drop_follower_from_ring`; otherwise it is switched off), or a halt.
         let msg = if lead_nr == DIVERGED_STATE {
@@ -86,6 +101,64 @@ impl Session {
             )
         };
         self.replica_failed(task, r, "divergence", msg)
+    }
+
+    /// A follower found posted output `seq` of `task` different from its own call (its
+    /// digest `own`, which it voted): the leader's word is not the truth here, as it is
+    /// for an input, because the leader did not wait for anyone. With another follower
+    /// alive, its vote decides (waiting for it up to POSTED_VOTE_PATIENCE): the same as
+    /// the reporter's, and the leader is the odd one.
+    fn weigh_posted_votes(&self, task: TaskId, r: ReplicaId, seq: u64, own: u64) -> PostedVerdict {
+        /// How long the monitor waits for the other follower's vote on a posted output.
+        const POSTED_VOTE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+        let Some(fast) = &self.fast else {
+            return PostedVerdict::NotPosted;
+        };
+        let Some(lane) = fast.lane_of(task) else {
+            return PostedVerdict::NotPosted;
+        };
+        let ring = fast.ring();
+        let author = ring.author_of(lane, seq);
+        let Some(posted) = ring.posted(lane, author, seq) else {
+            return PostedVerdict::NotPosted;
+        };
+        let leader_region = fast.region(self.replicas.leader());
+        if ring.is_lost(author) || Some(author) != leader_region {
+            return PostedVerdict::AuthorGone; // its record was judged already
+        }
+        let Some(me) = fast.region(r) else {
+            return PostedVerdict::NotPosted;
+        };
+        let others: Vec<u32> = self
+            .live_replicas()
+            .into_iter()
+            .filter_map(|x| fast.region(x))
+            .filter(|&x| x != author && x != me && !ring.is_lost(x))
+            .collect();
+        let deadline = std::time::Instant::now() + POSTED_VOTE_PATIENCE;
+        for other in others {
+            loop {
+                match ring.post_vote(lane, seq, other) {
+                    Some(vote) if vote == own && vote != posted.digest => return PostedVerdict::LeaderOdd,
+                    Some(_) => break,
+                    None if std::time::Instant::now() >= deadline || ring.passed(lane, other) >= seq => break,
+                    None => std::thread::sleep(std::time::Duration::from_micros(50)),
+                }
+            }
+        }
+        PostedVerdict::NotPosted
+    }
+
+    /// Lets follower `r` of `task`, stopped at its DIVERGED report, go on: it makes its
+    /// call through the monitor.
+    fn resume_reporter(&mut self, task: TaskId, r: ReplicaId) -> Result<(), Stopped> {
+        let tid = self.slot(task, r).tid();
+        if let Ok(mut regs) = self.be.regs(tid) {
+            lockstep_trace::ptrace::skip_with_result(&mut regs, 0);
+            self.be.steer().set_regs(tid, &regs);
+        }
+        self.be.steer().resume(tid, Resume::Run);
+        Ok(())
     }
 
     /// For a divergence at `task` in a program whose threads take places in the leader's
@@ -1230,6 +1303,16 @@ fn record_text(nr: u64, digest: u64, maps: &str) -> String {
         ),
         false => crate::fast::call_name(nr),
     }
+}
+
+/// What the votes on a posted output say about a follower's DIVERGED report.
+enum PostedVerdict {
+    /// Not a posted output, or no other vote decides: the reporter is the odd one.
+    NotPosted,
+    /// The record's author was removed already: the reporter goes on.
+    AuthorGone,
+    /// Another follower voted as the reporter did: the leader is the odd one.
+    LeaderOdd,
 }
 
 #[cfg(test)]
