@@ -40,7 +40,8 @@ Reported per server and configuration, medians over the rounds that did not fail
     monitor together, not per replica) divided by the requests;
   - from lockstep's --stats block on its stderr, per request: ptrace stops of replica
     threads, /proc reads of the monitor, committer wake-ups, ordered events, outputs
-    committed by the committer and outputs checked by the monitor at a stop; "-" where
+    committed by the committer one by one, outputs posted (the leader went on; the
+    committer wrote them in batches) and outputs checked by the monitor at a stop; "-" where
     the block has no such line (the committer's only appear under the default strict check).
 A run fails (an anomaly, and its row is marked; the bench goes on) if the server does not
 come up, the load fails or yields no throughput, the server dies under load or needs
@@ -111,6 +112,7 @@ STAT_COLUMNS = [
     ("committer wake-ups/req", "committer wake-ups"),
     ("ordered events/req", "ordered events"),
     ("committed/req", "outputs committed"),
+    ("posted/req", "outputs posted"),
     ("checked/req", "outputs checked"),
 ]
 

@@ -264,7 +264,7 @@ struct lf_region_head {
      * seq % LF_SLOTS), the digest of its own call, once it found the record the same */
     uint64_t post_vote_seq[LF_SLOTS], post_vote_digest[LF_SLOTS];
     /* written as a follower: it is done with the records up to this one, having taken
-     * them (and voted) or gone to the monitor instead: it votes on none of them later */
+     * them (and voted) or found one different from its call: it votes on none later */
     uint64_t passed;
 };
 /* The order of events (issue 17). Threads of the leader run as they will; each record of
@@ -348,6 +348,7 @@ struct lf_state {
     uint32_t spin_budget; /* this lane's current spin (adaptive, at most `spin`) */
     uint32_t wake_pending; /* a leader sharing its CPU published without waking (below) */
     uint32_t owed_votes;   /* as a follower: posted outputs voted on since the last doorbell */
+    uint64_t last_posted;  /* as the leader: the last output it posted since it rang the doorbell */
     uint32_t posting;      /* as the leader: the record being published is a posted output */
     uint64_t seq; /* the last replicated call */
     uint64_t clock_next[LF_CLOCKS];
@@ -1540,8 +1541,6 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
         return after_slow_call(raw_then_resume(st, nr, a));
     }
     store(&own->h.slow_seq, st->seq + 1);
-    if (load(&own->h.passed) < st->seq + 1)
-        __atomic_store_n(&own->h.passed, st->seq + 1, __ATOMIC_SEQ_CST);
     commit_nudge(st, st->seq + 1);
     signal_progress(st, &own->h.progress, st->leader, 1);
     long ret = lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
@@ -1967,6 +1966,7 @@ static long post_output(struct lf_state *st, struct lf_record *rec, uint64_t s, 
      * sendmsg's; low half) and writev's iovec count (high half). */
     uint64_t flags = nr == SYS_sendto ? (uint64_t)(uint32_t)a[3] : nr == SYS_sendmsg ? (uint64_t)(uint32_t)a[2] : 0;
     rec->post_flags = flags | (nr == SYS_writev ? (uint64_t)a[2] << 32 : 0);
+    st->last_posted = s;
     clock_snapshot(st, rec->clock_sync);
     clock_align(st, rec->clock_sync);
     st->posting = 1;
@@ -2012,6 +2012,40 @@ static int vote_slot_free(struct lf_state *st, uint64_t s)
 {
     uint64_t old = load(&st->regions[st->me]->h.post_vote_seq[s % LF_SLOTS]);
     return old == 0 || old >= s || wait_taken(st, old);
+}
+
+/* Whether every live follower is done with record `s` (voted, or went to the monitor). */
+static int followers_passed(const struct lf_state *st, uint64_t s)
+{
+    for (uint32_t r = 0; r < st->replicas; r++)
+        if (r != st->me && !region_lost(st, r) && load(&st->regions[r]->h.passed) < s)
+            return 0;
+    return 1;
+}
+
+/* The leader is about to wait in the kernel (`in_flight` stored): its batch of posted
+ * outputs is complete. If the followers voted on all of it, the leader rings; otherwise
+ * the last follower to catch up does, as it sees the leader inside a call (both look at
+ * the other after their own SeqCst store, so one of them rings). */
+static void posted_batch_done(struct lf_state *st)
+{
+    uint64_t last = st->last_posted;
+    if (last == 0)
+        return;
+    st->last_posted = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (followers_passed(st, last))
+        ring_doorbell(st);
+}
+
+/* Whether the leader of region `src` is inside a call or asleep in the ring: it posts no
+ * more outputs of this batch, so a follower that caught up with it rings the committer. */
+static int leader_stands(const struct lf_state *st, uint32_t src)
+{
+    const struct lf_region_head *l = &st->regions[src]->h;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return __atomic_load_n(&l->in_flight, __ATOMIC_SEQ_CST) > load(&l->published) || load32(&l->sleeping) != 0 ||
+           __atomic_load_n(&st->hdr->leader, __ATOMIC_SEQ_CST) != src;
 }
 
 /* A follower voted on posted outputs: the committer hears of it when the follower caught
@@ -2088,6 +2122,8 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
         flush_wakes(st); /* the followers catch up while we wait */
     own->h.in_flight_nr = (uint64_t)nr;
     __atomic_store_n(&own->h.in_flight, s, __ATOMIC_SEQ_CST);
+    if (may_wait_long(nr, a))
+        posted_batch_done(st);
     if (is_off(st)) /* a follower may have given up on this call already: all meet the monitor */
         return escalate(st, rec, s, nr, digest, a, NULL);
     /* A signal posted meanwhile: the monitor, which looks at in_flight after posting, may
@@ -2206,6 +2242,9 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
             own->h.post_vote_digest[s % LF_SLOTS] = digest;
             __atomic_store_n(&own->h.post_vote_seq[s % LF_SLOTS], s, __ATOMIC_SEQ_CST);
         }
+        /* Done with record `s`: the monitor makes this call (a slow call before a record
+         * takes no sequence number, so only here does going to the monitor pass one). */
+        __atomic_store_n(&own->h.passed, s, __ATOMIC_SEQ_CST);
         report_divergence(s, nr, digest, rec->nr, rec->digest);
         return slow_call(st, nr, a);
     }
@@ -2220,7 +2259,7 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
     store(&own->h.consumed, s);
     store(&own->h.passed, s);
     signal_progress(st, &own->h.progress, st->leader, 0);
-    owe_doorbell(st, load(&leader->h.published) <= s);
+    owe_doorbell(st, load(&leader->h.published) <= s && leader_stands(st, src));
     own->h.fast_calls++;
     return ret;
 }

@@ -440,6 +440,7 @@ fn lock(desk: &Mutex<Desk>) -> MutexGuard<'_, Desk> {
 
 fn serve(shared: &Shared) {
     let rings = shared.rings();
+    let mut last_posted = 0;
     while !shared.stop.load(Ordering::SeqCst) {
         let current = shared.current.load(Ordering::SeqCst).min(rings.len() - 1);
         let bell = rings[current].doorbell();
@@ -451,11 +452,20 @@ fn serve(shared: &Shared) {
             }
         }
         let keeping = lock(&shared.desk).flush(shared);
+        // While posted outputs flow, look again soon without a doorbell: a follower that
+        // caught up with a leader still at work leaves the ring to the leader's next wait.
+        let posted = shared.counters.posted.load(Ordering::Relaxed);
+        let flowing = posted != last_posted;
+        last_posted = posted;
         // A replica rings after it changed what we look at, and wakes us only if it sees
         // us asleep: we say so before we look at the bell a last time.
         rings[current].set_committer_sleeping(true);
         if bell.load(Ordering::SeqCst) == rung && !shared.stop.load(Ordering::SeqCst) {
-            let patience = if keeping { BACKLOG_RETRY_NS } else { PATIENCE_NS };
+            let patience = if keeping || flowing {
+                BACKLOG_RETRY_NS
+            } else {
+                PATIENCE_NS
+            };
             let woken = futex(bell, libc::FUTEX_WAIT, rung, Some(patience)) == 0;
             if woken || pending {
                 shared.counters.wakeups.fetch_add(1, Ordering::Relaxed);
@@ -753,9 +763,12 @@ impl Desk {
                     // made (its successor makes the call); otherwise it waits.
                     Some(_) if ring.is_lost(author) || gone & (1 << author) != 0 => refused = true,
                     Some(_) => missing = true,
-                    // It votes before it moves on: past the record without a vote, it
-                    // never votes.
-                    None if ring.passed(lane, v) >= seq && ring.post_vote(lane, seq, v).is_none() => refused = true,
+                    // Past the record without a vote: a follower takes a record only when
+                    // it matches its own call, so it agreed; unless the author was removed
+                    // (its followers then went on from the monitor's call instead).
+                    None if ring.passed(lane, v) >= seq && ring.post_vote(lane, seq, v).is_none() => {
+                        refused |= ring.is_lost(author) || gone & (1 << author) != 0
+                    }
                     None => missing = true,
                 }
             }
