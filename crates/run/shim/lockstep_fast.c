@@ -1995,14 +1995,29 @@ static int wait_taken(struct lf_state *st, uint64_t old)
     return 1;
 }
 
+/* The leader is about to write a new record into `rec`, whose old one every follower
+ * consumed (and the committer took, if it was posted). The slot stops naming the old
+ * record first: the committer walks records it has not looked at yet by number, up to
+ * LF_SLOTS behind the leader, and would otherwise read the new record's fields (a posted
+ * output's length, digest, copy) under the old record's number while they are written.
+ * publish_on names the slot again once the record is whole. */
+static void open_slot(struct lf_record *rec)
+{
+    __atomic_store_n(&rec->seq, 0, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
 /* The slot of record `s` is free: every follower consumed the record it held, and the
- * committer took it if it was a posted output. */
+ * committer took it if it was a posted output. The slot is then open for record `s`. */
 static int slot_ready(struct lf_state *st, struct lf_record *rec, uint64_t s)
 {
     if (wait_followers(st, slot_free, s) != READY)
         return 0;
     uint64_t old = load(&rec->seq);
-    return rec->post_len == 0 || old + LF_SLOTS != s || wait_taken(st, old);
+    if (rec->post_len != 0 && old + LF_SLOTS == s && !wait_taken(st, old))
+        return 0;
+    open_slot(rec);
+    return 1;
 }
 
 /* A follower's vote on posted output `s` goes where its vote on `s - LF_SLOTS` was: only
@@ -2360,6 +2375,7 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
     uint64_t old = load(&rec->seq);
     if (got != READY || (rec->post_len != 0 && old + LF_SLOTS == s && !wait_taken(st, old)))
         return SYNC_NONE;
+    open_slot(rec);
     test_die(st, s, lf_test_die);
     rec->nr = nr;
     rec->kind = KIND_SYNC;

@@ -739,8 +739,9 @@ impl Desk {
     }
 
     /// The next posted output of `lane` and whether its votes are in; steps over records
-    /// that are not posted outputs, and over posted ones a follower went past without a
-    /// vote (it found them different from its own call: the monitor judged that call).
+    /// that are not posted outputs, and refuses (never writes) posted ones whose author
+    /// was removed after a follower voted against it, or that a follower went past
+    /// without a vote (the ring went off while it waited for its vote slot).
     fn head(&mut self, shared: &Shared, epoch: usize, ring: &Ring, lane: usize) -> Head {
         loop {
             let seq = self.cursors[epoch][lane];
@@ -763,12 +764,9 @@ impl Desk {
                     // made (its successor makes the call); otherwise it waits.
                     Some(_) if ring.is_lost(author) || gone & (1 << author) != 0 => refused = true,
                     Some(_) => missing = true,
-                    // Past the record without a vote: a follower takes a record only when
-                    // it matches its own call, so it agreed; unless the author was removed
-                    // (its followers then went on from the monitor's call instead).
-                    None if ring.passed(lane, v) >= seq && ring.post_vote(lane, seq, v).is_none() => {
-                        refused |= ring.is_lost(author) || gone & (1 << author) != 0
-                    }
+                    // Past the record without a vote: it never votes (the ring went off
+                    // while its vote slot was still taken). No vote, no write.
+                    None if ring.passed(lane, v) >= seq && ring.post_vote(lane, seq, v).is_none() => refused = true,
                     None => missing = true,
                 }
             }

@@ -86,7 +86,7 @@ impl Stats {
                 c.written, c.escalated, c.own
             ));
             s.push_str(&format!(
-                "    outputs posted:     {} (the leader went on at once; {} kept for a full socket, {} refused by a vote)\n",
+                "    outputs posted:     {} (the leader went on at once; {} kept for a full socket, {} refused: voted against or never voted)\n",
                 c.posted, c.kept, c.refused
             ));
             s.push_str(&format!(
