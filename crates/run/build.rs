@@ -33,7 +33,7 @@ const LAYOUT: &[(&str, u64, &str)] = &[
         8,
         "a hello's answer: the replica's region, and the lane from this bit on",
     ),
-    ("SLOTS", 16, "records in a leader's ring"),
+    ("SLOTS", 64, "records in a leader's ring"),
     ("PAYLOAD_MAX", 256 * 1024, "bytes of output buffers one record carries"),
     (
         "CLOCKS",

@@ -113,7 +113,7 @@ struct RegionHead {
     sleeping: u32,
     published: u64,
     published_word: u32,
-    pad: u32,
+    waiting_outside: u32,
     fast_calls: u64,
     slow_calls: u64,
     bypassed: u64,
