@@ -224,6 +224,10 @@ fn a_steady_stream_of_outputs_takes_no_ptrace_stop() {
     // here: the event loop's wait, a read, a write; the allocator's locks).
     assert!(wakeups <= 2 * committed, "{}", out.context());
     assert!(ordered <= 6 * outputs, "{}", out.context());
+    // One connection, one request at a time: the leader wakes its follower once per
+    // request, where it waits for the next one (a wake per record would be three).
+    let ring_wakes = stat_or_panic(&out, "ring wake-ups:");
+    assert!(ring_wakes <= ring_wakes_allowed(outputs), "{}", out.context());
     // The same workload on the older strict path: a stop per output. The bound above
     // fails for it.
     let old = redis_workload("strict-stop");
@@ -235,6 +239,81 @@ fn a_steady_stream_of_outputs_takes_no_ptrace_stop() {
         old.context()
     );
     assert_eq!(stat(&old, "outputs committed:"), None, "{}", old.context());
+}
+
+/// Ring wake-ups (futex wakes between replicas' threads) allowed for `requests`: 1.5
+/// each. The leader wakes a sleeping follower when it blocks, waits for it or has
+/// published half a ring of records; a wake per record (before: 5.4 per memcached
+/// request) fails this.
+fn ring_wakes_allowed(requests: u64) -> u64 {
+    requests * 3 / 2
+}
+
+const MEMCACHED_REQUESTS: u64 = 10_000;
+
+/// memcached with one worker thread (its background threads off, as in
+/// bench/server_costs.py) under `lockstep run -r 2 --stats`, MEMCACHED_REQUESTS gets and
+/// sets from memcaslap's 8 connections; stopped with SIGINT.
+fn memcached_workload() -> Output {
+    let port = unused_port();
+    let mut r = spawn(lockstep_run(
+        &["-r", "2", FAST, "--stats"],
+        &[
+            "memcached",
+            "-u",
+            "root",
+            "-p",
+            &port.to_string(),
+            "-l",
+            "127.0.0.1",
+            "-t",
+            "1",
+            "-o",
+            "no_lru_crawler,no_lru_maintainer,no_hashexpand,no_slab_reassign,no_slab_automove",
+        ],
+    ));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(std::time::Instant::now() < deadline, "memcached never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let load = std::process::Command::new("memcaslap")
+        .args(["-s", &format!("127.0.0.1:{port}"), "-T", "1", "-c", "8"])
+        .args(["-x", &MEMCACHED_REQUESTS.to_string()])
+        .output()
+        .expect("memcaslap (scripts/deps.sh installs libmemcached-tools)");
+    let report = String::from_utf8_lossy(&load.stdout);
+    assert!(
+        load.status.success() && report.contains(&format!("Ops: {MEMCACHED_REQUESTS} ")),
+        "{report}{}",
+        String::from_utf8_lossy(&load.stderr)
+    );
+    r.signal(libc::SIGINT);
+    r.finish(RUN_TIMEOUT)
+}
+
+/// Counters, not timings, for a thread-pool server: memcached's replies are posted, and
+/// each request takes a bounded number of ordered events (its locks), ring wake-ups and
+/// committer wake-ups, with no ptrace stop after start-up.
+#[test]
+fn memcached_requests_take_bounded_hand_offs() {
+    let out = memcached_workload();
+    out.assert_code(0);
+    let n = MEMCACHED_REQUESTS;
+    assert!(stat_or_panic(&out, "outputs posted:") >= n - 10, "{}", out.context());
+    assert_eq!(stat_or_panic(&out, " refused:"), 0, "{}", out.context());
+    // Start-up takes about 630 stops here; a stop per request would take 10,000 more.
+    assert!(stat_or_panic(&out, "monitor stops:") <= 2_000, "{}", out.context());
+    // 17.4 per request here: a lock and an unlock of each of memcached's locks.
+    assert!(stat_or_panic(&out, "ordered events:") <= 20 * n, "{}", out.context());
+    // 0.67 per request here (a wake per record: 5.4).
+    assert!(
+        stat_or_panic(&out, "ring wake-ups:") <= ring_wakes_allowed(n),
+        "{}",
+        out.context()
+    );
+    // 0.25 per request here: once per batch of posted replies.
+    assert!(stat_or_panic(&out, "committer wake-ups:") <= n, "{}", out.context());
 }
 
 /// `fast_target` with its stdout a socket (so the committer writes it), the leader lying

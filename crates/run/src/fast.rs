@@ -212,7 +212,9 @@ struct OrderHead {
     /// Sleeps of this replica's threads that ended in their timeout with what they waited
     /// for already there: a wake-up that came late or never.
     late_wakes: u64,
-    pad1: [u64; 3],
+    /// Futex wakes this replica's threads sent to another replica's threads.
+    wakes: u64,
+    pad1: [u64; 2],
 }
 
 /// What the order of events across threads did (`--stats`).
@@ -225,6 +227,8 @@ pub struct OrderCounts {
     /// Sleeps, in any replica, that ended in their timeout with what they waited for
     /// already there: wake-ups that came late or never.
     pub late_wakes: u64,
+    /// Futex wakes between replicas' threads in the ring (a hand-off each).
+    pub wakes: u64,
 }
 
 /// One place of the leader's order; same fields as `struct lf_order_entry`. The entries
@@ -1034,6 +1038,9 @@ impl Ring {
             late_wakes: (0..self.replicas)
                 .map(|r| self.word64(&self.order(r).late_wakes).load(Ordering::Acquire))
                 .sum(),
+            wakes: (0..self.replicas)
+                .map(|r| self.word64(&self.order(r).wakes).load(Ordering::Acquire))
+                .sum(),
         }
     }
 }
@@ -1384,6 +1391,7 @@ impl FastPath {
                 events: sum.events + ring.events,
                 skipped: sum.skipped + ring.skipped,
                 late_wakes: sum.late_wakes + ring.late_wakes,
+                wakes: sum.wakes + ring.wakes,
             })
     }
 

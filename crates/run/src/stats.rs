@@ -99,6 +99,10 @@ impl Stats {
                 "  ordered events:       {} ({} taken out of turn, {} late wake-ups)\n",
                 order.events, order.skipped, order.late_wakes
             ));
+            s.push_str(&format!(
+                "  ring wake-ups:        {} (futex wakes between replicas' threads)\n",
+                order.wakes
+            ));
         }
         s.push_str(&format!("  rdtsc emulated:       {}\n", self.rdtsc));
         s.push_str(&format!(
