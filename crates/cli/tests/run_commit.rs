@@ -256,7 +256,7 @@ const MEMCACHED_REQUESTS: u64 = 10_000;
 /// sets from memcaslap's 8 connections; stopped with SIGINT.
 fn memcached_workload() -> Output {
     let port = unused_port();
-    let mut r = spawn(lockstep_run(
+    let r = spawn(lockstep_run(
         &["-r", "2", FAST, "--stats"],
         &[
             "memcached",
