@@ -9,7 +9,8 @@
 # table at the end (bench/inject_eval_table.py OUT renders it at any time).
 # Usage: bench/inject_eval.sh [RUNS] [WORKLOADS...]   (default: 1000 digest redis)
 # CONFIGS="r2 r3" restricts the configurations; a larger RUNS extends finished cells (the
-# campaigns resume), e.g. CONFIGS="r2 r3" bench/inject_eval.sh 3000 digest.
+# campaigns resume), e.g. CONFIGS="r2 r3" bench/inject_eval.sh 3000 digest; FAULTS="reg ip"
+# restricts the fault models likewise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-1000}
@@ -23,7 +24,7 @@ gcc -O2 -Wall -Wextra -Werror -o "$OUT/digest" bench/digest.c
 # connection may take.
 port=21000
 for workload in "${WORKLOADS[@]}"; do
-    for fault in reg mem ip dest; do
+    for fault in ${FAULTS:-reg mem ip dest}; do
         for cfg in ${CONFIGS:-native r2 r3}; do
             cell="$OUT/$workload-$fault-$cfg"
             if [ -f "$cell/summary.json" ] && [ "$(wc -l < "$cell/results.jsonl")" -ge "$RUNS" ]; then

@@ -24,7 +24,7 @@ Fault models (--fault):
          memory, let it execute, flip a bit of what it wrote               WREG/WVAL
   addr   single-step to the next memory access with a base/index register,
          flip a bit of that register for this one instruction only        WADDR/RADDR
-  mem    flip a bit of a random byte of writable memory (--region)         RVAL
+  mem    flip a bit of a random byte of writable memory in RAM (--region)  RVAL
   ip     flip a bit of the instruction pointer                             CF
   text   flip a bit of the program's code (--libs: and its libraries)
   mixed  each run draws one of reg, dest, addr, mem, ip

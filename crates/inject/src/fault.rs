@@ -12,7 +12,8 @@ use std::io;
 pub enum Model {
     /// A general-purpose register (RREG).
     Reg,
-    /// A byte of writable memory (RVAL), weighted by region size.
+    /// A byte of writable memory the process has in RAM (RVAL): each resident page weighs
+    /// the same, pages it never touched weigh nothing.
     Mem,
     /// The instruction pointer (CF).
     Ip,
@@ -265,6 +266,73 @@ fn pick_byte(maps: &[Mapping], rng: &mut Rng) -> Option<u64> {
     None
 }
 
+/// The page size of every target (x86-64).
+const PAGE: u64 = 4096;
+/// Pagemap entries read at once.
+const PAGEMAP_CHUNK: usize = 512;
+
+/// Calls `visit` with the address of each page of `m` that is in RAM (pagemap's present
+/// bit), in order, until it returns false; whether it was never told to stop.
+fn each_resident_page(pagemap: &std::fs::File, m: &Mapping, visit: &mut dyn FnMut(u64) -> bool) -> io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    const PRESENT: u64 = 1 << 63;
+    let mut entries = [0u8; PAGEMAP_CHUNK * 8];
+    let mut page = m.start / PAGE;
+    let end = m.end.div_ceil(PAGE);
+    while page < end {
+        let n = ((end - page) as usize).min(PAGEMAP_CHUNK);
+        let got = pagemap.read_at(&mut entries[..n * 8], page * 8)? / 8;
+        if got == 0 {
+            return Ok(true); // the mapping went away meanwhile
+        }
+        for (i, entry) in entries[..got * 8].chunks_exact(8).enumerate() {
+            let word = u64::from_le_bytes(entry.try_into().expect("8 bytes"));
+            if word & PRESENT != 0 && !visit((page + i as u64) * PAGE) {
+                return Ok(false);
+            }
+        }
+        page += got as u64;
+    }
+    Ok(true)
+}
+
+/// A byte of a resident page of `maps`, every resident page equally likely. A memory
+/// fault hits memory the process holds in RAM, not address space it reserved and never
+/// touched: weighted by mapping size, a large sparse mapping (`lockstep run`'s ring, a
+/// reserved heap arena) took most faults, which then landed in bytes nothing reads.
+fn pick_resident_byte(pid: Tid, maps: &[Mapping], rng: &mut Rng) -> io::Result<Option<u64>> {
+    let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))?;
+    let mut total = 0u64;
+    for m in maps {
+        each_resident_page(&pagemap, m, &mut |_| {
+            total += 1;
+            true
+        })?;
+    }
+    if total == 0 {
+        return Ok(None);
+    }
+    let mut left = rng.below(total);
+    let mut chosen = None;
+    for m in maps {
+        let whole = each_resident_page(&pagemap, m, &mut |page| match left {
+            0 => {
+                chosen = Some(page);
+                false
+            }
+            _ => {
+                left -= 1;
+                true
+            }
+        })?;
+        if !whole {
+            break;
+        }
+    }
+    // None only if pages left RAM between the two passes: no fault rather than a guess.
+    Ok(chosen.map(|page| page + rng.below(PAGE)))
+}
+
 /// Options that shape where a fault goes.
 #[derive(Clone, Debug)]
 pub struct Scope {
@@ -326,8 +394,11 @@ pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng:
                         }
                 })?
             };
-            let addr = pick_byte(&maps, rng)
-                .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no memory of the requested kind"))?;
+            let addr = match model {
+                Model::Mem => pick_resident_byte(pid, &maps, rng)?,
+                _ => pick_byte(&maps, rng),
+            }
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no memory of the requested kind"))?;
             let mut b = [0u8];
             mem::read(tid, addr, &mut b)?;
             applied.mask = mask_for(width, 8, rng, b[0] as u64);
@@ -363,6 +434,48 @@ pub fn reapply(tid: Tid, applied: &Applied) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_faults_land_in_resident_pages_only() {
+        const LEN: usize = 64 << 20;
+        // SAFETY: a fresh private anonymous mapping, unmapped below; nothing else uses it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        let touched = [3usize, 9_000];
+        for page in touched {
+            // SAFETY: inside the mapping made above.
+            unsafe { *(base as *mut u8).add(page * PAGE as usize) = 1 };
+        }
+        let start = base as u64;
+        let maps = [Mapping {
+            start,
+            end: start + LEN as u64,
+        }];
+        let mut rng = Rng::new(11);
+        let mut hits = [0u32; 2];
+        for _ in 0..200 {
+            let addr = pick_resident_byte(std::process::id() as Tid, &maps, &mut rng)
+                .expect("pagemap")
+                .expect("two resident pages");
+            let page = ((addr - start) / PAGE) as usize;
+            let which = touched.iter().position(|&t| t == page);
+            assert!(which.is_some(), "page {page} was never touched");
+            hits[which.unwrap()] += 1;
+        }
+        // By size, 200 picks of 16,384 pages would almost never hit the two touched ones.
+        assert!(hits.iter().all(|&h| h > 50), "{hits:?}");
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(base, LEN) };
+    }
 
     #[test]
     fn masks_have_the_requested_width() {

@@ -1118,18 +1118,33 @@ impl Session {
     }
 
     /// Waits for the death of a thread that is known to be dying (its seccomp notification
-    /// vanished); `None` if it reports something else first (it is then left stopped).
+    /// vanished, or we killed it); `None` if it cannot be waited for. Never a blocking
+    /// wait for that one thread: a dying process's main thread is reported only once
+    /// every other thread of it was reaped, which only the event loop's wait for any
+    /// thread does (seen in a fault campaign: the monitor waited for ever for a killed
+    /// multi-threaded replica's main thread, a hang). A zombie counts as dead; the event
+    /// loop reaps it later and ignores it (`by_tid` no longer names it).
     fn death_of(&mut self, tid: Tid) -> Option<Death> {
         loop {
-            match self.be.wait_tid(tid) {
-                Ok(lockstep_trace::Stop::Exited(code)) => return Some(Death::Exited(code)),
-                Ok(lockstep_trace::Stop::Killed(sig)) => return Some(Death::Killed(sig)),
-                Ok(_) => {
-                    self.be.steer().resume(tid, Resume::Run);
-                }
+            match self.be.try_wait_tid(tid) {
+                Ok(Some(lockstep_trace::Stop::Exited(code))) => return Some(Death::Exited(code)),
+                Ok(Some(lockstep_trace::Stop::Killed(sig))) => return Some(Death::Killed(sig)),
+                Ok(Some(_)) => self.be.steer().resume(tid, Resume::Run),
+                Ok(None) if self.is_dead(tid) => return Some(Death::Killed(libc::SIGKILL)),
+                Ok(None) => std::thread::sleep(std::time::Duration::from_millis(1)),
                 Err(_) => return None,
             }
         }
+    }
+
+    /// Whether thread `tid` is a zombie, or gone from /proc.
+    fn is_dead(&self, tid: Tid) -> bool {
+        self.be.proc_read(tid, "stat").map_or(true, |stat| {
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next());
+            matches!(state, Some('Z' | 'X') | None)
+        })
     }
 
     /// Every replica has finished its part of an all-replica call: compare the results.
