@@ -92,7 +92,8 @@ pub struct RunArgs {
     )]
     sync_order: lockstep_run::SyncOrder,
 
-    /// Fast backend: pause iterations a waiting replica spins before it sleeps.
+    /// Fast backend: pause iterations a waiting replica spins at most before it sleeps (0:
+    /// never; a follower waiting for its leader's next record spins 256 at most).
     #[arg(long, default_value_t = lockstep_run::fast::DEFAULT_SPIN, value_name = "N")]
     spin: u32,
 
