@@ -13,7 +13,7 @@ pub enum Model {
     /// A general-purpose register (RREG).
     Reg,
     /// A byte of writable memory the process has in RAM (RVAL): each resident page weighs
-    /// the same, pages it never touched weigh nothing.
+    /// the same, pages it never touched weigh nothing (by size when none is resident).
     Mem,
     /// The instruction pointer (CF).
     Ip,
@@ -394,8 +394,10 @@ pub fn apply(pid: Tid, tid: Tid, model: Model, width: Width, scope: &Scope, rng:
                         }
                 })?
             };
+            // A region with no page in RAM yet (a program at its first call, before it
+            // touched its data) is chosen in by size: its pages come from the file.
             let addr = match model {
-                Model::Mem => pick_resident_byte(pid, &maps, rng)?,
+                Model::Mem => pick_resident_byte(pid, &maps, rng)?.or_else(|| pick_byte(&maps, rng)),
                 _ => pick_byte(&maps, rng),
             }
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no memory of the requested kind"))?;
