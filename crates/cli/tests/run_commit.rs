@@ -272,11 +272,10 @@ fn memcached_workload() -> Output {
             "no_lru_crawler,no_lru_maintainer,no_hashexpand,no_slab_reassign,no_slab_automove",
         ],
     ));
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(std::time::Instant::now() < deadline, "memcached never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert!(
+        port_listens_within(port, Duration::from_secs(30)),
+        "memcached never listened"
+    );
     let load = std::process::Command::new("memcaslap")
         .args(["-s", &format!("127.0.0.1:{port}"), "-T", "1", "-c", "8"])
         .args(["-x", &MEMCACHED_REQUESTS.to_string()])

@@ -494,15 +494,11 @@ fn redis_daemonizes_and_shuts_down() {
     ));
     let out = run.finish_leaving_survivors(RUN_TIMEOUT, Duration::from_secs(10));
     out.assert_code(0);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "redis never listened\n{}",
-            out.context()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    assert!(
+        port_listens_within(port, Duration::from_secs(30)),
+        "redis never listened\n{}",
+        out.context()
+    );
     assert_eq!(redis_command(port, "PING"), "+PONG");
     assert_eq!(redis_command(port, "SET k replicated"), "+OK");
     assert_eq!(redis_command(port, "GET k"), "$10");

@@ -272,8 +272,8 @@ const PAGE: u64 = 4096;
 const PAGEMAP_CHUNK: usize = 512;
 
 /// Calls `visit` with the address of each page of `m` that is in RAM (pagemap's present
-/// bit), in order, until it returns false; whether it was never told to stop.
-fn each_resident_page(pagemap: &std::fs::File, m: &Mapping, visit: &mut dyn FnMut(u64) -> bool) -> io::Result<bool> {
+/// bit), in order.
+fn each_resident_page(pagemap: &std::fs::File, m: &Mapping, visit: &mut dyn FnMut(u64)) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
     const PRESENT: u64 = 1 << 63;
     let mut entries = [0u8; PAGEMAP_CHUNK * 8];
@@ -283,53 +283,35 @@ fn each_resident_page(pagemap: &std::fs::File, m: &Mapping, visit: &mut dyn FnMu
         let n = ((end - page) as usize).min(PAGEMAP_CHUNK);
         let got = pagemap.read_at(&mut entries[..n * 8], page * 8)? / 8;
         if got == 0 {
-            return Ok(true); // the mapping went away meanwhile
+            return Ok(()); // the mapping went away meanwhile
         }
         for (i, entry) in entries[..got * 8].chunks_exact(8).enumerate() {
             let word = u64::from_le_bytes(entry.try_into().expect("8 bytes"));
-            if word & PRESENT != 0 && !visit((page + i as u64) * PAGE) {
-                return Ok(false);
+            if word & PRESENT != 0 {
+                visit((page + i as u64) * PAGE);
             }
         }
         page += got as u64;
     }
-    Ok(true)
+    Ok(())
 }
 
-/// A byte of a resident page of `maps`, every resident page equally likely. A memory
-/// fault hits memory the process holds in RAM, not address space it reserved and never
-/// touched: weighted by mapping size, a large sparse mapping (`lockstep run`'s ring, a
-/// reserved heap arena) took most faults, which then landed in bytes nothing reads.
+/// A byte of a resident page of `maps`, every resident page equally likely (one pass over
+/// pagemap, reservoir sampling). A memory fault hits memory the process holds in RAM, not
+/// address space it reserved and never touched: weighted by mapping size, a large sparse
+/// mapping (`lockstep run`'s ring, a reserved heap arena) took most faults, which then
+/// landed in bytes nothing reads. None when no page is resident.
 fn pick_resident_byte(pid: Tid, maps: &[Mapping], rng: &mut Rng) -> io::Result<Option<u64>> {
     let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))?;
-    let mut total = 0u64;
+    let (mut seen, mut chosen) = (0u64, None);
     for m in maps {
-        each_resident_page(&pagemap, m, &mut |_| {
-            total += 1;
-            true
-        })?;
-    }
-    if total == 0 {
-        return Ok(None);
-    }
-    let mut left = rng.below(total);
-    let mut chosen = None;
-    for m in maps {
-        let whole = each_resident_page(&pagemap, m, &mut |page| match left {
-            0 => {
+        each_resident_page(&pagemap, m, &mut |page| {
+            seen += 1;
+            if rng.below(seen) == 0 {
                 chosen = Some(page);
-                false
-            }
-            _ => {
-                left -= 1;
-                true
             }
         })?;
-        if !whole {
-            break;
-        }
     }
-    // None only if pages left RAM between the two passes: no fault rather than a guess.
     Ok(chosen.map(|page| page + rng.below(PAGE)))
 }
 

@@ -933,13 +933,14 @@ static int spin_for(const struct wait_for *w, ready_fn ready)
     /* A follower that caught up with its leader sleeps soon: the leader wakes it for a
      * batch of records (wake_followers), and a long spin for each record took a whole
      * CPU (measured: redis -r 2, a third of all CPU time). */
-    if (ready == published && budget > SPIN_FLOOR)
+    int for_record = ready == published;
+    if (for_record && budget > SPIN_FLOOR)
         budget = SPIN_FLOOR;
     int r = NOT_YET;
     int outside = 0;
     for (uint32_t i = 0; i < budget && r == NOT_YET; i++) {
         r = ready(w);
-        if (r == NOT_YET && ready == published && (outside = waits_outside(w)) != 0)
+        if (r == NOT_YET && for_record && (outside = waits_outside(w)) != 0)
             break;
         if (r == NOT_YET)
             cpu_relax();
@@ -2058,17 +2059,21 @@ static void open_slot(struct lf_record *rec)
     __atomic_thread_fence(__ATOMIC_RELEASE);
 }
 
-/* The slot of record `s` is free: every follower consumed the record it held, and the
- * committer took it if it was a posted output. The slot is then open for record `s`. */
-static int slot_ready(struct lf_state *st, struct lf_record *rec, uint64_t s)
+/* Every follower consumed the record `rec` held: once the committer took it too (if it
+ * was a posted output), the slot is opened for record `s`. 0 when the ring went off. */
+static int reuse_slot(struct lf_state *st, struct lf_record *rec, uint64_t s)
 {
-    if (wait_followers(st, slot_free, s) != READY)
-        return 0;
     uint64_t old = load(&rec->seq);
     if (rec->post_len != 0 && old + LF_SLOTS == s && !wait_taken(st, old))
         return 0;
     open_slot(rec);
     return 1;
+}
+
+/* The slot of record `s` is free and open for it (see reuse_slot). */
+static int slot_ready(struct lf_state *st, struct lf_record *rec, uint64_t s)
+{
+    return wait_followers(st, slot_free, s) == READY && reuse_slot(st, rec, s);
 }
 
 /* A follower's vote on posted output `s` goes where its vote on `s - LF_SLOTS` was: only
@@ -2187,11 +2192,12 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     /* The followers catch up while we wait; and before any call after a posted output,
      * which waits for their votes: the call may block (a read on a blocking descriptor, a
      * select) where no rule above would wake them. */
-    if (may_wait_long(nr, a) || st->posted_unwoken)
+    int waits_long = may_wait_long(nr, a);
+    if (waits_long || st->posted_unwoken)
         flush_wakes(st);
     own->h.in_flight_nr = (uint64_t)nr;
     __atomic_store_n(&own->h.in_flight, s, __ATOMIC_SEQ_CST);
-    if (may_wait_long(nr, a)) {
+    if (waits_long) {
         __atomic_store_n(&own->h.waiting_outside, 1, __ATOMIC_RELAXED);
         posted_batch_done(st);
     }
@@ -2428,10 +2434,8 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
      * ring off): a synchronisation record never goes to the monitor. */
     while ((got = wait_followers(st, slot_free, s)) == GIVE_UP_SLOW)
         futex_wait(&st->regions[st->me]->h.published_word, load32(&st->regions[st->me]->h.published_word));
-    uint64_t old = load(&rec->seq);
-    if (got != READY || (rec->post_len != 0 && old + LF_SLOTS == s && !wait_taken(st, old)))
+    if (got != READY || !reuse_slot(st, rec, s))
         return SYNC_NONE;
-    open_slot(rec);
     test_die(st, s, lf_test_die);
     rec->nr = nr;
     rec->kind = KIND_SYNC;

@@ -1108,6 +1108,19 @@ pub fn check_py_nondet(s: &str, t0: f64, t1: f64) {
     }
 }
 
+/// Whether something accepts connections on 127.0.0.1:`port` within `within` (it is
+/// tried every 50 ms).
+pub fn port_listens_within(port: u16, within: Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
+}
+
 /// Talks to echo_server on `port`: sends `lines` (some in a single write), checks
 /// every echo, then closes. Returns the number of lines echoed.
 #[track_caller]

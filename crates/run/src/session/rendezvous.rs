@@ -1130,21 +1130,14 @@ impl Session {
                 Ok(Some(lockstep_trace::Stop::Exited(code))) => return Some(Death::Exited(code)),
                 Ok(Some(lockstep_trace::Stop::Killed(sig))) => return Some(Death::Killed(sig)),
                 Ok(Some(_)) => self.be.steer().resume(tid, Resume::Run),
-                Ok(None) if self.is_dead(tid) => return Some(Death::Killed(libc::SIGKILL)),
+                // A zombie, or gone from /proc.
+                Ok(None) if matches!(super::thread_state(&self.be, tid), None | Some('Z' | 'X')) => {
+                    return Some(Death::Killed(libc::SIGKILL))
+                }
                 Ok(None) => std::thread::sleep(std::time::Duration::from_millis(1)),
                 Err(_) => return None,
             }
         }
-    }
-
-    /// Whether thread `tid` is a zombie, or gone from /proc.
-    fn is_dead(&self, tid: Tid) -> bool {
-        self.be.proc_read(tid, "stat").map_or(true, |stat| {
-            let state = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next());
-            matches!(state, Some('Z' | 'X') | None)
-        })
     }
 
     /// Every replica has finished its part of an all-replica call: compare the results.
