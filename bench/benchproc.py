@@ -255,10 +255,11 @@ def parse_stats(stderr):
             "fast_fraction": fast / total if total else None}
 
 
-def bench_start(doc, counts, quick):
+def bench_start(doc, counts, quick, more_options=None):
     """The start of a measuring bench. Parses its command line: the positive counts
     [(option, default, help[, maximum])] (--rounds among them), --out DIR (default
-    bench/out) and --quick (the values in `quick`, by attribute name); checks that the
+    bench/out), --quick (the values in `quick`, by attribute name) and whatever
+    `more_options(parser)` adds; checks that the
     release binary is there and installs the signal clean-up. Returns (args, meta): meta
     is what the results record about the run (commit, dirty tree, kernel, nproc, the
     binary's identity), to which bench_end adds the wall time. Says on stderr what runs."""
@@ -269,6 +270,8 @@ def bench_start(doc, counts, quick):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"), help="results folder (default bench/out)")
     ap.add_argument("--quick", action="store_true",
                     help=" ".join(f"--{name.replace('_', '-')} {value}" for name, value in quick.items()))
+    if more_options is not None:
+        more_options(ap)
     args = ap.parse_args()
     if args.quick:
         for name, value in quick.items():

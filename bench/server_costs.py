@@ -55,6 +55,7 @@ Usage (from anywhere):
     cargo build --release --locked -p lockstep-cli
     python3 bench/server_costs.py [--rounds R] [--seconds S] [--redis-requests N]
                                   [--nginx-requests N] [--out DIR] [--quick]
+                                  [--servers LIST] [--configs LIST] [--compare PATH]
 Defaults: --rounds 3 --seconds 10 --redis-requests 100000 --nginx-requests 50000; --quick
 is --rounds 1 --seconds 3 --redis-requests 20000 --nginx-requests 10000, and only the
 redis, memcached t1 and nginx servers. Writes DIR/server_costs.json (default bench/out)
@@ -93,6 +94,8 @@ OPTIONS = {
 PINNED_NATIVE = "native on CPU 0"
 NATIVES = ["native", PINNED_NATIVE]
 CONFIGS = NATIVES + list(OPTIONS)
+# --compare PATH: each lockstep configuration also runs with this binary, labelled so.
+COMPARED = " [compared]"
 SERVERS = ["redis", "memcached t1", "memcached t4", "memcached default", "nginx"]
 QUICK_SERVERS = ["redis", "memcached t1", "nginx"]
 
@@ -117,8 +120,13 @@ STAT_COLUMNS = [
 ]
 
 
+def options_of(config):
+    """lockstep's options of a configuration (a --compare twin's are its original's)."""
+    return OPTIONS[config.removesuffix(COMPARED)]
+
+
 def replicas_of(config):
-    return 1 if config in NATIVES else int(OPTIONS[config][OPTIONS[config].index("-r") + 1])
+    return 1 if config in NATIVES else int(options_of(config)[options_of(config).index("-r") + 1])
 
 
 def run_load(cmd, timeout, where):
@@ -334,14 +342,15 @@ class Nginx:
 
 # ---------------------------------------------------------------- one run
 
-def one(server, config, native_rc, tmp, where):
+def one(server, config, native_rc, tmp, where, compare_bin=None):
     port = free_port()
     rdir = tempfile.mkdtemp(prefix=re.sub(r"[^\w]+", "_", where) + ".", dir=tmp)
     base = server.command(port, rdir)
     if config in NATIVES:
         cmd = base if config == "native" else ["taskset", "-c", "0"] + base
     else:
-        cmd = [BIN, "run"] + OPTIONS[config] + ["--stats", "--"] + base
+        binary = compare_bin if config.endswith(COMPARED) else BIN
+        cmd = [binary, "run"] + options_of(config) + ["--stats", "--"] + base
     rec = {"command": cmd, "port": port, "replicas": replicas_of(config), "rps": None, "failures": []}
     out_path, err_path = os.path.join(rdir, "server.out"), os.path.join(rdir, "server.err")
 
@@ -439,11 +448,11 @@ def one(server, config, native_rc, tmp, where):
 
 # ---------------------------------------------------------------- summary and output
 
-def summarize(rounds, names):
+def summarize(rounds, names, configs):
     summary = {}
     for name in names:
         summary[name] = {}
-        for config in CONFIGS:
+        for config in configs:
             pairs = [(row[name][config], row[name]["native"]) for row in rounds]
             ok = [(r, n) for r, n in pairs if not r["failed"] and r.get("rps") is not None]
             nat_ok = [(r, n) for r, n in ok if not n["failed"] and n.get("rps") is not None]
@@ -470,7 +479,7 @@ def per_req(x):
     return "0" if x == 0 else f"{x:.3g}" if x < 0.1 else f"{x:.2f}"
 
 
-def markdown(meta, summary, servers):
+def markdown(meta, summary, servers, configs):
     lines = [f"# Server costs under lockstep run ({meta['commit']})", "",
              f"- command: `{meta['command_line']}`",
              f"- date: {meta['date']}; commit `{meta['commit']}`{' (dirty tree)' if meta['dirty'] else ''}; "
@@ -479,13 +488,14 @@ def markdown(meta, summary, servers):
              f"- lockstep binary: `{meta['lockstep']}` ({meta['lockstep_binary']}); load average at "
              f"start / end: {meta['loadavg_start']} / {meta['loadavg_end']}",
              "- configurations (in this order for each server, every round): native, then "
-             + ", ".join(f"`lockstep run {c} --stats --`" for c in OPTIONS), ""]
+             + ", ".join(f"`lockstep run {c} --stats --`" for c in configs if c not in NATIVES)
+             + (f"; `{COMPARED.strip()}`: the same with `{meta['compare']}`" if meta.get("compare") else ""), ""]
     head = ["config", "req/s", "% native", "CPU µs/req/replica", "CPU × native", "ctx sw/req"] \
         + [c for c, _ in STAT_COLUMNS]
     for srv in servers:
         lines += [f"## {srv.name}", "", f"`{srv.describe()}`", "",
                   "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-        for config in CONFIGS:
+        for config in configs:
             s = summary[srv.name][config]
             label = config if config == "native" else f"`{config}`"
             if s["failed_rounds"]:
@@ -511,16 +521,52 @@ def markdown(meta, summary, servers):
     return "\n".join(lines) + "\n"
 
 
+def more_options(ap):
+    ap.add_argument("--servers", help="comma-separated servers to run, of: " + ", ".join(SERVERS)
+                    + " (default all; --quick: " + ", ".join(QUICK_SERVERS) + ")")
+    ap.add_argument("--configs", help="comma-separated lockstep configurations to run, of: "
+                    + ", ".join(f"'{c}'" for c in OPTIONS) + f" (default all); '{PINNED_NATIVE}' may "
+                    "be named too; plain native always runs (the baseline of every ratio)")
+    ap.add_argument("--compare", metavar="PATH",
+                    help="a second lockstep binary: every lockstep configuration also runs with "
+                    f"it, in the same round, labelled '<config>{COMPARED}' (an A/B measurement)")
+
+
+def chosen(args):
+    """The servers and configurations (in running order) that the command line asks for;
+    exits with a usage error for a name that does not exist."""
+    def pick(given, every, what):
+        if not given:
+            return None
+        names = [n.strip() for n in given.split(",") if n.strip()]
+        unknown = [n for n in names if n not in every]
+        if unknown or not names:
+            sys.exit(f"server_costs.py: unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}; "
+                     f"known: {', '.join(map(repr, every))}")
+        return names
+    names = pick(args.servers, SERVERS, "server") or (QUICK_SERVERS if args.quick else SERVERS)
+    configs = pick(args.configs, [PINNED_NATIVE] + list(OPTIONS), "configuration") or CONFIGS[1:]
+    configs = ["native"] + [c for c in CONFIGS if c in configs]
+    if args.compare:
+        if not os.access(args.compare, os.X_OK):
+            sys.exit(f"server_costs.py: --compare {args.compare}: not an executable file")
+        # Each configuration next to its twin, so that both see the same moment.
+        configs = [twin for c in configs for twin in ([c] if c in NATIVES else [c, c + COMPARED])]
+    return names, configs
+
+
 def main():
     args, meta = benchproc.bench_start(__doc__, [
         ("--rounds", 3, "measuring rounds"),
         ("--seconds", 10, "memcaslap -t"),
         ("--redis-requests", 100000, "redis-benchmark -n (per test: GET and SET)"),
         ("--nginx-requests", 50000, "http_load -n"),
-    ], quick={"rounds": 1, "seconds": 3, "redis_requests": 20000, "nginx_requests": 10000})
+    ], quick={"rounds": 1, "seconds": 3, "redis_requests": 20000, "nginx_requests": 10000},
+        more_options=more_options)
     meta["command_line"] = " ".join(shlex.quote(a) for a in ["python3"] + sys.argv)
     meta["loadavg_start"] = nginx_bench.loadavg()
-    names = QUICK_SERVERS if args.quick else SERVERS
+    names, configs = chosen(args)
+    meta["compare"] = args.compare and os.path.abspath(args.compare)
     rounds = []
     try:
         with tempfile.TemporaryDirectory(prefix="server_costs.") as tmp:
@@ -539,8 +585,9 @@ def main():
                 for srv in servers:
                     row[srv.name] = {}
                     native_rc = 0
-                    for config in CONFIGS:
-                        rec = one(srv, config, native_rc, tmp, f"round {r + 1} {srv.name} {config}")
+                    for config in configs:
+                        rec = one(srv, config, native_rc, tmp, f"round {r + 1} {srv.name} {config}",
+                                  meta["compare"])
                         if config == "native" and rec.get("rc") is not None:
                             native_rc = rec["rc"]
                         row[srv.name][config] = rec
@@ -551,12 +598,12 @@ def main():
     meta.update({"rounds": args.rounds, "seconds": args.seconds, "redis_requests": args.redis_requests,
                  "nginx_requests": args.nginx_requests, "servers": names,
                  "loads": {s.name: s.describe() for s in servers},
-                 "configs": {c: OPTIONS.get(c, []) for c in CONFIGS},
+                 "configs": {c: options_of(c) if c not in NATIVES else [] for c in configs},
                  "loadavg_end": nginx_bench.loadavg()})
-    summary = summarize(rounds, names)
+    summary = summarize(rounds, names, configs)
     out_json = benchproc.write_results(args.out, "server_costs.json",
                                        {"meta": meta, "rounds": rounds, "summary": summary})
-    print(markdown(meta, summary, servers), end="")
+    print(markdown(meta, summary, servers, configs), end="")
     print(f"(raw numbers: {out_json})", file=sys.stderr)
 
 

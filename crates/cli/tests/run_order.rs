@@ -119,6 +119,28 @@ fn threads_take_locks_in_the_leaders_order_in_every_replica() {
 }
 
 #[test]
+fn a_mutex_taken_again_by_its_last_taker_needs_no_record_and_keeps_the_order() {
+    // Four workers take one mutex 200 times each with no call in between, often several
+    // times in a row: those takes have no record (docs/run.md "owned mutexes"), and a
+    // follower's worker that took the mutex before the previous owner's unrecorded takes
+    // were done there would get other tickets, write other lines and be voted out.
+    for replicas in ["2", "3"] {
+        for _ in 0..3 {
+            let out = run_without_divergence_with(replicas, &["--stats"], &sync_order(4, 200, "owned"));
+            check_complete(&out, 4, 4 * 200, "ticket");
+            let (ordered, _) = order_stats(&out);
+            let owned = stat_or_panic(&out, "owned mutex takes:");
+            assert!(owned > 0, "no owned take in 800\n{}", out.context());
+            assert!(
+                ordered + owned >= 800,
+                "{ordered} ordered events and {owned} owned takes for 800 takes\n{}",
+                out.context()
+            );
+        }
+    }
+}
+
+#[test]
 fn each_object_keeps_the_leaders_order_with_an_order_of_its_own() {
     // `--sync-order object`: every mutex, semaphore, read-write lock, once control and
     // condition variable's mutex has its own sequence of tickets, and a follower's thread

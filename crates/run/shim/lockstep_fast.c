@@ -214,7 +214,15 @@ struct lf_record {
     uint64_t digest;
     int64_t ret;
     uint32_t len, crc;
-    uint64_t clock_sync[LF_CLOCKS];
+    union {
+        uint64_t clock_sync[LF_CLOCKS];
+        /* KIND_SYNC, a mutex take (lock, trylock, a wait's return; see "owned mutexes"):
+         * the lane's take number, and the previous owner's (lane + 1) << TAKE_LANE_SHIFT |
+         * its takes at that moment (0: none) */
+        struct {
+            uint64_t take, after;
+        } sync;
+    };
     uint64_t signal; /* KIND_SIGNAL: SIGNAL_* */
     uint64_t order;  /* the record's place in the leader's order of events across lanes */
     /* A posted output (see "posted outputs"): the bytes of its copy in the payload (0: not
@@ -268,6 +276,11 @@ struct lf_region_head {
     /* written as a follower: it is done with the records up to this one, having taken
      * them (and voted) or found one different from its call: it votes on none later */
     uint64_t passed;
+    /* The lane's mutex takes (see "owned mutexes"): as the leader, the takes it decided
+     * (a recorded one once its record is out); as a follower, those done natively */
+    uint64_t takes;
+    /* written as the leader, for --stats: takes that needed no record */
+    uint64_t takes_unrecorded;
 };
 /* The order of events (issue 17). Threads of the leader run as they will; each record of
  * any lane claims the next index of the leader's order when it is published (an event
@@ -388,6 +401,15 @@ static unsigned long lf_windows;
 /* The lanes of the ring in use (LF_LANES states), and the calling thread's lane (NULL: the
  * thread goes to the monitor for every call). */
 static struct lf_state *lf_lanes;
+/* Who took each mutex last, per ring attachment (see "owned mutexes"); wiped in a fork's
+ * child, as the lanes are. NULL: every take is recorded. */
+struct lf_owner {
+    uint64_t addr;  /* the mutex (0: a free slot) */
+    uint64_t owner; /* the lane that took it last + 1 (0: none yet); read and written under the mutex */
+};
+static struct lf_owner *lf_owners;
+#define LF_OWNERS 16384    /* mutexes tracked; one past them is always recorded */
+#define OWNER_PROBES 32    /* slots tried for a mutex's address */
 static __thread struct lf_state *lf_my __attribute__((tls_model("initial-exec")));
 /* Whether this thread asked for a lane already (attach_thread), so that one without stays
  * without at no further cost. */
@@ -859,6 +881,7 @@ struct wait_for {
     struct lf_state *st;
     uint32_t who;    /* the replica waited on */
     uint64_t target; /* the sequence number waited for */
+    uint64_t take;   /* take_known: the lane's mutex take whose record it looks for */
 };
 
 typedef int (*ready_fn)(const struct wait_for *);
@@ -908,6 +931,7 @@ static int may_spin(const struct lf_state *st)
 }
 
 static int published(const struct wait_for *w);
+static int take_known(const struct wait_for *w);
 
 /* Whether the replica waited on stands in a call that waits for the outside world (a
  * client, a timer): its next record is as far away as the next request, and a spin
@@ -933,14 +957,14 @@ static int spin_for(const struct wait_for *w, ready_fn ready)
     /* A follower that caught up with its leader sleeps soon: the leader wakes it for a
      * batch of records (wake_followers), and a long spin for each record took a whole
      * CPU (measured: redis -r 2, a third of all CPU time). */
-    int for_record = ready == published;
+    int for_record = ready == published || ready == take_known;
     if (for_record && budget > SPIN_FLOOR)
         budget = SPIN_FLOOR;
     int r = NOT_YET;
     int outside = 0;
     for (uint32_t i = 0; i < budget && r == NOT_YET; i++) {
         r = ready(w);
-        if (r == NOT_YET && for_record && (outside = waits_outside(w)) != 0)
+        if (r == NOT_YET && ready == published && (outside = waits_outside(w)) != 0)
             break;
         if (r == NOT_YET)
             cpu_relax();
@@ -1094,7 +1118,7 @@ static int wait_followers(struct lf_state *st, ready_fn ready, uint64_t target)
     for (uint32_t r = 0; r < st->replicas; r++) {
         if (r == st->me || region_lost(st, r))
             continue;
-        struct wait_for w = {st, r, target};
+        struct wait_for w = {st, r, target, 0};
         int got = checked_answer(ready(&w));
         if (got == NOT_YET) {
             flush_wakes(st);
@@ -2273,7 +2297,7 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
     commit_nudge(st, s);
     if (d->fast == F_OUTPUT || load(&leader->h.vote_wanted) == s)
         signal_progress(st, &own->h.progress, st->leader, 1);
-    struct wait_for w = {st, src, s};
+    struct wait_for w = {st, src, s, 0};
     int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
     store(&own->h.awaiting, 0);
     if (got == MOVED) {
@@ -2425,7 +2449,157 @@ static int takes(uint32_t op)
  * new leader in place"); the wrapper does what the leader does, and records it. */
 #define SYNC_PROMOTED (LONG_MIN + 2)
 
-static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, uint64_t site, uint64_t object)
+/* --- owned mutexes (the order of every event) --------------------------------------------
+ * Most mutex takes of a server are by the thread that took the mutex last (memcached with
+ * one worker: nearly all of its 17 ordered events per request). Such a take orders nothing
+ * between threads, so in the order of every event it gets no record: each replica notes
+ * per mutex which lane took it last (its owner, lf_owners, read and written under the
+ * mutex itself), and a take by the owner is only counted (the lane's `takes`). A take by
+ * any other lane, and a condition wait's return, is recorded with the lane's take number
+ * and `after`: the previous owner and its count of takes at that moment. A follower's
+ * thread waits for the previous owner's thread to have made that many takes in its own
+ * replica before it takes the mutex, so the owner's unrecorded takes come first there as
+ * they did in the leader. A follower learns whether its lane's take y had a record from
+ * the leader: once the leader's count passed y, or its next record is out, that record is
+ * take y's (it names y) or take y had none. Unlocks have no record: a follower's thread
+ * whose turn has come takes the mutex natively, and so waits for the holder's own unlock.
+ * Followers keep the owner table too, so that one promoted to leader decides as the old
+ * leader would have (the table's contents follow from the order of takes of each mutex,
+ * which is the leader's everywhere). The object and serial orders record every operation. */
+#define TAKE_LANE_SHIFT 56
+#define TAKE_COUNT_MASK ((1ULL << TAKE_LANE_SHIFT) - 1)
+
+static int owned_order(const struct lf_state *st)
+{
+    return st != NULL && st->hdr != NULL && load32(&st->hdr->sync_order) == SYNC_ORDER_GLOBAL;
+}
+
+/* The owner slot of mutex `m`, found or made; NULL when the table has none near its hash. */
+static struct lf_owner *owner_of(const void *m)
+{
+    struct lf_owner *table = lf_owners;
+    if (table == NULL)
+        return NULL;
+    uint64_t addr = (uint64_t)m, home = (addr * 0x9E3779B97F4A7C15ULL) >> 40;
+    for (uint32_t probe = 0; probe < OWNER_PROBES; probe++) {
+        struct lf_owner *o = &table[(home + probe) % LF_OWNERS];
+        uint64_t held = __atomic_load_n(&o->addr, __ATOMIC_ACQUIRE);
+        if (held == 0 && __atomic_compare_exchange_n(&o->addr, &held, addr, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            held = addr;
+        if (held == addr)
+            return o;
+    }
+    return NULL;
+}
+
+/* A take of `m` by this lane, done natively (in either role, the mutex held): its owner
+ * becomes this lane; returns what a record of it names as `after` (the previous owner and
+ * its takes so far; 0: none, or this lane). */
+static uint64_t take_ownership(struct lf_state *st, const void *m)
+{
+    struct lf_owner *o = owner_of(m);
+    if (o == NULL)
+        return 0;
+    uint64_t before = __atomic_load_n(&o->owner, __ATOMIC_RELAXED);
+    __atomic_store_n(&o->owner, (uint64_t)st->lane + 1, __ATOMIC_RELAXED);
+    if (before == 0 || before - 1 == st->lane || before - 1 >= LF_LANES || lf_lanes == NULL)
+        return 0;
+    uint64_t count = load(&lane_state(lf_lanes, (uint32_t)(before - 1))->regions[st->me]->h.takes);
+    return before << TAKE_LANE_SHIFT | (count & TAKE_COUNT_MASK);
+}
+
+/* Whether `m` was taken last by this lane (a take that needs no record). */
+static int owns(const struct lf_state *st, const void *m)
+{
+    struct lf_owner *o = owner_of(m);
+    return o != NULL && __atomic_load_n(&o->owner, __ATOMIC_RELAXED) == (uint64_t)st->lane + 1;
+}
+
+/* The lane's take `take` is done (decided, as the leader; made natively, as a follower). */
+static void count_take(struct lf_state *st, uint64_t take)
+{
+    store(&st->regions[st->me]->h.takes, take);
+    if (st->me == st->leader)
+        return;
+    /* A sibling may wait for this count (take_after) */
+    struct lf_order *o = st->orders[st->me];
+    __atomic_fetch_add(&o->h.object_word, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&o->h.object_sleepers, __ATOMIC_SEQ_CST) != 0)
+        futex_wake(&o->h.object_word);
+}
+
+static void wake_followers(struct lf_state *st);
+
+/* The leader's take of a mutex it owns: counted, and followers waiting for it woken as
+ * for a record. */
+static void lead_owned_take(struct lf_state *st)
+{
+    struct lf_region_head *h = &st->regions[st->me]->h;
+    count_take(st, h->takes + 1);
+    store(&h->takes_unrecorded, h->takes_unrecorded + 1);
+    wake_followers(st);
+}
+
+/* Whether lane `lane`'s thread waits in a futex call in this replica (take_after's
+ * holder_blocked). */
+static int lane_blocked(struct lf_state *st, uint64_t lane, uint64_t unused_count)
+{
+    (void)unused_count;
+    return lane < LF_LANES && lf_lanes != NULL &&
+           load(&lane_state(lf_lanes, (uint32_t)lane)->regions[st->me]->h.in_futex) != 0;
+}
+
+/* A follower's thread before a recorded take: until the previous owner's thread made the
+ * takes the record's `after` names in this replica (its unrecorded ones among them). */
+static void take_after(struct lf_state *st, uint64_t after)
+{
+    uint64_t lane = (after >> TAKE_LANE_SHIFT) - 1;
+    if (after == 0 || lane >= LF_LANES || lane == st->lane || lf_lanes == NULL)
+        return;
+    struct lf_order *o = st->orders[st->me];
+    struct turn_wait t = {&lane_state(lf_lanes, (uint32_t)lane)->regions[st->me]->h.takes, after & TAKE_COUNT_MASK,
+                          &o->h.object_word, &o->h.object_sleepers, lane_blocked, lane};
+    wait_for_turn(st, &t);
+}
+
+/* Whether the leader decided the lane's take `w->take` (its count passed it) or published
+ * record `w->target`, which then says whether the take had a record. */
+static int take_known(const struct wait_for *w)
+{
+    if (load(&w->st->regions[w->who]->h.takes) >= w->take)
+        return READY;
+    return published(w);
+}
+
+enum { TAKE_OWNED, TAKE_RECORDED, TAKE_LEADS };
+
+/* A follower's take of a mutex: whether the leader recorded it (TAKE_RECORDED: the
+ * record follows, or the ring is off and the caller goes on as without one), took it as
+ * the owner (TAKE_OWNED), or this replica leads now (TAKE_LEADS). */
+static int follow_take(struct lf_state *st)
+{
+    uint64_t s = st->seq + 1, take = st->regions[st->me]->h.takes + 1;
+    for (;;) {
+        uint32_t src = source_to_take(st, s);
+        if (src == st->me)
+            return TAKE_LEADS;
+        struct lf_region *leader = st->regions[src];
+        struct wait_for w = {st, src, s, take};
+        int got = wait_until(take_known, &w, &leader->h.published_word, WAKE_ON_ANY);
+        if (got == MOVED)
+            continue;
+        if (got != READY)
+            return TAKE_RECORDED;
+        const struct lf_record *rec = &leader->records[s % LF_SLOTS];
+        if (load(&leader->h.published) >= s && load(&rec->seq) == s && rec->kind == KIND_SYNC && rec->sync.take == take)
+            return TAKE_RECORDED;
+        return load(&leader->h.takes) >= take ? TAKE_OWNED : TAKE_RECORDED;
+    }
+}
+
+/* `take` and `after`: a mutex take's number and previous owner (see "owned mutexes"). */
+static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, uint64_t site, uint64_t object,
+                      uint64_t take, uint64_t after)
 {
     struct lf_region *own = st->regions[st->me];
     struct lf_record *rec = &own->records[s % LF_SLOTS];
@@ -2445,6 +2619,8 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
     rec->signal = 0;
     for (unsigned c = 0; c < LF_CLOCKS; c++)
         rec->clock_sync[c] = 0;
+    rec->sync.take = take;
+    rec->sync.after = after;
     publish_on(st, rec, s, NULL, NULL, ret, load32(&st->hdr->sync_order) == SYNC_ORDER_OBJECT ? object : 0);
     return ret;
 }
@@ -2456,7 +2632,7 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t src, uint32_t 
     struct lf_record *rec = &leader->records[s % LF_SLOTS];
     serial_leave(st);
     store(&own->h.awaiting, s);
-    struct wait_for w = {st, src, s};
+    struct wait_for w = {st, src, s, 0};
     int got = wait_until(published, &w, &leader->h.published_word, WAKE_ON_ANY);
     store(&own->h.awaiting, 0);
     if (got == MOVED)
@@ -2474,7 +2650,10 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t src, uint32_t 
         report_divergence(s, nr, site, rec->nr, rec->digest);
         return SYNC_NONE;
     }
-    take_place(st, rec->order, takes(nr - LF_SYNC_NR_BASE));
+    int taking = takes(nr - LF_SYNC_NR_BASE);
+    if (taking)
+        take_after(st, rec->sync.after);
+    take_place(st, rec->order, taking);
     long ret = rec->ret;
     store(&own->h.consumed, s);
     signal_progress(st, &own->h.progress, st->leader, 0);
@@ -2485,7 +2664,7 @@ static long follow_sync(struct lf_state *st, uint64_t s, uint32_t src, uint32_t 
  * leader's result `a[0]` recorded, or the leader's result taken. `a[1]`: the role the
  * caller took (1: leader); SYNC_PROMOTED (no record taken) when this replica has become
  * the leader for it since. `a[2]`: the program's call site, the record's digest. `a[3]`:
- * the object whose order it takes. */
+ * the object whose order it takes. `a[4]`, `a[5]`: a mutex take's number and `after`. */
 static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
 {
     uint64_t s = ++st->seq; /* in every replica, as for a call: the lanes stay aligned */
@@ -2500,7 +2679,7 @@ static long sync_call(struct lf_state *st, uint32_t nr, const long *a)
         if (lead_role != (a[1] == 1))
             return SYNC_NONE;
         if (lead_role)
-            return lead_sync(st, s, nr, a[0], (uint64_t)a[2], (uint64_t)a[3]);
+            return lead_sync(st, s, nr, a[0], (uint64_t)a[2], (uint64_t)a[3], (uint64_t)a[4], (uint64_t)a[5]);
         long ret = follow_sync(st, s, src, nr, (uint64_t)a[2]);
         if (ret != SYNC_MOVED)
             return ret;
@@ -2926,6 +3105,12 @@ static void attach_ring(uint32_t epoch)
         return;
     }
     lf_fast(SYS_madvise, states, states_len, MADV_WIPEONFORK, 0, 0, 0);
+    const long owners_len = LF_OWNERS * sizeof(struct lf_owner);
+    long owners = lf_fast(SYS_mmap, 0, owners_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (owners < 0 && owners > -4096)
+        owners = 0; /* every take recorded: as correct, slower */
+    else
+        lf_fast(SYS_madvise, owners, owners_len, MADV_WIPEONFORK, 0, 0, 0);
     struct lf_clock *clocks =
         map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);
     unsigned char *regions[LF_MAX_REPLICAS];
@@ -2972,6 +3157,7 @@ static void attach_ring(uint32_t epoch)
     if (serial_order(&lanes[0]) && lanes[0].me == lanes[0].leader)
         token_take(&lanes[0]); /* the ring thread runs the program's code from here */
     lf_lanes = lanes;
+    lf_owners = (struct lf_owner *)owners;
     lf_my = &lanes[0];
     lf_ring_thread = 1;
     /* A replica forked by re-integration does not inherit Syscall User Dispatch: turn it on
@@ -3127,15 +3313,23 @@ struct sync_args {
 };
 
 /* Operation `op` as a record of the thread's lane: the leader's result `ret` recorded, or
- * (a follower) the leader's result once it is this thread's turn; SYNC_NONE without one. */
-static long sync_event(const struct sync_args *p, int op, long ret, int role)
+ * (a follower) the leader's result once it is this thread's turn; SYNC_NONE without one.
+ * `take`, `after`: a mutex take's, as the leader records it (see "owned mutexes"). */
+static long take_event(const struct sync_args *p, int op, long ret, int role, uint64_t take, uint64_t after)
 {
     /* A condition variable's wait hands on and takes back its mutex. */
     const void *object = op == SYNC_WAIT_ENTER || op == SYNC_WAIT_RETURN ? p->obj2 : p->obj;
-    long a[6] = {ret, role == ROLE_LEAD, (long)p->site, (long)object, 0, 0};
+    long a[6] = {ret, role == ROLE_LEAD, (long)p->site, (long)object, (long)take, (long)after};
     struct ring_call call = {lf_my, (long)LF_SYNC_NR_BASE + op, a};
     return on_ring_stack(&call);
 }
+
+static long sync_event(const struct sync_args *p, int op, long ret, int role)
+{
+    return take_event(p, op, ret, role, 0, 0);
+}
+
+
 
 /* A follower's operation that takes something ran natively: its place is done (in the
  * serial order the thread keeps it to its next event). */
@@ -3198,18 +3392,63 @@ static long on_lane_stack(long (*body)(void *), struct sync_args *p)
  * died): the follower's thread takes it too, in its turn, where it is free. */
 static int lock_taken(long ret) { return ret == 0 || ret == EOWNERDEAD; }
 
+/* The leader's record of a mutex take (lock, trylock, a wait's return; `ret` its result,
+ * `taken` whether it holds `m` now): none when this lane owns the mutex already (see
+ * "owned mutexes"), else one that names the previous owner; counted once it is out. */
+static void lead_take(const struct sync_args *p, int op, long ret, pthread_mutex_t *m, int taken)
+{
+    struct lf_state *st = lf_my;
+    if (!owned_order(st)) {
+        sync_event(p, op, ret, ROLE_LEAD);
+        return;
+    }
+    uint64_t take = st->regions[st->me]->h.takes + 1;
+    if (!taken) { /* a trylock that failed, an error */
+        take_event(p, op, ret, ROLE_LEAD, take, 0);
+        return;
+    }
+    if (ret == 0 && op == SYNC_LOCK && owns(st, m)) {
+        lead_owned_take(st);
+        return;
+    }
+    take_event(p, op, ret, ROLE_LEAD, take, take_ownership(st, m));
+    count_take(st, take);
+}
+
+/* A follower's thread took `m` natively for its lane's next take. */
+static void follower_took(pthread_mutex_t *m)
+{
+    struct lf_state *st = lf_my;
+    if (!owned_order(st))
+        return;
+    take_ownership(st, m);
+    count_take(st, st->regions[st->me]->h.takes + 1);
+}
+
 /* lock and trylock: `op` SYNC_LOCK or SYNC_TRYLOCK. */
 static long lock_op(struct sync_args *p, int op, mutex_fn native)
 {
     pthread_mutex_t *m = p->obj;
     int role = sync_role();
+    if (role == ROLE_FOLLOW && op == SYNC_LOCK && owned_order(lf_my)) {
+        int take = follow_take(lf_my);
+        if (take == TAKE_OWNED) {
+            REAL_LOCK(m); /* nobody else took it in the leader since this thread did */
+            follower_took(m);
+            return 0;
+        }
+        if (take == TAKE_LEADS)
+            role = ROLE_LEAD;
+    }
     if (role == ROLE_FOLLOW) {
         long ret = sync_event(p, op, 0, role);
         if (ret == SYNC_NONE)
             return native(m);
         if (ret != SYNC_PROMOTED) {
-            if (lock_taken(ret))
+            if (lock_taken(ret)) {
                 REAL_LOCK(m); /* free in its turn, or about to be */
+                follower_took(m);
+            }
             take_done();
             return ret;
         }
@@ -3219,7 +3458,7 @@ static long lock_op(struct sync_args *p, int op, mutex_fn native)
         serial_leave(lf_my);
     int ret = native(m);
     if (role == ROLE_LEAD)
-        sync_event(p, op, ret, role);
+        lead_take(p, op, ret, m, lock_taken(ret));
     return ret;
 }
 
@@ -3229,7 +3468,8 @@ static long trylock_body(void *p) { return lock_op(p, SYNC_TRYLOCK, REAL_TRYLOCK
 static long unlock_body(void *v)
 {
     struct sync_args *p = v;
-    hand_on(p, SYNC_UNLOCK, sync_role());
+    if (!owned_order(lf_my)) /* see "owned mutexes": the next taker's native lock waits for it */
+        hand_on(p, SYNC_UNLOCK, sync_role());
     return REAL_UNLOCK(p->obj);
 }
 
@@ -3260,16 +3500,22 @@ static long cond_wait_body(void *v)
         REAL_UNLOCK(m);
         long ret = sync_event(p, SYNC_WAIT_RETURN, 0, role);
         REAL_LOCK(m);
-        take_done();
         if (ret == SYNC_PROMOTED) { /* this replica leads now: a spurious wake-up, recorded */
-            sync_event(p, SYNC_WAIT_RETURN, 0, ROLE_LEAD);
-            ret = 0;
+            take_done();
+            lead_take(p, SYNC_WAIT_RETURN, 0, m, 1);
+            return 0;
         }
+        if (ret != SYNC_NONE)
+            follower_took(m);
+        take_done();
         return ret == SYNC_NONE ? 0 : ret; /* without the leader's word: a spurious wake-up */
     }
     serial_leave(lf_my);
     int ret = native_wait(c, m, p->arg);
-    sync_event(p, SYNC_WAIT_RETURN, ret, role);
+    if (role == ROLE_LEAD)
+        lead_take(p, SYNC_WAIT_RETURN, ret, m, 1);
+    else
+        sync_event(p, SYNC_WAIT_RETURN, ret, role);
     return ret;
 }
 

@@ -138,6 +138,10 @@ struct RegionHead {
     /// As a follower: done with the records up to this one (taken, or went to the monitor
     /// instead): it votes on none of them later.
     passed: u64,
+    /// The lane's mutex takes: as the leader, decided; as a follower, done natively.
+    takes: u64,
+    /// As the leader: mutex takes by the lane that took the mutex last, without a record.
+    takes_unrecorded: u64,
 }
 
 /// The committer's answer to a lane's commit request; same fields as `struct
@@ -229,6 +233,9 @@ pub struct OrderCounts {
     pub late_wakes: u64,
     /// Futex wakes between replicas' threads in the ring (a hand-off each).
     pub wakes: u64,
+    /// Mutex takes that needed no place in the order: the lane that took the mutex last
+    /// took it again.
+    pub owned_takes: u64,
 }
 
 /// One place of the leader's order; same fields as `struct lf_order_entry`. The entries
@@ -1041,6 +1048,12 @@ impl Ring {
             wakes: (0..self.replicas)
                 .map(|r| self.word64(&self.order(r).wakes).load(Ordering::Acquire))
                 .sum(),
+            owned_takes: (0..LANES)
+                .map(|lane| {
+                    self.word64(&self.region(lane, leader).takes_unrecorded)
+                        .load(Ordering::Acquire)
+                })
+                .sum(),
         }
     }
 }
@@ -1392,6 +1405,7 @@ impl FastPath {
                 skipped: sum.skipped + ring.skipped,
                 late_wakes: sum.late_wakes + ring.late_wakes,
                 wakes: sum.wakes + ring.wakes,
+                owned_takes: sum.owned_takes + ring.owned_takes,
             })
     }
 

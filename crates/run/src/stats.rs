@@ -100,6 +100,10 @@ impl Stats {
                 order.events, order.skipped, order.late_wakes
             ));
             s.push_str(&format!(
+                "  owned mutex takes:    {} (taken again by the thread that took it last: no record)\n",
+                order.owned_takes
+            ));
+            s.push_str(&format!(
                 "  ring wake-ups:        {} (futex wakes between replicas' threads)\n",
                 order.wakes
             ));

@@ -1200,3 +1200,24 @@ pub fn summary_counts(out: &std::path::Path) -> Vec<(String, u64)> {
         .map(|c| (c["class"].as_str().unwrap().to_string(), c["count"].as_u64().unwrap()))
         .collect()
 }
+
+/// The number after `key` in `--stats`.
+pub fn stat(out: &Output, key: &str) -> Option<u64> {
+    stat_in(&out.stderr, key)
+}
+
+pub fn stat_in(stderr: &str, key: &str) -> Option<u64> {
+    stderr
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(key))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .or_else(|| {
+            // A count inside a line: "..., N refused: ...".
+            let line = stderr.lines().find(|l| l.contains(key))?;
+            line[..line.find(key)?].split_whitespace().last()?.parse().ok()
+        })
+}
+
+pub fn stat_or_panic(out: &Output, key: &str) -> u64 {
+    stat(out, key).unwrap_or_else(|| panic!("no '{key}' in the stats\n{}", out.context()))
+}
