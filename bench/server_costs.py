@@ -55,7 +55,7 @@ Usage (from anywhere):
     cargo build --release --locked -p lockstep-cli
     python3 bench/server_costs.py [--rounds R] [--seconds S] [--redis-requests N]
                                   [--nginx-requests N] [--out DIR] [--quick]
-                                  [--servers LIST] [--configs LIST] [--compare PATH]
+                                  [--servers LIST] [--config CONFIG ...] [--compare PATH]
 Defaults: --rounds 3 --seconds 10 --redis-requests 100000 --nginx-requests 50000; --quick
 is --rounds 1 --seconds 3 --redis-requests 20000 --nginx-requests 10000, and only the
 redis, memcached t1 and nginx servers. Writes DIR/server_costs.json (default bench/out)
@@ -524,7 +524,8 @@ def markdown(meta, summary, servers, configs):
 def more_options(ap):
     ap.add_argument("--servers", help="comma-separated servers to run, of: " + ", ".join(SERVERS)
                     + " (default all; --quick: " + ", ".join(QUICK_SERVERS) + ")")
-    ap.add_argument("--configs", help="comma-separated lockstep configurations to run, of: "
+    ap.add_argument("--config", action="append", metavar="CONFIG",
+                    help="a lockstep configuration to run (repeat the option for more), of: "
                     + ", ".join(f"'{c}'" for c in OPTIONS) + f" (default all); '{PINNED_NATIVE}' may "
                     "be named too; plain native always runs (the baseline of every ratio)")
     ap.add_argument("--compare", metavar="PATH",
@@ -535,17 +536,17 @@ def more_options(ap):
 def chosen(args):
     """The servers and configurations (in running order) that the command line asks for;
     exits with a usage error for a name that does not exist."""
-    def pick(given, every, what):
-        if not given:
+    def pick(names, every, what):
+        if not names:
             return None
-        names = [n.strip() for n in given.split(",") if n.strip()]
         unknown = [n for n in names if n not in every]
         if unknown or not names:
             sys.exit(f"server_costs.py: unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}; "
                      f"known: {', '.join(map(repr, every))}")
         return names
-    names = pick(args.servers, SERVERS, "server") or (QUICK_SERVERS if args.quick else SERVERS)
-    configs = pick(args.configs, [PINNED_NATIVE] + list(OPTIONS), "configuration") or CONFIGS[1:]
+    servers = [n.strip() for n in (args.servers or "").split(",") if n.strip()]
+    names = pick(servers, SERVERS, "server") or (QUICK_SERVERS if args.quick else SERVERS)
+    configs = pick(args.config, [PINNED_NATIVE] + list(OPTIONS), "configuration") or CONFIGS[1:]
     configs = ["native"] + [c for c in CONFIGS if c in configs]
     if args.compare:
         if not os.access(args.compare, os.X_OK):
