@@ -401,11 +401,14 @@ static unsigned long lf_windows;
 /* The lanes of the ring in use (LF_LANES states), and the calling thread's lane (NULL: the
  * thread goes to the monitor for every call). */
 static struct lf_state *lf_lanes;
-/* Who took each mutex last, per ring attachment (see "owned mutexes"); wiped in a fork's
- * child, as the lanes are. NULL: every take is recorded. */
+/* Who took each mutex last (see "owned mutexes"); wiped in a fork's child, as the lanes
+ * are. NULL: every take is recorded. */
 struct lf_owner {
-    uint64_t addr;  /* the mutex (0: a free slot) */
-    uint64_t owner; /* the lane that took it last + 1 (0: none yet); read and written under the mutex */
+    uint64_t addr; /* the mutex (0: a free slot) */
+    /* (ring epoch + 1) << 32 | the lane that took it last + 1 (0: none yet), read and
+     * written under the mutex: an owner of an earlier ring is none, so that every replica,
+     * one forked by re-integration too, starts each ring with the same (empty) table */
+    uint64_t owner;
 };
 static struct lf_owner *lf_owners;
 #define LF_OWNERS 16384    /* mutexes tracked; one past them is always recorded */
@@ -2492,6 +2495,9 @@ static struct lf_owner *owner_of(const void *m)
     return NULL;
 }
 
+/* This lane as an owner in the table (see struct lf_owner). */
+static uint64_t owner_tag(const struct lf_state *st) { return ((uint64_t)lf_ring_epoch + 1) << 32 | (st->lane + 1); }
+
 /* A take of `m` by this lane, done natively (in either role, the mutex held): its owner
  * becomes this lane; returns what a record of it names as `after` (the previous owner and
  * its takes so far; 0: none, or this lane). */
@@ -2500,8 +2506,9 @@ static uint64_t take_ownership(struct lf_state *st, const void *m)
     struct lf_owner *o = owner_of(m);
     if (o == NULL)
         return 0;
-    uint64_t before = __atomic_load_n(&o->owner, __ATOMIC_RELAXED);
-    __atomic_store_n(&o->owner, (uint64_t)st->lane + 1, __ATOMIC_RELAXED);
+    uint64_t tag = owner_tag(st), was = __atomic_load_n(&o->owner, __ATOMIC_RELAXED);
+    __atomic_store_n(&o->owner, tag, __ATOMIC_RELAXED);
+    uint64_t before = (was >> 32) == (tag >> 32) ? was & 0xffffffffULL : 0; /* lane + 1 */
     if (before == 0 || before - 1 == st->lane || before - 1 >= LF_LANES || lf_lanes == NULL)
         return 0;
     uint64_t count = load(&lane_state(lf_lanes, (uint32_t)(before - 1))->regions[st->me]->h.takes);
@@ -2512,7 +2519,7 @@ static uint64_t take_ownership(struct lf_state *st, const void *m)
 static int owns(const struct lf_state *st, const void *m)
 {
     struct lf_owner *o = owner_of(m);
-    return o != NULL && __atomic_load_n(&o->owner, __ATOMIC_RELAXED) == (uint64_t)st->lane + 1;
+    return o != NULL && __atomic_load_n(&o->owner, __ATOMIC_RELAXED) == owner_tag(st);
 }
 
 /* The lane's take `take` is done (decided, as the leader; made natively, as a follower). */
@@ -3107,12 +3114,15 @@ static void attach_ring(uint32_t epoch)
         return;
     }
     lf_fast(SYS_madvise, states, states_len, MADV_WIPEONFORK, 0, 0, 0);
-    const long owners_len = LF_OWNERS * sizeof(struct lf_owner);
-    long owners = lf_fast(SYS_mmap, 0, owners_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (owners < 0 && owners > -4096)
-        owners = 0; /* every take recorded: as correct, slower */
-    else
-        lf_fast(SYS_madvise, owners, owners_len, MADV_WIPEONFORK, 0, 0, 0);
+    long owners = (long)lf_owners;
+    if (owners == 0) {
+        const long owners_len = LF_OWNERS * sizeof(struct lf_owner);
+        owners = lf_fast(SYS_mmap, 0, owners_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (owners < 0 && owners > -4096)
+            owners = 0; /* every take recorded: as correct, slower */
+        else
+            lf_fast(SYS_madvise, owners, owners_len, MADV_WIPEONFORK, 0, 0, 0);
+    }
     struct lf_clock *clocks =
         map_shared((int)fd, hdr->clocks_offset, hdr->regions_offset - hdr->clocks_offset, PROT_READ | PROT_WRITE);
     unsigned char *regions[LF_MAX_REPLICAS];
