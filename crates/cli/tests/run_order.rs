@@ -450,8 +450,8 @@ fn assert_promoted_in_ring(events: &[serde_json::Value], out: &Output) {
 
 #[test]
 fn a_leader_lost_while_threads_run_is_replaced_in_the_ring_and_the_order_goes_on() {
-    // `die-call:29`: the leader's process kills itself at a worker's 29th record, a write
-    // before it runs (the first worker to get there; it holds the lock, so no other write
+    // `die-call:29`: the leader's process kills itself at a worker's first write from its
+    // 29th record on, before it runs (the first worker to get there; it holds the lock, so no other write
     // is in flight, which would stop the run: it may have run), its other threads
     // wherever they are: between a place of the order and its record, in a native lock,
     // asleep. Replica 1 takes its place in the ring, which stays on: its threads take the

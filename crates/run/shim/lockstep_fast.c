@@ -1794,12 +1794,14 @@ static int may_wait_long(long nr, const long *a)
     return ((nr == SYS_epoll_wait || nr == SYS_epoll_pwait) && a[3] != 0) || (nr == SYS_poll && a[2] != 0);
 }
 
-/* Test: the first leader's process dies at record `s` of a thread the program started
- * (`die`: a call or a synchronisation operation; `die-call`: a call, before it runs), while
- * its other threads are anywhere, as after a fault's crash. */
-static void test_die(struct lf_state *st, uint64_t s, uint64_t at)
+/* Test: the first leader's process dies at record `at` of a thread the program started
+ * (`die`: a call or a synchronisation operation), or at its first call from record `at`
+ * on (`die-call`, before the call runs; which records are synchronisation operations
+ * depends on who owned a mutex, see "owned mutexes"), while its other threads are
+ * anywhere, as after a fault's crash. */
+static void test_die_at(struct lf_state *st, uint64_t s, uint64_t at, int from)
 {
-    if (s == at && lf_ring_epoch == 0 && st->lane != 0 && st->me == 0)
+    if (at != 0 && (s == at || (from && s > at)) && lf_ring_epoch == 0 && st->lane != 0 && st->me == 0)
         lf_fast(SYS_kill, lf_fast(SYS_getpid, 0, 0, 0, 0, 0, 0), SIGKILL, 0, 0, 0, 0);
 }
 
@@ -2180,8 +2182,8 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
             futex_wait(&own->h.progress, load32(&own->h.progress));
         }
     }
-    test_die(st, s, lf_test_die);
-    test_die(st, s, lf_test_die_call);
+    test_die_at(st, s, lf_test_die, 0);
+    test_die_at(st, s, lf_test_die_call, 1);
     if (s == lf_test_signal && lf_ring_epoch == 0 && st->me == 0) /* the first leader only */
         return deliver_signal(st, rec, s, nr, digest, a, NULL, SIGUSR1, 0);
     int64_t code = 0;
@@ -2619,7 +2621,7 @@ static long lead_sync(struct lf_state *st, uint64_t s, uint32_t nr, long ret, ui
         futex_wait(&st->regions[st->me]->h.published_word, load32(&st->regions[st->me]->h.published_word));
     if (got != READY || !reuse_slot(st, rec, s))
         return SYNC_NONE;
-    test_die(st, s, lf_test_die);
+    test_die_at(st, s, lf_test_die, 0);
     rec->nr = nr;
     rec->kind = KIND_SYNC;
     rec->digest = site;
