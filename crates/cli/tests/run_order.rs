@@ -394,9 +394,9 @@ fn a_follower_lost_while_threads_run_leaves_the_order_on_for_the_others() {
 
 #[test]
 fn a_follower_that_diverges_while_threads_run_is_voted_out_and_the_order_goes_on() {
-    // The shim's test hook makes the last follower's wait for a worker's write record
-    // (#5 of its lane under the global order: lock, write, unlock, lock, write; #6 under
-    // the serial one, which starts with a resume) give an impossible answer, as a
+    // The shim's test hook makes the last follower's wait for a worker's first write from
+    // record #5 of its lane on (#6 under the serial one, which starts with a resume) give
+    // an impossible answer, as a
     // corrupted ring word would. That follower reports itself and is voted out; the ring
     // stays on for the other two, whose threads keep the order to the end.
     for (order, record) in [("global", "bad-wait:5"), ("serial", "bad-wait:6")] {

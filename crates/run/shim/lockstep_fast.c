@@ -437,7 +437,9 @@ static long after_slow_call(long ret);
  * "result:N" flips a bit of call N's result on its way from the kernel into the record;
  * "wild-result:N" flips bit 40 of call N's result before any copy of it is taken;
  * "crash:N" makes the leader fault right after call N returned, before its record is out;
- * "bad-wait:N" makes the last follower's wait for record N give an impossible answer; "hang:N"
+ * "bad-wait:N" makes the last follower's wait for its first call from record N on give an
+ * impossible answer (whether record N of a thread is a call or a lock depends on who owned
+ * the lock, see "owned mutexes"); "hang:N"
  * makes the leader wait forever in a private futex wait (through the monitor)
  * before call N; "flap:N" makes the leader, before call N, spin and sleep on ring memory in
  * turn for ever; "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
@@ -2309,7 +2311,7 @@ static long follow(struct lf_state *st, uint64_t s, uint32_t src, long nr, const
         st->seq = s - 1; /* the call again, with the new leader's record (or as it) */
         return LF_AGAIN;
     }
-    if (s == lf_test_bad_wait && lf_ring_epoch == 0 && st->me == st->replicas - 1)
+    if (lf_test_bad_wait != 0 && s >= lf_test_bad_wait && lf_ring_epoch == 0 && st->me == st->replicas - 1)
         got = checked_answer(got | 8); /* test: in one follower, the answer changed on its way */
     if (got == CORRUPT)
         report_divergence(s, nr, digest, DIVERGED_STATE, 0);
