@@ -36,8 +36,20 @@ from charts import bar_chart
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "target", "release", "lockstep")
 OUT = os.path.join(ROOT, "bench", "out")
-SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+
+def _args():
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("seconds", nargs="?", type=int, default=5, help="seconds per point (default 5)")
+    ap.add_argument("rounds", nargs="?", type=int, default=3, help="measuring rounds (default 3)")
+    a = ap.parse_args()
+    if a.seconds < 1 or a.rounds < 1:
+        ap.error("SECONDS and ROUNDS must be positive")
+    return a.seconds, a.rounds
+
+
+SECONDS, ROUNDS = _args()
 MODES = ["memcached", "single", "smr", "gop", "crosscheck"]
 MIXES = [("set", 0.0), ("90% get", 0.9)]
 PACED_RATE = 500
