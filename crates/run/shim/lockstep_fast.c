@@ -1169,6 +1169,15 @@ static uint64_t claim_turn(struct lf_state *st, uint64_t s)
     return idx;
 }
 
+/* Progress on a futex word of this replica's order head: bumped, and its sleepers (counted
+ * in `sleepers`, see wait_for_turn) woken. */
+static void bump_and_wake(volatile uint32_t *word, volatile uint32_t *sleepers)
+{
+    __atomic_fetch_add(word, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(sleepers, __ATOMIC_SEQ_CST) != 0)
+        futex_wake(word);
+}
+
 /* A follower: index `idx` is done here; `consumed` moves over every index done in a row. */
 static void turn_done(struct lf_state *st, uint64_t idx)
 {
@@ -1178,9 +1187,7 @@ static void turn_done(struct lf_state *st, uint64_t idx)
     while (__atomic_load_n(&o->done[c % LF_ORDER_SLOTS], __ATOMIC_SEQ_CST) == c + 1)
         if (__atomic_compare_exchange_n(&o->h.consumed, &c, c + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
             c++;
-    __atomic_fetch_add(&o->h.turn_word, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&o->h.sleepers, __ATOMIC_SEQ_CST) != 0)
-        futex_wake(&o->h.turn_word);
+    bump_and_wake(&o->h.turn_word, &o->h.sleepers);
 }
 
 /* --- the serial order (SYNC_ORDER_SERIAL, `--sync-order serial`) -----------------------
@@ -1397,9 +1404,7 @@ static void take_object_turn(struct lf_state *st, uint64_t order)
     uint64_t c = load(count);
     while (c < ticket + 1 && !__atomic_compare_exchange_n(count, &c, ticket + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         ;
-    __atomic_fetch_add(&o->h.object_word, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&o->h.object_sleepers, __ATOMIC_SEQ_CST) != 0)
-        futex_wake(&o->h.object_word);
+    bump_and_wake(&o->h.object_word, &o->h.object_sleepers);
 }
 
 /* A follower: the record's place, in the order of every event or in its object's. */
@@ -2502,12 +2507,11 @@ static struct lf_owner *owner_of(const void *m)
 /* This lane as an owner in the table (see struct lf_owner). */
 static uint64_t owner_tag(const struct lf_state *st) { return ((uint64_t)lf_ring_epoch + 1) << 32 | (st->lane + 1); }
 
-/* A take of `m` by this lane, done natively (in either role, the mutex held): its owner
- * becomes this lane; returns what a record of it names as `after` (the previous owner and
+/* A take by this lane of the mutex whose owner slot is `o` (owner_of; NULL: none), done
+ * natively (in either role, the mutex held): its owner becomes this lane; returns what a record of it names as `after` (the previous owner and
  * its takes so far; 0: none, or this lane). */
-static uint64_t take_ownership(struct lf_state *st, const void *m)
+static uint64_t take_ownership(struct lf_state *st, struct lf_owner *o)
 {
-    struct lf_owner *o = owner_of(m);
     if (o == NULL)
         return 0;
     uint64_t tag = owner_tag(st), was = __atomic_load_n(&o->owner, __ATOMIC_RELAXED);
@@ -2519,10 +2523,9 @@ static uint64_t take_ownership(struct lf_state *st, const void *m)
     return before << TAKE_LANE_SHIFT | (count & TAKE_COUNT_MASK);
 }
 
-/* Whether `m` was taken last by this lane (a take that needs no record). */
-static int owns(const struct lf_state *st, const void *m)
+/* Whether owner slot `o` names this lane (a take that needs no record). */
+static int owns(const struct lf_state *st, const struct lf_owner *o)
 {
-    struct lf_owner *o = owner_of(m);
     return o != NULL && __atomic_load_n(&o->owner, __ATOMIC_RELAXED) == owner_tag(st);
 }
 
@@ -2534,9 +2537,7 @@ static void count_take(struct lf_state *st, uint64_t take)
         return;
     /* A sibling may wait for this count (take_after) */
     struct lf_order *o = st->orders[st->me];
-    __atomic_fetch_add(&o->h.object_word, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&o->h.object_sleepers, __ATOMIC_SEQ_CST) != 0)
-        futex_wake(&o->h.object_word);
+    bump_and_wake(&o->h.object_word, &o->h.object_sleepers);
 }
 
 static void wake_followers(struct lf_state *st);
@@ -3423,11 +3424,12 @@ static void lead_take(const struct sync_args *p, int op, long ret, pthread_mutex
         take_event(p, op, ret, ROLE_LEAD, take, 0);
         return;
     }
-    if (ret == 0 && op == SYNC_LOCK && owns(st, m)) {
+    struct lf_owner *o = owner_of(m);
+    if (ret == 0 && op == SYNC_LOCK && owns(st, o)) {
         lead_owned_take(st);
         return;
     }
-    take_event(p, op, ret, ROLE_LEAD, take, take_ownership(st, m));
+    take_event(p, op, ret, ROLE_LEAD, take, take_ownership(st, o));
     count_take(st, take);
 }
 
@@ -3437,7 +3439,7 @@ static void follower_took(pthread_mutex_t *m)
     struct lf_state *st = lf_my;
     if (!owned_order(st))
         return;
-    take_ownership(st, m);
+    take_ownership(st, owner_of(m));
     count_take(st, st->regions[st->me]->h.takes + 1);
 }
 
