@@ -472,10 +472,10 @@ fn a_leader_lost_while_threads_run_is_replaced_in_the_ring_and_the_order_goes_on
 
 #[test]
 fn a_leader_voted_out_while_threads_run_is_replaced_in_the_ring() {
-    // `signal:62`: the leader publishes a SIGUSR1 record at a worker's 62nd record that the
-    // monitor never posted (a corrupted look at its mailbox): it is voted out alive, its
+    // `signal:40`: the leader publishes a SIGUSR1 record at a worker's first call from its
+    // 40th record on (each worker makes at least 60 calls) that the monitor never posted (a corrupted look at its mailbox): it is voted out alive, its
     // running threads are stopped and settled, and replica 1 leads the ring in its place.
-    let (out, events) = lock_run_completes_despite(&[], Some("signal:62"));
+    let (out, events) = lock_run_completes_despite(&[], Some("signal:40"));
     assert_promoted_in_ring(&events, &out);
 }
 

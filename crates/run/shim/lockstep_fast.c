@@ -442,12 +442,13 @@ static long after_slow_call(long ret);
  * the lock, see "owned mutexes"); "hang:N"
  * makes the leader wait forever in a private futex wait (through the monitor)
  * before call N; "flap:N" makes the leader, before call N, spin and sleep on ring memory in
- * turn for ever; "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for call N that the monitor
+ * turn for ever; "signal:N" makes the leader publish a SIGNAL record (SIGUSR1) for its first call from record N on that the monitor
  * never posted, as a corrupted mailbox check would;
  * "post-corrupt:N" makes the leader damage the copy of posted output N after its digest;
  * "selector-allow" leaves SUD's selector open, as a corrupted selector would, so that only
  * the seccomp backstop sees the program's calls. */
 static uint64_t lf_test_post_corrupt;
+static int lf_test_signal_sent;
 static uint64_t lf_test_corrupt, lf_test_lie, lf_test_result, lf_test_wild_result, lf_test_crash, lf_test_signal,
     lf_test_hang, lf_test_bad_wait, lf_test_flap, lf_test_die, lf_test_die_call;
 static int lf_test_selector_allow;
@@ -2191,7 +2192,9 @@ static long lead(struct lf_state *st, uint64_t s, long nr, const struct lf_desc 
     }
     test_die_at(st, s, lf_test_die, 0);
     test_die_at(st, s, lf_test_die_call, 1);
-    if (s == lf_test_signal && lf_ring_epoch == 0 && st->me == 0) /* the first leader only */
+    /* the first leader only, at its first call from record lf_test_signal on */
+    if (lf_test_signal != 0 && s >= lf_test_signal && lf_ring_epoch == 0 && st->me == 0 &&
+        !__atomic_exchange_n(&lf_test_signal_sent, 1, __ATOMIC_SEQ_CST))
         return deliver_signal(st, rec, s, nr, digest, a, NULL, SIGUSR1, 0);
     int64_t code = 0;
     int sig = take_signal(st, &code, 0);
