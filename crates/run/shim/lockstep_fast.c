@@ -375,6 +375,12 @@ struct lf_state {
     unsigned char *stack; /* RING_STACK bytes above a guard page */
     volatile int stack_busy; /* a call runs on `stack` (entered from another stack) */
     long owner_tid;       /* the thread that uses this lane */
+    /* glibc's tid word of the lane's thread, which the kernel clears once the thread is
+     * gone (NULL: not found); `exiting`: the thread's exit has had its turn (see "thread
+     * exits and glibc's stack cache"). */
+    volatile pid_t *tid_word;
+    volatile uint32_t exiting;
+    uint64_t end; /* the number of the thread's end among this replica's (0: not yet) */
     uint32_t lane;
     /* The serial order: as the leader, whether this thread holds the token, and the events
      * it published since it took it; as a follower, the place it holds (index + 1, 0: none). */
@@ -1585,6 +1591,11 @@ static long raw_then_resume(struct lf_state *st, long nr, const long *a)
 
 static void fd_hints_forget(long nr, const long *a);
 static void commit_nudge(struct lf_state *st, uint64_t s);
+static void exit_in_turn(struct lf_state *st);
+static pthread_key_t lf_end_key;
+static int lf_end_key_ok;
+static volatile pid_t *glibc_tid_word(long tid);
+static void take_done(void);
 
 static void owe_doorbell(struct lf_state *st, int caught_up);
 
@@ -1615,6 +1626,8 @@ static long slow_call(struct lf_state *st, long nr, const long *a)
     if (local_call(nr, a)) {
         if (!local_yields(nr))
             return after_slow_call(lf_raw(nr, a[0], a[1], a[2], a[3], a[4], a[5]));
+        if (nr == SYS_exit)
+            exit_in_turn(st);
         serial_leave(st);
         return after_slow_call(raw_then_resume(st, nr, a));
     }
@@ -2445,6 +2458,9 @@ enum {
     SYNC_BARRIER_DEPART,
     SYNC_ONCE,
     SYNC_RESUME, /* the serial order: a thread goes on after it blocked, or starts */
+    SYNC_CREATE, /* pthread_create, before the real one */
+    SYNC_EXIT,   /* a thread's exit */
+    SYNC_END,    /* a thread's end, before glibc caches its stack */
     SYNC_OPS
 };
 /* An operation that takes something (a lock, a semaphore's count): a follower's thread
@@ -2455,7 +2471,7 @@ enum {
 static int takes(uint32_t op)
 {
     return op == SYNC_LOCK || op == SYNC_TRYLOCK || op == SYNC_RDLOCK || op == SYNC_WRLOCK || op == SYNC_SEM_WAIT ||
-           op == SYNC_WAIT_RETURN || op == SYNC_BARRIER_DEPART;
+           op == SYNC_WAIT_RETURN || op == SYNC_BARRIER_DEPART || op == SYNC_CREATE || op == SYNC_EXIT;
 }
 
 #define SYNC_NONE LONG_MIN /* no record: the operation runs natively (no ring, or it is off) */
@@ -3210,6 +3226,11 @@ static void attach_thread(void)
         return;
     struct lf_state *st = lane_state(lanes, (uint32_t)lane);
     st->owner_tid = lf_fast(SYS_gettid, 0, 0, 0, 0, 0, 0);
+    st->tid_word = glibc_tid_word(st->owner_tid);
+    st->exiting = 0; /* a lane is free again once its last thread is gone everywhere */
+    st->end = 0;
+    if (lf_end_key_ok)
+        pthread_setspecific(lf_end_key, st); /* a key below 32: no allocation */
     st->signal_seen = seen[lane];
     lf_my = st;
     if (lf_fast(SYS_prctl, PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_ON, 0, STUB_PAGE + 4096, (long)&lf_selector, 0) ==
@@ -3245,6 +3266,134 @@ static struct thread_start *take_start_slot(void)
     }
 }
 
+/* --- thread exits and glibc's stack cache -----------------------------------------------
+ * glibc keeps the stacks of detached threads that ended in a list (its stack cache), in
+ * the order they came, and pthread_create takes the first one in it whose thread the
+ * kernel has marked gone (its tid word cleared, after the thread's last instruction); an
+ * ending thread also unmaps cached stacks of threads gone when the cache is over its
+ * limit. Which stack a new thread got, and which mmap and munmap calls were made, thus
+ * depended on timing and differed between replicas (seen: a follower's mmap where the
+ * leader made none; with CPython's threads under the serial order the follower then
+ * waited for a record the leader never made, 7 runs of 70). So:
+ * - the monitor lifts the cache's limit (GLIBC_TUNABLES, FastPath::environment): no stack
+ *   is unmapped as a thread ends;
+ * - a thread's end (SYNC_END, end_thread) takes a number in the order, and its thread
+ *   caches its stack after the thread of the end before has: the list's order is the same
+ *   everywhere;
+ * - a thread's exit (SYNC_EXIT, its last event) marks its lane `exiting` in its turn, and
+ *   a pthread_create (SYNC_CREATE) waits, in every replica, until the thread of every lane
+ *   so marked is gone. A follower's create holds its place until the real call has chosen
+ *   a stack (as an operation that takes something does), so that an exit later in the
+ *   order cannot come first there; the leader, which runs its operations as they come,
+ *   holds lf_create_lock from a create's record to the real call's return, and an exit
+ *   takes it for its record. An exit has no event after it: the create waits for nothing
+ *   that needs a place.
+ * Not covered: threads without a lane, and stacks cached by pthread_join (in the joiner). */
+static volatile uint32_t lf_create_lock;
+
+static void create_unlock(void)
+{
+    __atomic_store_n(&lf_create_lock, 0, __ATOMIC_RELEASE);
+    futex_wake(&lf_create_lock);
+}
+
+/* glibc's tid word of the calling thread (struct pthread's `tid`, at GLIBC_TID_OFFSET
+ * from the thread pointer in glibc 2.x on x86-64), or NULL when `tid` is not there. */
+#define GLIBC_TID_OFFSET 0x2d0
+static volatile pid_t *glibc_tid_word(long tid)
+{
+    char *self;
+    __asm__("mov %%fs:0x10, %0" : "=r"(self));
+    volatile pid_t *word = (volatile pid_t *)(self + GLIBC_TID_OFFSET);
+    return self != NULL && *word == tid ? word : NULL;
+}
+
+/* Event `op` (no object, result 0) of the calling thread, on its ring stack, in its
+ * replica's role: as the leader with lf_create_lock taken first (returns 1: the caller
+ * gives it back), as a follower holding its place (returns 0). */
+struct lane_event {
+    struct lf_state *st;
+    uint32_t op;
+    const void *site;
+};
+
+static long lane_event_body(void *v)
+{
+    struct lane_event *e = v;
+    struct lf_state *st = e->st;
+    long a[6] = {0, 0, (long)e->site, 0, 0, 0};
+    serial_leave(st); /* not while it waits for the lock (an exit needs the token) */
+    if (source_to_take(st, st->seq + 1) != st->me && sync_call(st, LF_SYNC_NR_BASE + e->op, a) != SYNC_PROMOTED)
+        return 0;
+    while (__atomic_exchange_n(&lf_create_lock, 1, __ATOMIC_ACQUIRE) != 0)
+        futex_wait(&lf_create_lock, 1);
+    a[1] = 1;
+    sync_call(st, LF_SYNC_NR_BASE + e->op, a);
+    return 1;
+}
+
+static int lane_event(struct lf_state *st, uint32_t op, const void *site)
+{
+    struct lane_event e = {st, op, site};
+    return (int)(st->stack == NULL ? lane_event_body(&e) : on_stack_of(st, lane_event_body, &e));
+}
+
+/* After lane_event's event: lf_create_lock, or the follower's place, given back. */
+static void lane_event_done(int led)
+{
+    if (led)
+        create_unlock();
+    else
+        take_done();
+}
+
+/* The last thread end whose thread has cached its stack (see end_thread). */
+static volatile uint32_t lf_ends_cached;
+
+/* The calling thread's exit, in its turn (its last event): from there on its lane is
+ * `exiting` here. Its stack is cached: the next end's thread may cache its own. */
+static void exit_in_turn(struct lf_state *st)
+{
+    if (st->hdr == NULL)
+        return;
+    if (st->end != 0) {
+        __atomic_store_n(&lf_ends_cached, (uint32_t)st->end, __ATOMIC_RELEASE);
+        futex_wake(&lf_ends_cached);
+    }
+    int led = lane_event(st, SYNC_EXIT, NULL);
+    __atomic_store_n(&st->exiting, 1, __ATOMIC_RELEASE);
+    lane_event_done(led);
+}
+
+/* Until the thread of every lane marked `exiting` is gone from this replica: its tid word
+ * no longer holds its tid (cleared, or the stack reused or unmapped: futex says EAGAIN or
+ * EFAULT, where a plain read could fault). */
+static void await_exited_threads(void)
+{
+    for (uint32_t lane = 1; lane < LF_LANES; lane++) {
+        struct lf_state *t = lane_state(lf_lanes, lane);
+        if (!__atomic_load_n(&t->exiting, __ATOMIC_ACQUIRE))
+            continue;
+        struct {
+            long sec, nsec;
+        } timeout = {0, FUTEX_WAIT_MS * 1000 * 1000};
+        long r = 0;
+        while (t->tid_word != NULL && r != -EAGAIN && r != -EFAULT)
+            r = lf_fast(SYS_futex, (long)t->tid_word, FUTEX_WAIT, t->owner_tid, (long)&timeout, 0, 0);
+        __atomic_store_n(&t->exiting, 0, __ATOMIC_RELAXED); /* gone: not looked at again */
+    }
+}
+
+/* A pthread_create's event, then every thread whose exit came before it gone; returns
+ * whether it led (lf_create_lock taken) or holds its place as a follower, which the
+ * caller gives back after the real call. */
+static int create_in_turn(struct lf_state *st, const void *site)
+{
+    int led = lane_event(st, SYNC_CREATE, site);
+    await_exited_threads();
+    return led;
+}
+
 static long resume_body(void *st) { return serial_resume(st), 0; }
 static long leave_body(void *st) { return serial_leave(st), 0; }
 
@@ -3255,6 +3404,28 @@ static void serial_step(long (*body)(void *))
     struct lf_state *st = lf_my;
     if (serial_order(st) && st->stack != NULL)
         on_stack_of(st, body, st);
+}
+
+/* A thread's end, from its thread-specific value's destructor, which glibc runs before it
+ * puts a detached thread's stack into its cache: that cache is a list, in the order the
+ * stacks came, and pthread_create takes the first free stack in it, so the stacks must come
+ * in the same order everywhere. The end takes the next number in its turn, and the thread
+ * goes on once the thread of the end before has cached its stack and is at its exit call
+ * (exit_in_turn), without holding a place meanwhile. */
+static uint64_t lf_ends;
+
+static void end_thread(void *v)
+{
+    struct lf_state *st = v;
+    if (st != lf_my || st->hdr == NULL || st->end != 0)
+        return;
+    int led = lane_event(st, SYNC_END, NULL);
+    st->end = ++lf_ends; /* in the order: under lf_create_lock, or in the follower's place */
+    lane_event_done(led);
+    serial_step(leave_body);
+    for (uint32_t now; st->end <= UINT32_MAX && (now = __atomic_load_n(&lf_ends_cached, __ATOMIC_ACQUIRE)) < st->end - 1;)
+        futex_wait(&lf_ends_cached, now);
+    serial_step(resume_body); /* the program's other destructors may follow */
 }
 
 static void *start_thread_with_lane(void *p)
@@ -3285,9 +3456,14 @@ int pthread_create(pthread_t *thread, const pthread_attr_t *attr, void *(*routin
     struct thread_start *slot = take_start_slot();
     slot->routine = routine;
     slot->arg = arg;
+    struct lf_state *st = lf_my;
+    int ordered = st != NULL && st->hdr != NULL;
+    int led = ordered && create_in_turn(st, __builtin_return_address(0));
     int err = real(thread, attr, start_thread_with_lane, slot);
     if (err != 0)
         __atomic_store_n(&slot->taken, 0, __ATOMIC_RELEASE);
+    if (ordered)
+        lane_event_done(led);
     return err;
 }
 
@@ -3988,6 +4164,12 @@ static void restore_environment(void)
         setenv("LD_PRELOAD", preload, 1);
     else if (getenv("LOCKSTEP_FAST_RING") != NULL)
         unsetenv("LD_PRELOAD");
+    const char *tunables = getenv("LOCKSTEP_FAST_TUNABLES");
+    if (tunables != NULL && tunables[0] != '\0')
+        setenv("GLIBC_TUNABLES", tunables, 1);
+    else if (getenv("LOCKSTEP_FAST_RING") != NULL)
+        unsetenv("GLIBC_TUNABLES");
+    unsetenv("LOCKSTEP_FAST_TUNABLES");
     unsetenv("LOCKSTEP_FAST_PRELOAD");
     unsetenv("LOCKSTEP_FAST_RING");
     unsetenv("LOCKSTEP_FAST");
@@ -4036,6 +4218,9 @@ __attribute__((constructor)) static void lf_init(void)
         lf_test_bad_wait = strtoull(test + 9, NULL, 10);
     lf_test_selector_allow = test != NULL && strcmp(test, "selector-allow") == 0;
     restore_environment();
+    /* A key below 32 lives in the thread's own block: setting it allocates nothing. */
+    if (pthread_key_create(&lf_end_key, end_thread) == 0 && !(lf_end_key_ok = lf_end_key < 32))
+        pthread_key_delete(lf_end_key);
     if (map_page_zero() != 0)
         return; /* stay inert */
     struct kernel_sigaction sa = {

@@ -294,9 +294,15 @@ struct RecordHead {
     post_flags: u64,
 }
 
+/// The glibc tunable that lifts the size limit of glibc's cache of thread stacks.
+const UNLIMITED_STACK_CACHE: &str = "glibc.pthread.stack_cache_size=0xffffffffffffffff";
+
+/// Variables of the program's environment that [`FastPath::environment`] sets itself.
+pub const REPLACED_VARIABLES: [&str; 2] = ["LD_PRELOAD", "GLIBC_TUNABLES"];
+
 /// The program's synchronisation operations that are records of the ring, by their
 /// number in a record (`layout::SYNC_NR_BASE` + `SYNC_*` in the shim).
-const SYNC_NAMES: [&str; 15] = [
+const SYNC_NAMES: [&str; 18] = [
     "pthread_mutex_lock",
     "pthread_mutex_trylock",
     "pthread_mutex_unlock",
@@ -312,6 +318,9 @@ const SYNC_NAMES: [&str; 15] = [
     "pthread_barrier_wait (departure)",
     "pthread_once",
     "resume (serial order)",
+    "pthread_create",
+    "thread exit",
+    "thread end (before glibc caches its stack)",
 ];
 
 /// The name of what a record or a DIVERGED report calls number `nr`: a syscall, or one
@@ -1247,6 +1256,17 @@ impl FastPath {
             _ => shim,
         };
         env.push(format!("LD_PRELOAD={preload}"));
+        // glibc's stack cache without a size limit: an exiting thread then never unmaps the
+        // cached stacks of threads already gone, whose number depends on timing (the shim's
+        // "thread exits and glibc's stack cache"). The shim gives the program theirs back.
+        let tunables = match std::env::var("GLIBC_TUNABLES") {
+            Ok(theirs) if !theirs.is_empty() => {
+                env.push(format!("LOCKSTEP_FAST_TUNABLES={theirs}"));
+                format!("{theirs}:{UNLIMITED_STACK_CACHE}")
+            }
+            _ => UNLIMITED_STACK_CACHE.to_string(),
+        };
+        env.push(format!("GLIBC_TUNABLES={tunables}"));
         env.push("LOCKSTEP_FAST=1".into());
         let rings: Vec<String> = self.rings.iter().map(|r| fd_path(r.file.as_raw_fd())).collect();
         env.push(format!("LOCKSTEP_FAST_RING={}", rings.join(":")));

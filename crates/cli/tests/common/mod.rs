@@ -131,7 +131,7 @@ pub fn fixture_flags(name: &str) -> &'static [&'static str] {
     match name {
         // freestanding + static: the syscall sequence is exactly execve, 20 writes, exit_group
         "flip_target" => FREESTANDING,
-        "threads" | "lanes" | "sync_order" => &["-pthread"],
+        "threads" | "lanes" | "sync_order" | "thread_churn" => &["-pthread"],
         // Static: a short, fixed list of intercepted syscalls (msync is stop 9).
         "shared_counter" => &["-static"],
         // Static: the main thread's write of "main\n" is its 9th intercepted stop.

@@ -303,7 +303,7 @@ impl Session {
         };
         let fast = crate::fast::FastPath::for_run(&opts, &path, &placement)?;
         let envp = std::env::vars_os()
-            .filter(|(k, _)| fast.is_none() || k != "LD_PRELOAD")
+            .filter(|(k, _)| fast.is_none() || !crate::fast::REPLACED_VARIABLES.iter().any(|v| k == v))
             .map(|(k, v)| {
                 let mut kv = k.into_encoded_bytes();
                 kv.push(b'=');
