@@ -31,9 +31,6 @@ struct Core {
     disk: Option<Disk>,
     /// A peer needs a snapshot newer than `snap`: the replica should make one.
     snapshot_wanted: bool,
-    /// Per re-added replica, the index of the entry that added it back: a snapshot sent
-    /// to it must be at least that new, or it would replay its own removal.
-    rejoin_floor: std::collections::HashMap<u64, u64>,
 }
 
 struct Disk {
@@ -314,11 +311,6 @@ impl LogStore {
         Ok(())
     }
 
-    /// Snapshots for `node` must be at least as new as `index` (the entry that re-added it).
-    pub fn require_snapshot_after(&self, node: u64, index: u64) {
-        self.lock().rejoin_floor.insert(node, index);
-    }
-
     pub fn take_snapshot_wanted(&self) -> bool {
         std::mem::take(&mut self.lock().snapshot_wanted)
     }
@@ -391,8 +383,7 @@ impl raft::Storage for LogStore {
         // raft-rs refuses a snapshot whose configuration does not contain the receiver (a
         // replica re-added after a replacement): make a newer one first.
         let stale_conf = !meta.get_conf_state().voters.contains(&to) && !meta.get_conf_state().learners.contains(&to);
-        let before_rejoin = c.rejoin_floor.get(&to).is_some_and(|&floor| meta.index < floor);
-        if meta.index < request_index || meta.index == 0 || stale_conf || before_rejoin {
+        if meta.index < request_index || meta.index == 0 || stale_conf {
             c.snapshot_wanted = true;
             return Err(store_err(StorageError::SnapshotTemporarilyUnavailable));
         }

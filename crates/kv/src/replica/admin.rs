@@ -185,6 +185,12 @@ impl Replica {
             stat("kv_mode", self.cfg.mode.name().into());
             stat("kv_replica", self.cfg.id.to_string());
             stat("kv_role", role);
+            // The replicas this one counts as voters (after a replacement: back to all).
+            let voters = self
+                .raft
+                .as_ref()
+                .map_or(0, |r| r.node.raft.prs().conf().to_conf_state().voters.len());
+            stat("kv_voters", voters.to_string());
             stat("kv_applied", self.applied.to_string());
             stat("kv_requests", c.requests.to_string());
             stat("kv_detections", c.self_detections.to_string());

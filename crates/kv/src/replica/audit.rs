@@ -60,8 +60,6 @@ pub(super) struct Audits {
     pub(super) last_applied_at: Option<Instant>,
     pub(super) last_index: u64,
     pub(super) proposed_at: Option<Instant>,
-    /// Per removed replica, the entry that removed it (see `manage_membership`).
-    pub(super) removed_at: BTreeMap<u64, u64>,
     pub(super) audits: u64,
     /// Time the last summary (and snapshot copy, when one was due) took, in µs.
     pub(super) last_us: u64,

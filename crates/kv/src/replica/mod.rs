@@ -199,8 +199,12 @@ struct RaftPart {
     last_tick: Instant,
     snap_index: u64,
     pace: SnapshotPace,
-    /// Wiped for replacement and not yet rebuilt from a snapshot.
+    /// Wiped for replacement and not yet rebuilt (from a snapshot, or by replaying the log
+    /// up to the entry that added it back).
     rejoining: bool,
+    /// While rejoining: the entry that removed this replica. Rebuilt from a snapshot older
+    /// than it, the replica replays that entry too; it is not a new removal.
+    removed_at: Option<u64>,
     /// Test-only partition (`lockstep_isolate`): until then, nothing is sent to or taken
     /// from the other replicas.
     isolated_until: Option<Instant>,
@@ -590,6 +594,7 @@ impl Replica {
                 snap_index,
                 pace: SnapshotPace::default(),
                 rejoining: false,
+                removed_at: None,
                 isolated_until: None,
             });
         }

@@ -155,7 +155,9 @@ impl Replica {
                     self.applied = index;
                     let r = self.raft.as_mut().unwrap();
                     r.snap_index = index;
-                    r.rejoining = false;
+                    if r.rejoining && r.removed_at.is_none_or(|at| index >= at) {
+                        self.rejoined(index); // else it replays the log up to its re-addition
+                    }
                     // Our own summary of the installed state is compared at once.
                     self.audits.wanted = true;
                     self.events.emit(
@@ -202,22 +204,29 @@ impl Replica {
                     );
                     if removed {
                         self.replace.remove(&cc.node_id);
-                        self.audits.removed_at.insert(cc.node_id, e.index);
+                    }
+                    let r = self.raft.as_mut().unwrap();
+                    if removed && cc.node_id == self.cfg.id && r.removed_at == Some(e.index) {
+                        // Replayed from a snapshot older than our removal: done already.
+                    } else if removed {
                         if cc.node_id == self.cfg.id {
-                            return self.wipe_and_rejoin();
+                            return self.wipe_and_rejoin(e.index);
                         }
-                    } else if cc.node_id != self.cfg.id && self.recovery.is_none() {
-                        // The re-added replica must be rebuilt from a snapshot that names it
-                        // in its configuration, not by replaying the log that removed it
-                        // (with audits: the next confirmed one).
-                        if self.audited() {
-                            self.audits.wanted = true;
-                            self.audits.snapshot_wanted = true;
-                            let storage = &self.raft.as_ref().unwrap().storage;
-                            storage.require_snapshot_after(cc.node_id, e.index);
-                        } else {
-                            self.take_snapshot()?;
+                    } else if cc.node_id == self.cfg.id {
+                        if r.rejoining {
+                            self.rejoined(e.index);
                         }
+                    } else if self.audited() {
+                        // The re-added replica is rebuilt from the last confirmed snapshot
+                        // (the only kind Raft stores and sends) and the log since, which it
+                        // replays itself: no state of ours, which may hold a latent flip
+                        // while the two of us disagree, is sent to it. An audit soon
+                        // brings its vote.
+                        self.audits.wanted = true;
+                    } else if self.recovery.is_none() {
+                        // Without audits a snapshot is not confirmed: make one that names
+                        // the replica, so that it does not replay the log that removed it.
+                        self.take_snapshot()?;
                     }
                 }
                 EntryType::EntryConfChangeV2 => {
@@ -233,6 +242,19 @@ impl Replica {
         // recovery are this replica's to apply later.
         self.raft.as_mut().unwrap().node.advance_apply();
         Ok(())
+    }
+
+    /// A replica wiped for replacement holds the cluster's state up to entry `index`,
+    /// its own re-addition included: a member like any other again.
+    fn rejoined(&mut self, index: u64) {
+        let r = self.raft.as_mut().unwrap();
+        r.rejoining = false;
+        r.removed_at = None;
+        self.events.emit(
+            Event::new("kv", "rejoined", "continue")
+                .replica(self.cfg.id as u32)
+                .message(format!("rebuilt up to entry {index}: a voter again")),
+        );
     }
 
     /// Whether a follower may apply what it just stored from the leader without waiting

@@ -139,15 +139,6 @@ impl Replica {
         }
         let configured = self.cfg.peers.len() as u64;
         if let Some(x) = (1..=configured).find(|x| !voters.contains(x) && !self.replace.contains(x)) {
-            // With audits, the log is compacted only to confirmed snapshots: first make
-            // one after the removal, or the re-added replica would be sent the log from
-            // before it, replay its own removal and wipe itself again.
-            let removed_at = self.audits.removed_at.get(&x).copied().unwrap_or(0);
-            if self.validator.is_some() && r.snap_index < removed_at {
-                self.audits.wanted = true;
-                self.audits.snapshot_wanted = true;
-                return;
-            }
             let mut cc = ConfChange::default();
             cc.set_change_type(ConfChangeType::AddNode);
             cc.node_id = x;
@@ -156,7 +147,7 @@ impl Replica {
                     Event::new("kv", "rejoin", "membership-change")
                         .replica(x as u32)
                         .message(format!(
-                            "proposed to add replica {x} back; it will be rebuilt from a snapshot"
+                            "proposed to add replica {x} back; it will be rebuilt from the last confirmed snapshot and the log"
                         )),
                 );
             }
@@ -166,7 +157,7 @@ impl Replica {
     /// This replica was removed to be replaced: drop every piece of state (the store, the
     /// log, pending validations) and wait, empty, to be added back and sent a snapshot.
     /// The Raft term and vote are kept, so that it can never vote twice in one term.
-    pub(super) fn wipe_and_rejoin(&mut self) -> Result<(), i32> {
+    pub(super) fn wipe_and_rejoin(&mut self, removed_at: u64) -> Result<(), i32> {
         self.counters.replacements += 1;
         self.events.emit(Event::new("kv", "replace", "wipe").replica(self.cfg.id as u32).message(
             "removed from the cluster for replacement: discarding all state; waiting to be re-added and sent a snapshot",
@@ -181,6 +172,11 @@ impl Replica {
         let hard = raft::Storage::initial_state(&old.storage)
             .map(|s| s.hard_state)
             .unwrap_or_default();
+        // The configuration the log starts from, as at the cluster's start: with no
+        // snapshot to install (the log was never compacted), the replica replays the log
+        // from its first entry. (It cannot win an election meanwhile: pre-vote, and its
+        // log is the shortest.)
+        let voters: Vec<u64> = (1..=self.n as u64).collect();
         let storage = match &self.cfg.data_dir {
             Some(dir) => {
                 for f in ["state", "log", "snapshot"] {
@@ -192,9 +188,9 @@ impl Replica {
                         _ => {}
                     }
                 }
-                LogStore::open(dir, vec![], self.cfg.fsync).map_err(|e| self.fatal_io("reset the data directory", e))?
+                LogStore::open(dir, voters, self.cfg.fsync).map_err(|e| self.fatal_io("reset the data directory", e))?
             }
-            None => LogStore::new(vec![]),
+            None => LogStore::new(voters),
         };
         let kept = raft::eraftpb::HardState {
             term: hard.term,
@@ -220,6 +216,7 @@ impl Replica {
             snap_index: 0,
             pace: Default::default(),
             rejoining: true,
+            removed_at: Some(removed_at),
             isolated_until: None,
         });
         self.store = Store::new(self.cfg.limits.clone());
