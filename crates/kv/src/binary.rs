@@ -26,7 +26,7 @@ pub const REQUEST_MAGIC: u8 = 0x80;
 const RESPONSE_MAGIC: u8 = 0x81;
 const HEADER: usize = 24;
 
-mod op {
+pub(crate) mod op {
     pub const GET: u8 = 0x00;
     pub const SET: u8 = 0x01;
     pub const ADD: u8 = 0x02;

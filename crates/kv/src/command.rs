@@ -62,6 +62,93 @@ pub enum Command {
         flags: Vec<Vec<u8>>,
         data: Vec<u8>,
     },
+    /// An incr, decr or ma (`Arith` or `Meta` b'a') of a key whose item memcached would
+    /// still hold for an unwritten reply on the same connection (see [`HeldKeys`]): the
+    /// new value goes into a new item, not in place.
+    OnHeldItem(Box<Command>),
+}
+
+impl Command {
+    /// The key of an arithmetic command (incr, decr, ma), which [`Command::OnHeldItem`]
+    /// may wrap.
+    pub fn arith_key(&self) -> Option<&[u8]> {
+        match self {
+            Command::Arith { key, .. } => Some(key),
+            Command::Meta { kind: b'a', key, .. } => Some(key),
+            _ => None,
+        }
+    }
+}
+
+/// What memcached 1.6 does with an item read by an `mg` (or a binary get) whose reply is
+/// queued, not yet written: it keeps the item referenced, and an incr, decr or ma of it
+/// then makes a new item (unpadded, unfetched) instead of rewriting the value in place
+/// (`do_add_delta`). Queued replies are written, and the items let go, at a text get, an
+/// `mn`, a binary noop or error, when what one read brought is used up, and when an event
+/// has handled its share of requests (memcached's `-R`, 20: the first event after a read
+/// handles 21, as its first request does not count). One per connection; it notes the
+/// keys of every such read (a miss too: the parser cannot know, so an `mg` miss followed
+/// by an `add` and an incr counts as held where memcached pads in place, and a binary
+/// get's miss, an error reply that writes the queue in memcached, does not end a hold).
+pub struct HeldKeys {
+    keys: Vec<Vec<u8>>,
+    /// Requests handled in this event, and how many it may handle.
+    requests: usize,
+    limit: usize,
+}
+
+/// memcached's default `-R` (`reqs_per_event`). It also bounds `HeldKeys`.
+pub const REQUESTS_PER_EVENT: usize = 20;
+
+impl Default for HeldKeys {
+    fn default() -> HeldKeys {
+        HeldKeys {
+            keys: Vec::new(),
+            requests: 0,
+            limit: REQUESTS_PER_EVENT + 1,
+        }
+    }
+}
+
+impl HeldKeys {
+    /// A request (of any kind) is handled next.
+    pub fn next_request(&mut self) {
+        if self.requests == self.limit {
+            // memcached writes what is queued and yields; its next event begins.
+            self.written();
+            self.requests = 0;
+            self.limit = REQUESTS_PER_EVENT;
+        }
+        self.requests += 1;
+    }
+
+    /// Every queued reply is written.
+    pub fn written(&mut self) {
+        self.keys.clear();
+    }
+
+    /// What the last read brought is used up: memcached writes its queue and waits.
+    pub fn read_used_up(&mut self) {
+        *self = HeldKeys::default();
+    }
+
+    /// Notes `cmd` (handled now): a queued read holds its key, a text get writes every
+    /// queued reply. Returns the command to log: an arithmetic one on a held key wrapped.
+    pub fn note(&mut self, cmd: Command, binary: bool) -> Command {
+        match &cmd {
+            Command::Meta { kind: b'g', key, .. }
+                if !self.keys.contains(key) && self.keys.len() <= REQUESTS_PER_EVENT =>
+            {
+                self.keys.push(key.clone());
+            }
+            Command::Get { .. } if !binary => self.written(),
+            _ => {}
+        }
+        match cmd.arith_key() {
+            Some(key) if self.keys.iter().any(|k| k == key) => Command::OnHeldItem(Box::new(cmd)),
+            _ => cmd,
+        }
+    }
 }
 
 impl Command {
@@ -124,6 +211,10 @@ impl Command {
             Command::MemLimit { mb } => {
                 p.u8(9);
                 p.u32(*mb);
+            }
+            Command::OnHeldItem(inner) => {
+                p.u8(10);
+                inner.encode(p);
             }
             Command::Meta { kind, key, flags, data } => {
                 p.u8(8);
@@ -210,6 +301,17 @@ impl Command {
                 }
             }
             9 => Command::MemLimit { mb: u.u32()? },
+            10 => {
+                // An arithmetic command only (tags 4 and 8), so never nested.
+                if !matches!(u.rest().first(), Some(4 | 8)) {
+                    return Err(UnpackError("a held-item command that is not arithmetic"));
+                }
+                let cmd = Command::decode(u)?;
+                if cmd.arith_key().is_none() {
+                    return Err(UnpackError("a held-item command that is not arithmetic"));
+                }
+                Command::OnHeldItem(Box::new(cmd))
+            }
             _ => return Err(UnpackError("unknown command tag")),
         })
     }
@@ -247,6 +349,17 @@ mod tests {
             },
             Command::FlushAll { delay: 0 },
             Command::MemLimit { mb: 64 },
+            Command::OnHeldItem(Box::new(Command::Arith {
+                key: b"n".to_vec(),
+                incr: true,
+                delta: 2,
+            })),
+            Command::OnHeldItem(Box::new(Command::Meta {
+                kind: b'a',
+                key: b"n".to_vec(),
+                flags: vec![b"v".to_vec()],
+                data: Vec::new(),
+            })),
         ];
         for c in cmds {
             let mut p = Packer::default();

@@ -159,20 +159,16 @@ impl Store {
                 }
                 None => out.extend_from_slice(b"NOT_FOUND\r\n"),
             },
-            Command::Arith { key, incr, delta } => {
-                let Some(slot) = self.lookup(key, now, d)? else {
-                    out.extend_from_slice(b"NOT_FOUND\r\n");
-                    return Ok(());
-                };
-                match self.arith(slot, *incr, *delta, d)? {
-                    Some(digits) => {
-                        out.extend_from_slice(&digits);
-                        out.extend_from_slice(b"\r\n");
-                    }
-                    None => out.extend_from_slice(NON_NUMERIC),
+            Command::OnHeldItem(inner) => match &**inner {
+                Command::Arith { key, incr, delta } => self.incr_or_decr(key, *incr, *delta, Held::Yes, now, d, out)?,
+                Command::Meta { kind, key, flags, data } => {
+                    self.meta(*kind, key, flags, data, Held::Yes, now, d, out)?
                 }
-            }
-            Command::Meta { kind, key, flags, data } => self.meta(*kind, key, flags, data, now, d, out)?,
+                // (decode refuses any other)
+                _ => out.extend_from_slice(b"SERVER_ERROR held-item command that is not arithmetic\r\n"),
+            },
+            Command::Arith { key, incr, delta } => self.incr_or_decr(key, *incr, *delta, Held::No, now, d, out)?,
+            Command::Meta { kind, key, flags, data } => self.meta(*kind, key, flags, data, Held::No, now, d, out)?,
             Command::TooLarge { key } => {
                 if let Some(slot) = self.lookup(key, now, d)? {
                     self.unlink(slot, d)?;
@@ -311,10 +307,38 @@ impl Store {
         Ok(b"STORED\r\n")
     }
 
+    /// Text incr/decr.
+    #[allow(clippy::too_many_arguments)]
+    fn incr_or_decr(
+        &mut self,
+        key: &[u8],
+        incr: bool,
+        delta: u64,
+        held: Held,
+        now: u64,
+        d: &mut Delta,
+        out: &mut Vec<u8>,
+    ) -> R<()> {
+        let Some(slot) = self.lookup(key, now, d)? else {
+            out.extend_from_slice(b"NOT_FOUND\r\n");
+            return Ok(());
+        };
+        match self.arith(slot, incr, delta, held, d)? {
+            Some(digits) => {
+                out.extend_from_slice(&digits);
+                out.extend_from_slice(b"\r\n");
+            }
+            None => out.extend_from_slice(NON_NUMERIC),
+        }
+        Ok(())
+    }
+
     /// incr/decr on the item in `slot`: its new value as digits, or None if it does not
     /// hold a number. The value is rewritten in place and padded with spaces when it still
-    /// fits, as memcached does ("100" decremented by 1 reads "99 ").
-    fn arith(&mut self, slot: u32, incr: bool, delta: u64, d: &mut Delta) -> R<Option<Vec<u8>>> {
+    /// fits, as memcached does ("100" decremented by 1 reads "99 "); otherwise, or when the
+    /// item is `held`, memcached makes a new item (unpadded, not fetched, without a base64
+    /// key's mark), and so does this.
+    fn arith(&mut self, slot: u32, incr: bool, delta: u64, held: Held, d: &mut Delta) -> R<Option<Vec<u8>>> {
         let Some(current) = parse_counter(&self.item(slot, d)?.value) else {
             return Ok(None);
         };
@@ -325,22 +349,23 @@ impl Store {
         };
         let digits = new.to_string().into_bytes();
         let cas = self.next_cas(d)?;
-        let old_size = {
+        let (old_size, new_item) = {
             let mut it = self.item_mut(slot, d)?;
             let old = it.size();
             let mut value = digits.clone();
-            if value.len() < it.value.len() {
-                value.resize(it.value.len(), b' ');
-            }
-            // A longer number does not fit in place: memcached makes a new item, which
-            // does not keep a base64 key's flag.
-            if value.len() > it.value.len() {
+            let new_item = held == Held::Yes || value.len() > it.value.len();
+            if new_item {
                 (it.key_binary, it.stale, it.token_sent) = (false, false, false);
+            } else {
+                value.resize(it.value.len(), b' ');
             }
             it.value = value;
             it.cas = cas;
-            old
+            (old, new_item)
         };
+        if new_item && self.links_of(slot, d)?.fetched {
+            self.links_mut(slot, d)?.fetched = false;
+        }
         self.account(old_size, slot, d)?;
         Ok(Some(digits))
     }
@@ -353,6 +378,7 @@ impl Store {
         key: &[u8],
         flags: &[Vec<u8>],
         data: &[u8],
+        held: Held,
         now: u64,
         d: &mut Delta,
         out: &mut Vec<u8>,
@@ -581,7 +607,7 @@ impl Store {
                         out.extend_from_slice(b"\r\n");
                         return Ok(());
                     }
-                    Some(s) => match self.arith(s, incr, unsigned(b'D').unwrap_or(1), d)? {
+                    Some(s) => match self.arith(s, incr, unsigned(b'D').unwrap_or(1), held, d)? {
                         Some(v) => (Some(s), v, None),
                         None => {
                             out.extend_from_slice(NON_NUMERIC);
@@ -1325,6 +1351,14 @@ fn meta_exptime(token: i64, now_ms: u64) -> u64 {
 }
 
 const NON_NUMERIC: &[u8] = b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n";
+
+/// Whether an arithmetic command's item is held by an unwritten reply (see
+/// `command::HeldKeys`): memcached then makes a new item instead of rewriting in place.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Held {
+    No,
+    Yes,
+}
 
 /// Seconds an item has left, as meta commands report it: -1 if it never expires.
 /// What an access does to an item's fetched mark (memcached's ITEM_FETCHED).

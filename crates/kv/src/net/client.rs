@@ -9,6 +9,7 @@
 
 use super::poll::{Interest, Poller};
 use crate::binary::{self, Frame, Pending};
+use crate::command::HeldKeys;
 use crate::protocol::{parse, Parsed, Request, LINE_MAX};
 use crate::replica::Inbound;
 use std::collections::VecDeque;
@@ -66,6 +67,8 @@ pub struct Client {
     interest: Interest,
     item_max: usize,
     protocol: Protocol,
+    /// Keys whose items memcached would still hold for a queued reply.
+    held: HeldKeys,
 }
 
 impl Client {
@@ -86,6 +89,7 @@ impl Client {
             interest: Interest::READ,
             item_max,
             protocol: Protocol::Undecided,
+            held: HeldKeys::default(),
         }
     }
 
@@ -177,6 +181,7 @@ impl Client {
         if self.closing {
             self.input.clear();
         }
+        self.held.read_used_up();
         self.release();
     }
 
@@ -216,7 +221,13 @@ impl Client {
                 swallow,
                 close,
             } => {
+                // A noop, or an error, makes memcached write its queued replies; a version
+                // answer does not.
+                let writes_queued = reply.get(1) != Some(&binary::op::VERSION);
                 self.answer(reply, close);
+                if writes_queued {
+                    self.held.written();
+                }
                 Some((consumed, swallow))
             }
             Frame::Request {
@@ -234,6 +245,7 @@ impl Client {
     /// A reply the connection gives itself (nothing if empty), in request order; `close`
     /// ends the connection once it is written.
     fn answer(&mut self, reply: Vec<u8>, close: bool) {
+        self.held.next_request();
         if !reply.is_empty() {
             self.slots.push_back(Slot::Ready(reply));
         }
@@ -242,8 +254,12 @@ impl Client {
 
     fn request(&mut self, req: Request, binary: Option<Pending>, to_replica: &mut Vec<Inbound>) {
         let (conn, seq) = (self.id, self.next_seq);
+        self.held.next_request();
         let (msg, noreply) = match req {
-            Request::Data { cmd, noreply } => (Inbound::Request { conn, seq, cmd }, noreply),
+            Request::Data { cmd, noreply } => {
+                let cmd = self.held.note(cmd, binary.is_some());
+                (Inbound::Request { conn, seq, cmd }, noreply)
+            }
             Request::Local { line } => {
                 // Whether replies are queued ahead of it (memcached streams a metadump
                 // straight to the socket, so it refuses one queued behind others).
@@ -260,7 +276,10 @@ impl Client {
             }
             Request::Stats { args } => (Inbound::Stats { conn, seq, args }, false),
             Request::Version => return self.slots.push_back(Slot::Ready(VERSION.as_bytes().to_vec())),
-            Request::MetaNoop => return self.slots.push_back(Slot::Ready(b"MN\r\n".to_vec())),
+            Request::MetaNoop => {
+                self.held.written(); // mn makes memcached write its queued replies
+                return self.slots.push_back(Slot::Ready(b"MN\r\n".to_vec()));
+            }
             Request::Verbosity { noreply } => {
                 if !noreply {
                     self.slots.push_back(Slot::Ready(b"OK\r\n".to_vec()));
