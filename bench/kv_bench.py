@@ -246,9 +246,26 @@ def svg(tps):
                      peak, lambda v: "%d" % v)
 
 
+def newest_source():
+    """The newest Rust or C source of the workspace, as (mtime, path)."""
+    newest = (0.0, "")
+    for top in ("crates", "clib"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith((".rs", ".c", ".h")):
+                    p = os.path.join(d, f)
+                    newest = max(newest, (os.path.getmtime(p), p))
+    return newest
+
+
 def main():
     if not os.path.exists(BIN):
         raise SystemExit("build first: cargo build --release")
+    # A stale binary would be measured under the current commit's name.
+    when, path = newest_source()
+    if when > os.path.getmtime(BIN):
+        raise SystemExit("%s is older than %s: build first (make build, or cargo build --release)"
+                         % (os.path.relpath(BIN, ROOT), os.path.relpath(path, ROOT)))
     tps, lat = throughput_and_latency()
     rep = repair_times()
     med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
