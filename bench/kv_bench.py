@@ -49,7 +49,7 @@ def _args():
     return a.seconds, a.rounds
 
 
-SECONDS, ROUNDS = _args()
+SECONDS, ROUNDS = 5, 3  # main() sets them from the command line
 MODES = ["memcached", "single", "smr", "gop", "crosscheck"]
 MIXES = [("set", 0.0), ("90% get", 0.9)]
 PACED_RATE = 500
@@ -121,13 +121,16 @@ def stop(proc):
     time.sleep(0.5)
 
 
-def memcaslap(n, get_ratio, conns):
+def memcaslap(n, get_ratio, conns, seconds=None):
+    """TPS of memcaslap over the first `n` ports (key 64 B, value 400 B), for `seconds`
+    (SECONDS if None)."""
+    seconds = seconds or SECONDS
     with tempfile.NamedTemporaryFile("w", suffix=".cfg", delete=False) as f:
         f.write("key\n64 64 1\nvalue\n400 400 1\ncmd\n0 %.2f\n1 %.2f\n" % (1 - get_ratio, get_ratio))
         cfg = f.name
     servers = ",".join("127.0.0.1:%d" % (PORT + i) for i in range(n))
-    out = subprocess.run(["memcaslap", "-s", servers, "-T", str(min(2, conns)), "-c", str(conns), "-t", "%ds" % SECONDS, "-F", cfg],
-                         capture_output=True, text=True, timeout=SECONDS + 60).stdout
+    out = subprocess.run(["memcaslap", "-s", servers, "-T", str(min(2, conns)), "-c", str(conns), "-t", "%ds" % seconds, "-F", cfg],
+                         capture_output=True, text=True, timeout=seconds + 60).stdout
     os.unlink(cfg)
     total = [line for line in out.splitlines() if line.startswith("Run time:")]
     if not total:
@@ -258,7 +261,7 @@ def newest_source():
     return newest
 
 
-def main():
+def require_fresh_binary():
     if not os.path.exists(BIN):
         raise SystemExit("build first: cargo build --release")
     # A stale binary would be measured under the current commit's name.
@@ -266,6 +269,12 @@ def main():
     if when > os.path.getmtime(BIN):
         raise SystemExit("%s is older than %s: build first (make build, or cargo build --release)"
                          % (os.path.relpath(BIN, ROOT), os.path.relpath(path, ROOT)))
+
+
+def main():
+    global SECONDS, ROUNDS
+    SECONDS, ROUNDS = _args()
+    require_fresh_binary()
     tps, lat = throughput_and_latency()
     rep = repair_times()
     med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731

@@ -134,14 +134,15 @@ impl HeldKeys {
 
     /// Notes `cmd` (handled now): a queued read holds its key, a text get writes every
     /// queued reply. Returns the command to log: an arithmetic one on a held key wrapped.
-    pub fn note(&mut self, cmd: Command, binary: bool) -> Command {
+    pub fn note(&mut self, cmd: Command) -> Command {
         match &cmd {
             Command::Meta { kind: b'g', key, .. }
                 if !self.keys.contains(key) && self.keys.len() <= REQUESTS_PER_EVENT =>
             {
                 self.keys.push(key.clone());
             }
-            Command::Get { .. } if !binary => self.written(),
+            // (Only the text protocol makes a Get: a binary get is an mg.)
+            Command::Get { .. } => self.written(),
             _ => {}
         }
         match cmd.arith_key() {

@@ -582,13 +582,15 @@ static uint64_t digest_value(const struct digest *d) { return ((uint64_t)d->crc 
 /* Whether the sleep ended in its timeout. Every wait loops on its condition, so a missed
  * wake-up costs FUTEX_WAIT_MS, not a hang; waits count the ones that found their condition
  * met (late_wake), which the monitor reports: a protocol that forgets a wake shows there. */
-static int futex_wait(volatile uint32_t *word, uint32_t seen)
+static long futex_wait_result(volatile uint32_t *word, uint32_t seen)
 {
     struct {
         long sec, nsec;
     } timeout = {0, FUTEX_WAIT_MS * 1000 * 1000};
-    return lf_raw(SYS_futex, (long)word, FUTEX_WAIT, seen, (long)&timeout, 0, 0) == -ETIMEDOUT;
+    return lf_raw(SYS_futex, (long)word, FUTEX_WAIT, seen, (long)&timeout, 0, 0);
 }
+
+static int futex_wait(volatile uint32_t *word, uint32_t seen) { return futex_wait_result(word, seen) == -ETIMEDOUT; }
 
 static void late_wake(struct lf_state *st) { __atomic_fetch_add(&st->orders[st->me]->h.late_wakes, 1, __ATOMIC_RELAXED); }
 
@@ -3374,12 +3376,9 @@ static void await_exited_threads(void)
         struct lf_state *t = lane_state(lf_lanes, lane);
         if (!__atomic_load_n(&t->exiting, __ATOMIC_ACQUIRE))
             continue;
-        struct {
-            long sec, nsec;
-        } timeout = {0, FUTEX_WAIT_MS * 1000 * 1000};
         long r = 0;
         while (t->tid_word != NULL && r != -EAGAIN && r != -EFAULT)
-            r = lf_fast(SYS_futex, (long)t->tid_word, FUTEX_WAIT, t->owner_tid, (long)&timeout, 0, 0);
+            r = futex_wait_result((volatile uint32_t *)t->tid_word, (uint32_t)t->owner_tid);
         __atomic_store_n(&t->exiting, 0, __ATOMIC_RELAXED); /* gone: not looked at again */
     }
 }
@@ -3423,6 +3422,7 @@ static void end_thread(void *v)
     st->end = ++lf_ends; /* in the order: under lf_create_lock, or in the follower's place */
     lane_event_done(led);
     serial_step(leave_body);
+    /* (past 2^32 ends the numbers no longer fit the futex word: no wait) */
     for (uint32_t now; st->end <= UINT32_MAX && (now = __atomic_load_n(&lf_ends_cached, __ATOMIC_ACQUIRE)) < st->end - 1;)
         futex_wait(&lf_ends_cached, now);
     serial_step(resume_body); /* the program's other destructors may follow */

@@ -257,7 +257,7 @@ impl Client {
         self.held.next_request();
         let (msg, noreply) = match req {
             Request::Data { cmd, noreply } => {
-                let cmd = self.held.note(cmd, binary.is_some());
+                let cmd = self.held.note(cmd);
                 (Inbound::Request { conn, seq, cmd }, noreply)
             }
             Request::Local { line } => {

@@ -206,27 +206,21 @@ impl Replica {
                         self.replace.remove(&cc.node_id);
                     }
                     let r = self.raft.as_mut().unwrap();
-                    if removed && cc.node_id == self.cfg.id && r.removed_at == Some(e.index) {
+                    match (removed, cc.node_id == self.cfg.id) {
                         // Replayed from a snapshot older than our removal: done already.
-                    } else if removed {
-                        if cc.node_id == self.cfg.id {
-                            return self.wipe_and_rejoin(e.index);
-                        }
-                    } else if cc.node_id == self.cfg.id {
-                        if r.rejoining {
-                            self.rejoined(e.index);
-                        }
-                    } else if self.audited() {
+                        (true, true) if r.removed_at == Some(e.index) => {}
+                        (true, true) => return self.wipe_and_rejoin(e.index),
+                        (false, true) if r.rejoining => self.rejoined(e.index),
                         // The re-added replica is rebuilt from the last confirmed snapshot
                         // (the only kind Raft stores and sends) and the log since, which it
                         // replays itself: no state of ours, which may hold a latent flip
                         // while the two of us disagree, is sent to it. An audit soon
                         // brings its vote.
-                        self.audits.wanted = true;
-                    } else if self.recovery.is_none() {
+                        (false, false) if self.audited() => self.audits.wanted = true,
                         // Without audits a snapshot is not confirmed: make one that names
                         // the replica, so that it does not replay the log that removed it.
-                        self.take_snapshot()?;
+                        (false, false) if self.recovery.is_none() => self.take_snapshot()?,
+                        _ => {}
                     }
                 }
                 EntryType::EntryConfChangeV2 => {
