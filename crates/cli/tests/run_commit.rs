@@ -286,12 +286,11 @@ fn memcached_requests_take_bounded_hand_offs() {
     // now the worker's takes of mutexes it took last, 7.4 per request, have none).
     assert!(stat_or_panic(&out, "ordered events:") <= 4 * n, "{}", out.context());
     assert!(stat_or_panic(&out, "owned mutex takes:") >= 5 * n, "{}", out.context());
-    // 0.67 per request here (a wake per record: 5.4).
-    assert!(
-        stat_or_panic(&out, "ring wake-ups:") <= ring_wakes_allowed(n),
-        "{}",
-        out.context()
-    );
+    // 0.57-0.67 per request here with this (debug) monitor, 0.35-0.44 with a release
+    // one: the leader wakes its follower where it waits for the next events, not at the
+    // read after each reply (that gave 0.73-0.97 with a debug monitor, 0.78-0.83 with a
+    // release one; a wake per record 5.4).
+    assert!(stat_or_panic(&out, "ring wake-ups:") <= n * 3 / 4, "{}", out.context());
     // 0.25 per request here: once per batch of posted replies.
     assert!(stat_or_panic(&out, "committer wake-ups:") <= n, "{}", out.context());
 }
