@@ -736,15 +736,9 @@ impl Store {
     fn lookup(&mut self, key: &[u8], now: u64, d: &mut Delta) -> R<Option<u32>> {
         let (hash, b) = self.bucket_of(key);
         let mut found = None;
-        // The bucket's entries are copied out so that items can be read while iterating.
-        let candidates: Vec<u32> = self.buckets[b as usize]
-            .read(d)?
-            .entries
-            .iter()
-            .filter(|e| e.0 == hash)
-            .map(|e| e.1)
-            .collect();
-        for slot in candidates {
+        // (no copy of the bucket's entries: a lookup is on every request's path)
+        let entries = &self.buckets[b as usize].read(d)?.entries;
+        for &(_, slot) in entries.iter().filter(|e| e.0 == hash) {
             if self.item(slot, d)?.key == key {
                 found = Some(slot);
                 break;

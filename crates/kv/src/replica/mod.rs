@@ -179,7 +179,8 @@ struct Inflight {
     arrived: Instant,
     /// When it was last put into a proposal (None: waiting in the batch).
     proposed: Option<Instant>,
-    /// Kept to propose again (a cluster only: a single replica applies at once).
+    /// Kept to propose again once proposed (a cluster only). A command is in the batch
+    /// or here, never both: it moves, it is not copied (a request's value is on it).
     cmd: Option<Command>,
 }
 
@@ -747,7 +748,7 @@ impl Replica {
                     Inflight {
                         arrived: Instant::now(),
                         proposed: None,
-                        cmd: self.raft.is_some().then(|| cmd.clone()),
+                        cmd: None,
                     },
                 );
                 self.batch.push((conn, seq, cmd));
@@ -1142,8 +1143,8 @@ impl Replica {
         for (&(conn, seq), f) in self.inflight.iter_mut() {
             if f.proposed.is_some_and(|p| now.duration_since(p) > REPROPOSE_AFTER) {
                 f.proposed = None;
-                self.batch
-                    .push((conn, seq, f.cmd.clone().expect("a cluster keeps its commands")));
+                let cmd = f.cmd.take().expect("a proposed request keeps its command");
+                self.batch.push((conn, seq, cmd));
             }
         }
         self.recover_proposed

@@ -32,9 +32,10 @@ impl Replica {
         }
         if r.node.propose(vec![], data).is_ok() {
             let now = Instant::now();
-            for (conn, seq, _) in self.batch.drain(..) {
+            for (conn, seq, cmd) in self.batch.drain(..) {
                 if let Some(f) = self.inflight.get_mut(&(conn, seq)) {
                     f.proposed = Some(now);
+                    f.cmd = Some(cmd);
                 }
             }
         }
