@@ -209,6 +209,9 @@ struct RaftPart {
     /// Test-only partition (`lockstep_isolate`): until then, nothing is sent to or taken
     /// from the other replicas.
     isolated_until: Option<Instant>,
+    /// As the leader: the last entry of ours that followers do not apply early (see
+    /// `broadcast_commits`); until it is committed, every commit is broadcast at once.
+    commit_news_until: u64,
 }
 
 /// When the next snapshot is due. A snapshot copies the whole state, so for a large state
@@ -597,6 +600,7 @@ impl Replica {
                 rejoining: false,
                 removed_at: None,
                 isolated_until: None,
+                commit_news_until: 0,
             });
         }
         let validator = (cfg.mode == Mode::CrossCheck).then(|| Validator::new(n, cfg.id));

@@ -113,6 +113,7 @@ impl Replica {
             if let Err(e) = r.storage.append(&entries) {
                 return Err(self.fatal_io("append to the log", e));
             }
+            broadcast_commits(r, &entries);
             // The entries of the current term, applied before the commit: a speculating
             // leader's own, or a follower's from its leader (never both).
             let term = r.node.raft.term;
@@ -253,7 +254,7 @@ impl Replica {
     }
 
     /// Whether a follower may apply what it just stored from the leader without waiting
-    /// to be told it is committed. In a cluster of at most 3 voters, an entry of the
+    /// to be told it is committed (see also `broadcast_commits`). In a cluster of at most 3 voters, an entry of the
     /// leader's current term that the leader stored (it sends only after storing) and that
     /// we stored is on a majority: it is committed (Raft, 5.4.2), so no leader can ever
     /// replace it. Applying it at once saves the round trip that brings the commit index,
@@ -325,4 +326,26 @@ pub(super) fn send_all(peers: &mut Peers, msgs: Vec<Message>) {
         m.encode(&mut buf).expect("encoding into a Vec cannot fail");
         peers.send(m.to, &buf);
     }
+}
+
+/// Whether the leader tells its followers of each commit at once (Raft's default: an
+/// append with the new commit index to every follower, which each answers) or lets the
+/// news travel with the next append or heartbeat. In a cluster of at most 3 voters the
+/// followers apply request batches of the leader's term as soon as they store them
+/// (`may_apply_early`): for those, the broadcast is two messages out and two back per
+/// entry that nobody waits for. Every other entry of ours (the empty one of a new term,
+/// RECOVER, AUDIT, configuration changes), and everything while a follower cannot apply
+/// early (it is told no later than the next heartbeat), keeps the broadcast until it is
+/// committed. `appended`: the entries this replica just stored.
+fn broadcast_commits(r: &mut RaftPart, appended: &[Entry]) {
+    let raft = &mut r.node.raft;
+    if raft.state != StateRole::Leader {
+        return;
+    }
+    let batch = |e: &Entry| e.get_entry_type() == EntryType::EntryNormal && e.data.first() == Some(&ENTRY_BATCH);
+    if let Some(e) = appended.iter().rev().find(|e| !batch(e)) {
+        r.commit_news_until = r.commit_news_until.max(e.index);
+    }
+    let small = raft.prs().conf().voters().ids().len() <= 3;
+    raft.skip_bcast_commit(small && raft.raft_log.committed >= r.commit_news_until);
 }

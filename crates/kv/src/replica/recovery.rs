@@ -218,6 +218,7 @@ impl Replica {
             rejoining: true,
             removed_at: Some(removed_at),
             isolated_until: None,
+            commit_news_until: 0,
         });
         self.store = Store::new(self.cfg.limits.clone());
         self.applied_tags = Applied::default();
