@@ -90,7 +90,9 @@ impl Store {
     /// failed object check the command stops where it is; the reply is then an error that
     /// no client must see (the cross-check will disagree with it), and the delta names the
     /// object.
-    pub fn apply(&mut self, cmd: &Command, now_ms: u64, delta: &mut Delta) -> Vec<u8> {
+    /// A store command's value moves into the item (its `data` is left empty): a
+    /// request's value is copied once, from the log into the command, not again here.
+    pub fn apply(&mut self, cmd: &mut Command, now_ms: u64, delta: &mut Delta) -> Vec<u8> {
         let mut reply = Vec::new();
         let result = self
             .advance_clock(now_ms, delta)
@@ -112,8 +114,22 @@ impl Store {
         Ok(now_ms)
     }
 
-    fn execute(&mut self, cmd: &Command, now: u64, d: &mut Delta, out: &mut Vec<u8>) -> R<()> {
-        match cmd {
+    fn execute(&mut self, cmd: &mut Command, now: u64, d: &mut Delta, out: &mut Vec<u8>) -> R<()> {
+        if let Command::Store {
+            op,
+            key,
+            flags,
+            exptime,
+            data,
+            cas,
+        } = cmd
+        {
+            let data = std::mem::take(data);
+            let reply = self.store(*op, key, *flags, *exptime, data, *cas, MetaStore::default(), now, d)?;
+            out.extend_from_slice(reply);
+            return Ok(());
+        }
+        match &*cmd {
             Command::Get { keys, with_cas, touch } => {
                 for key in keys {
                     let Some(slot) = self.lookup(key, now, d)? else {
@@ -141,17 +157,7 @@ impl Store {
                 }
                 out.extend_from_slice(b"END\r\n");
             }
-            Command::Store {
-                op,
-                key,
-                flags,
-                exptime,
-                data,
-                cas,
-            } => {
-                let reply = self.store(*op, key, *flags, *exptime, data, *cas, MetaStore::default(), now, d)?;
-                out.extend_from_slice(reply);
-            }
+            Command::Store { .. } => unreachable!("handled above"),
             Command::Delete { key } => match self.lookup(key, now, d)? {
                 Some(slot) => {
                     self.unlink(slot, d)?;
@@ -217,7 +223,7 @@ impl Store {
         key: &[u8],
         flags: u32,
         exptime: i64,
-        data: &[u8],
+        data: Vec<u8>,
         cas_in: u64,
         how: MetaStore,
         now: u64,
@@ -263,14 +269,14 @@ impl Store {
                     let mut it = self.item_mut(slot, d)?;
                     let old = it.size();
                     match op {
-                        StoreOp::Append => it.value.extend_from_slice(data),
+                        StoreOp::Append => it.value.extend_from_slice(&data),
                         StoreOp::Prepend => {
-                            let mut v = data.to_vec();
+                            let mut v = data;
                             v.extend_from_slice(&it.value);
                             it.value = v;
                         }
                         _ => {
-                            it.value = data.to_vec();
+                            it.value = data;
                             it.flags = flags;
                             it.exptime_ms = exp;
                         }
@@ -292,7 +298,7 @@ impl Store {
             None => {
                 let item = Item {
                     key: key.to_vec(),
-                    value: data.to_vec(),
+                    value: data,
                     flags,
                     exptime_ms: exp,
                     cas,
@@ -448,7 +454,7 @@ impl Store {
                 let (slot, created) = match slot {
                     Some(s) => (Some(s), false),
                     None if flag(b'N').is_some() => {
-                        self.store(StoreOp::Add, key, 0, 0, b"", 0, MetaStore::default(), now, d)?;
+                        self.store(StoreOp::Add, key, 0, 0, Vec::new(), 0, MetaStore::default(), now, d)?;
                         (self.lookup(key, now, d)?, true)
                     }
                     None => (None, false),
@@ -538,7 +544,7 @@ impl Store {
                     key_binary: flag(b'b').is_some(),
                     set_stale: flag(b'I').is_some(),
                 };
-                let reply = self.store(op, key, item_flags, ttl, data, cas_in, how, now, d)?;
+                let reply = self.store(op, key, item_flags, ttl, data.to_vec(), cas_in, how, now, d)?;
                 let code: &[u8] = match reply {
                     b"STORED\r\n" => b"HD",
                     b"EXISTS\r\n" => b"EX",
@@ -620,7 +626,7 @@ impl Store {
                             let initial = unsigned(b'J').unwrap_or(0).to_string().into_bytes();
                             let how = MetaStore::default();
                             let stored =
-                                self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, how, now, d)?;
+                                self.store(StoreOp::Add, key, 0, ttl as i32 as i64, initial.clone(), 0, how, now, d)?;
                             if stored != b"STORED\r\n" {
                                 out.extend_from_slice(b"NS");
                                 out.extend_from_slice(&returned(self, None, None, None, d)?);
@@ -1500,8 +1506,8 @@ fn mix(mut x: u64) -> u64 {
 mod flush_tests {
     use super::*;
 
-    fn run(s: &mut Store, cmd: Command, now: u64) -> String {
-        String::from_utf8(s.apply(&cmd, now, &mut Delta::default())).unwrap()
+    fn run(s: &mut Store, mut cmd: Command, now: u64) -> String {
+        String::from_utf8(s.apply(&mut cmd, now, &mut Delta::default())).unwrap()
     }
 
     fn set(key: &str) -> Command {

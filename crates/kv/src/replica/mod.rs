@@ -854,13 +854,13 @@ impl Replica {
         for pos in 0..n {
             let conn = u.u64()?;
             let seq = u.u64()?;
-            let cmd = Command::decode(u)?;
+            let mut cmd = Command::decode(u)?;
             // (A single replica proposes nothing twice: no table to keep.)
             if self.raft.is_some() && !self.applied_tags.first_time((origin, incarnation, conn, seq)) {
                 continue;
             }
             self.delta.clear();
-            let reply = self.store.apply(&cmd, time, &mut self.delta);
+            let reply = self.store.apply(&mut cmd, time, &mut self.delta);
             self.count(&cmd, &reply);
             if !self.delta.corrupt().is_empty() {
                 self.counters.self_detections += 1;
