@@ -115,21 +115,7 @@ impl Store {
     }
 
     fn execute(&mut self, cmd: &mut Command, now: u64, d: &mut Delta, out: &mut Vec<u8>) -> R<()> {
-        if let Command::Store {
-            op,
-            key,
-            flags,
-            exptime,
-            data,
-            cas,
-        } = cmd
-        {
-            let data = std::mem::take(data);
-            let reply = self.store(*op, key, *flags, *exptime, data, *cas, MetaStore::default(), now, d)?;
-            out.extend_from_slice(reply);
-            return Ok(());
-        }
-        match &*cmd {
+        match cmd {
             Command::Get { keys, with_cas, touch } => {
                 for key in keys {
                     let Some(slot) = self.lookup(key, now, d)? else {
@@ -157,7 +143,18 @@ impl Store {
                 }
                 out.extend_from_slice(b"END\r\n");
             }
-            Command::Store { .. } => unreachable!("handled above"),
+            Command::Store {
+                op,
+                key,
+                flags,
+                exptime,
+                data,
+                cas,
+            } => {
+                let data = std::mem::take(data);
+                let reply = self.store(*op, key, *flags, *exptime, data, *cas, MetaStore::default(), now, d)?;
+                out.extend_from_slice(reply);
+            }
             Command::Delete { key } => match self.lookup(key, now, d)? {
                 Some(slot) => {
                     self.unlink(slot, d)?;

@@ -254,10 +254,10 @@ impl Replica {
     }
 
     /// Whether a follower may apply what it just stored from the leader without waiting
-    /// to be told it is committed (see also `broadcast_commits`). In a cluster of at most 3 voters, an entry of the
-    /// leader's current term that the leader stored (it sends only after storing) and that
-    /// we stored is on a majority: it is committed (Raft, 5.4.2), so no leader can ever
-    /// replace it. Applying it at once saves the round trip that brings the commit index,
+    /// to be told it is committed (see also `broadcast_commits`). In a cluster of at most
+    /// 3 voters, an entry of the leader's current term that the leader stored (it sends
+    /// only after storing) and that we stored is on a majority: it is committed (Raft,
+    /// 5.4.2), so no leader can ever replace it. Applying it at once saves the round trip that brings the commit index,
     /// and lets our CHECK travel with our acknowledgement.
     fn may_apply_early(&self) -> bool {
         let Some(r) = self.raft.as_ref() else { return false };
