@@ -191,6 +191,8 @@ impl Replica {
                 .as_ref()
                 .map_or(0, |r| r.node.raft.prs().conf().to_conf_state().voters.len());
             stat("kv_voters", voters.to_string());
+            let messages = self.raft.as_ref().map_or(0, |r| r.messages_sent);
+            stat("kv_raft_messages", messages.to_string());
             stat("kv_applied", self.applied.to_string());
             stat("kv_requests", c.requests.to_string());
             stat("kv_detections", c.self_detections.to_string());

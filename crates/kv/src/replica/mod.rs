@@ -212,6 +212,9 @@ struct RaftPart {
     /// As the leader: the last entry of ours that followers do not apply early (see
     /// `broadcast_commits`); until it is committed, every commit is broadcast at once.
     commit_news_until: u64,
+    /// Raft messages sent (the `kv_raft_messages` stat).
+    messages_sent: u64,
+    encode_scratch: Vec<u8>,
 }
 
 /// When the next snapshot is due. A snapshot copies the whole state, so for a large state
@@ -601,6 +604,8 @@ impl Replica {
                 removed_at: None,
                 isolated_until: None,
                 commit_news_until: 0,
+                messages_sent: 0,
+                encode_scratch: Vec::new(),
             });
         }
         let validator = (cfg.mode == Mode::CrossCheck).then(|| Validator::new(n, cfg.id));

@@ -128,7 +128,7 @@ impl Replica {
                 early = ahead;
             }
             let r = self.raft.as_mut().unwrap();
-            send_all(&mut r.peers, messages);
+            send_all(r, messages);
             if let Some(hs) = rd.hs() {
                 let r = self.raft.as_mut().unwrap();
                 if let Err(e) = r.storage.set_hard_state(hs) {
@@ -136,7 +136,7 @@ impl Replica {
                 }
             }
             let r = self.raft.as_mut().unwrap();
-            send_all(&mut r.peers, rd.take_persisted_messages());
+            send_all(r, rd.take_persisted_messages());
             let mut light = r.node.advance(rd);
             if let Some(c) = light.commit_index() {
                 if let Err(e) = r.storage.set_commit(c) {
@@ -144,7 +144,7 @@ impl Replica {
                 }
             }
             let r = self.raft.as_mut().unwrap();
-            send_all(&mut r.peers, light.take_messages());
+            send_all(r, light.take_messages());
             to_apply.extend(light.take_committed_entries());
         }
         if let Some(s) = snapshot {
@@ -319,12 +319,15 @@ impl Replica {
     }
 }
 
-pub(super) fn send_all(peers: &mut Peers, msgs: Vec<Message>) {
+/// Frames Raft's messages into the links' queues, through one buffer reused for all.
+pub(super) fn send_all(r: &mut RaftPart, msgs: Vec<Message>) {
+    r.messages_sent += msgs.len() as u64;
+    let buf = &mut r.encode_scratch;
     for m in msgs {
-        let mut buf = Vec::with_capacity(m.encoded_len() + 1);
+        buf.clear();
         buf.push(MSG_RAFT);
-        m.encode(&mut buf).expect("encoding into a Vec cannot fail");
-        peers.send(m.to, &buf);
+        m.encode(buf).expect("encoding into a Vec cannot fail");
+        r.peers.send(m.to, buf);
     }
 }
 

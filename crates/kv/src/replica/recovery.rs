@@ -219,6 +219,8 @@ impl Replica {
             removed_at: Some(removed_at),
             isolated_until: None,
             commit_news_until: 0,
+            messages_sent: old.messages_sent,
+            encode_scratch: Vec::new(),
         });
         self.store = Store::new(self.cfg.limits.clone());
         self.applied_tags = Applied::default();
