@@ -329,7 +329,14 @@ pub(super) fn send_all(r: &mut RaftPart, msgs: Vec<Message>) {
         m.encode(buf).expect("encoding into a Vec cannot fail");
         r.peers.send(m.to, buf);
     }
+    // A snapshot passes through here too: its size is not kept for the next append.
+    if buf.capacity() > SCRATCH_KEPT {
+        *buf = Vec::new();
+    }
 }
+
+/// The most send_all's buffer keeps between calls.
+const SCRATCH_KEPT: usize = 1 << 20;
 
 /// Whether the leader tells its followers of each commit at once (Raft's default: an
 /// append with the new commit index to every follower, which each answers) or lets the
