@@ -257,8 +257,8 @@ impl Replica {
     /// to be told it is committed (see also `broadcast_commits`). In a cluster of at most
     /// 3 voters, an entry of the leader's current term that the leader stored (it sends
     /// only after storing) and that we stored is on a majority: it is committed (Raft,
-    /// 5.4.2), so no leader can ever replace it. Applying it at once saves the round trip that brings the commit index,
-    /// and lets our CHECK travel with our acknowledgement.
+    /// 5.4.2), so no leader can ever replace it. Applying it at once saves the round trip
+    /// that brings the commit index, and lets our CHECK travel with our acknowledgement.
     fn may_apply_early(&self) -> bool {
         let Some(r) = self.raft.as_ref() else { return false };
         if r.node.raft.state != StateRole::Follower
@@ -268,8 +268,8 @@ impl Replica {
         {
             return false;
         }
-        let voters = r.node.raft.prs().conf().to_conf_state().voters;
-        voters.len() <= 3 && voters.contains(&self.cfg.id)
+        let voters = r.node.raft.prs().conf().voters();
+        few_voters(&r.node.raft) && voters.contains(self.cfg.id)
     }
 
     /// Whether a cross-checking leader applies its new entries before they are committed.
@@ -356,6 +356,12 @@ fn broadcast_commits(r: &mut RaftPart, appended: &[Entry]) {
     if let Some(e) = appended.iter().rev().find(|e| !batch(e)) {
         r.commit_news_until = r.commit_news_until.max(e.index);
     }
-    let small = raft.prs().conf().voters().ids().len() <= 3;
+    let small = few_voters(raft);
     raft.skip_bcast_commit(small && raft.raft_log.committed >= r.commit_news_until);
+}
+
+/// At most 3 voters: two stored copies are a majority, which is what lets followers apply
+/// early (`may_apply_early`) and the leader keep its commit news (`broadcast_commits`).
+fn few_voters(raft: &raft::Raft<LogStore>) -> bool {
+    raft.prs().conf().voters().ids().len() <= 3
 }
