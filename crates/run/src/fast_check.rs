@@ -8,8 +8,9 @@
 //! leader's arguments from its memory, as the kernel is about to use them, with the shim's
 //! own algorithm, and lets the call run only if every live follower voted that digest.
 //!
-//! The digest is the shim's: CRC32C (no final inversion) in the high half, a
-//! multiplicative hash of 8-byte words in the low half; see `inspect` in the shim.
+//! The digest is the shim's (`digest_bytes`, `inspect`): the 8-byte words go round four
+//! lanes, each a CRC32C (no final inversion) and a multiplicative hash; the CRC lanes fold
+//! into the high half, the hash lanes into the low half.
 
 use crate::fast::layout;
 use crate::fast_calls::{fast_arg, ArgKind, FAST_OUTPUTS};
@@ -19,59 +20,82 @@ use std::io;
 /// Bytes read from the leader per step (a multiple of 8: the hash folds 8-byte words).
 pub const CHUNK: usize = 64 * 1024;
 
+/// Lanes of the digest: word `i` of a buffer goes to lane `i % LANES`, single values to
+/// lane 0 (the shim's `DIGEST_LANES`).
+const LANES: usize = 4;
+const MIX_SEED: u64 = 0xcbf29ce484222325;
+const MIX_PRIME: u64 = 0x100000001b3;
+
 struct Digest {
-    crc: u32,
-    mix: u64,
+    crc: [u32; LANES],
+    mix: [u64; LANES],
 }
 
-const MIX_PRIME: u64 = 0x100000001b3;
+/// One step of a lane's CRC32C (raw state, no inversion: the shim's `crc32q`).
+fn crc_word(crc: u32, v: u64) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("sse4.2") {
+        // SAFETY: the CPU has SSE4.2 (checked above).
+        return unsafe { crc_word_sse42(crc, v) };
+    }
+    !lockstep_core::checksum::crc32c_append(!crc, &v.to_le_bytes())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+fn crc_word_sse42(crc: u32, v: u64) -> u32 {
+    std::arch::x86_64::_mm_crc32_u64(crc as u64, v) as u32
+}
 
 impl Digest {
     fn new() -> Digest {
         Digest {
-            crc: !0,
-            mix: 0xcbf29ce484222325,
+            crc: [!0; LANES],
+            mix: [MIX_SEED; LANES],
         }
     }
 
-    fn crc(&mut self, bytes: &[u8]) {
-        // crc32c_append inverts on the way in and out; the shim's digest keeps the raw state.
-        self.crc = !lockstep_core::checksum::crc32c_append(!self.crc, bytes);
+    fn lane(&mut self, lane: usize, v: u64) {
+        self.crc[lane] = crc_word(self.crc[lane], v);
+        self.mix[lane] = (self.mix[lane] ^ v).wrapping_mul(MIX_PRIME);
     }
 
     fn word(&mut self, v: u64) {
-        self.crc(&v.to_le_bytes());
-        self.mix = (self.mix ^ v).wrapping_mul(MIX_PRIME);
+        self.lane(0, v);
     }
 
     /// `n` bytes at `addr` of the leader, read a chunk at a time into `scratch`.
     fn bytes(&mut self, addr: u64, n: u64, scratch: &mut [u8], read: &mut Reader<'_>) -> io::Result<()> {
         let mut done = 0u64;
-        let mut tail = 0u64;
-        let mut tail_len = 0u64;
+        let mut words = 0usize;
+        let (mut tail, mut tail_len) = (0u64, 0u64);
         while done < n {
             let take = (n - done).min(scratch.len() as u64) as usize;
             let chunk = &mut scratch[..take];
             read(addr.wrapping_add(done), chunk)?;
-            self.crc(chunk);
-            let mut words = chunk.chunks_exact(8);
-            for w in &mut words {
-                let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-                self.mix = (self.mix ^ v).wrapping_mul(MIX_PRIME);
+            let mut whole = chunk.chunks_exact(8);
+            for w in &mut whole {
+                self.lane(words % LANES, u64::from_le_bytes(w.try_into().expect("8 bytes")));
+                words += 1;
             }
             // Only the last chunk can end in a partial word (chunks are multiples of 8).
-            for (i, &b) in words.remainder().iter().enumerate() {
+            for (i, &b) in whole.remainder().iter().enumerate() {
+                self.crc[0] = !lockstep_core::checksum::crc32c_append(!self.crc[0], &[b]);
                 tail |= (b as u64) << (8 * i);
             }
-            tail_len = words.remainder().len() as u64;
+            tail_len = whole.remainder().len() as u64;
             done += take as u64;
         }
-        self.mix = (self.mix ^ tail ^ (tail_len << 56)).wrapping_mul(MIX_PRIME);
+        self.mix[0] = (self.mix[0] ^ tail ^ (tail_len << 56)).wrapping_mul(MIX_PRIME);
         Ok(())
     }
 
     fn value(&self) -> u64 {
-        ((self.crc as u64) << 32) ^ (self.mix >> 32) ^ (self.mix & 0xffff_ffff)
+        let [c0, c1, c2, c3] = self.crc;
+        let [m0, m1, m2, m3] = self.mix;
+        let crc = c0 ^ c1.rotate_left(8) ^ c2.rotate_left(16) ^ c3.rotate_left(24);
+        let mix = m0 ^ m1.rotate_left(13) ^ m2.rotate_left(29) ^ m3.rotate_left(47);
+        ((crc as u64) << 32) ^ (mix >> 32) ^ (mix & 0xffff_ffff)
     }
 }
 
