@@ -214,6 +214,13 @@ fn serve(a: ServeArgs) -> i32 {
                 peers.len()
             ));
         }
+        if peers.len() > lockstep_kv::MAX_REPLICAS {
+            return usage(format!(
+                "--peers names {} replicas; a cluster has at most {}",
+                peers.len(),
+                lockstep_kv::MAX_REPLICAS
+            ));
+        }
         if mode == Mode::CrossCheck && peers.len() < 3 {
             return usage("crosscheck needs at least 3 replicas: with 2, a disagreement has no majority".into());
         }
@@ -248,8 +255,12 @@ fn serve(a: ServeArgs) -> i32 {
 }
 
 fn cluster(a: ClusterArgs) -> i32 {
-    if a.n == 0 || a.n > 9 {
-        return usage(format!("-n {}: a local cluster has 1 to 9 replicas", a.n));
+    if a.n == 0 || a.n > lockstep_kv::MAX_REPLICAS as u64 {
+        return usage(format!(
+            "-n {}: a local cluster has 1 to {} replicas",
+            a.n,
+            lockstep_kv::MAX_REPLICAS
+        ));
     }
     let peer_port = a.peer_port.unwrap_or(a.port.wrapping_add(10000));
     if (a.port as u32 + a.n as u32 > 65536) || (peer_port as u32 + a.n as u32 > 65536) {

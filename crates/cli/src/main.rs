@@ -9,6 +9,10 @@ mod run;
 
 use clap::{Parser, Subcommand};
 
+// Counted, for the per-request allocation counts that tests bound (kv's `kv_allocations`).
+#[global_allocator]
+static ALLOCATOR: lockstep_core::alloc_count::Counting = lockstep_core::alloc_count::Counting;
+
 /// lockstep turns silent data corruption into a detected stop or a masked fault.
 #[derive(Parser)]
 #[command(name = "lockstep", version, about, long_about = None, propagate_version = true)]

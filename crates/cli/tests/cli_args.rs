@@ -149,6 +149,9 @@ fn kv_refuses_extreme_values() {
     }
     refuses(&["kv", "serve"], "--id", &["0", "65"], &[]);
     refuses(&["kv", "cluster"], "-n", &["0", "10"], &[]);
+    // More replicas than a cluster has (lockstep_kv::MAX_REPLICAS, 9).
+    let ten: Vec<String> = (1..=10).map(|i| format!("127.0.0.1:{}", 21210 + i)).collect();
+    refuses(&["kv", "serve", "--id", "1"], "--peers", &[&ten.join(",")], &[]);
     refuses(&["kv", "cluster"], "--port", &["65536"], &[]);
     refuses(&["kv", "cluster"], "--peer-port", &["65536"], &[]);
 }

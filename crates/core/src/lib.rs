@@ -4,6 +4,7 @@
 //! (checksums, signatures, votes, events, exit statuses, the CRC-checked frame and
 //! the little-endian reader) that the components agree on.
 
+pub mod alloc_count;
 pub mod checksum;
 pub mod events;
 pub mod exit;

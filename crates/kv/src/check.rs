@@ -12,6 +12,7 @@
 //! replica whose digest equals ours is counted with our deltas: equal digests mean equal
 //! deltas, up to the CRC's 2^-32 chance, the same strength as the object CRCs).
 
+use crate::MAX_REPLICAS;
 use lockstep_guard::{ObjectId, Packer, Pair, UnpackError, Unpacker};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -79,8 +80,8 @@ pub fn digest(detail: &[u8]) -> u32 {
 
 /// One log entry at the digest level.
 struct EntryCheck {
-    /// Per replica, its digest of the entry.
-    digests: Vec<Option<u32>>,
+    /// Per replica, its digest of the entry (the first `n` are used).
+    digests: [Option<u32>; MAX_REPLICAS],
     /// Our encoded deltas and the requests they belong to, once we applied the entry.
     detail: Option<(u32, Vec<u8>)>,
     executed: Vec<Executed>,
@@ -132,7 +133,7 @@ pub const REPLY_TIMEOUT: Duration = Duration::from_secs(3);
 impl Validator {
     /// `n` replicas; `me` is this replica's 1-based id.
     pub fn new(n: usize, me: u64) -> Self {
-        assert!((1..=64).contains(&n) && me >= 1 && me as usize <= n);
+        assert!((1..=MAX_REPLICAS).contains(&n) && me >= 1 && me as usize <= n);
         Validator {
             n,
             me: me as usize - 1,
@@ -166,9 +167,8 @@ impl Validator {
     }
 
     fn entry_check(&mut self, index: u64) -> &mut EntryCheck {
-        let n = self.n;
         self.entries.entry(index).or_insert_with(|| EntryCheck {
-            digests: no_digests(n),
+            digests: [None; MAX_REPLICAS],
             detail: None,
             executed: Vec::new(),
             released: false,
@@ -208,12 +208,12 @@ impl Validator {
     /// Replica `from` sent its full deltas of entry `index` (digests differ somewhere):
     /// they join the per-request vote, now or once we applied the entry.
     pub fn remote_detail(&mut self, from: u64, index: u64, reqs: Deltas) -> Vec<Outcome> {
-        let i = self.peer(from);
+        let (i, n) = (self.peer(from), self.n);
         let e = self.entry_check(index);
         if e.peer_details.get(i).is_some_and(|d| d.is_some()) {
             return Vec::new();
         }
-        e.peer_details.resize(e.digests.len(), None);
+        e.peer_details.resize(n, None);
         // The digest goes first on the same link; this only covers a lost or stale one.
         e.digests[i] = Some(digest(&encode_deltas(&reqs)));
         e.peer_details[i] = Some(reqs);
@@ -227,7 +227,7 @@ impl Validator {
         let Some(mine) = e.digests[me].filter(|_| e.detail.is_some()) else {
             return Vec::new();
         };
-        let differs = e.digests.iter().any(|d| d.is_some_and(|d| d != mine)) || !e.peer_details.is_empty();
+        let differs = e.digests[..n].iter().any(|d| d.is_some_and(|d| d != mine)) || !e.peer_details.is_empty();
         let mut out = if differs { self.start_voting(index) } else { Vec::new() };
         let e = self.entries.get_mut(&index).expect("evaluated entry exists");
         if e.voting {
@@ -258,7 +258,7 @@ impl Validator {
             }
             return out;
         }
-        let agree = e.digests.iter().filter(|d| **d == Some(mine)).count();
+        let agree = e.digests[..n].iter().filter(|d| **d == Some(mine)).count();
         if agree >= majority && !e.released {
             e.released = true;
             for x in &mut e.executed {
@@ -590,14 +590,6 @@ pub fn decode_deltas(u: &mut Unpacker<'_>, count: u32) -> Result<Deltas, UnpackE
 /// Our own detail, which we encoded.
 fn decode_detail(count: u32, detail: &[u8]) -> Deltas {
     decode_deltas(&mut Unpacker::new(detail), count).expect("our own detail decodes")
-}
-
-/// `vec![None; n]`, which for an all-zero value is a `calloc`: glibc serves that from
-/// its main allocator, never from the per-thread cache, and one is made per entry.
-fn no_digests(n: usize) -> Vec<Option<u32>> {
-    let mut d = Vec::with_capacity(n);
-    d.resize(n, None);
-    d
 }
 
 #[cfg(test)]

@@ -11,3 +11,7 @@ pub mod protocol;
 pub mod replica;
 pub mod storage;
 pub mod store;
+
+/// The most replicas a cluster has (`--peers`, `cluster -n`): the validator keeps each
+/// entry's digests in a fixed array of this size instead of allocating one per entry.
+pub const MAX_REPLICAS: usize = 9;

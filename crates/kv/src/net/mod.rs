@@ -285,9 +285,11 @@ impl<S: Service> Loop<'_, S> {
                 self.touched.push(conn);
             }
         }
-        self.touched.sort_unstable();
-        self.touched.dedup();
-        for id in std::mem::take(&mut self.touched) {
+        // The list is taken out and put back, emptied, so that its memory serves every turn.
+        let mut touched = std::mem::take(&mut self.touched);
+        touched.sort_unstable();
+        touched.dedup();
+        for &id in &touched {
             let Some(c) = self.clients.get_mut(&id) else { continue };
             c.release();
             if !c.flush(&self.poll, TOKEN_CLIENT | id, &mut self.to_replica) {
@@ -296,6 +298,8 @@ impl<S: Service> Loop<'_, S> {
                 self.to_replica.push(Inbound::Closed { conn: id });
             }
         }
+        touched.clear();
+        self.touched = touched;
         Ok(())
     }
 

@@ -193,6 +193,7 @@ impl Replica {
             stat("kv_voters", voters.to_string());
             let messages = self.raft.as_ref().map_or(0, |r| r.messages_sent);
             stat("kv_raft_messages", messages.to_string());
+            stat("kv_allocations", lockstep_core::alloc_count::allocations().to_string());
             stat("kv_applied", self.applied.to_string());
             stat("kv_requests", c.requests.to_string());
             stat("kv_detections", c.self_detections.to_string());

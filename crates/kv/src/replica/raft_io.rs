@@ -7,6 +7,12 @@ use super::*;
 impl Replica {
     pub(super) fn encode_batch(&self, batch: &[(u64, u64, Command)]) -> Vec<u8> {
         let mut p = Packer::default();
+        p.buf.reserve(
+            29 + batch
+                .iter()
+                .map(|(_, _, cmd)| 16 + cmd.encoded_len_hint())
+                .sum::<usize>(),
+        );
         p.u8(ENTRY_BATCH);
         p.u64(now_ms());
         p.u64(self.cfg.id);
