@@ -2813,10 +2813,10 @@ fn a_request_takes_no_commit_broadcast_between_replicas() {
     );
 }
 
-/// Allocations a replica may make per request of the test below: measured 35.0 (the
-/// leader), 33.5 (the follower with clients) and 29.2 (the other follower), the same in
-/// every run; 40.2 at the leader before the entry and delta buffers were reserved once
-/// and the loop kept its list of answered connections (docs/results.md §48). Each entry
+/// Allocations a replica may make per request of the test below: measured 34.0 (the
+/// leader), 32.3–32.5 (the follower with clients) and 28.2 (the other follower); 40.2 at
+/// the leader before the entry and delta buffers were reserved once, gets reused their
+/// key buffers and the loop kept its list of answered connections (docs/results.md §48). Each entry
 /// holds one request here, the worst case: raft-rs clones an entry for each append.
 const ALLOCATIONS_PER_REQUEST: u64 = 38;
 

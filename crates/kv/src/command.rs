@@ -68,6 +68,35 @@ pub enum Command {
     OnHeldItem(Box<Command>),
 }
 
+/// A get's tag in the log's encoding of commands.
+const GET_TAG: u8 = 1;
+
+/// A get's fields after its tag: `with_cas`, `touch`, and its keys into `keys` (whose
+/// buffers are reused where there are some).
+fn decode_get(u: &mut Unpacker<'_>, keys: &mut Vec<Vec<u8>>) -> Result<(bool, Option<i64>), UnpackError> {
+    let with_cas = u.u8()? != 0;
+    let touch = match u.u8()? {
+        0 => None,
+        _ => Some(u.u64()? as i64),
+    };
+    let n = u.u32()? as usize;
+    if n > u.rest().len() / 4 {
+        return Err(UnpackError("key count exceeds entry"));
+    }
+    keys.truncate(n);
+    for i in 0..n {
+        let key = u.bytes()?;
+        match keys.get_mut(i) {
+            Some(k) => {
+                k.clear();
+                k.extend_from_slice(key);
+            }
+            None => keys.push(key.to_vec()),
+        }
+    }
+    Ok((with_cas, touch))
+}
+
 impl Command {
     /// The key of an arithmetic command (incr, decr, ma), which [`Command::OnHeldItem`]
     /// may wrap.
@@ -178,7 +207,7 @@ impl Command {
     pub fn encode(&self, p: &mut Packer) {
         match self {
             Command::Get { keys, with_cas, touch } => {
-                p.u8(1);
+                p.u8(GET_TAG);
                 p.u8(*with_cas as u8);
                 match touch {
                     Some(t) => {
@@ -252,22 +281,37 @@ impl Command {
         }
     }
 
+    /// An empty get: a slot for [`Command::decode_into`].
+    pub fn empty() -> Self {
+        Command::Get {
+            keys: Vec::new(),
+            with_cas: false,
+            touch: None,
+        }
+    }
+
+    /// Whether the next command `u` holds is a get (see [`Command::decode_into`]).
+    pub fn next_is_get(u: &Unpacker<'_>) -> bool {
+        u.rest().first() == Some(&GET_TAG)
+    }
+
+    /// Decodes into `self`. A get decoded over a get reuses its key buffers: every replica
+    /// decodes every request at apply, and a get's keys were two allocations each time.
+    pub fn decode_into(&mut self, u: &mut Unpacker<'_>) -> Result<(), UnpackError> {
+        if let (Some(&GET_TAG), Command::Get { keys, with_cas, touch }) = (u.rest().first(), &mut *self) {
+            u.u8()?;
+            (*with_cas, *touch) = decode_get(u, keys)?;
+            return Ok(());
+        }
+        *self = Command::decode(u)?;
+        Ok(())
+    }
+
     pub fn decode(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
         Ok(match u.u8()? {
-            1 => {
-                let with_cas = u.u8()? != 0;
-                let touch = match u.u8()? {
-                    0 => None,
-                    _ => Some(u.u64()? as i64),
-                };
-                let n = u.u32()? as usize;
-                if n > u.rest().len() / 4 {
-                    return Err(UnpackError("key count exceeds entry"));
-                }
-                let mut keys = Vec::with_capacity(n);
-                for _ in 0..n {
-                    keys.push(u.bytes()?.to_vec());
-                }
+            GET_TAG => {
+                let mut keys = Vec::new();
+                let (with_cas, touch) = decode_get(u, &mut keys)?;
                 Command::Get { keys, with_cas, touch }
             }
             2 => {

@@ -94,15 +94,22 @@ impl Store {
     /// request's value is copied once, from the log into the command, not again here.
     pub fn apply(&mut self, cmd: &mut Command, now_ms: u64, delta: &mut Delta) -> Vec<u8> {
         let mut reply = Vec::new();
+        self.apply_into(cmd, now_ms, delta, &mut reply);
+        reply
+    }
+
+    /// [`Store::apply`], the reply written into `reply` (emptied first): a replica that
+    /// sends no reply for a request reuses one buffer for all of them.
+    pub fn apply_into(&mut self, cmd: &mut Command, now_ms: u64, delta: &mut Delta, reply: &mut Vec<u8>) {
+        reply.clear();
         let result = self
             .advance_clock(now_ms, delta)
-            .and_then(|now| self.execute(cmd, now, delta, &mut reply));
+            .and_then(|now| self.execute(cmd, now, delta, reply));
         if let Err(c) = result {
             reply.clear();
             reply.extend_from_slice(format!("SERVER_ERROR {c}\r\n").as_bytes());
         }
-        delta.record_reply(&reply);
-        reply
+        delta.record_reply(reply);
     }
 
     fn advance_clock(&mut self, now_ms: u64, delta: &mut Delta) -> R<u64> {

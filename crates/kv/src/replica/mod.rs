@@ -93,6 +93,8 @@ const LISTEN_BACKLOG: i32 = 1024;
 /// Bytes reserved per request for an entry's encoded deltas (the detail behind its
 /// digest), so that the buffer is allocated once per entry, not grown request by request.
 const DELTA_BYTES_HINT: usize = 192;
+/// The most a replica keeps of its spare reply buffer (a multi-get's reply can be large).
+const SPARE_REPLY_MAX: usize = 1 << 20;
 
 /// What the replica is told by its client connections and links.
 pub enum Inbound {
@@ -301,6 +303,11 @@ pub struct Replica {
     incarnation: u64,
     started: Instant,
     counters: Counters,
+    /// The last get applied, kept so that the next one reuses its buffers
+    /// (`Command::decode_into`).
+    last_get: Command,
+    /// Where replies nobody is sent are written (kept up to SPARE_REPLY_MAX bytes).
+    spare_reply: Vec<u8>,
     /// Event loops serving this replica (the `threads` stat).
     threads: usize,
     /// memcached's `lru_crawler enable`/`disable` state (this replica's, like memcached's).
@@ -645,6 +652,8 @@ impl Replica {
             incarnation: now_ms() ^ (std::process::id() as u64) << 40,
             started: Instant::now(),
             counters: Counters::default(),
+            last_get: Command::empty(),
+            spare_reply: Vec::new(),
             threads: 1,
             committed_early: 0,
             crawler_enabled: true,
@@ -860,17 +869,36 @@ impl Replica {
             detail.buf.reserve(DELTA_BYTES_HINT * expected);
             executed.reserve(expected);
         }
+        // (Taken out for the loop, as the store and the counters borrow the replica; put
+        // back after it. An entry that does not decode leaves an empty one: the replica
+        // halts then.)
+        let mut last_get = std::mem::replace(&mut self.last_get, Command::empty());
         for pos in 0..n {
             let conn = u.u64()?;
             let seq = u.u64()?;
-            let mut cmd = Command::decode(u)?;
+            let mut other;
+            let cmd = if Command::next_is_get(u) {
+                last_get.decode_into(u)?;
+                &mut last_get
+            } else {
+                other = Command::decode(u)?;
+                &mut other
+            };
             // (A single replica proposes nothing twice: no table to keep.)
             if self.raft.is_some() && !self.applied_tags.first_time((origin, incarnation, conn, seq)) {
                 continue;
             }
+            let to = (mine && self.inflight.remove(&(conn, seq)).is_some()).then_some(ReplyTo { conn, seq });
+            // A reply that goes nowhere (another replica's client, no cross-check to keep
+            // it for) is written into the spare buffer, not a new one.
+            let mut reply = if checking || to.is_some() {
+                Vec::new()
+            } else {
+                std::mem::take(&mut self.spare_reply)
+            };
             self.delta.clear();
-            let reply = self.store.apply(&mut cmd, time, &mut self.delta);
-            self.count(&cmd, &reply);
+            self.store.apply_into(cmd, time, &mut self.delta, &mut reply);
+            self.count(cmd, &reply);
             if !self.delta.corrupt().is_empty() {
                 self.counters.self_detections += 1;
                 let ids: Vec<String> = self.delta.corrupt().iter().map(|i| i.to_string()).collect();
@@ -884,14 +912,16 @@ impl Replica {
                         )),
                 );
             }
-            let to = (mine && self.inflight.remove(&(conn, seq)).is_some()).then_some(ReplyTo { conn, seq });
             if checking {
                 check::encode_delta(&mut detail, pos, self.delta.finish());
                 executed.push(Executed { pos, reply, origin, to });
             } else if let Some(to) = to {
                 self.send_reply(to.conn, to.seq, reply);
+            } else if reply.capacity() <= SPARE_REPLY_MAX {
+                self.spare_reply = reply;
             }
         }
+        self.last_get = last_get;
         if !u.is_empty() {
             return Err(UnpackError("trailing bytes in batch"));
         }
