@@ -2827,7 +2827,6 @@ const ALLOCATIONS_PER_REQUEST: u64 = 38;
 #[test]
 fn a_request_takes_a_bounded_number_of_allocations() {
     const REQUESTS: u64 = 400;
-    const BOUND_PER_REQUEST: u64 = ALLOCATIONS_PER_REQUEST;
     let c = Cluster::start(3, &["--no-fsync"]);
     let leader = c.leader();
     let follower = (1..=3).find(|&id| id != leader).unwrap();
@@ -2869,8 +2868,8 @@ fn a_request_takes_a_bounded_number_of_allocations() {
         let per_request = (a - b) as f64 / REQUESTS as f64;
         eprintln!("replica {id}: {per_request:.1} allocations per request");
         assert!(
-            a - b <= BOUND_PER_REQUEST * REQUESTS,
-            "replica {id} made {} allocations for {REQUESTS} requests ({per_request:.1} each; bound {BOUND_PER_REQUEST})",
+            a - b <= ALLOCATIONS_PER_REQUEST * REQUESTS,
+            "replica {id} made {} allocations for {REQUESTS} requests ({per_request:.1} each; bound {ALLOCATIONS_PER_REQUEST})",
             a - b
         );
     }

@@ -29,13 +29,15 @@ const MIX_PRIME: u64 = 0x100000001b3;
 struct Digest {
     crc: [u32; LANES],
     mix: [u64; LANES],
+    /// The CPU has SSE4.2's `crc32` (asked once per digest, not per word).
+    sse42: bool,
 }
 
 /// One step of a lane's CRC32C (raw state, no inversion: the shim's `crc32q`).
-fn crc_word(crc: u32, v: u64) -> u32 {
+fn crc_word(sse42: bool, crc: u32, v: u64) -> u32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("sse4.2") {
-        // SAFETY: the CPU has SSE4.2 (checked above).
+    if sse42 {
+        // SAFETY: the CPU has SSE4.2 (`Digest::new` asked).
         return unsafe { crc_word_sse42(crc, v) };
     }
     !lockstep_core::checksum::crc32c_append(!crc, &v.to_le_bytes())
@@ -52,11 +54,15 @@ impl Digest {
         Digest {
             crc: [!0; LANES],
             mix: [MIX_SEED; LANES],
+            #[cfg(target_arch = "x86_64")]
+            sse42: std::arch::is_x86_feature_detected!("sse4.2"),
+            #[cfg(not(target_arch = "x86_64"))]
+            sse42: false,
         }
     }
 
     fn lane(&mut self, lane: usize, v: u64) {
-        self.crc[lane] = crc_word(self.crc[lane], v);
+        self.crc[lane] = crc_word(self.sse42, self.crc[lane], v);
         self.mix[lane] = (self.mix[lane] ^ v).wrapping_mul(MIX_PRIME);
     }
 

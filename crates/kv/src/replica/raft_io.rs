@@ -7,6 +7,8 @@ use super::*;
 impl Replica {
     pub(super) fn encode_batch(&self, batch: &[(u64, u64, Command)]) -> Vec<u8> {
         let mut p = Packer::default();
+        // The header (kind, time, origin, incarnation, count: 29 bytes), then per request
+        // its connection and number (16) and the command.
         p.buf.reserve(
             29 + batch
                 .iter()
