@@ -15,6 +15,7 @@
 use crate::MAX_REPLICAS;
 use lockstep_guard::{ObjectId, Packer, Pair, UnpackError, Unpacker};
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -66,12 +67,51 @@ pub type Deltas = Vec<(u32, Vec<Pair>)>;
 #[derive(Debug)]
 pub struct Executed {
     pub pos: u32,
-    pub reply: Vec<u8>,
+    pub reply: KeptReply,
     /// The replica whose client sent the request.
     pub origin: u64,
     /// Our client, if it is ours.
     pub to: Option<ReplyTo>,
 }
+
+/// Where the reply of an executed request is kept until the entry is settled.
+#[derive(Debug, PartialEq, Eq)]
+pub enum KeptReply {
+    /// Our client's: handed over whole when it is released.
+    Own(Vec<u8>),
+    /// Another replica's client's (kept for a repair of that replica): these bytes of
+    /// the entry's `Applied::replies`.
+    Shared(Range<usize>),
+}
+
+/// What this replica keeps of an entry it applied until every replica's digest is in:
+/// the requests' deltas, replies and clients. The buffers are handed back when the
+/// entry is forgotten and serve a later one (`Validator::buffers`), so that an entry's
+/// replies and deltas cost no allocation once the replica is warm.
+#[derive(Debug, Default)]
+pub struct Applied {
+    /// The requests' deltas, encoded by `encode_delta`.
+    pub detail: Vec<u8>,
+    pub executed: Vec<Executed>,
+    /// The `KeptReply::Shared` replies, back to back.
+    pub replies: Vec<u8>,
+}
+
+impl Applied {
+    /// The reply of `x` (one of `executed`), as an owned buffer.
+    fn into_reply(replies: &[u8], x: KeptReply) -> Vec<u8> {
+        match x {
+            KeptReply::Own(reply) => reply,
+            KeptReply::Shared(at) => replies[at].to_vec(),
+        }
+    }
+}
+
+/// At most this many entries' buffers wait for reuse; buffers that grew past
+/// `SPARE_BYTES_MAX` (an entry of large values) are freed instead. Both bound the memory
+/// kept while a replica is idle: at most 32 × 2 × 256 KiB.
+const SPARE_ENTRIES: usize = 32;
+const SPARE_BYTES_MAX: usize = 256 << 10;
 
 /// The digest of an entry's deltas, as encoded (`(pos, pairs)` per request).
 pub fn digest(detail: &[u8]) -> u32 {
@@ -82,9 +122,11 @@ pub fn digest(detail: &[u8]) -> u32 {
 struct EntryCheck {
     /// Per replica, its digest of the entry (the first `n` are used).
     digests: [Option<u32>; MAX_REPLICAS],
-    /// Our encoded deltas and the requests they belong to, once we applied the entry.
-    detail: Option<(u32, Vec<u8>)>,
-    executed: Vec<Executed>,
+    /// What we kept of the entry, once we applied it (its `executed` and `replies` are
+    /// taken when the entry goes to the per-request vote).
+    applied: Option<Applied>,
+    /// Requests in our `applied.detail`.
+    count: u32,
     /// Our clients' replies went out (or moved to the per-request vote).
     released: bool,
     /// Digests differed: the entry's requests are voted one by one.
@@ -120,6 +162,8 @@ pub struct Validator {
     owed: BTreeMap<(u64, ReqId), Vec<u8>>,
     /// Local requests whose reply is held because this replica FAILED them.
     held: Held,
+    /// Buffers of forgotten entries, for the next ones.
+    spare: Vec<Applied>,
 }
 
 type Held = BTreeMap<ReqId, (ReplyTo, Instant)>;
@@ -141,7 +185,26 @@ impl Validator {
             pending: BTreeMap::new(),
             owed: BTreeMap::new(),
             held: BTreeMap::new(),
+            spare: Vec::new(),
         }
+    }
+
+    /// Empty buffers for the next entry this replica applies (`local_entry`).
+    pub fn buffers(&mut self) -> Applied {
+        self.spare.pop().unwrap_or_default()
+    }
+
+    fn recycle(&mut self, mut a: Applied) {
+        if self.spare.len() >= SPARE_ENTRIES
+            || a.detail.capacity() > SPARE_BYTES_MAX
+            || a.replies.capacity() > SPARE_BYTES_MAX
+        {
+            return;
+        }
+        a.detail.clear();
+        a.executed.clear();
+        a.replies.clear();
+        self.spare.push(a);
     }
 
     fn entry(&mut self, id: ReqId) -> &mut Pending {
@@ -169,8 +232,8 @@ impl Validator {
     fn entry_check(&mut self, index: u64) -> &mut EntryCheck {
         self.entries.entry(index).or_insert_with(|| EntryCheck {
             digests: [None; MAX_REPLICAS],
-            detail: None,
-            executed: Vec::new(),
+            applied: None,
+            count: 0,
             released: false,
             voting: false,
             peer_details: Vec::new(),
@@ -179,17 +242,16 @@ impl Validator {
         })
     }
 
-    /// This replica applied entry `index`: the checked requests' deltas are `detail`
-    /// (encoded by `encode_delta`; its `digest` went to the peers), their replies and
-    /// clients `executed`, in the same order.
-    pub fn local_entry(&mut self, index: u64, digest: u32, detail: Vec<u8>, executed: Vec<Executed>) -> Vec<Outcome> {
-        debug_assert_eq!(digest, self::digest(&detail));
+    /// This replica applied entry `index`: the checked requests' deltas are
+    /// `applied.detail` (its `digest` went to the peers), their replies and clients
+    /// `applied.executed`, in the same order.
+    pub fn local_entry(&mut self, index: u64, digest: u32, applied: Applied) -> Vec<Outcome> {
+        debug_assert_eq!(digest, self::digest(&applied.detail));
         let me = self.me;
-        let count = executed.len() as u32;
         let e = self.entry_check(index);
         e.digests[me] = Some(digest);
-        e.detail = Some((count, detail));
-        e.executed = executed;
+        e.count = applied.executed.len() as u32;
+        e.applied = Some(applied);
         e.created = Instant::now();
         self.evaluate_entry(index)
     }
@@ -224,7 +286,7 @@ impl Validator {
         let (n, me) = (self.n, self.me);
         let majority = n / 2 + 1;
         let e = self.entries.get_mut(&index).expect("evaluated entry exists");
-        let Some(mine) = e.digests[me].filter(|_| e.detail.is_some()) else {
+        let Some(mine) = e.digests[me].filter(|_| e.applied.is_some()) else {
             return Vec::new();
         };
         let differs = e.digests[..n].iter().any(|d| d.is_some_and(|d| d != mine)) || !e.peer_details.is_empty();
@@ -233,8 +295,7 @@ impl Validator {
         if e.voting {
             // Each replica not heard in the vote yet votes with the deltas of any replica
             // whose digest equals its own (ours, or a peer's detail, or its own detail).
-            let (count, detail) = e.detail.as_ref().expect("applied");
-            let ours = decode_detail(*count, detail);
+            let ours = decode_detail(e.count, &e.applied.as_ref().expect("applied").detail);
             let mut votes = Vec::new();
             for r in 0..n {
                 let (Some(d), false) = (e.digests[r], r == me || e.fed & (1 << r) != 0) else {
@@ -261,18 +322,20 @@ impl Validator {
         let agree = e.digests[..n].iter().filter(|d| **d == Some(mine)).count();
         if agree >= majority && !e.released {
             e.released = true;
-            for x in &mut e.executed {
-                if let Some(to) = x.to {
+            for x in &mut e.applied.as_mut().expect("applied").executed {
+                if let (Some(to), KeptReply::Own(reply)) = (x.to, &mut x.reply) {
                     out.push(Outcome::Release {
                         req: ReqId { index, pos: x.pos },
                         to,
-                        reply: std::mem::take(&mut x.reply),
+                        reply: std::mem::take(reply),
                     });
                 }
             }
         }
         if agree == n {
-            self.entries.remove(&index);
+            if let Some(applied) = self.entries.remove(&index).and_then(|e| e.applied) {
+                self.recycle(applied);
+            }
         }
         out
     }
@@ -290,8 +353,11 @@ impl Validator {
         }
         e.voting = true;
         let released = std::mem::replace(&mut e.released, true);
-        let executed = std::mem::take(&mut e.executed);
-        let (count, detail) = e.detail.clone().expect("applied");
+        let count = e.count;
+        let applied = e.applied.as_mut().expect("applied");
+        let executed = std::mem::take(&mut applied.executed);
+        let replies = std::mem::take(&mut applied.replies);
+        let detail = applied.detail.clone();
         let ours = decode_detail(count, &detail);
         assert_eq!(ours.len(), executed.len(), "one delta per executed request");
         let mut out = vec![Outcome::Detail { index, count, detail }];
@@ -299,7 +365,8 @@ impl Validator {
             assert_eq!(pos, x.pos);
             // A reply that already went out was confirmed by a majority of equal digests.
             let to = x.to.filter(|_| !released);
-            out.extend(self.local(ReqId { index, pos }, pairs, x.reply, x.origin, to));
+            let reply = Applied::into_reply(&replies, x.reply);
+            out.extend(self.local(ReqId { index, pos }, pairs, reply, x.origin, to));
         }
         out
     }
@@ -467,7 +534,7 @@ impl Validator {
         for e in self.entries.values_mut() {
             if !e.released && now.duration_since(e.created) > REPLY_TIMEOUT {
                 e.released = true;
-                dropped.extend(e.executed.iter().filter_map(|x| x.to));
+                dropped.extend(e.applied.iter().flat_map(|a| &a.executed).filter_map(|x| x.to));
             }
         }
         self.entries.retain(|_, e| now.duration_since(e.created) <= WINDOW);
@@ -724,18 +791,35 @@ mod tests {
         (reqs.len() as u32, encode_deltas(&reqs), reqs)
     }
 
-    fn executed(count: u32, origin: u64, ours: bool) -> Vec<Executed> {
-        (0..count)
-            .map(|pos| Executed {
-                pos,
-                reply: format!("r{pos}").into_bytes(),
-                origin,
-                to: ours.then_some(ReplyTo {
-                    conn: 1,
-                    seq: pos as u64,
-                }),
+    /// Our record of an entry of `count` requests with deltas `detail`, whose replies are
+    /// "r<pos>": owned when the clients are `ours`, else in the shared buffer.
+    fn applied(detail: Vec<u8>, count: u32, origin: u64, ours: bool) -> Applied {
+        let mut replies = Vec::new();
+        let executed = (0..count)
+            .map(|pos| {
+                let reply = format!("r{pos}").into_bytes();
+                Executed {
+                    pos,
+                    reply: match ours {
+                        true => KeptReply::Own(reply),
+                        false => {
+                            replies.extend_from_slice(&reply);
+                            KeptReply::Shared(replies.len() - reply.len()..replies.len())
+                        }
+                    },
+                    origin,
+                    to: ours.then_some(ReplyTo {
+                        conn: 1,
+                        seq: pos as u64,
+                    }),
+                }
             })
-            .collect()
+            .collect();
+        Applied {
+            detail,
+            executed,
+            replies,
+        }
     }
 
     #[test]
@@ -744,7 +828,7 @@ mod tests {
         let (count, detail, _) = entry(&[1, 2]);
         let d = digest(&detail);
         assert!(v
-            .local_entry(9, digest(&detail), detail, executed(count, 1, true))
+            .local_entry(9, digest(&detail), applied(detail, count, 1, true))
             .is_empty());
         let out = v.remote_digest(2, 9, d);
         let released: Vec<_> = out
@@ -759,6 +843,9 @@ mod tests {
         assert!(v.remote_digest(3, 9, d).is_empty());
         assert_eq!(v.pending(), 0, "all agree: nothing is kept");
         assert!(v.pending.is_empty(), "no per-request state was made");
+        let reused = v.buffers();
+        assert!(reused.detail.capacity() > 0, "the forgotten entry's buffers serve the next");
+        assert!(reused.detail.is_empty() && reused.executed.is_empty() && reused.replies.is_empty());
     }
 
     #[test]
@@ -770,7 +857,7 @@ mod tests {
         // Replica 1's full deltas come before we applied the entry: they are kept.
         assert!(v.remote_digest(1, 4, digest(&bad)).is_empty());
         assert!(v.remote_detail(1, 4, bad_reqs).is_empty());
-        let out = v.local_entry(4, digest(&detail), detail.clone(), executed(count, 1, false));
+        let out = v.local_entry(4, digest(&detail), applied(detail.clone(), count, 1, false));
         assert!(
             matches!(&out[0], Outcome::Detail { index: 4, count: 2, detail: d } if *d == detail),
             "{out:?}"
@@ -804,7 +891,7 @@ mod tests {
         let mut v = Validator::new(3, 3);
         let (count, bad, _) = entry(&[5]);
         let (_, good, good_reqs) = entry(&[1]);
-        let out = v.local_entry(7, digest(&bad), bad, executed(count, 3, true));
+        let out = v.local_entry(7, digest(&bad), applied(bad, count, 3, true));
         assert!(out.is_empty());
         // Replica 1's digest differs: we send our deltas; replica 2's equals replica 1's,
         // so replica 1's full deltas count for both.
@@ -830,7 +917,7 @@ mod tests {
     fn an_entry_nobody_confirms_gets_its_clients_an_error_in_bounded_time() {
         let mut v = Validator::new(3, 1);
         let (count, detail, _) = entry(&[1, 2]);
-        v.local_entry(3, digest(&detail), detail, executed(count, 1, true));
+        v.local_entry(3, digest(&detail), applied(detail, count, 1, true));
         let now = Instant::now();
         assert!(v.expire(now).0.is_empty());
         let late = now + REPLY_TIMEOUT + Duration::from_millis(10);

@@ -7,6 +7,7 @@ use crate::command::{Command, StoreOp};
 use crate::objects::*;
 use lockstep_guard::{Corrupt, Delta, Guarded, ObjectId, Packer, Protected, UnpackError, Unpacker};
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::io::Write as _;
 
 /// Recorded for an object that a request deleted.
@@ -102,14 +103,23 @@ impl Store {
     /// sends no reply for a request reuses one buffer for all of them.
     pub fn apply_into(&mut self, cmd: &mut Command, now_ms: u64, delta: &mut Delta, reply: &mut Vec<u8>) {
         reply.clear();
+        self.apply_append(cmd, now_ms, delta, reply);
+    }
+
+    /// [`Store::apply`], the reply appended to `out` (which may hold other replies):
+    /// returns where in `out` it is. The replies a cross-checking replica keeps for an
+    /// entry share one buffer this way.
+    pub fn apply_append(&mut self, cmd: &mut Command, now_ms: u64, delta: &mut Delta, out: &mut Vec<u8>) -> Range<usize> {
+        let start = out.len();
         let result = self
             .advance_clock(now_ms, delta)
-            .and_then(|now| self.execute(cmd, now, delta, reply));
+            .and_then(|now| self.execute(cmd, now, delta, out));
         if let Err(c) = result {
-            reply.clear();
-            reply.extend_from_slice(format!("SERVER_ERROR {c}\r\n").as_bytes());
+            out.truncate(start);
+            out.extend_from_slice(format!("SERVER_ERROR {c}\r\n").as_bytes());
         }
-        delta.record_reply(reply);
+        delta.record_reply(&out[start..]);
+        start..out.len()
     }
 
     fn advance_clock(&mut self, now_ms: u64, delta: &mut Delta) -> R<u64> {

@@ -8,7 +8,7 @@
 //! the healthy replicas send REPAIR with the packed objects, and the failed one replaces
 //! them before it applies anything else.
 
-use crate::check::{self, Executed, Outcome, ReplyTo, ReqId, Validator};
+use crate::check::{self, Executed, KeptReply, Outcome, ReplyTo, ReqId, Validator};
 use crate::command::Command;
 use crate::dedupe::Applied;
 use crate::net::peer::Peers;
@@ -858,16 +858,15 @@ impl Replica {
         let incarnation = u.u64()?;
         let n = u.u32()?;
         let mine = origin == self.cfg.id && incarnation == self.incarnation;
-        let checking = self.validator.is_some();
-        // The entry's deltas, request by request (the detail behind its digest).
-        let mut detail = Packer::default();
-        let mut executed = Vec::new();
-        if checking {
+        // What a cross-check keeps of the entry: the deltas, request by request (the
+        // detail behind its digest), and every reply (in reused buffers).
+        let mut kept = self.validator.as_mut().map(|v| v.buffers());
+        if let Some(k) = kept.as_mut() {
             // (The count comes from the log: it sizes nothing beyond what we batch.)
             let expected = (n as usize).min(BATCH_MAX);
             // (A get's delta takes about 70 bytes, a set's up to about 150.)
-            detail.buf.reserve(DELTA_BYTES_HINT * expected);
-            executed.reserve(expected);
+            k.detail.reserve(DELTA_BYTES_HINT * expected);
+            k.executed.reserve(expected);
         }
         // (Taken out for the loop, as the store and the counters borrow the replica; put
         // back after it. An entry that does not decode leaves an empty one: the replica
@@ -889,16 +888,27 @@ impl Replica {
                 continue;
             }
             let to = (mine && self.inflight.remove(&(conn, seq)).is_some()).then_some(ReplyTo { conn, seq });
-            // A reply that goes nowhere (another replica's client, no cross-check to keep
-            // it for) is written into the spare buffer, not a new one.
-            let mut reply = if checking || to.is_some() {
-                Vec::new()
-            } else {
-                std::mem::take(&mut self.spare_reply)
-            };
             self.delta.clear();
-            self.store.apply_into(cmd, time, &mut self.delta, &mut reply);
-            self.count(cmd, &reply);
+            // Our client's reply gets a buffer of its own (it leaves with the client);
+            // another replica's client's goes into the entry's shared buffer when a
+            // cross-check keeps it, else into the spare buffer.
+            let mut reply = Vec::new();
+            let (out, at) = match (to, kept.as_mut()) {
+                (None, Some(k)) => {
+                    let at = self.store.apply_append(cmd, time, &mut self.delta, &mut k.replies);
+                    (&k.replies, at)
+                }
+                (None, None) => {
+                    reply = std::mem::take(&mut self.spare_reply);
+                    self.store.apply_into(cmd, time, &mut self.delta, &mut reply);
+                    (&reply, 0..reply.len())
+                }
+                (Some(_), _) => {
+                    self.store.apply_into(cmd, time, &mut self.delta, &mut reply);
+                    (&reply, 0..reply.len())
+                }
+            };
+            count_request(&mut self.counters, cmd, &out[at.clone()]);
             if !self.delta.corrupt().is_empty() {
                 self.counters.self_detections += 1;
                 let ids: Vec<String> = self.delta.corrupt().iter().map(|i| i.to_string()).collect();
@@ -912,9 +922,15 @@ impl Replica {
                         )),
                 );
             }
-            if checking {
+            if let Some(k) = kept.as_mut() {
+                let mut detail = Packer { buf: std::mem::take(&mut k.detail) };
                 check::encode_delta(&mut detail, pos, self.delta.finish());
-                executed.push(Executed { pos, reply, origin, to });
+                k.detail = detail.buf;
+                let reply = match to {
+                    Some(_) => KeptReply::Own(reply),
+                    None => KeptReply::Shared(at),
+                };
+                k.executed.push(Executed { pos, reply, origin, to });
             } else if let Some(to) = to {
                 self.send_reply(to.conn, to.seq, reply);
             } else if reply.capacity() <= SPARE_REPLY_MAX {
@@ -925,10 +941,10 @@ impl Replica {
         if !u.is_empty() {
             return Err(UnpackError("trailing bytes in batch"));
         }
-        if executed.is_empty() {
+        let Some(kept) = kept.filter(|k| !k.executed.is_empty()) else {
             return Ok(());
-        }
-        let digest = check::digest(&detail.buf);
+        };
+        let digest = check::digest(&kept.detail);
         // (kind, index, digest) packed as `on_digest` reads them; on the stack, as one
         // goes out per entry.
         let mut msg = [0u8; 13];
@@ -937,7 +953,7 @@ impl Replica {
         msg[9..].copy_from_slice(&digest.to_le_bytes());
         self.send_check(&msg);
         let v = self.validator.as_mut().expect("checking");
-        let outcomes = v.local_entry(index, digest, detail.buf, executed);
+        let outcomes = v.local_entry(index, digest, kept);
         self.settle(outcomes);
         Ok(())
     }
@@ -957,25 +973,6 @@ impl Replica {
             } else {
                 r.peers.send_lazy(peer, check);
             }
-        }
-    }
-
-    fn count(&mut self, cmd: &Command, reply: &[u8]) {
-        self.counters.requests += 1;
-        match cmd {
-            Command::Get { keys, .. } => {
-                self.counters.cmd_get += keys.len() as u64;
-                let hits = reply.windows(6).filter(|w| w == b"VALUE ").count() as u64;
-                self.counters.get_hits += hits;
-                self.counters.get_misses += keys.len() as u64 - hits.min(keys.len() as u64);
-            }
-            Command::Store { .. } => {
-                self.counters.cmd_set += 1;
-                if reply == b"STORED\r\n" {
-                    self.counters.total_items += 1;
-                }
-            }
-            _ => {}
         }
     }
 
@@ -1281,6 +1278,26 @@ impl Replica {
 
     fn snapshot_data(&self) -> Vec<u8> {
         snapshot_bytes(&self.store, &self.applied_tags)
+    }
+}
+
+/// A request applied here, in the statistics.
+fn count_request(counters: &mut Counters, cmd: &Command, reply: &[u8]) {
+    counters.requests += 1;
+    match cmd {
+        Command::Get { keys, .. } => {
+            counters.cmd_get += keys.len() as u64;
+            let hits = reply.windows(6).filter(|w| w == b"VALUE ").count() as u64;
+            counters.get_hits += hits;
+            counters.get_misses += keys.len() as u64 - hits.min(keys.len() as u64);
+        }
+        Command::Store { .. } => {
+            counters.cmd_set += 1;
+            if reply == b"STORED\r\n" {
+                counters.total_items += 1;
+            }
+        }
+        _ => {}
     }
 }
 
