@@ -7,9 +7,11 @@ same run. Usage: bench/kv_bench.py [SECONDS] [ROUNDS]   (default 5 s per point, 
    value 400 B (the paper's value size), for two mixes: 100% set and 90% get. Configurations:
    memcached 1.6 itself (Debian's, -m 64 -c 1024), then CrossCheck's Table IV: single (one
    process, no protection), smr (3 replicas on Raft), gop (+ object checks), crosscheck
-   (+ validation and repair). The modes are interleaved round by round so that machine
-   noise hits them alike; the ratios are single and smr against memcached, and
-   crosscheck / smr.
+   (+ validation and repair). All five run side by side for the whole measurement (each
+   on its own ports; the idle ones only tick), and every point is measured mode after
+   mode, in alternating order, so that the runs a ratio compares are seconds apart and
+   machine noise hits them alike; the ratios (per round, then the median) are single
+   and smr against memcached, and crosscheck / smr.
 2. Latency: one connection to replica 1 (the leader after start-up), one request at a
    time, 500 requests/s (90% get, 400 B): median and p99, and crosscheck - smr.
 3. Repair: 3-replica crosscheck cluster with --test-corruption; N corruptions (item, bucket
@@ -71,16 +73,16 @@ def cmd(port, line, timeout=10):
         return out.decode()
 
 
-def start_memcached():
+def start_memcached(port=PORT):
     """Debian's memcached with the memory and connection limits kv uses by default."""
-    args = ["memcached", "-p", str(PORT), "-U", "0", "-l", "127.0.0.1", "-m", "64", "-c", "1024"]
+    args = ["memcached", "-p", str(port), "-U", "0", "-l", "127.0.0.1", "-m", "64", "-c", "1024"]
     if os.geteuid() == 0:
         args += ["-u", "root"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 10
     while time.time() < deadline:
         try:
-            if cmd(PORT, "version").startswith("VERSION"):
+            if cmd(port, "version").startswith("VERSION"):
                 return proc, 1
         except OSError:
             pass
@@ -89,18 +91,20 @@ def start_memcached():
     raise SystemExit("memcached did not start (scripts/deps.sh installs it)")
 
 
-def start(mode, events=None, extra=()):
+def start(mode, events=None, extra=(), port=PORT):
+    """Start `mode` with its first client port at `port` (its replicas' peers at port + 10000):
+    returns the process and the number of client ports."""
     if mode == "memcached":
-        return start_memcached()
+        return start_memcached(port)
     n = 1 if mode == "single" else 3
-    args = [BIN, "kv", "cluster", "-n", str(n), "--port", str(PORT), "--mode", mode, "--no-fsync", *extra]
+    args = [BIN, "kv", "cluster", "-n", str(n), "--port", str(port), "--mode", mode, "--no-fsync", *extra]
     if events:
         args += ["--events", events]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 20
     while time.time() < deadline:
         try:
-            roles = [cmd(PORT + i, "stats kv") for i in range(n)]
+            roles = [cmd(port + i, "stats kv") for i in range(n)]
             if all(("kv_role leader" in r or "kv_role follower" in r or "kv_role single" in r) for r in roles) and \
                     any("kv_role leader" in r or "kv_role single" in r for r in roles):
                 return proc, n
@@ -121,14 +125,14 @@ def stop(proc):
     time.sleep(0.5)
 
 
-def memcaslap(n, get_ratio, conns, seconds=None):
-    """TPS of memcaslap over the first `n` ports (key 64 B, value 400 B), for `seconds`
-    (SECONDS if None)."""
+def memcaslap(n, get_ratio, conns, seconds=None, port=PORT):
+    """TPS of memcaslap over the `n` ports from `port` (key 64 B, value 400 B), for
+    `seconds` (SECONDS if None)."""
     seconds = seconds or SECONDS
     with tempfile.NamedTemporaryFile("w", suffix=".cfg", delete=False) as f:
         f.write("key\n64 64 1\nvalue\n400 400 1\ncmd\n0 %.2f\n1 %.2f\n" % (1 - get_ratio, get_ratio))
         cfg = f.name
-    servers = ",".join("127.0.0.1:%d" % (PORT + i) for i in range(n))
+    servers = ",".join("127.0.0.1:%d" % (port + i) for i in range(n))
     out = subprocess.run(["memcaslap", "-s", servers, "-T", str(min(2, conns)), "-c", str(conns), "-t", "%ds" % seconds, "-F", cfg],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
     os.unlink(cfg)
@@ -170,15 +174,15 @@ def paced(port, count=2000):
     return statistics.median(lat), lat[int(0.99 * len(lat))]
 
 
-def roles(n):
+def roles(n, port=PORT):
     """The client port of the leader and of a follower (the one server for n == 1)."""
     if n == 1:
-        return {"leader": PORT, "follower": PORT}
+        return {"leader": port, "follower": port}
     found = {}
     for i in range(n):
-        r = cmd(PORT + i, "stats kv")
+        r = cmd(port + i, "stats kv")
         role = "leader" if "kv_role leader" in r else "follower"
-        found.setdefault(role, PORT + i)
+        found.setdefault(role, port + i)
     return found
 
 
@@ -186,21 +190,31 @@ def throughput_and_latency():
     points = [(mix, ratio, c) for c in CONNS for mix, ratio in MIXES]
     tps = {m: {"%s, %d conn" % (mix, c): [] for mix, _, c in points} for m in MODES}
     lat = {m: {"leader": [], "follower": []} for m in MODES}
-    for rnd in range(ROUNDS):
+    # Every mode on its own ports (10 apart; peers 10000 above), all running throughout.
+    ports = {mode: PORT + 10 * k for k, mode in enumerate(MODES)}
+    running = {}
+    try:
         for mode in MODES:
-            proc, n = start(mode)
-            try:
-                for mix, ratio, c in points:
-                    t = memcaslap(n, ratio, c)
+            running[mode] = start(mode, port=ports[mode])
+        turn = 0
+        for rnd in range(ROUNDS):
+            for mix, ratio, c in points:
+                # Forward, then backward at the next point: no mode always runs first.
+                order = MODES if turn % 2 == 0 else MODES[::-1]
+                turn += 1
+                for mode in order:
+                    t = memcaslap(running[mode][1], ratio, c, port=ports[mode])
                     tps[mode]["%s, %d conn" % (mix, c)].append(t)
                     print("round %d %-10s %-8s %3d conns %7d TPS" % (rnd + 1, mode, mix, c, t), file=sys.stderr)
-                for role, port in roles(n).items():
+            for mode in MODES:
+                for role, port in roles(running[mode][1], ports[mode]).items():
                     med, p99 = paced(port)
                     lat[mode][role].append((med, p99))
                     print("round %d %-10s latency via %s median %.0f us, p99 %.0f us" % (rnd + 1, mode, role, med, p99),
                           file=sys.stderr)
-            finally:
-                stop(proc)
+    finally:
+        for proc, _ in running.values():
+            stop(proc)
     return tps, lat
 
 
@@ -285,8 +299,8 @@ def main():
     json.dump(result, open(os.path.join(OUT, "kv.json"), "w"), indent=1)
     open(os.path.join(OUT, "kv.svg"), "w").write(svg(tps))
     def ratio(a, b, mix):
-        # Per round, then the median: the two runs of a round are minutes apart at most,
-        # so machine drift between rounds cancels out of each ratio.
+        # Per round, then the median: the two runs of a round are seconds apart (each
+        # point runs every mode back to back), so machine drift cancels out of each ratio.
         return med([x / y for x, y in zip(tps[a][mix], tps[b][mix])])
 
     lines = ["### Throughput (median of %d rounds, %d s each, TPS; ratios: median of the per-round ratios)"

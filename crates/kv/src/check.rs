@@ -844,7 +844,10 @@ mod tests {
         assert_eq!(v.pending(), 0, "all agree: nothing is kept");
         assert!(v.pending.is_empty(), "no per-request state was made");
         let reused = v.buffers();
-        assert!(reused.detail.capacity() > 0, "the forgotten entry's buffers serve the next");
+        assert!(
+            reused.detail.capacity() > 0,
+            "the forgotten entry's buffers serve the next"
+        );
         assert!(reused.detail.is_empty() && reused.executed.is_empty() && reused.replies.is_empty());
     }
 

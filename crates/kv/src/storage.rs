@@ -256,19 +256,22 @@ impl LogStore {
     }
 
     /// Make a snapshot of the store at `index` (already applied) and drop the log before it.
-    pub fn compact(&self, index: u64, data: Vec<u8>) -> io::Result<()> {
+    /// Install `data` as the snapshot at `index` and drop the log up to it. Returns the
+    /// buffer no longer needed (the replaced snapshot's, or `data` when nothing was
+    /// replaced), for the next snapshot to be written into.
+    pub fn compact(&self, index: u64, data: Vec<u8>) -> io::Result<Vec<u8>> {
         let conf = self.conf_state();
         self.compact_with_conf(index, data, conf)
     }
 
     /// `compact`, with the configuration as it was at `index` (a snapshot confirmed by an
     /// audit is installed some time after it was taken).
-    pub fn compact_with_conf(&self, index: u64, data: Vec<u8>, conf: ConfState) -> io::Result<()> {
+    pub fn compact_with_conf(&self, index: u64, data: Vec<u8>, conf: ConfState) -> io::Result<Vec<u8>> {
         let mut c = self.lock();
         let snap_index = c.snap.get_metadata().index;
         // The same index again only to refresh the configuration in the snapshot.
         if index < snap_index || (index == snap_index && c.snap.get_metadata().get_conf_state() == &conf) {
-            return Ok(());
+            return Ok(data);
         }
         let term = if index == snap_index {
             c.snap.get_metadata().term
@@ -285,9 +288,10 @@ impl LogStore {
             term,
         });
         c.entries.drain(..(index - snap_index) as usize);
-        c.snap = snap;
+        let replaced = std::mem::replace(&mut c.snap, snap);
         c.snapshot_wanted = false;
-        Self::persist_snapshot(&mut c)
+        Self::persist_snapshot(&mut c)?;
+        Ok(replaced.data)
     }
 
     fn persist_snapshot(c: &mut Core) -> io::Result<()> {

@@ -7,8 +7,8 @@ use crate::command::{Command, StoreOp};
 use crate::objects::*;
 use lockstep_guard::{Corrupt, Delta, Guarded, ObjectId, Packer, Protected, UnpackError, Unpacker};
 use std::collections::BTreeSet;
-use std::ops::Range;
 use std::io::Write as _;
+use std::ops::Range;
 
 /// Recorded for an object that a request deleted.
 pub const GONE: u32 = 0;
@@ -109,7 +109,13 @@ impl Store {
     /// [`Store::apply`], the reply appended to `out` (which may hold other replies):
     /// returns where in `out` it is. The replies a cross-checking replica keeps for an
     /// entry share one buffer this way.
-    pub fn apply_append(&mut self, cmd: &mut Command, now_ms: u64, delta: &mut Delta, out: &mut Vec<u8>) -> Range<usize> {
+    pub fn apply_append(
+        &mut self,
+        cmd: &mut Command,
+        now_ms: u64,
+        delta: &mut Delta,
+        out: &mut Vec<u8>,
+    ) -> Range<usize> {
         let start = out.len();
         let result = self
             .advance_clock(now_ms, delta)

@@ -139,7 +139,8 @@ impl Replica {
         let r = self.raft.as_ref().unwrap();
         let snapshot_due =
             self.audits.snapshot_wanted || r.pace.due(index.saturating_sub(r.snap_index), self.cfg.snapshot_every);
-        let snapshot = snapshot_due.then(|| (self.snapshot_data(), r.storage.conf_state()));
+        let conf = r.storage.conf_state();
+        let snapshot = snapshot_due.then(|| (self.snapshot_data(), conf));
         if let Some((data, _)) = &snapshot {
             self.raft.as_mut().unwrap().pace.taken(data.len());
         }
@@ -237,9 +238,12 @@ impl Replica {
             self.audits.confirmed_snapshots += 1;
             let r = self.raft.as_mut().unwrap();
             if index > r.snap_index || r.storage.conf_state() != conf {
-                if let Err(e) = r.storage.compact_with_conf(index, data, conf) {
-                    let code = self.fatal_io("write a snapshot", e);
-                    std::process::exit(code);
+                match r.storage.compact_with_conf(index, data, conf) {
+                    Ok(replaced) => r.keep_snapshot_buffer(replaced),
+                    Err(e) => {
+                        let code = self.fatal_io("write a snapshot", e);
+                        std::process::exit(code);
+                    }
                 }
                 r.snap_index = r.snap_index.max(index);
             }

@@ -220,6 +220,8 @@ struct RaftPart {
     /// Raft messages sent (the `kv_raft_messages` stat).
     messages_sent: u64,
     encode_scratch: Vec<u8>,
+    /// The buffer of the last snapshot replaced, for the next one (`snapshot_data`).
+    spare_snapshot: Vec<u8>,
 }
 
 /// When the next snapshot is due. A snapshot copies the whole state, so for a large state
@@ -252,6 +254,14 @@ impl SnapshotPace {
 }
 
 impl RaftPart {
+    /// Keep a snapshot's buffer for the next snapshot; only one, and only while it is
+    /// about the size of the last snapshot (a state that shrank lets it go).
+    fn keep_snapshot_buffer(&mut self, buf: Vec<u8>) {
+        if (buf.capacity() as u64) <= 2 * self.pace.last_len.max(SMALL_SNAPSHOT) {
+            self.spare_snapshot = buf;
+        }
+    }
+
     fn isolated(&mut self) -> bool {
         match self.isolated_until {
             Some(t) if Instant::now() < t => true,
@@ -616,6 +626,7 @@ impl Replica {
                 commit_news_until: 0,
                 messages_sent: 0,
                 encode_scratch: Vec::new(),
+                spare_snapshot: Vec::new(),
             });
         }
         let validator = (cfg.mode == Mode::CrossCheck).then(|| Validator::new(n, cfg.id));
@@ -923,7 +934,9 @@ impl Replica {
                 );
             }
             if let Some(k) = kept.as_mut() {
-                let mut detail = Packer { buf: std::mem::take(&mut k.detail) };
+                let mut detail = Packer {
+                    buf: std::mem::take(&mut k.detail),
+                };
                 check::encode_delta(&mut detail, pos, self.delta.finish());
                 k.detail = detail.buf;
                 let reply = match to {
@@ -1238,9 +1251,10 @@ impl Replica {
 /// refused with a clear message instead of misread. 3: the applied-request window.
 const SNAPSHOT_FORMAT: u32 = 3;
 
-/// What `restore_data` reads.
-fn snapshot_bytes(store: &Store, tags: &Applied) -> Vec<u8> {
-    let mut p = Packer::default();
+/// What `restore_data` reads, written into `buf` (emptied first).
+fn snapshot_bytes(store: &Store, tags: &Applied, mut buf: Vec<u8>) -> Vec<u8> {
+    buf.clear();
+    let mut p = Packer { buf };
     p.u32(SNAPSHOT_FORMAT);
     p.nested(|p| store.snapshot_into(p));
     tags.encode(&mut p);
@@ -1269,15 +1283,23 @@ impl Replica {
         let applied = self.applied;
         let r = self.raft.as_mut().expect("replicated");
         r.pace.taken(data.len());
-        if let Err(e) = r.storage.compact(applied, data) {
-            return Err(self.fatal_io("write a snapshot", e));
+        match r.storage.compact(applied, data) {
+            Ok(replaced) => r.keep_snapshot_buffer(replaced),
+            Err(e) => return Err(self.fatal_io("write a snapshot", e)),
         }
         self.raft.as_mut().expect("replicated").snap_index = applied;
         Ok(())
     }
 
-    fn snapshot_data(&self) -> Vec<u8> {
-        snapshot_bytes(&self.store, &self.applied_tags)
+    /// The store's snapshot, written into the buffer a replaced snapshot left (its pages
+    /// are mapped already: a fresh state-sized buffer costs a page fault per 4 KiB).
+    fn snapshot_data(&mut self) -> Vec<u8> {
+        let buf = self
+            .raft
+            .as_mut()
+            .map(|r| std::mem::take(&mut r.spare_snapshot))
+            .unwrap_or_default();
+        snapshot_bytes(&self.store, &self.applied_tags, buf)
     }
 }
 
@@ -1308,7 +1330,7 @@ mod tests {
     #[test]
     fn a_snapshot_in_another_format_is_refused_by_name() {
         let limits = Limits::default();
-        let mut data = snapshot_bytes(&Store::new(limits.clone()), &Applied::default());
+        let mut data = snapshot_bytes(&Store::new(limits.clone()), &Applied::default(), vec![1, 2, 3]);
         assert!(restore_data(&limits, &data).is_ok());
         data[0] ^= 1;
         let e = restore_data(&limits, &data).err().expect("refused");

@@ -221,6 +221,7 @@ impl Replica {
             commit_news_until: 0,
             messages_sent: old.messages_sent,
             encode_scratch: Vec::new(),
+            spare_snapshot: Vec::new(),
         });
         self.store = Store::new(self.cfg.limits.clone());
         self.applied_tags = Applied::default();
