@@ -8,6 +8,7 @@
 //! slows down instead of growing our buffers. Unparsed input is at most one request.
 
 use super::poll::{Interest, Poller};
+use super::{SPENT_BYTES_MAX, SPENT_MAX};
 use crate::binary::{self, Frame, Pending};
 use crate::command::HeldKeys;
 use crate::protocol::{parse, Parsed, Request, LINE_MAX};
@@ -182,7 +183,7 @@ impl Client {
             self.input.clear();
         }
         self.held.read_used_up();
-        self.release();
+        self.release(None);
     }
 
     /// Parse one text request at `at`: the bytes it took and the bytes to discard after
@@ -319,11 +320,15 @@ impl Client {
         }
     }
 
-    /// Move the replies that are due, in order, to the output buffer.
-    pub fn release(&mut self) {
+    /// Move the replies that are due, in order, to the output buffer; their buffers go to
+    /// `spent` (up to `SPENT_MAX`, those up to `SPENT_BYTES_MAX`) to be written into again.
+    pub fn release(&mut self, mut spent: Option<&mut Vec<Vec<u8>>>) {
         while let Some(front) = self.slots.front_mut() {
-            match front {
-                Slot::Ready(r) => self.out.extend_from_slice(r),
+            let r = match front {
+                Slot::Ready(r) => {
+                    self.out.extend_from_slice(r);
+                    r
+                }
                 Slot::Await { reply: None, .. } => break,
                 Slot::Await {
                     reply: Some(r),
@@ -338,6 +343,12 @@ impl Client {
                         None => {}
                     }
                     self.awaiting -= 1;
+                    r
+                }
+            };
+            if let Some(spent) = spent.as_deref_mut() {
+                if spent.len() < SPENT_MAX && (1..=SPENT_BYTES_MAX).contains(&r.capacity()) {
+                    spent.push(std::mem::take(r));
                 }
             }
             self.slots.pop_front();

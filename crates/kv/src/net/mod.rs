@@ -25,12 +25,18 @@ use std::time::{Duration, Instant};
 /// A reply released by the replica: (connection, request sequence, bytes).
 pub type Reply = (u64, u64, Vec<u8>);
 
+/// Reply buffers a loop hands back per turn, and the largest it keeps: enough for a
+/// turn's replies to every connection of a busy loop, at most 2 MiB held.
+pub const SPENT_MAX: usize = 128;
+pub const SPENT_BYTES_MAX: usize = 16 << 10;
+
 /// What the event loop drives.
 pub trait Service {
     /// One round after a burst of input: take the messages from client connections,
     /// order, apply, settle, queue messages to peers, and hand over the replies released
-    /// for this loop's connections.
-    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>) -> Result<(), i32>;
+    /// for this loop's connections. `spent` holds reply buffers the loop has copied out
+    /// since the last turn (at most `SPENT_MAX`), for the service to write replies into.
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, spent: &mut Vec<Vec<u8>>) -> Result<(), i32>;
     /// A frame from replica `from`.
     fn peer_frame(&mut self, from: u64, frame: &[u8]) -> Result<(), i32>;
     /// The outgoing replica links (None for a single replica).
@@ -77,6 +83,8 @@ struct Loop<'a, S: Service> {
     /// Client messages for the replica, handed over after the burst of events.
     to_replica: Vec<Inbound>,
     replies: Vec<Reply>,
+    /// Reply buffers copied out to their connections, handed back at the next turn.
+    spent: Vec<Vec<u8>>,
     /// Clients with replies or output to deal with this round.
     touched: Vec<u64>,
     accept_paused_until: Option<Instant>,
@@ -108,6 +116,7 @@ pub fn serve<S: Service>(svc: &mut S, poll: Arc<Poller>, listeners: Listeners) -
         scratch: vec![0; 64 << 10],
         to_replica: Vec::new(),
         replies: Vec::new(),
+        spent: Vec::new(),
         touched: Vec::new(),
         accept_paused_until: None,
     };
@@ -137,7 +146,8 @@ impl<S: Service> Loop<'_, S> {
             for r in &ready {
                 self.on_event(*r)?;
             }
-            self.svc.turn(&mut self.to_replica, &mut self.replies)?;
+            self.svc
+                .turn(&mut self.to_replica, &mut self.replies, &mut self.spent)?;
             next_round = Instant::now() + self.svc.tick();
             self.answer_clients()?;
             let now = Instant::now();
@@ -291,7 +301,7 @@ impl<S: Service> Loop<'_, S> {
         touched.dedup();
         for &id in &touched {
             let Some(c) = self.clients.get_mut(&id) else { continue };
-            c.release();
+            c.release(Some(&mut self.spent));
             if !c.flush(&self.poll, TOKEN_CLIENT | id, &mut self.to_replica) {
                 self.clients.remove(&id);
                 self.listeners.live.fetch_sub(1, Ordering::Relaxed);

@@ -13,7 +13,7 @@ use crate::command::Command;
 use crate::dedupe::Applied;
 use crate::net::peer::Peers;
 use crate::net::poll::Poller;
-use crate::net::{self, Listeners, Reply, Service};
+use crate::net::{self, Listeners, Reply, Service, SPENT_MAX};
 use crate::storage::LogStore;
 use crate::store::{Limits, Store, Target};
 use lockstep_core::{Event, EventSink};
@@ -318,6 +318,8 @@ pub struct Replica {
     last_get: Command,
     /// Where replies nobody is sent are written (kept up to SPARE_REPLY_MAX bytes).
     spare_reply: Vec<u8>,
+    /// Buffers of replies the event loop has written out, for our clients' next replies.
+    reply_buffers: Vec<Vec<u8>>,
     /// Event loops serving this replica (the `threads` stat).
     threads: usize,
     /// memcached's `lru_crawler enable`/`disable` state (this replica's, like memcached's).
@@ -457,8 +459,12 @@ impl Replica {
         &mut self,
         msgs: &mut Vec<Inbound>,
         replies: &mut Vec<Reply>,
+        spent: &mut Vec<Vec<u8>>,
         mine: impl Fn(u64) -> bool,
     ) -> Result<(), i32> {
+        let room = SPENT_MAX.saturating_sub(self.reply_buffers.len());
+        self.reply_buffers.extend(spent.drain(..).take(room));
+        spent.clear();
         for m in msgs.drain(..) {
             self.handle(m)?;
         }
@@ -486,7 +492,7 @@ struct SharedReplica {
 }
 
 impl Service for SharedReplica {
-    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>) -> Result<(), i32> {
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, spent: &mut Vec<Vec<u8>>) -> Result<(), i32> {
         // A loop that panicked while holding the replica may have left the store
         // half-changed: stop (exit 86) rather than serve from it.
         let mut r = self.shared.lock().map_err(|_| {
@@ -494,7 +500,7 @@ impl Service for SharedReplica {
             lockstep_core::exit::DETECTED
         })?;
         let (index, loops) = (self.index, self.loops);
-        r.turn_for(msgs, replies, |conn| conn % loops == index)
+        r.turn_for(msgs, replies, spent, |conn| conn % loops == index)
     }
 
     fn peer_frame(&mut self, _: u64, _: &[u8]) -> Result<(), i32> {
@@ -511,8 +517,8 @@ impl Service for SharedReplica {
 }
 
 impl Service for Replica {
-    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>) -> Result<(), i32> {
-        self.turn_for(msgs, replies, |_| true)
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, spent: &mut Vec<Vec<u8>>) -> Result<(), i32> {
+        self.turn_for(msgs, replies, spent, |_| true)
     }
 
     fn peer_frame(&mut self, from: u64, frame: &[u8]) -> Result<(), i32> {
@@ -665,6 +671,7 @@ impl Replica {
             counters: Counters::default(),
             last_get: Command::empty(),
             spare_reply: Vec::new(),
+            reply_buffers: Vec::new(),
             threads: 1,
             committed_early: 0,
             crawler_enabled: true,
@@ -900,10 +907,13 @@ impl Replica {
             }
             let to = (mine && self.inflight.remove(&(conn, seq)).is_some()).then_some(ReplyTo { conn, seq });
             self.delta.clear();
-            // Our client's reply gets a buffer of its own (it leaves with the client);
-            // another replica's client's goes into the entry's shared buffer when a
-            // cross-check keeps it, else into the spare buffer.
-            let mut reply = Vec::new();
+            // Our client's reply gets a buffer of its own (it leaves with the client, and
+            // comes back once written out); another replica's client's goes into the
+            // entry's shared buffer when a cross-check keeps it, else into the spare buffer.
+            let mut reply = match to {
+                Some(_) => self.reply_buffers.pop().unwrap_or_default(),
+                None => Vec::new(),
+            };
             let (out, at) = match (to, kept.as_mut()) {
                 (None, Some(k)) => {
                     let at = self.store.apply_append(cmd, time, &mut self.delta, &mut k.replies);
