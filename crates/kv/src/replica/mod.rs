@@ -910,21 +910,17 @@ impl Replica {
             // Our client's reply gets a buffer of its own (it leaves with the client, and
             // comes back once written out); another replica's client's goes into the
             // entry's shared buffer when a cross-check keeps it, else into the spare buffer.
-            let mut reply = match to {
-                Some(_) => self.reply_buffers.pop().unwrap_or_default(),
-                None => Vec::new(),
+            let mut reply = match (to, &kept) {
+                (Some(_), _) => self.reply_buffers.pop().unwrap_or_default(),
+                (None, None) => std::mem::take(&mut self.spare_reply),
+                (None, Some(_)) => Vec::new(), // (stays empty: not written into)
             };
             let (out, at) = match (to, kept.as_mut()) {
                 (None, Some(k)) => {
                     let at = self.store.apply_append(cmd, time, &mut self.delta, &mut k.replies);
                     (&k.replies, at)
                 }
-                (None, None) => {
-                    reply = std::mem::take(&mut self.spare_reply);
-                    self.store.apply_into(cmd, time, &mut self.delta, &mut reply);
-                    (&reply, 0..reply.len())
-                }
-                (Some(_), _) => {
+                _ => {
                     self.store.apply_into(cmd, time, &mut self.delta, &mut reply);
                     (&reply, 0..reply.len())
                 }
