@@ -80,7 +80,7 @@ pub enum KeptReply {
     /// Our client's: handed over whole when it is released.
     Own(Vec<u8>),
     /// Another replica's client's (kept for a repair of that replica): these bytes of
-    /// the entry's `Applied::replies`.
+    /// the entry's `KeptEntry::replies`.
     Shared(Range<usize>),
 }
 
@@ -89,7 +89,7 @@ pub enum KeptReply {
 /// entry is forgotten and serve a later one (`Validator::buffers`), so that an entry's
 /// replies and deltas cost no allocation once the replica is warm.
 #[derive(Debug, Default)]
-pub struct Applied {
+pub struct KeptEntry {
     /// The requests' deltas, encoded by `encode_delta`.
     pub detail: Vec<u8>,
     pub executed: Vec<Executed>,
@@ -97,7 +97,7 @@ pub struct Applied {
     pub replies: Vec<u8>,
 }
 
-impl Applied {
+impl KeptEntry {
     /// The reply of `x` (one of `executed`), as an owned buffer.
     fn into_reply(replies: &[u8], x: KeptReply) -> Vec<u8> {
         match x {
@@ -124,7 +124,7 @@ struct EntryCheck {
     digests: [Option<u32>; MAX_REPLICAS],
     /// What we kept of the entry, once we applied it (its `executed` and `replies` are
     /// taken when the entry goes to the per-request vote).
-    applied: Option<Applied>,
+    applied: Option<KeptEntry>,
     /// Requests in our `applied.detail`.
     count: u32,
     /// Our clients' replies went out (or moved to the per-request vote).
@@ -163,7 +163,7 @@ pub struct Validator {
     /// Local requests whose reply is held because this replica FAILED them.
     held: Held,
     /// Buffers of forgotten entries, for the next ones.
-    spare: Vec<Applied>,
+    spare: Vec<KeptEntry>,
 }
 
 type Held = BTreeMap<ReqId, (ReplyTo, Instant)>;
@@ -190,11 +190,11 @@ impl Validator {
     }
 
     /// Empty buffers for the next entry this replica applies (`local_entry`).
-    pub fn buffers(&mut self) -> Applied {
+    pub fn buffers(&mut self) -> KeptEntry {
         self.spare.pop().unwrap_or_default()
     }
 
-    fn recycle(&mut self, mut a: Applied) {
+    fn recycle(&mut self, mut a: KeptEntry) {
         if self.spare.len() >= SPARE_ENTRIES
             || a.detail.capacity() > SPARE_BYTES_MAX
             || a.replies.capacity() > SPARE_BYTES_MAX
@@ -245,7 +245,7 @@ impl Validator {
     /// This replica applied entry `index`: the checked requests' deltas are
     /// `applied.detail` (its `digest` went to the peers), their replies and clients
     /// `applied.executed`, in the same order.
-    pub fn local_entry(&mut self, index: u64, digest: u32, applied: Applied) -> Vec<Outcome> {
+    pub fn local_entry(&mut self, index: u64, digest: u32, applied: KeptEntry) -> Vec<Outcome> {
         debug_assert_eq!(digest, self::digest(&applied.detail));
         let me = self.me;
         let e = self.entry_check(index);
@@ -365,7 +365,7 @@ impl Validator {
             assert_eq!(pos, x.pos);
             // A reply that already went out was confirmed by a majority of equal digests.
             let to = x.to.filter(|_| !released);
-            let reply = Applied::into_reply(&replies, x.reply);
+            let reply = KeptEntry::into_reply(&replies, x.reply);
             out.extend(self.local(ReqId { index, pos }, pairs, reply, x.origin, to));
         }
         out
@@ -793,7 +793,7 @@ mod tests {
 
     /// Our record of an entry of `count` requests with deltas `detail`, whose replies are
     /// "r<pos>": owned when the clients are `ours`, else in the shared buffer.
-    fn applied(detail: Vec<u8>, count: u32, origin: u64, ours: bool) -> Applied {
+    fn applied(detail: Vec<u8>, count: u32, origin: u64, ours: bool) -> KeptEntry {
         let mut replies = Vec::new();
         let executed = (0..count)
             .map(|pos| {
@@ -815,7 +815,7 @@ mod tests {
                 }
             })
             .collect();
-        Applied {
+        KeptEntry {
             detail,
             executed,
             replies,
