@@ -2813,13 +2813,13 @@ fn a_request_takes_no_commit_broadcast_between_replicas() {
     );
 }
 
-/// Allocations a replica may make per request of the test below: measured 29.5 (the
-/// leader), 31.0 (the follower with clients) and 25.3 (the other follower); 34.0 at the
-/// leader before a cross-check kept an entry's replies and deltas in reused buffers and
-/// our clients' replies were written into buffers the event loop handed back, 40.2
-/// before the entry and delta buffers were reserved once (docs/results.md §48, §49).
-/// Each entry holds one request here, the worst case: raft-rs clones an entry for each
-/// append.
+/// Allocations a replica may make per request of the test below: measured 28.8 and 30.3
+/// at the two replicas with clients and 24.5–25.2 at the other; 34.0 at the leader
+/// before a cross-check kept an entry's replies and deltas in reused buffers, our
+/// clients' replies were written into buffers the event loop handed back and a request
+/// line's tokens stayed on the stack, 40.2 before the entry and delta buffers were
+/// reserved once (docs/results.md §48, §49). Each entry holds one request here, the
+/// worst case: raft-rs clones an entry for each append.
 const ALLOCATIONS_PER_REQUEST: u64 = 33;
 
 /// Heap allocations per request, counted by every replica (`kv_allocations`, from the

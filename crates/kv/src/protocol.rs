@@ -78,6 +78,10 @@ pub fn item_size(key_len: usize, flags: u32, value_len: usize) -> usize {
     48 + 8 + key_len + 1 + if flags == 0 { 0 } else { 4 } + value_len + 2
 }
 
+/// Tokens of a request line kept on the stack; a line with more (a multi-get of many
+/// keys) spills into a vector. memcached's own limit for a non-get command is 24.
+const TOKENS_INLINE: usize = 24;
+
 /// Parse one request from the front of `buf`. `item_max` is the largest item accepted.
 pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
     let nl = buf.iter().position(|&b| b == b'\n');
@@ -113,7 +117,26 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     // memcached reads the line as a C string: a NUL byte ends it.
     let line = &line[..line.iter().position(|&b| b == 0).unwrap_or(line.len())];
-    let tokens: Vec<&[u8]> = line.split(|&b| b == b' ').filter(|t| !t.is_empty()).collect();
+    // The tokens: on the stack for every command but a long multi-get (a parse is on
+    // every request's path).
+    let mut inline: [&[u8]; TOKENS_INLINE] = [&[]; TOKENS_INLINE];
+    let mut spilled: Vec<&[u8]> = Vec::new();
+    let mut count = 0;
+    for t in line.split(|&b| b == b' ').filter(|t| !t.is_empty()) {
+        if count < TOKENS_INLINE {
+            inline[count] = t;
+        } else {
+            if spilled.is_empty() {
+                spilled.extend_from_slice(&inline);
+            }
+            spilled.push(t);
+        }
+        count += 1;
+    }
+    let tokens: &[&[u8]] = match count <= TOKENS_INLINE {
+        true => &inline[..count],
+        false => &spilled,
+    };
     let Some(&name) = tokens.first() else {
         return err("ERROR", line_len);
     };
@@ -647,6 +670,31 @@ mod tests {
                 assert_eq!((data.as_slice(), flags, noreply, consumed), (&b"abc"[..], 5, false, 18));
             }
             p => panic!("{p:?}"),
+        }
+    }
+
+    #[test]
+    fn a_get_of_more_keys_than_fit_on_the_stack_keeps_them_all_in_order() {
+        for n in [TOKENS_INLINE - 1, TOKENS_INLINE, TOKENS_INLINE + 1, 3 * TOKENS_INLINE] {
+            let names: Vec<String> = (0..n).map(|i| format!("key{i}")).collect();
+            let line = format!("get  {} \r\n", names.join("  "));
+            match parse(line.as_bytes(), MAX) {
+                Parsed::Request {
+                    req:
+                        Request::Data {
+                            cmd: Command::Get { keys, .. },
+                            ..
+                        },
+                    consumed,
+                    ..
+                } => {
+                    assert_eq!(consumed, line.len());
+                    let got: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+                    let want: Vec<&[u8]> = names.iter().map(|k| k.as_bytes()).collect();
+                    assert_eq!(got, want, "{n} keys");
+                }
+                other => panic!("{n} keys: {other:?}"),
+            }
         }
     }
 
