@@ -499,6 +499,24 @@ pub enum Ended {
     Unmounted,
 }
 
+/// Fault in (and, where allowed, lock) every page of the request buffer before the first
+/// read. The kernel copies a request into it; should that copy fault while this daemon is
+/// being killed (a crash, or kill -9), the copy fails and the kernel ends the request
+/// with EIO, which the application sees, instead of keeping it for the successor's
+/// resend. A fresh `vec![0; n]` this large is untouched zero pages, so every restarted
+/// daemon had that window on its first requests.
+fn make_resident(buf: &mut [u8]) {
+    const PAGE: usize = 4096;
+    for i in (0..buf.len()).step_by(PAGE) {
+        // SAFETY: a write within the buffer; volatile so that it is not elided.
+        unsafe { std::ptr::write_volatile(buf.as_mut_ptr().add(i), 0) };
+    }
+    // Best effort: without CAP_IPC_LOCK or room under RLIMIT_MEMLOCK the touched pages
+    // still stay resident unless the machine swaps.
+    // SAFETY: locking our own buffer's pages.
+    unsafe { libc::mlock(buf.as_ptr().cast(), buf.len()) };
+}
+
 /// Serves one FUSE connection from `fd`, in this thread.
 pub struct Session<'f, FS: Filesystem> {
     fs: FS,
@@ -536,6 +554,7 @@ impl<'f, FS: Filesystem> Session<'f, FS> {
     /// `ready` is called once INIT has been answered.
     pub fn run(&mut self, mut current: impl FnMut(u64), mut ready: impl FnMut()) -> io::Result<Ended> {
         let mut req = vec![0u8; BUFFER];
+        make_resident(&mut req);
         let mut out = Vec::with_capacity(BUFFER);
         loop {
             // SAFETY: reading one request into our buffer.
