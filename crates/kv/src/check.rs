@@ -97,10 +97,10 @@ pub struct KeptEntry {
     pub replies: Vec<u8>,
 }
 
-impl KeptEntry {
-    /// The reply of `x` (one of `executed`), as an owned buffer.
-    fn into_reply(replies: &[u8], x: KeptReply) -> Vec<u8> {
-        match x {
+impl KeptReply {
+    /// The reply as an owned buffer (`replies`: its entry's `KeptEntry::replies`).
+    fn into_owned(self, replies: &[u8]) -> Vec<u8> {
+        match self {
             KeptReply::Own(reply) => reply,
             KeptReply::Shared(at) => replies[at].to_vec(),
         }
@@ -124,8 +124,8 @@ struct EntryCheck {
     digests: [Option<u32>; MAX_REPLICAS],
     /// What we kept of the entry, once we applied it (its `executed` and `replies` are
     /// taken when the entry goes to the per-request vote).
-    applied: Option<KeptEntry>,
-    /// Requests in our `applied.detail`.
+    kept: Option<KeptEntry>,
+    /// Requests in our `kept.detail`.
     count: u32,
     /// Our clients' replies went out (or moved to the per-request vote).
     released: bool,
@@ -232,7 +232,7 @@ impl Validator {
     fn entry_check(&mut self, index: u64) -> &mut EntryCheck {
         self.entries.entry(index).or_insert_with(|| EntryCheck {
             digests: [None; MAX_REPLICAS],
-            applied: None,
+            kept: None,
             count: 0,
             released: false,
             voting: false,
@@ -243,15 +243,15 @@ impl Validator {
     }
 
     /// This replica applied entry `index`: the checked requests' deltas are
-    /// `applied.detail` (its `digest` went to the peers), their replies and clients
-    /// `applied.executed`, in the same order.
-    pub fn local_entry(&mut self, index: u64, digest: u32, applied: KeptEntry) -> Vec<Outcome> {
-        debug_assert_eq!(digest, self::digest(&applied.detail));
+    /// `kept.detail` (its `digest` went to the peers), their replies and clients
+    /// `kept.executed`, in the same order.
+    pub fn local_entry(&mut self, index: u64, digest: u32, kept: KeptEntry) -> Vec<Outcome> {
+        debug_assert_eq!(digest, self::digest(&kept.detail));
         let me = self.me;
         let e = self.entry_check(index);
         e.digests[me] = Some(digest);
-        e.count = applied.executed.len() as u32;
-        e.applied = Some(applied);
+        e.count = kept.executed.len() as u32;
+        e.kept = Some(kept);
         e.created = Instant::now();
         self.evaluate_entry(index)
     }
@@ -286,7 +286,7 @@ impl Validator {
         let (n, me) = (self.n, self.me);
         let majority = n / 2 + 1;
         let e = self.entries.get_mut(&index).expect("evaluated entry exists");
-        let Some(mine) = e.digests[me].filter(|_| e.applied.is_some()) else {
+        let Some(mine) = e.digests[me].filter(|_| e.kept.is_some()) else {
             return Vec::new();
         };
         let differs = e.digests[..n].iter().any(|d| d.is_some_and(|d| d != mine)) || !e.peer_details.is_empty();
@@ -295,7 +295,7 @@ impl Validator {
         if e.voting {
             // Each replica not heard in the vote yet votes with the deltas of any replica
             // whose digest equals its own (ours, or a peer's detail, or its own detail).
-            let ours = decode_detail(e.count, &e.applied.as_ref().expect("applied").detail);
+            let ours = decode_detail(e.count, &e.kept.as_ref().expect("applied").detail);
             let mut votes = Vec::new();
             for r in 0..n {
                 let (Some(d), false) = (e.digests[r], r == me || e.fed & (1 << r) != 0) else {
@@ -322,7 +322,7 @@ impl Validator {
         let agree = e.digests[..n].iter().filter(|d| **d == Some(mine)).count();
         if agree >= majority && !e.released {
             e.released = true;
-            for x in &mut e.applied.as_mut().expect("applied").executed {
+            for x in &mut e.kept.as_mut().expect("applied").executed {
                 if let (Some(to), KeptReply::Own(reply)) = (x.to, &mut x.reply) {
                     out.push(Outcome::Release {
                         req: ReqId { index, pos: x.pos },
@@ -333,8 +333,8 @@ impl Validator {
             }
         }
         if agree == n {
-            if let Some(applied) = self.entries.remove(&index).and_then(|e| e.applied) {
-                self.recycle(applied);
+            if let Some(kept) = self.entries.remove(&index).and_then(|e| e.kept) {
+                self.recycle(kept);
             }
         }
         out
@@ -354,10 +354,10 @@ impl Validator {
         e.voting = true;
         let released = std::mem::replace(&mut e.released, true);
         let count = e.count;
-        let applied = e.applied.as_mut().expect("applied");
-        let executed = std::mem::take(&mut applied.executed);
-        let replies = std::mem::take(&mut applied.replies);
-        let detail = applied.detail.clone();
+        let kept = e.kept.as_mut().expect("applied");
+        let executed = std::mem::take(&mut kept.executed);
+        let replies = std::mem::take(&mut kept.replies);
+        let detail = kept.detail.clone();
         let ours = decode_detail(count, &detail);
         assert_eq!(ours.len(), executed.len(), "one delta per executed request");
         let mut out = vec![Outcome::Detail { index, count, detail }];
@@ -365,7 +365,7 @@ impl Validator {
             assert_eq!(pos, x.pos);
             // A reply that already went out was confirmed by a majority of equal digests.
             let to = x.to.filter(|_| !released);
-            let reply = KeptEntry::into_reply(&replies, x.reply);
+            let reply = x.reply.into_owned(&replies);
             out.extend(self.local(ReqId { index, pos }, pairs, reply, x.origin, to));
         }
         out
@@ -534,7 +534,7 @@ impl Validator {
         for e in self.entries.values_mut() {
             if !e.released && now.duration_since(e.created) > REPLY_TIMEOUT {
                 e.released = true;
-                dropped.extend(e.applied.iter().flat_map(|a| &a.executed).filter_map(|x| x.to));
+                dropped.extend(e.kept.iter().flat_map(|k| &k.executed).filter_map(|x| x.to));
             }
         }
         self.entries.retain(|_, e| now.duration_since(e.created) <= WINDOW);

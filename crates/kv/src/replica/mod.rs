@@ -463,8 +463,8 @@ impl Replica {
         mine: impl Fn(u64) -> bool,
     ) -> Result<(), i32> {
         let room = SPENT_MAX.saturating_sub(self.reply_buffers.len());
+        // (What does not fit is dropped with the drain.)
         self.reply_buffers.extend(spent.drain(..).take(room));
-        spent.clear();
         for m in msgs.drain(..) {
             self.handle(m)?;
         }
