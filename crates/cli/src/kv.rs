@@ -235,11 +235,7 @@ fn serve(a: ServeArgs) -> i32 {
         mode,
         data_dir: a.data_dir,
         fsync: !a.opts.no_fsync,
-        limits: Limits {
-            memory_bytes: a.opts.memory_limit << 20,
-            item_max: a.opts.item_max,
-            ..Limits::default()
-        },
+        limits: Limits::new(a.opts.memory_limit << 20, a.opts.item_max),
         test_corruption: a.opts.test_corruption,
         events: a.events,
         snapshot_every: a.opts.snapshot_every.max(1),

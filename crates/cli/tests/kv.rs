@@ -354,6 +354,24 @@ fn pylibmc_binary_protocol_on_memcached_single_and_every_replica() {
     c.assert_agree();
 }
 
+/// The hash index is sized from the memory limit: at the default 64 MiB it has
+/// memcached's default hash power (16, compared against a real memcached), and a 1 GiB
+/// store gets 16 times the buckets instead of chains 16 times as long.
+#[test]
+fn the_hash_index_grows_with_the_memory_limit_like_memcacheds_default() {
+    let memcached = Memcached::start();
+    let reference = Mc::connect(memcached.port).unwrap().stats_general();
+    let (_default, port) = single_server(&[]);
+    let (_large, large_port) = single_server(&["--memory-limit", "1024"]);
+    let ours = Mc::connect(port).unwrap().stats_general();
+    assert_eq!(ours["hash_power_level"], reference["hash_power_level"]);
+    assert_eq!(ours["hash_is_expanding"], "0");
+    let large = Mc::connect(large_port).unwrap().stats_general();
+    assert_eq!(large["hash_power_level"], "20");
+    let bytes = |s: &std::collections::HashMap<String, String>| s["hash_bytes"].parse::<u64>().unwrap();
+    assert_eq!(bytes(&large), 16 * bytes(&ours));
+}
+
 /// Every corruption target, at rest (caught by the object's own check) and during an
 /// access (CRC recomputed: only the cross-check sees it), on a follower and the leader.
 #[test]

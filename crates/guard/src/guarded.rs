@@ -101,6 +101,12 @@ impl<T: Protected> Guarded<T> {
         &self.value
     }
 
+    /// The value, unchecked: for an object that is going away (its buffers may serve
+    /// another).
+    pub fn into_value(self) -> T {
+        self.value
+    }
+
     /// Overwrite the value with a repaired copy (the paper's `replace`).
     pub fn replace(&mut self, value: T) {
         self.crc = value.crc();

@@ -70,6 +70,26 @@ pub enum Command {
 
 /// A get's tag in the log's encoding of commands.
 const GET_TAG: u8 = 1;
+/// A store's (set, add, replace, append, prepend, cas).
+const STORE_TAG: u8 = 2;
+
+/// `bytes` into `buf`, reusing its capacity.
+fn refill(buf: &mut Vec<u8>, bytes: &[u8]) {
+    buf.clear();
+    buf.extend_from_slice(bytes);
+}
+
+fn decode_store_op(u: &mut Unpacker<'_>) -> Result<StoreOp, UnpackError> {
+    Ok(match u.u8()? {
+        0 => StoreOp::Set,
+        1 => StoreOp::Add,
+        2 => StoreOp::Replace,
+        3 => StoreOp::Append,
+        4 => StoreOp::Prepend,
+        5 => StoreOp::Cas,
+        _ => return Err(UnpackError("unknown store op")),
+    })
+}
 
 /// A get's fields after its tag: `with_cas`, `touch`, and its keys into `keys` (whose
 /// buffers are reused where there are some).
@@ -87,10 +107,7 @@ fn decode_get(u: &mut Unpacker<'_>, keys: &mut Vec<Vec<u8>>) -> Result<(bool, Op
     for i in 0..n {
         let key = u.bytes()?;
         match keys.get_mut(i) {
-            Some(k) => {
-                k.clear();
-                k.extend_from_slice(key);
-            }
+            Some(k) => refill(k, key),
             None => keys.push(key.to_vec()),
         }
     }
@@ -106,6 +123,35 @@ impl Command {
             Command::Meta { kind: b'a', key, .. } => Some(key),
             _ => None,
         }
+    }
+}
+
+/// Decodes a log entry's commands one after another into two reused slots, one for gets
+/// and one for everything else, so that a mix of gets and sets reuses the buffers of the
+/// last one of each kind (see [`Command::decode_into`]).
+pub struct Decoder {
+    get: Command,
+    other: Command,
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Decoder {
+            get: Command::empty(),
+            other: Command::empty(),
+        }
+    }
+}
+
+impl Decoder {
+    /// The next command of `u`, valid until the next call.
+    pub fn next(&mut self, u: &mut Unpacker<'_>) -> Result<&Command, UnpackError> {
+        let slot = match u.rest().first() {
+            Some(&GET_TAG) => &mut self.get,
+            _ => &mut self.other,
+        };
+        slot.decode_into(u)?;
+        Ok(slot)
     }
 }
 
@@ -229,7 +275,7 @@ impl Command {
                 data,
                 cas,
             } => {
-                p.u8(2);
+                p.u8(STORE_TAG);
                 p.u8(*op as u8);
                 p.bytes(key);
                 p.u32(*flags);
@@ -290,20 +336,36 @@ impl Command {
         }
     }
 
-    /// Whether the next command `u` holds is a get (see [`Command::decode_into`]).
-    pub fn next_is_get(u: &Unpacker<'_>) -> bool {
-        u.rest().first() == Some(&GET_TAG)
-    }
-
-    /// Decodes into `self`. A get decoded over a get reuses its key buffers: every replica
-    /// decodes every request at apply, and a get's keys were two allocations each time.
+    /// Decodes into `self`. A get decoded over a get reuses its key buffers, a store over a
+    /// store its key and value buffers: every replica decodes every request at apply, and
+    /// each of those buffers was an allocation each time.
     pub fn decode_into(&mut self, u: &mut Unpacker<'_>) -> Result<(), UnpackError> {
-        if let (Some(&GET_TAG), Command::Get { keys, with_cas, touch }) = (u.rest().first(), &mut *self) {
-            u.u8()?;
-            (*with_cas, *touch) = decode_get(u, keys)?;
-            return Ok(());
+        match (u.rest().first(), &mut *self) {
+            (Some(&GET_TAG), Command::Get { keys, with_cas, touch }) => {
+                u.u8()?;
+                (*with_cas, *touch) = decode_get(u, keys)?;
+            }
+            (
+                Some(&STORE_TAG),
+                Command::Store {
+                    op,
+                    key,
+                    flags,
+                    exptime,
+                    data,
+                    cas,
+                },
+            ) => {
+                u.u8()?;
+                *op = decode_store_op(u)?;
+                refill(key, u.bytes()?);
+                *flags = u.u32()?;
+                *exptime = u.u64()? as i64;
+                refill(data, u.bytes()?);
+                *cas = u.u64()?;
+            }
+            _ => *self = Command::decode(u)?,
         }
-        *self = Command::decode(u)?;
         Ok(())
     }
 
@@ -314,16 +376,8 @@ impl Command {
                 let (with_cas, touch) = decode_get(u, &mut keys)?;
                 Command::Get { keys, with_cas, touch }
             }
-            2 => {
-                let op = match u.u8()? {
-                    0 => StoreOp::Set,
-                    1 => StoreOp::Add,
-                    2 => StoreOp::Replace,
-                    3 => StoreOp::Append,
-                    4 => StoreOp::Prepend,
-                    5 => StoreOp::Cas,
-                    _ => return Err(UnpackError("unknown store op")),
-                };
+            STORE_TAG => {
+                let op = decode_store_op(u)?;
                 Command::Store {
                     op,
                     key: u.bytes()?.to_vec(),
@@ -404,6 +458,14 @@ mod tests {
                 data: b"v\r\n".to_vec(),
                 cas: 9,
             },
+            Command::Store {
+                op: StoreOp::Append,
+                key: b"a longer key".to_vec(),
+                flags: 0,
+                exptime: -1,
+                data: Vec::new(),
+                cas: 0,
+            },
             Command::Delete { key: b"k".to_vec() },
             Command::Arith {
                 key: b"n".to_vec(),
@@ -428,6 +490,16 @@ mod tests {
                 data: Vec::new(),
             })),
         ];
+        // One after another through a decoder, each into the buffers of the one before
+        // of its kind, then in reverse order.
+        let mut decoder = Decoder::default();
+        for c in cmds.iter().chain(cmds.iter().rev()) {
+            let mut p = Packer::default();
+            c.encode(&mut p);
+            let mut u = Unpacker::new(&p.buf);
+            assert_eq!(decoder.next(&mut u).unwrap(), c);
+            assert!(u.is_empty());
+        }
         for c in cmds {
             let mut p = Packer::default();
             c.encode(&mut p);

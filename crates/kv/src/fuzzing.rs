@@ -33,9 +33,9 @@ pub fn decode_all(data: &[u8]) {
         item_max: 4096,
     };
     if let Ok(mut store) = Store::restore(limits, data) {
-        if let Ok(mut cmd) = cmd {
+        if let Ok(cmd) = cmd {
             let mut delta = lockstep_guard::Delta::new();
-            store.apply(&mut cmd, 1, &mut delta);
+            store.apply(&cmd, 1, &mut delta);
         }
         let _ = store.digest();
         let _ = store.snapshot();

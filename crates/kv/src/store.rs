@@ -28,13 +28,31 @@ pub struct Limits {
     pub item_max: usize,
 }
 
+/// Memory per bucket of the hash index: the index is sized once, from the memory limit,
+/// so that a full store of small items (about 500 bytes each) has about two per bucket.
+/// A fixed count made every lookup of a large store check and scan a long bucket:
+/// 128 entries at 1 GiB.
+const BYTES_PER_BUCKET: u64 = 1024;
+/// Bucket counts are powers of two between these (memcached's default hash power, 16,
+/// is where 64 MiB lands).
+const BUCKETS_MIN: u32 = 1 << 12;
+const BUCKETS_MAX: u32 = 1 << 24;
+
+impl Limits {
+    /// Limits for a store of `memory_bytes`, with a hash index sized for it.
+    pub fn new(memory_bytes: u64, item_max: usize) -> Self {
+        let wanted = (memory_bytes / BYTES_PER_BUCKET).clamp(BUCKETS_MIN.into(), BUCKETS_MAX.into());
+        Limits {
+            buckets: (wanted as u32).next_power_of_two(),
+            memory_bytes,
+            item_max,
+        }
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            buckets: 1 << 14,
-            memory_bytes: 64 << 20,
-            item_max: 1 << 20,
-        }
+        Limits::new(64 << 20, 1 << 20)
     }
 }
 
@@ -46,9 +64,77 @@ pub struct Store {
     slab: Guarded<Slab>,
     free_chunks: Vec<Option<Guarded<FreeChunk>>>,
     globals: Guarded<Globals>,
+    /// Buffers of items that are gone, for the next items' keys and values.
+    spare: Spare,
 }
 
 type R<T> = Result<T, Corrupt>;
+
+/// Spare key or value buffers kept, at most, per kind.
+const SPARE_BUFFERS: usize = 64;
+/// A value buffer larger than this is freed, not kept.
+const SPARE_VALUE_MAX: usize = 16 << 10;
+
+#[derive(Clone, Copy)]
+enum SpareKind {
+    Key,
+    Value,
+}
+
+/// The buffers of items that were removed (evicted, deleted, expired), reused for new
+/// items: a full store takes a set by evicting an item, and its key and value buffers
+/// serve the new one instead of a free and a malloc each. Only capacity is reused, never
+/// content, so no replica's state depends on it. At most `SPARE_BUFFERS` of each kind, none
+/// over `SPARE_VALUE_MAX`: about 1 MiB.
+#[derive(Default)]
+struct Spare {
+    keys: Vec<Vec<u8>>,
+    values: Vec<Vec<u8>>,
+}
+
+impl Spare {
+    fn keep(&mut self, item: Item) {
+        if self.keys.len() < SPARE_BUFFERS {
+            self.keys.push(item.key);
+        }
+        if self.values.len() < SPARE_BUFFERS && item.value.capacity() <= SPARE_VALUE_MAX {
+            self.values.push(item.value);
+        }
+    }
+
+    /// A buffer holding `bytes`: the last one kept if it fits them (see `fits`), else a
+    /// new one.
+    fn take(&mut self, kind: SpareKind, bytes: &[u8]) -> Vec<u8> {
+        let list = match kind {
+            SpareKind::Key => &mut self.keys,
+            SpareKind::Value => &mut self.values,
+        };
+        match list.pop() {
+            Some(mut buf) if fits(buf.capacity(), bytes.len()) => {
+                buf.clear();
+                buf.extend_from_slice(bytes);
+                buf
+            }
+            _ => bytes.to_vec(),
+        }
+    }
+}
+
+/// Whether a buffer of `capacity` may hold `len` bytes: room enough, and not so much that
+/// an item holds memory far beyond the size it is accounted at.
+fn fits(capacity: usize, len: usize) -> bool {
+    capacity >= len && capacity <= 2 * len + 64
+}
+
+/// `bytes` into an item's buffer, in place when it fits them (see `fits`).
+fn refill(buf: &mut Vec<u8>, bytes: &[u8]) {
+    if fits(buf.capacity(), bytes.len()) {
+        buf.clear();
+        buf.extend_from_slice(bytes);
+    } else {
+        *buf = bytes.to_vec();
+    }
+}
 
 /// Which object a test-only corruption hits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +161,7 @@ impl Store {
             slab: Guarded::restore(SLAB_ID, Slab::default()),
             free_chunks: Vec::new(),
             globals: Guarded::restore(GLOBALS_ID, Globals::default()),
+            spare: Spare::default(),
         }
     }
 
@@ -87,13 +174,22 @@ impl Store {
         memory_limit(&self.limits, self.globals.peek())
     }
 
+    /// The hash index's size as memcached's stats show it: log2 of the bucket count, and
+    /// the bytes of the bucket array (without the buckets' entries).
+    pub fn hash_size(&self) -> (u32, usize) {
+        (
+            self.limits.buckets.trailing_zeros(),
+            self.buckets.len() * std::mem::size_of::<Guarded<Bucket>>(),
+        )
+    }
+
     /// Execute one command at log time `now_ms`. The reply is recorded in the delta. On a
     /// failed object check the command stops where it is; the reply is then an error that
     /// no client must see (the cross-check will disagree with it), and the delta names the
     /// object.
     /// A store command's value moves into the item (its `data` is left empty): a
     /// request's value is copied once, from the log into the command, not again here.
-    pub fn apply(&mut self, cmd: &mut Command, now_ms: u64, delta: &mut Delta) -> Vec<u8> {
+    pub fn apply(&mut self, cmd: &Command, now_ms: u64, delta: &mut Delta) -> Vec<u8> {
         let mut reply = Vec::new();
         self.apply_into(cmd, now_ms, delta, &mut reply);
         reply
@@ -101,7 +197,7 @@ impl Store {
 
     /// [`Store::apply`], the reply written into `reply` (emptied first): a replica that
     /// sends no reply for a request reuses one buffer for all of them.
-    pub fn apply_into(&mut self, cmd: &mut Command, now_ms: u64, delta: &mut Delta, reply: &mut Vec<u8>) {
+    pub fn apply_into(&mut self, cmd: &Command, now_ms: u64, delta: &mut Delta, reply: &mut Vec<u8>) {
         reply.clear();
         self.apply_append(cmd, now_ms, delta, reply);
     }
@@ -109,13 +205,7 @@ impl Store {
     /// [`Store::apply`], the reply appended to `out` (which may hold other replies):
     /// returns where in `out` it is. The replies a cross-checking replica keeps for an
     /// entry share one buffer this way.
-    pub fn apply_append(
-        &mut self,
-        cmd: &mut Command,
-        now_ms: u64,
-        delta: &mut Delta,
-        out: &mut Vec<u8>,
-    ) -> Range<usize> {
+    pub fn apply_append(&mut self, cmd: &Command, now_ms: u64, delta: &mut Delta, out: &mut Vec<u8>) -> Range<usize> {
         let start = out.len();
         let result = self
             .advance_clock(now_ms, delta)
@@ -137,7 +227,7 @@ impl Store {
         Ok(now_ms)
     }
 
-    fn execute(&mut self, cmd: &mut Command, now: u64, d: &mut Delta, out: &mut Vec<u8>) -> R<()> {
+    fn execute(&mut self, cmd: &Command, now: u64, d: &mut Delta, out: &mut Vec<u8>) -> R<()> {
         match cmd {
             Command::Get { keys, with_cas, touch } => {
                 for key in keys {
@@ -174,7 +264,6 @@ impl Store {
                 data,
                 cas,
             } => {
-                let data = std::mem::take(data);
                 let reply = self.store(*op, key, *flags, *exptime, data, *cas, MetaStore::default(), now, d)?;
                 out.extend_from_slice(reply);
             }
@@ -243,7 +332,7 @@ impl Store {
         key: &[u8],
         flags: u32,
         exptime: i64,
-        data: Vec<u8>,
+        data: &[u8],
         cas_in: u64,
         how: MetaStore,
         now: u64,
@@ -289,14 +378,12 @@ impl Store {
                     let mut it = self.item_mut(slot, d)?;
                     let old = it.size();
                     match op {
-                        StoreOp::Append => it.value.extend_from_slice(&data),
+                        StoreOp::Append => it.value.extend_from_slice(data),
                         StoreOp::Prepend => {
-                            let mut v = data;
-                            v.extend_from_slice(&it.value);
-                            it.value = v;
+                            it.value.splice(0..0, data.iter().copied());
                         }
                         _ => {
-                            it.value = data;
+                            refill(&mut it.value, data);
                             it.flags = flags;
                             it.exptime_ms = exp;
                         }
@@ -317,8 +404,8 @@ impl Store {
             }
             None => {
                 let item = Item {
-                    key: key.to_vec(),
-                    value: data,
+                    key: self.spare.take(SpareKind::Key, key),
+                    value: self.spare.take(SpareKind::Value, data),
                     flags,
                     exptime_ms: exp,
                     cas,
@@ -474,7 +561,7 @@ impl Store {
                 let (slot, created) = match slot {
                     Some(s) => (Some(s), false),
                     None if flag(b'N').is_some() => {
-                        self.store(StoreOp::Add, key, 0, 0, Vec::new(), 0, MetaStore::default(), now, d)?;
+                        self.store(StoreOp::Add, key, 0, 0, &[], 0, MetaStore::default(), now, d)?;
                         (self.lookup(key, now, d)?, true)
                     }
                     None => (None, false),
@@ -564,7 +651,7 @@ impl Store {
                     key_binary: flag(b'b').is_some(),
                     set_stale: flag(b'I').is_some(),
                 };
-                let reply = self.store(op, key, item_flags, ttl, data.to_vec(), cas_in, how, now, d)?;
+                let reply = self.store(op, key, item_flags, ttl, data, cas_in, how, now, d)?;
                 let code: &[u8] = match reply {
                     b"STORED\r\n" => b"HD",
                     b"EXISTS\r\n" => b"EX",
@@ -646,7 +733,7 @@ impl Store {
                             let initial = unsigned(b'J').unwrap_or(0).to_string().into_bytes();
                             let how = MetaStore::default();
                             let stored =
-                                self.store(StoreOp::Add, key, 0, ttl as i32 as i64, initial.clone(), 0, how, now, d)?;
+                                self.store(StoreOp::Add, key, 0, ttl as i32 as i64, &initial, 0, how, now, d)?;
                             if stored != b"STORED\r\n" {
                                 out.extend_from_slice(b"NS");
                                 out.extend_from_slice(&returned(self, None, None, None, d)?);
@@ -875,7 +962,9 @@ impl Store {
             g.items -= 1;
             g.bytes = g.bytes.saturating_sub(size);
         }
-        self.items[slot as usize] = None;
+        if let Some(gone) = self.items[slot as usize].take() {
+            self.spare.keep(gone.into_value());
+        }
         self.links[slot as usize] = None;
         d.record(item_id(slot), GONE);
         d.record(links_id(slot), GONE);
@@ -1229,17 +1318,21 @@ impl Store {
 
     /// `snapshot`, appended to `p`.
     pub fn snapshot_into(&self, p: &mut Packer) {
-        let mut ids = Vec::new();
-        self.for_each_object(|g| ids.push((g.gid(), g.gcrc())));
         p.u32(self.limits.buckets);
-        p.u64(ids.len() as u64);
-        for (id, crc) in ids {
-            p.u64(id.0);
+        // The count goes first; it is known once every object is packed (packed in one
+        // pass: a list of the ids first took 16 bytes per object, 6 MiB at 64 MiB).
+        let count_at = p.buf.len();
+        p.u64(0);
+        let mut count = 0u64;
+        self.for_each_object(|g| {
+            p.u64(g.gid().0);
             // The stored CRC travels with the object, so that an object that is already
             // corrupt here is still caught on the replica that installs the snapshot.
-            p.u32(crc);
-            p.nested(|p| self.pack_object(id, p));
-        }
+            p.u32(g.gcrc());
+            p.nested(|p| g.gpack(p));
+            count += 1;
+        });
+        p.buf[count_at..count_at + 8].copy_from_slice(&count.to_le_bytes());
     }
 
     /// Rebuild from `snapshot`'s bytes (the limits other than the bucket count are ours).
@@ -1526,8 +1619,8 @@ fn mix(mut x: u64) -> u64 {
 mod flush_tests {
     use super::*;
 
-    fn run(s: &mut Store, mut cmd: Command, now: u64) -> String {
-        String::from_utf8(s.apply(&mut cmd, now, &mut Delta::default())).unwrap()
+    fn run(s: &mut Store, cmd: Command, now: u64) -> String {
+        String::from_utf8(s.apply(&cmd, now, &mut Delta::default())).unwrap()
     }
 
     fn set(key: &str) -> Command {
@@ -1594,6 +1687,71 @@ mod flush_tests {
         assert!(s.pack_object(id, &mut healthy));
         restored.replace_object(id, Some(&healthy.buf)).unwrap();
         assert_eq!(run(&mut restored, set("one-more"), 3000), "STORED\r\n");
+    }
+
+    /// A full store takes each new item's buffers from the items it evicted (no malloc
+    /// per set once it is full), and no item keeps a buffer far beyond its value's size
+    /// (the memory limit counts sizes, not capacities).
+    #[test]
+    fn evicted_items_lend_their_buffers_and_no_item_keeps_a_far_larger_one() {
+        let limits = Limits::new(1 << 20, 1 << 20);
+        let mut s = Store::new(limits);
+        let value = |n: usize| Command::Store {
+            op: StoreOp::Set,
+            key: format!("key-{n:06}").into_bytes(),
+            flags: 0,
+            exptime: 0,
+            data: vec![b'v'; 400],
+            cas: 0,
+        };
+        let mut n = 0;
+        while s.globals.peek().evictions == 0 {
+            assert_eq!(run(&mut s, value(n), 1000), "STORED\r\n");
+            n += 1;
+        }
+        let kept = s.spare.values.len();
+        assert!(kept > 0, "an eviction kept no buffer");
+        let (spare_key, spare_value) = (s.spare.keys[kept - 1].as_ptr(), s.spare.values[kept - 1].as_ptr());
+        let before = s.globals.peek().evictions;
+        assert_eq!(run(&mut s, value(n), 1000), "STORED\r\n");
+        assert_eq!(s.globals.peek().evictions, before + 1);
+        let slot = s.globals.peek().lru_head as usize;
+        let item = s.items[slot].as_ref().unwrap().peek();
+        assert_eq!(item.key, format!("key-{n:06}").as_bytes());
+        assert_eq!(
+            item.value.as_ptr(),
+            spare_value,
+            "the new value is in an evicted item's buffer"
+        );
+        assert_eq!(
+            item.key.as_ptr(),
+            spare_key,
+            "the new key is in an evicted item's buffer"
+        );
+        assert_eq!(s.spare.values.len(), kept, "one buffer taken, one given back");
+        // The bound on spare buffers holds however many items go.
+        let flushed_at = 2000;
+        run(&mut s, Command::FlushAll { delay: 0 }, flushed_at);
+        for k in 0..=n {
+            run(&mut s, get(&format!("key-{k:06}")), flushed_at);
+        }
+        assert_eq!(s.globals.peek().items, 0);
+        assert!(s.spare.values.len() <= SPARE_BUFFERS && s.spare.keys.len() <= SPARE_BUFFERS);
+        // A value replaced by a much smaller one does not keep its old buffer.
+        let sized = |data: Vec<u8>| Command::Store {
+            op: StoreOp::Set,
+            key: b"resized".to_vec(),
+            flags: 0,
+            exptime: 0,
+            data,
+            cas: 0,
+        };
+        run(&mut s, sized(vec![b'x'; 64 << 10]), 3000);
+        run(&mut s, sized(b"tiny".to_vec()), 3000);
+        let slot = s.lookup(b"resized", 3000, &mut Delta::default()).unwrap().unwrap();
+        let item = s.items[slot as usize].as_ref().unwrap().peek();
+        assert_eq!(item.value, b"tiny");
+        assert!(item.value.capacity() <= 2 * 4 + 64, "{}", item.value.capacity());
     }
 
     /// As memcached: flush_all removes what was stored before it, even in the same

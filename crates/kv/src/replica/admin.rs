@@ -173,6 +173,10 @@ impl Replica {
                 stat("bytes", g.bytes.to_string());
                 stat("limit_maxbytes", self.store.memory_limit().to_string());
                 stat("evictions", g.evictions.to_string());
+                let (power, bytes) = self.store.hash_size();
+                stat("hash_power_level", power.to_string());
+                stat("hash_bytes", bytes.to_string());
+                stat("hash_is_expanding", "0".into());
             }
             let role = match &self.raft {
                 None => "single".to_string(),

@@ -9,7 +9,7 @@
 //! them before it applies anything else.
 
 use crate::check::{self, Executed, KeptReply, Outcome, ReplyTo, ReqId, Validator};
-use crate::command::Command;
+use crate::command::{Command, Decoder};
 use crate::dedupe::Applied;
 use crate::net::peer::Peers;
 use crate::net::poll::Poller;
@@ -313,9 +313,9 @@ pub struct Replica {
     incarnation: u64,
     started: Instant,
     counters: Counters,
-    /// The last get applied, kept so that the next one reuses its buffers
-    /// (`Command::decode_into`).
-    last_get: Command,
+    /// The last get and the last other command applied, kept so that the next ones reuse
+    /// their buffers.
+    decoder: Decoder,
     /// Where replies nobody is sent are written (kept up to SPARE_REPLY_MAX bytes).
     spare_reply: Vec<u8>,
     /// Buffers of replies the event loop has written out, for our clients' next replies.
@@ -669,7 +669,7 @@ impl Replica {
             incarnation: now_ms() ^ (std::process::id() as u64) << 40,
             started: Instant::now(),
             counters: Counters::default(),
-            last_get: Command::empty(),
+            decoder: Decoder::default(),
             spare_reply: Vec::new(),
             reply_buffers: Vec::new(),
             threads: 1,
@@ -889,18 +889,11 @@ impl Replica {
         // (Taken out for the loop, as the store and the counters borrow the replica; put
         // back after it. An entry that does not decode leaves an empty one: the replica
         // halts then.)
-        let mut last_get = std::mem::replace(&mut self.last_get, Command::empty());
+        let mut decoder = std::mem::take(&mut self.decoder);
         for pos in 0..n {
             let conn = u.u64()?;
             let seq = u.u64()?;
-            let mut other;
-            let cmd = if Command::next_is_get(u) {
-                last_get.decode_into(u)?;
-                &mut last_get
-            } else {
-                other = Command::decode(u)?;
-                &mut other
-            };
+            let cmd = decoder.next(u)?;
             // (A single replica proposes nothing twice: no table to keep.)
             if self.raft.is_some() && !self.applied_tags.first_time((origin, incarnation, conn, seq)) {
                 continue;
@@ -956,7 +949,7 @@ impl Replica {
                 self.spare_reply = reply;
             }
         }
-        self.last_get = last_get;
+        self.decoder = decoder;
         if !u.is_empty() {
             return Err(UnpackError("trailing bytes in batch"));
         }
