@@ -105,7 +105,9 @@ impl Protected for Item {
     }
 }
 
-/// An item's place in the LRU list and its last access (log time).
+/// An item's place in the LRU list and its last access (log time), with what taking the
+/// item out of the index and the accounting needs: an eviction reads these small links,
+/// not the whole item (whose check would read every byte of a cold value).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Links {
     pub prev: u32,
@@ -113,6 +115,10 @@ pub struct Links {
     pub accessed_ms: u64,
     /// Read since it was stored (memcached's ITEM_FETCHED: `mg h`, metadump's `fetch`).
     pub fetched: bool,
+    /// The item's key hash (its bucket and its entry there).
+    pub key_hash: u32,
+    /// The item's size as accounted (`Item::size`).
+    pub size: u64,
 }
 
 impl Protected for Links {
@@ -120,17 +126,18 @@ impl Protected for Links {
         p.u32(self.prev);
         p.u32(self.next);
         p.u64(self.accessed_ms);
-        // Only when set, so that links packed before the field existed keep their CRCs.
-        if self.fetched {
-            p.u8(1);
-        }
+        p.u8(self.fetched as u8);
+        p.u32(self.key_hash);
+        p.u64(self.size);
     }
     fn unpack(u: &mut Unpacker<'_>) -> Result<Self, UnpackError> {
         Ok(Links {
             prev: u.u32()?,
             next: u.u32()?,
             accessed_ms: u.u64()?,
-            fetched: !u.is_empty() && u.u8()? == 1,
+            fetched: u.u8()? == 1,
+            key_hash: u.u32()?,
+            size: u.u64()?,
         })
     }
 }

@@ -894,6 +894,8 @@ impl Store {
                 next: old_head,
                 accessed_ms: now,
                 fetched: false,
+                key_hash: hash,
+                size,
             },
             d,
         ));
@@ -925,11 +927,20 @@ impl Store {
         }
     }
 
+    /// Takes the item out of the index, the LRU list and the accounting. The item itself
+    /// is not read (its links say where it is and what it counts for): an evicted item is
+    /// cold, and a check would read all of its value for nothing.
     fn unlink(&mut self, slot: u32, d: &mut Delta) -> R<()> {
-        let (key_hash, size) = {
-            let it = self.item(slot, d)?;
-            (lockstep_core::crc32c(&it.key), it.size())
-        };
+        if self.items.get(slot as usize).is_none_or(|s| s.is_none()) {
+            return Err(self.dangling(item_id(slot), d));
+        }
+        let Links {
+            prev,
+            next,
+            key_hash,
+            size,
+            ..
+        } = self.links_of(slot, d)?;
         let b = key_hash & (self.limits.buckets - 1);
         {
             let mut bucket = self.buckets[b as usize].write(d)?;
@@ -941,10 +952,6 @@ impl Store {
                 return Err(Corrupt(bucket_id(b)));
             }
         }
-        let (prev, next) = {
-            let l = self.links_mut(slot, d)?;
-            (l.prev, l.next)
-        };
         if prev != NIL {
             self.links_mut(prev, d)?.next = next;
         }
@@ -1048,6 +1055,7 @@ impl Store {
             next,
             accessed_ms: accessed,
             fetched: was,
+            ..
         } = self.links_of(slot, d)?;
         let now_fetched = match fetched {
             Fetched::Yes => true,
@@ -1087,7 +1095,8 @@ impl Store {
     /// Update the byte count after an item changed size in place, and evict if needed.
     fn account(&mut self, old_size: u64, slot: u32, d: &mut Delta) -> R<()> {
         let new_size = self.item(slot, d)?.size();
-        {
+        if new_size != old_size {
+            self.links_mut(slot, d)?.size = new_size;
             let mut g = self.globals.write(d)?;
             g.bytes = g.bytes.saturating_sub(old_size) + new_size;
         }
@@ -1687,6 +1696,53 @@ mod flush_tests {
         assert!(s.pack_object(id, &mut healthy));
         restored.replace_object(id, Some(&healthy.buf)).unwrap();
         assert_eq!(run(&mut restored, set("one-more"), 3000), "STORED\r\n");
+    }
+
+    /// An item's links carry its key hash and size (an eviction reads only them): after
+    /// stores, replaces, appends, prepends, counters that grow, deletes and evictions,
+    /// every item's links agree with the item, and the sizes add up to the store's bytes.
+    #[test]
+    fn every_items_links_know_its_bucket_and_size() {
+        let mut s = Store::new(Limits::new(256 << 10, 1 << 20));
+        let store = |op: StoreOp, key: &str, data: &[u8]| Command::Store {
+            op,
+            key: key.into(),
+            flags: 0,
+            exptime: 0,
+            data: data.to_vec(),
+            cas: 0,
+        };
+        // 300 keys change in every way, then new keys evict some of them.
+        for n in 0..4000usize {
+            let key = match n {
+                ..3000 => format!("k{}", n % 300),
+                _ => format!("new{n}"),
+            };
+            let cmd = match if n < 3000 { n % 7 } else { 5 } {
+                0 => store(StoreOp::Append, &key, b"-tail"),
+                1 => store(StoreOp::Prepend, &key, b"head-"),
+                2 => Command::Delete { key: key.into_bytes() },
+                3 => Command::Arith {
+                    key: key.into_bytes(),
+                    incr: true,
+                    delta: 1 << 40,
+                },
+                4 => store(StoreOp::Set, &key, b"9"),
+                _ => store(StoreOp::Set, &key, &vec![b'v'; 100 + (n * 37) % 900]),
+            };
+            run(&mut s, cmd, 1000);
+        }
+        assert!(s.globals.peek().evictions > 0, "the test wants evictions");
+        let mut bytes = 0;
+        for (slot, item) in s.items.iter().enumerate() {
+            let Some(item) = item else { continue };
+            let item = item.peek();
+            let links = s.links[slot].as_ref().expect("links of a live item").peek();
+            assert_eq!(links.key_hash, lockstep_core::crc32c(&item.key));
+            assert_eq!(links.size, item.size());
+            bytes += item.size();
+        }
+        assert_eq!(bytes, s.globals.peek().bytes);
     }
 
     /// A full store takes each new item's buffers from the items it evicted (no malloc

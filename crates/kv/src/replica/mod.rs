@@ -1247,8 +1247,9 @@ impl Replica {
 /// A Raft snapshot's data: the store's objects and the applied-request table.
 /// The layout of a snapshot's data (the store, then the applied-request table). Raised
 /// whenever either changes, so that a data directory or a peer from another layout is
-/// refused with a clear message instead of misread. 3: the applied-request window.
-const SNAPSHOT_FORMAT: u32 = 3;
+/// refused with a clear message instead of misread. 3: the applied-request window. 4: an
+/// item's links hold its key hash and size; the bucket count follows the memory limit.
+const SNAPSHOT_FORMAT: u32 = 4;
 
 /// What `restore_data` reads, written into `buf` (emptied first).
 fn snapshot_bytes(store: &Store, tags: &Applied, mut buf: Vec<u8>) -> Vec<u8> {
