@@ -2,6 +2,7 @@
 //! replica needs to execute it is here; connection matters (noreply, which socket) stay
 //! with the replica that received it.
 
+use crate::buffers::refill;
 use lockstep_guard::{Packer, UnpackError, Unpacker};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,12 +73,6 @@ pub enum Command {
 const GET_TAG: u8 = 1;
 /// A store's (set, add, replace, append, prepend, cas).
 const STORE_TAG: u8 = 2;
-
-/// `bytes` into `buf`, reusing its capacity.
-fn refill(buf: &mut Vec<u8>, bytes: &[u8]) {
-    buf.clear();
-    buf.extend_from_slice(bytes);
-}
 
 fn decode_store_op(u: &mut Unpacker<'_>) -> Result<StoreOp, UnpackError> {
     Ok(match u.u8()? {

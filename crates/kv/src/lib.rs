@@ -1,6 +1,7 @@
 //! `lockstep kv`: a replicated memcached-protocol store that cross-checks state deltas.
 
 pub mod binary;
+pub mod buffers;
 pub mod check;
 pub mod command;
 pub mod dedupe;

@@ -2,6 +2,7 @@
 //! panics and never trusts a length: every malformed line gets memcached's error reply,
 //! and an over-long line or an absurd value length closes the connection.
 
+use crate::buffers::Buffers;
 use crate::command::{Command, StoreOp};
 
 /// memcached's key limit.
@@ -84,6 +85,12 @@ const TOKENS_INLINE: usize = 24;
 
 /// Parse one request from the front of `buf`. `item_max` is the largest item accepted.
 pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
+    parse_with(buf, item_max, &mut Buffers::default())
+}
+
+/// [`parse`], a get's or a store's key and value written into `buffers`' spare buffers
+/// (the event loop's, which requests that are done with give back).
+pub fn parse_with(buf: &[u8], item_max: usize, buffers: &mut Buffers) -> Parsed {
     let nl = buf.iter().position(|&b| b == b'\n');
     // memcached: more than 2 KiB of a line can only be a long multi-get; anything else
     // closes the connection, without a reply. (Checked whether or not the newline has
@@ -177,7 +184,7 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
                 return err(BAD_FORMAT, line_len);
             }
             let cmd = Command::Get {
-                keys: keys.iter().map(|k| k.to_vec()).collect(),
+                keys: buffers.key_list(keys),
                 with_cas: name.ends_with(b"s"),
                 touch: exptime,
             };
@@ -249,10 +256,10 @@ pub fn parse(buf: &[u8], item_max: usize) -> Parsed {
             };
             let cmd = Command::Store {
                 op,
-                key: key.to_vec(),
+                key: buffers.copy(key),
                 flags,
                 exptime,
-                data: value.to_vec(),
+                data: buffers.copy(value),
                 cas,
             };
             data(cmd, noreply, total)
@@ -650,6 +657,40 @@ mod tests {
     use super::*;
 
     const MAX: usize = 1 << 20;
+
+    /// A set's key and value, and a get's key list, are parsed into the buffers of
+    /// requests that are done with (what the event loop gets back from the replica).
+    #[test]
+    fn a_request_is_parsed_into_the_buffers_of_one_that_is_done() {
+        let mut buffers = Buffers::default();
+        let set = |key: &str| [format!("set {key} 0 0 400\r\n").as_bytes(), &[b'v'; 400], b"\r\n"].concat();
+        let cmd = |p: Parsed| match p {
+            Parsed::Request {
+                req: Request::Data { cmd, .. },
+                ..
+            } => cmd,
+            other => panic!("{other:?}"),
+        };
+        let first = cmd(parse_with(&set("key-1"), MAX, &mut buffers));
+        let Command::Store { key, data, .. } = &first else {
+            panic!()
+        };
+        let (key_at, data_at) = (key.as_ptr(), data.as_ptr());
+        buffers.keep_command(first);
+        let second = cmd(parse_with(&set("key-2"), MAX, &mut buffers));
+        let Command::Store { key, data, .. } = &second else {
+            panic!()
+        };
+        assert_eq!((key.as_slice(), data.len()), (&b"key-2"[..], 400));
+        assert_eq!((key.as_ptr(), data.as_ptr()), (key_at, data_at));
+        let get = cmd(parse_with(b"get a b\r\n", MAX, &mut buffers));
+        let Command::Get { keys, .. } = &get else { panic!() };
+        let list_at = keys.as_ptr();
+        buffers.keep_command(get);
+        let again = cmd(parse_with(b"get c\r\n", MAX, &mut buffers));
+        let Command::Get { keys, .. } = &again else { panic!() };
+        assert_eq!((keys.as_slice(), keys.as_ptr()), (&[b"c".to_vec()][..], list_at));
+    }
 
     #[test]
     fn set_waits_for_its_data_block() {

@@ -3,6 +3,7 @@
 //! reaches the same state and the same replies. Every object access goes through its guard
 //! and lands in the request's [`Delta`].
 
+use crate::buffers::{refill, Buffers};
 use crate::command::{Command, StoreOp};
 use crate::objects::*;
 use lockstep_guard::{Corrupt, Delta, Guarded, ObjectId, Packer, Protected, UnpackError, Unpacker};
@@ -65,76 +66,10 @@ pub struct Store {
     free_chunks: Vec<Option<Guarded<FreeChunk>>>,
     globals: Guarded<Globals>,
     /// Buffers of items that are gone, for the next items' keys and values.
-    spare: Spare,
+    spare: Buffers,
 }
 
 type R<T> = Result<T, Corrupt>;
-
-/// Spare key or value buffers kept, at most, per kind.
-const SPARE_BUFFERS: usize = 64;
-/// A value buffer larger than this is freed, not kept.
-const SPARE_VALUE_MAX: usize = 16 << 10;
-
-#[derive(Clone, Copy)]
-enum SpareKind {
-    Key,
-    Value,
-}
-
-/// The buffers of items that were removed (evicted, deleted, expired), reused for new
-/// items: a full store takes a set by evicting an item, and its key and value buffers
-/// serve the new one instead of a free and a malloc each. Only capacity is reused, never
-/// content, so no replica's state depends on it. At most `SPARE_BUFFERS` of each kind, none
-/// over `SPARE_VALUE_MAX`: about 1 MiB.
-#[derive(Default)]
-struct Spare {
-    keys: Vec<Vec<u8>>,
-    values: Vec<Vec<u8>>,
-}
-
-impl Spare {
-    fn keep(&mut self, item: Item) {
-        if self.keys.len() < SPARE_BUFFERS {
-            self.keys.push(item.key);
-        }
-        if self.values.len() < SPARE_BUFFERS && item.value.capacity() <= SPARE_VALUE_MAX {
-            self.values.push(item.value);
-        }
-    }
-
-    /// A buffer holding `bytes`: the last one kept if it fits them (see `fits`), else a
-    /// new one.
-    fn take(&mut self, kind: SpareKind, bytes: &[u8]) -> Vec<u8> {
-        let list = match kind {
-            SpareKind::Key => &mut self.keys,
-            SpareKind::Value => &mut self.values,
-        };
-        match list.pop() {
-            Some(mut buf) if fits(buf.capacity(), bytes.len()) => {
-                buf.clear();
-                buf.extend_from_slice(bytes);
-                buf
-            }
-            _ => bytes.to_vec(),
-        }
-    }
-}
-
-/// Whether a buffer of `capacity` may hold `len` bytes: room enough, and not so much that
-/// an item holds memory far beyond the size it is accounted at.
-fn fits(capacity: usize, len: usize) -> bool {
-    capacity >= len && capacity <= 2 * len + 64
-}
-
-/// `bytes` into an item's buffer, in place when it fits them (see `fits`).
-fn refill(buf: &mut Vec<u8>, bytes: &[u8]) {
-    if fits(buf.capacity(), bytes.len()) {
-        buf.clear();
-        buf.extend_from_slice(bytes);
-    } else {
-        *buf = bytes.to_vec();
-    }
-}
 
 /// Which object a test-only corruption hits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,7 +96,7 @@ impl Store {
             slab: Guarded::restore(SLAB_ID, Slab::default()),
             free_chunks: Vec::new(),
             globals: Guarded::restore(GLOBALS_ID, Globals::default()),
-            spare: Spare::default(),
+            spare: Buffers::default(),
         }
     }
 
@@ -404,8 +339,8 @@ impl Store {
             }
             None => {
                 let item = Item {
-                    key: self.spare.take(SpareKind::Key, key),
-                    value: self.spare.take(SpareKind::Value, data),
+                    key: self.spare.copy(key),
+                    value: self.spare.copy(data),
                     flags,
                     exptime_ms: exp,
                     cas,
@@ -970,7 +905,9 @@ impl Store {
             g.bytes = g.bytes.saturating_sub(size);
         }
         if let Some(gone) = self.items[slot as usize].take() {
-            self.spare.keep(gone.into_value());
+            let gone = gone.into_value();
+            self.spare.keep(gone.key);
+            self.spare.keep(gone.value);
         }
         self.links[slot as usize] = None;
         d.record(item_id(slot), GONE);
@@ -1765,9 +1702,9 @@ mod flush_tests {
             assert_eq!(run(&mut s, value(n), 1000), "STORED\r\n");
             n += 1;
         }
-        let kept = s.spare.values.len();
+        let kept = s.spare.len();
         assert!(kept > 0, "an eviction kept no buffer");
-        let (spare_key, spare_value) = (s.spare.keys[kept - 1].as_ptr(), s.spare.values[kept - 1].as_ptr());
+        let (spare_key, spare_value) = (s.spare.next_for(10).unwrap(), s.spare.next_for(400).unwrap());
         let before = s.globals.peek().evictions;
         assert_eq!(run(&mut s, value(n), 1000), "STORED\r\n");
         assert_eq!(s.globals.peek().evictions, before + 1);
@@ -1784,7 +1721,7 @@ mod flush_tests {
             spare_key,
             "the new key is in an evicted item's buffer"
         );
-        assert_eq!(s.spare.values.len(), kept, "one buffer taken, one given back");
+        assert_eq!(s.spare.len(), kept, "buffers taken, as many given back");
         // The bound on spare buffers holds however many items go.
         let flushed_at = 2000;
         run(&mut s, Command::FlushAll { delay: 0 }, flushed_at);
@@ -1792,7 +1729,7 @@ mod flush_tests {
             run(&mut s, get(&format!("key-{k:06}")), flushed_at);
         }
         assert_eq!(s.globals.peek().items, 0);
-        assert!(s.spare.values.len() <= SPARE_BUFFERS && s.spare.keys.len() <= SPARE_BUFFERS);
+        assert!(s.spare.len() <= 2 * crate::buffers::KEPT);
         // A value replaced by a much smaller one does not keep its old buffer.
         let sized = |data: Vec<u8>| Command::Store {
             op: StoreOp::Set,

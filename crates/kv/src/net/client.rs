@@ -10,8 +10,9 @@
 use super::poll::{Interest, Poller};
 use super::{SPENT_BYTES_MAX, SPENT_MAX};
 use crate::binary::{self, Frame, Pending};
+use crate::buffers::Buffers;
 use crate::command::HeldKeys;
-use crate::protocol::{parse, Parsed, Request, LINE_MAX};
+use crate::protocol::{parse_with, Parsed, Request, LINE_MAX};
 use crate::replica::Inbound;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
@@ -116,8 +117,9 @@ impl Client {
     }
 
     /// Read what the socket has (a bounded amount per call, for fairness) and parse it.
-    /// Requests for the replica go to `to_replica`.
-    pub fn on_readable(&mut self, scratch: &mut [u8], to_replica: &mut Vec<Inbound>) {
+    /// Requests for the replica go to `to_replica`, their keys and values into `buffers`'
+    /// spare buffers.
+    pub fn on_readable(&mut self, scratch: &mut [u8], to_replica: &mut Vec<Inbound>, buffers: &mut Buffers) {
         if self.interest.with_write(false) == Interest::NONE {
             // Not watched for input: only a hang-up or an error is reported.
             self.dead = true;
@@ -145,7 +147,7 @@ impl Client {
             let skip = self.swallowing.min(n);
             self.swallowing -= skip;
             self.input.extend_from_slice(&scratch[skip..n]);
-            self.parse_input(to_replica);
+            self.parse_input(to_replica, buffers);
             if n < scratch.len() {
                 break;
             }
@@ -154,7 +156,7 @@ impl Client {
 
     /// Parse buffered input while the pipeline has room (what stays is parsed when replies
     /// drain it).
-    pub fn parse_input(&mut self, to_replica: &mut Vec<Inbound>) {
+    pub fn parse_input(&mut self, to_replica: &mut Vec<Inbound>, buffers: &mut Buffers) {
         if self.protocol == Protocol::Undecided {
             self.protocol = match self.input.first() {
                 None => return,
@@ -166,7 +168,7 @@ impl Client {
         while at < self.input.len() && self.may_parse() {
             let next = match self.protocol {
                 Protocol::Binary => self.next_binary(at, to_replica),
-                _ => self.next_text(at, to_replica),
+                _ => self.next_text(at, to_replica, buffers),
             };
             let Some((step, swallow)) = next else { break };
             at += step;
@@ -188,8 +190,8 @@ impl Client {
 
     /// Parse one text request at `at`: the bytes it took and the bytes to discard after
     /// it, or None when more input is needed.
-    fn next_text(&mut self, at: usize, to_replica: &mut Vec<Inbound>) -> Option<(usize, usize)> {
-        match parse(&self.input[at..], self.item_max) {
+    fn next_text(&mut self, at: usize, to_replica: &mut Vec<Inbound>, buffers: &mut Buffers) -> Option<(usize, usize)> {
+        match parse_with(&self.input[at..], self.item_max, buffers) {
             Parsed::Incomplete => {
                 if self.input.len() - at > LINE_MAX + self.item_max + 2 {
                     self.answer(b"CLIENT_ERROR request too large\r\n".to_vec(), true);
@@ -357,10 +359,10 @@ impl Client {
 
     /// Write what is due; then watch the socket for what this connection needs next.
     /// Returns false when the connection is to be closed.
-    pub fn flush(&mut self, poll: &Poller, token: u64, to_replica: &mut Vec<Inbound>) -> bool {
+    pub fn flush(&mut self, poll: &Poller, token: u64, to_replica: &mut Vec<Inbound>, buffers: &mut Buffers) -> bool {
         // Input held back by the pipeline limit is parsed as replies make room.
         if !self.input.is_empty() && self.may_parse() && self.swallowing == 0 {
-            self.parse_input(to_replica);
+            self.parse_input(to_replica, buffers);
         }
         while self.unsent() > 0 && !self.dead {
             match self.stream.write(&self.out[self.out_at..]) {

@@ -11,6 +11,7 @@ pub mod client;
 pub mod peer;
 pub mod poll;
 
+use crate::buffers::Buffers;
 use crate::replica::Inbound;
 use client::Client;
 use peer::{InLink, InLinks, Incoming, Peers, PEERS_MAX, STRANGERS_MAX, TOKEN_OUT};
@@ -30,13 +31,24 @@ pub type Reply = (u64, u64, Vec<u8>);
 pub const SPENT_MAX: usize = 128;
 pub const SPENT_BYTES_MAX: usize = 16 << 10;
 
+/// Buffers going round between the event loop and the service, so that a request and
+/// its reply cost no allocation in the steady state.
+#[derive(Default)]
+pub struct Recycle {
+    /// Reply buffers the loop has copied out to their connections since the last turn
+    /// (at most `SPENT_MAX`), for the service to write replies into (loop → service).
+    pub replies: Vec<Vec<u8>>,
+    /// Buffers of requests the service is done with (their replies are out), for the
+    /// parser's next requests (service → loop; bounded by `Buffers`).
+    pub requests: Buffers,
+}
+
 /// What the event loop drives.
 pub trait Service {
     /// One round after a burst of input: take the messages from client connections,
     /// order, apply, settle, queue messages to peers, and hand over the replies released
-    /// for this loop's connections. `spent` holds reply buffers the loop has copied out
-    /// since the last turn (at most `SPENT_MAX`), for the service to write replies into.
-    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, spent: &mut Vec<Vec<u8>>) -> Result<(), i32>;
+    /// for this loop's connections, with buffers to reuse both ways (`Recycle`).
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, recycle: &mut Recycle) -> Result<(), i32>;
     /// A frame from replica `from`.
     fn peer_frame(&mut self, from: u64, frame: &[u8]) -> Result<(), i32>;
     /// The outgoing replica links (None for a single replica).
@@ -83,8 +95,8 @@ struct Loop<'a, S: Service> {
     /// Client messages for the replica, handed over after the burst of events.
     to_replica: Vec<Inbound>,
     replies: Vec<Reply>,
-    /// Reply buffers copied out to their connections, handed back at the next turn.
-    spent: Vec<Vec<u8>>,
+    /// Reply buffers copied out, for the service; request buffers, for the parser.
+    recycle: Recycle,
     /// Clients with replies or output to deal with this round.
     touched: Vec<u64>,
     accept_paused_until: Option<Instant>,
@@ -116,7 +128,7 @@ pub fn serve<S: Service>(svc: &mut S, poll: Arc<Poller>, listeners: Listeners) -
         scratch: vec![0; 64 << 10],
         to_replica: Vec::new(),
         replies: Vec::new(),
-        spent: Vec::new(),
+        recycle: Recycle::default(),
         touched: Vec::new(),
         accept_paused_until: None,
     };
@@ -147,7 +159,7 @@ impl<S: Service> Loop<'_, S> {
                 self.on_event(*r)?;
             }
             self.svc
-                .turn(&mut self.to_replica, &mut self.replies, &mut self.spent)?;
+                .turn(&mut self.to_replica, &mut self.replies, &mut self.recycle)?;
             next_round = Instant::now() + self.svc.tick();
             self.answer_clients()?;
             let now = Instant::now();
@@ -166,7 +178,7 @@ impl<S: Service> Loop<'_, S> {
                 let id = r.token & !TOKEN_KIND;
                 if let Some(c) = self.clients.get_mut(&id) {
                     if r.read {
-                        c.on_readable(&mut self.scratch, &mut self.to_replica);
+                        c.on_readable(&mut self.scratch, &mut self.to_replica, &mut self.recycle.requests);
                     }
                     self.touched.push(id);
                 }
@@ -301,8 +313,13 @@ impl<S: Service> Loop<'_, S> {
         touched.dedup();
         for &id in &touched {
             let Some(c) = self.clients.get_mut(&id) else { continue };
-            c.release(Some(&mut self.spent));
-            if !c.flush(&self.poll, TOKEN_CLIENT | id, &mut self.to_replica) {
+            c.release(Some(&mut self.recycle.replies));
+            if !c.flush(
+                &self.poll,
+                TOKEN_CLIENT | id,
+                &mut self.to_replica,
+                &mut self.recycle.requests,
+            ) {
                 self.clients.remove(&id);
                 self.listeners.live.fetch_sub(1, Ordering::Relaxed);
                 self.to_replica.push(Inbound::Closed { conn: id });

@@ -8,12 +8,13 @@
 //! the healthy replicas send REPAIR with the packed objects, and the failed one replaces
 //! them before it applies anything else.
 
+use crate::buffers::Buffers;
 use crate::check::{self, Executed, KeptReply, Outcome, ReplyTo, ReqId, Validator};
 use crate::command::{Command, Decoder};
 use crate::dedupe::Applied;
 use crate::net::peer::Peers;
 use crate::net::poll::Poller;
-use crate::net::{self, Listeners, Reply, Service, SPENT_MAX};
+use crate::net::{self, Listeners, Recycle, Reply, Service, SPENT_MAX};
 use crate::storage::LogStore;
 use crate::store::{Limits, Store, Target};
 use lockstep_core::{Event, EventSink};
@@ -320,6 +321,9 @@ pub struct Replica {
     spare_reply: Vec<u8>,
     /// Buffers of replies the event loop has written out, for our clients' next replies.
     reply_buffers: Vec<Vec<u8>>,
+    /// Buffers of our clients' requests whose replies went out, for the event loop's
+    /// parser (handed over at the end of each turn).
+    request_buffers: Buffers,
     /// Event loops serving this replica (the `threads` stat).
     threads: usize,
     /// memcached's `lru_crawler enable`/`disable` state (this replica's, like memcached's).
@@ -459,16 +463,17 @@ impl Replica {
         &mut self,
         msgs: &mut Vec<Inbound>,
         replies: &mut Vec<Reply>,
-        spent: &mut Vec<Vec<u8>>,
+        recycle: &mut Recycle,
         mine: impl Fn(u64) -> bool,
     ) -> Result<(), i32> {
         let room = SPENT_MAX.saturating_sub(self.reply_buffers.len());
         // (What does not fit is dropped with the drain.)
-        self.reply_buffers.extend(spent.drain(..).take(room));
+        self.reply_buffers.extend(recycle.replies.drain(..).take(room));
         for m in msgs.drain(..) {
             self.handle(m)?;
         }
         self.step()?;
+        recycle.requests.take_from(&mut self.request_buffers);
         self.heartbeat.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if self.replies.iter().all(|r| mine(r.0)) {
             replies.append(&mut self.replies);
@@ -492,7 +497,7 @@ struct SharedReplica {
 }
 
 impl Service for SharedReplica {
-    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, spent: &mut Vec<Vec<u8>>) -> Result<(), i32> {
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, recycle: &mut Recycle) -> Result<(), i32> {
         // A loop that panicked while holding the replica may have left the store
         // half-changed: stop (exit 86) rather than serve from it.
         let mut r = self.shared.lock().map_err(|_| {
@@ -500,7 +505,7 @@ impl Service for SharedReplica {
             lockstep_core::exit::DETECTED
         })?;
         let (index, loops) = (self.index, self.loops);
-        r.turn_for(msgs, replies, spent, |conn| conn % loops == index)
+        r.turn_for(msgs, replies, recycle, |conn| conn % loops == index)
     }
 
     fn peer_frame(&mut self, _: u64, _: &[u8]) -> Result<(), i32> {
@@ -517,8 +522,8 @@ impl Service for SharedReplica {
 }
 
 impl Service for Replica {
-    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, spent: &mut Vec<Vec<u8>>) -> Result<(), i32> {
-        self.turn_for(msgs, replies, spent, |_| true)
+    fn turn(&mut self, msgs: &mut Vec<Inbound>, replies: &mut Vec<Reply>, recycle: &mut Recycle) -> Result<(), i32> {
+        self.turn_for(msgs, replies, recycle, |_| true)
     }
 
     fn peer_frame(&mut self, from: u64, frame: &[u8]) -> Result<(), i32> {
@@ -672,6 +677,7 @@ impl Replica {
             decoder: Decoder::default(),
             spare_reply: Vec::new(),
             reply_buffers: Vec::new(),
+            request_buffers: Buffers::default(),
             threads: 1,
             committed_early: 0,
             crawler_enabled: true,
@@ -764,9 +770,11 @@ impl Replica {
             self.propose_batch();
             return Ok(());
         }
-        let batch = std::mem::take(&mut self.batch);
-        if !batch.is_empty() {
-            let data = self.encode_batch(&batch);
+        if !self.batch.is_empty() {
+            let data = self.encode_batch(&self.batch);
+            for (_, _, cmd) in self.batch.drain(..) {
+                self.request_buffers.keep_command(cmd);
+            }
             self.apply(self.applied + 1, &data)?;
         }
         Ok(())
@@ -816,8 +824,20 @@ impl Replica {
     }
 
     fn send_reply(&mut self, conn: u64, seq: u64, reply: Vec<u8>) {
-        self.inflight.remove(&(conn, seq));
+        self.forget_request(conn, seq);
         self.replies.push((conn, seq, reply));
+    }
+
+    /// Done with our client's request (its reply is decided): whether it was in flight.
+    /// Its command's buffers go to the parser's next requests.
+    fn forget_request(&mut self, conn: u64, seq: u64) -> bool {
+        let Some(f) = self.inflight.remove(&(conn, seq)) else {
+            return false;
+        };
+        if let Some(cmd) = f.cmd {
+            self.request_buffers.keep_command(cmd);
+        }
+        true
     }
 
     fn fatal_io(&mut self, what: &str, e: std::io::Error) -> i32 {
@@ -898,7 +918,7 @@ impl Replica {
             if self.raft.is_some() && !self.applied_tags.first_time((origin, incarnation, conn, seq)) {
                 continue;
             }
-            let to = (mine && self.inflight.remove(&(conn, seq)).is_some()).then_some(ReplyTo { conn, seq });
+            let to = (mine && self.forget_request(conn, seq)).then_some(ReplyTo { conn, seq });
             self.delta.clear();
             // Our client's reply gets a buffer of its own (it leaves with the client, and
             // comes back once written out); another replica's client's goes into the
