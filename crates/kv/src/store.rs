@@ -122,8 +122,9 @@ impl Store {
     /// failed object check the command stops where it is; the reply is then an error that
     /// no client must see (the cross-check will disagree with it), and the delta names the
     /// object.
-    /// A store command's value moves into the item (its `data` is left empty): a
-    /// request's value is copied once, from the log into the command, not again here.
+    /// A store command's value is copied into the item, into a buffer of an item that is
+    /// gone where the store has one (`Buffers`): the command stays as it was, for its
+    /// buffers to serve the next command decoded.
     pub fn apply(&mut self, cmd: &Command, now_ms: u64, delta: &mut Delta) -> Vec<u8> {
         let mut reply = Vec::new();
         self.apply_into(cmd, now_ms, delta, &mut reply);
