@@ -129,18 +129,20 @@ impl Buffers {
     }
 
     /// Buffers kept, over every class (key lists count their keys).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.small.len() + self.large.len() + self.key_lists.iter().map(Vec::len).sum::<usize>()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// The buffer `copy` would try next for `len` bytes (for tests of reuse).
-    pub fn next_for(&self, len: usize) -> Option<*const u8> {
-        let list = if len <= SMALL_MAX { &self.small } else { &self.large };
-        list.last().map(|b| b.as_ptr())
+    #[cfg(test)]
+    pub(crate) fn next_for(&mut self, len: usize) -> Option<*const u8> {
+        self.class(len).last().map(|b| b.as_ptr())
     }
 }
 
