@@ -941,9 +941,15 @@ impl Store {
                 }
             }
         };
+        // The chunk just emptied stays for the next free, which would otherwise allocate
+        // it again (a full store frees and allocates a slot per set, at this boundary);
+        // the empty chunk above it, if one stayed, goes: at most one empty chunk lingers.
         if pos % FREE_CHUNK == 0 {
-            self.free_chunks[chunk as usize] = None;
-            d.record(free_chunk_id(chunk), GONE);
+            let above = chunk + 1;
+            if let Some(lingering) = self.free_chunks.get_mut(above as usize).filter(|c| c.is_some()) {
+                *lingering = None;
+                d.record(free_chunk_id(above), GONE);
+            }
         }
         Ok(slot)
     }
@@ -969,7 +975,9 @@ impl Store {
                 c.slots.push(slot);
             }
             None if pos % FREE_CHUNK == 0 => {
-                let c = FreeChunk { slots: vec![slot] };
+                let mut slots = Vec::with_capacity(FREE_CHUNK as usize);
+                slots.push(slot);
+                let c = FreeChunk { slots };
                 self.free_chunks[i] = Some(Guarded::new(free_chunk_id(chunk), c, d));
             }
             None => return Err(free_stack_corrupt(chunk, d)),
