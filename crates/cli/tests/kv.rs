@@ -2966,7 +2966,7 @@ fn a_set_into_a_full_store_takes_a_bounded_number_of_allocations() {
         .iter()
         .map(|&id| Mc::connect(c.port(id)).unwrap())
         .collect();
-    let mut round = |clients: &mut Vec<Mc>, name: &str, r: usize| {
+    let round = |clients: &mut [Mc], name: &str, r: usize| {
         for (n, mc) in clients.iter_mut().enumerate() {
             mc.send(&set_burst((0..BURST).map(|i| format!("{name}{n}-{r}-{i}")), &value));
             for _ in 0..BURST {
