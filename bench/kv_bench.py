@@ -3,7 +3,9 @@
 same run. Usage: bench/kv_bench.py [SECONDS] [ROUNDS]   (default 5 s per point, 3 rounds)
 
 1. Throughput: memcaslap (libmemcached-tools) with 1, 16 and 64 connections (KV_BENCH_CONNS,
-   space-separated, overrides), on at most 2 threads, spread over all replicas, key 64 B,
+   space-separated, overrides), on at most 2 threads, each bound to one server by
+   memcaslap: a cluster's clients reach its leader and one follower, the same roles in
+   every mode (KV_BENCH_SPREAD=all: over every replica; see memcaslap()), key 64 B,
    value 400 B (the paper's value size), for two mixes: 100% set and 90% get. Configurations:
    memcached 1.6 itself (Debian's, -m 64 -c 1024), then CrossCheck's Table IV: single (one
    process, no protection), smr (3 replicas on Raft), gop (+ object checks), crosscheck
@@ -56,6 +58,9 @@ MODES = ["memcached", "single", "smr", "gop", "crosscheck"]
 MIXES = [("set", 0.0), ("90% get", 0.9)]
 PACED_RATE = 500
 CONNS = [int(c) for c in os.environ.get("KV_BENCH_CONNS", "1 16 64").split()]
+SPREAD = os.environ.get("KV_BENCH_SPREAD", "two")
+if SPREAD not in ("two", "all"):
+    raise SystemExit("KV_BENCH_SPREAD is two (the default) or all")
 PORT = 17311
 
 
@@ -126,20 +131,38 @@ def stop(proc):
 
 
 def memcaslap(n, get_ratio, conns, seconds=None, port=PORT):
-    """TPS of memcaslap over the `n` ports from `port` (key 64 B, value 400 B), for
-    `seconds` (SECONDS if None)."""
+    """TPS of memcaslap with `conns` connections to the `n` servers from `port` (key 64 B,
+    value 400 B), for `seconds` (SECONDS if None).
+
+    memcaslap binds each of its threads to one server: one process of 2 threads given a
+    cluster's ports loads the first two only. So the ports are listed by role, the leader
+    first: the same roles carry the clients in every mode (before, which two replicas did
+    depended on the election). KV_BENCH_SPREAD=all instead splits the connections evenly
+    over every replica, one single-threaded memcaslap each, leader first (it takes the
+    remainder), all at once, their TPS added up."""
     seconds = seconds or SECONDS
     with tempfile.NamedTemporaryFile("w", suffix=".cfg", delete=False) as f:
         f.write("key\n64 64 1\nvalue\n400 400 1\ncmd\n0 %.2f\n1 %.2f\n" % (1 - get_ratio, get_ratio))
         cfg = f.name
-    servers = ",".join("127.0.0.1:%d" % (port + i) for i in range(n))
-    out = subprocess.run(["memcaslap", "-s", servers, "-T", str(min(2, conns)), "-c", str(conns), "-t", "%ds" % seconds, "-F", cfg],
-                         capture_output=True, text=True, timeout=seconds + 60).stdout
+    by_role = sorted(range(port, port + n), key=lambda p: n > 1 and "kv_role leader" not in cmd(p, "stats kv"))
+    if n > 1 and SPREAD == "all":
+        share = [conns // n + (1 if i < conns % n else 0) for i in range(n)]
+        runs = [([p], c, 1) for p, c in zip(by_role, share) if c > 0]
+    else:
+        runs = [(by_role, conns, min(2, conns))]
+    procs = [subprocess.Popen(["memcaslap", "-s", ",".join("127.0.0.1:%d" % p for p in ports), "-T", str(threads),
+                               "-c", str(c), "-t", "%ds" % seconds, "-F", cfg],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for ports, c, threads in runs]
+    total = 0
+    for proc in procs:
+        out = proc.communicate(timeout=seconds + 60)[0]
+        lines = [line for line in out.splitlines() if line.startswith("Run time:")]
+        if not lines:
+            raise SystemExit("memcaslap printed no totals:\n" + out)
+        total += int(lines[-1].split("TPS:")[1].split()[0])
     os.unlink(cfg)
-    total = [line for line in out.splitlines() if line.startswith("Run time:")]
-    if not total:
-        raise SystemExit("memcaslap printed no totals:\n" + out)
-    return int(total[-1].split("TPS:")[1].split()[0])
+    return total
 
 
 def paced(port, count=2000):
