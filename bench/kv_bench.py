@@ -155,13 +155,19 @@ def memcaslap(n, get_ratio, conns, seconds=None, port=PORT):
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for ports, c, threads in runs]
     total = 0
-    for proc in procs:
-        out = proc.communicate(timeout=seconds + 60)[0]
-        lines = [line for line in out.splitlines() if line.startswith("Run time:")]
-        if not lines:
-            raise SystemExit("memcaslap printed no totals:\n" + out)
-        total += int(lines[-1].split("TPS:")[1].split()[0])
-    os.unlink(cfg)
+    try:
+        for proc in procs:
+            out = proc.communicate(timeout=seconds + 60)[0]
+            lines = [line for line in out.splitlines() if line.startswith("Run time:")]
+            if not lines:
+                raise SystemExit("memcaslap printed no totals:\n" + out)
+            total += int(lines[-1].split("TPS:")[1].split()[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        os.unlink(cfg)
     return total
 
 

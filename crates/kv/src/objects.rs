@@ -173,6 +173,8 @@ impl Protected for Bucket {
 /// The stack of freed slots lives in `FreeChunk`s of `FREE_CHUNK` slots (chunk `i` holds
 /// stack positions `i * FREE_CHUNK ..`), so that a free or an allocation checks and
 /// rewrites one small chunk, not a stack that a mass delete made as long as the store.
+/// The chunk an allocation empties stays (one empty chunk at most, just above the
+/// stack's top), so that a store that frees and takes a slot per set does not allocate.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Slab {
     /// Freed slots on the stack.

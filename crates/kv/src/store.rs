@@ -1644,6 +1644,55 @@ mod flush_tests {
         assert_eq!(run(&mut restored, set("one-more"), 3000), "STORED\r\n");
     }
 
+    /// A set that takes the last slot of a chunk leaves the chunk in place for the next
+    /// free (a full store frees and takes a slot per set, at that boundary), and at most
+    /// one empty chunk lingers: the free stack's objects stay bounded by what it holds.
+    #[test]
+    fn an_emptied_free_chunk_stays_and_only_one_lingers() {
+        let mut s = Store::new(Limits::default());
+        let chunks = |s: &Store| -> Vec<usize> {
+            let present = s.free_chunks.iter().enumerate().filter(|(_, c)| c.is_some());
+            present.map(|(i, _)| i).collect()
+        };
+        let delete = |key: &str| Command::Delete {
+            key: key.as_bytes().to_vec(),
+        };
+        for i in 0..200 {
+            run(&mut s, set(&format!("k{i}")), 1000);
+        }
+        // 130 frees fill chunks 0 and 1 and start chunk 2.
+        for i in 0..130 {
+            assert_eq!(run(&mut s, delete(&format!("k{i}")), 1000), "DELETED\r\n");
+        }
+        assert_eq!(chunks(&s), [0, 1, 2]);
+        // Taking 2 slots empties chunk 2, which stays.
+        run(&mut s, set("a"), 1000);
+        run(&mut s, set("b"), 1000);
+        assert_eq!(chunks(&s), [0, 1, 2]);
+        // Emptying chunk 1 lets chunk 2 go; chunk 1 stays.
+        for i in 0..64 {
+            run(&mut s, set(&format!("c{i}")), 1000);
+        }
+        assert_eq!(chunks(&s), [0, 1]);
+        // Free and take one slot, many times, at that boundary: nothing comes or goes.
+        for i in 0..100 {
+            run(&mut s, delete(&format!("k{}", 130 + i % 70)), 1000);
+            assert_eq!(chunks(&s), [0, 1]);
+            run(&mut s, set(&format!("k{}", 130 + i % 70)), 1000);
+            assert_eq!(chunks(&s), [0, 1]);
+        }
+        // Down to an empty stack: only chunk 0 is left, empty, and a restored store has
+        // the same objects.
+        for i in 0..64 {
+            run(&mut s, set(&format!("d{i}")), 1000);
+        }
+        assert_eq!(chunks(&s), [0]);
+        assert_eq!(s.slot_count(), 200, "every new item took a freed slot");
+        let restored = Store::restore(Limits::default(), &s.snapshot()).unwrap();
+        assert_eq!(restored.digest(), s.digest());
+        assert_eq!(chunks(&restored), [0]);
+    }
+
     /// An item's links carry its key hash and size (an eviction reads only them): after
     /// stores, replaces, appends, prepends, counters that grow, deletes and evictions,
     /// every item's links agree with the item, and the sizes add up to the store's bytes.
