@@ -2858,7 +2858,6 @@ fn a_request_takes_a_bounded_number_of_allocations() {
     let leader = c.leader();
     let follower = (1..=3).find(|&id| id != leader).unwrap();
     let value = [b'v'; 400];
-    let counts = allocation_counts;
     let mut clients: Vec<Mc> = [leader, follower]
         .iter()
         .map(|&id| Mc::connect(c.port(id)).unwrap())
@@ -2869,7 +2868,7 @@ fn a_request_takes_a_bounded_number_of_allocations() {
             assert_eq!(mc.set(&format!("warm{n}-{i}"), &value), "STORED");
         }
     }
-    let before = counts(&c);
+    let before = allocation_counts(&c);
     for (n, mc) in clients.iter_mut().enumerate() {
         for i in 0..REQUESTS / 4 {
             let key = format!("key{n}-{i}");
@@ -2877,7 +2876,7 @@ fn a_request_takes_a_bounded_number_of_allocations() {
             assert_eq!(mc.get(&key).as_deref(), Some(&value[..]));
         }
     }
-    let after = counts(&c);
+    let after = allocation_counts(&c);
     for (id, (b, a)) in (1..=3).zip(before.iter().zip(&after)) {
         let per_request = (a - b) as f64 / REQUESTS as f64;
         eprintln!("replica {id}: {per_request:.1} allocations per request");
@@ -2890,7 +2889,7 @@ fn a_request_takes_a_bounded_number_of_allocations() {
     // Pipelined: bursts of sets then gets of the same keys, through both replicas.
     const BURST: usize = 50;
     const BURSTS: usize = 8;
-    let before = counts(&c);
+    let before = allocation_counts(&c);
     for round in 0..BURSTS {
         for (n, mc) in clients.iter_mut().enumerate() {
             let mut burst = set_burst((0..BURST).map(|i| format!("key{n}-{i}")), &value);
@@ -2908,16 +2907,15 @@ fn a_request_takes_a_bounded_number_of_allocations() {
             }
         }
     }
-    let after = counts(&c);
+    let after = allocation_counts(&c);
     let requests = (2 * 2 * BURST * BURSTS) as f64;
-    for (id, (b, a)) in (1..=3).zip(before.iter().zip(&after)) {
-        let per_request = (a - b) as f64 / requests;
-        eprintln!("replica {id}: {per_request:.2} allocations per pipelined request");
-        assert!(
-            per_request <= ALLOCATIONS_PER_PIPELINED_REQUEST,
-            "replica {id}: {per_request:.2} allocations per pipelined request (bound {ALLOCATIONS_PER_PIPELINED_REQUEST})"
-        );
-    }
+    assert_allocations_per_request(
+        &before,
+        &after,
+        requests,
+        ALLOCATIONS_PER_PIPELINED_REQUEST,
+        "pipelined request",
+    );
 }
 
 /// Every replica's count of heap allocations so far (`stats kv`).
@@ -2935,6 +2933,19 @@ fn allocation_counts(c: &Cluster) -> Vec<u64> {
         "the counting allocator is not installed: {counts:?}"
     );
     counts
+}
+
+/// Every replica made at most `bound` allocations per request (`what`) between the
+/// counts `before` and `after`, over `requests` requests.
+fn assert_allocations_per_request(before: &[u64], after: &[u64], requests: f64, bound: f64, what: &str) {
+    for (id, (b, a)) in (1..=3).zip(before.iter().zip(after)) {
+        let per_request = (a - b) as f64 / requests;
+        eprintln!("replica {id}: {per_request:.2} allocations per {what}");
+        assert!(
+            per_request <= bound,
+            "replica {id}: {per_request:.2} allocations per {what} (bound {bound})"
+        );
+    }
 }
 
 /// Pipelined `set`s of `keys`, each to `value`.
@@ -2993,12 +3004,11 @@ fn a_set_into_a_full_store_takes_a_bounded_number_of_allocations() {
         evicted >= requests * 9 / 10,
         "{evicted} evictions for {requests} sets: the store is not full"
     );
-    for (id, (b, a)) in (1..=3).zip(before.iter().zip(&after)) {
-        let per_request = (a - b) as f64 / requests as f64;
-        eprintln!("replica {id}: {per_request:.2} allocations per set into a full store");
-        assert!(
-            per_request <= ALLOCATIONS_PER_EVICTING_SET,
-            "replica {id}: {per_request:.2} allocations per set into a full store (bound {ALLOCATIONS_PER_EVICTING_SET})"
-        );
-    }
+    assert_allocations_per_request(
+        &before,
+        &after,
+        requests as f64,
+        ALLOCATIONS_PER_EVICTING_SET,
+        "set into a full store",
+    );
 }

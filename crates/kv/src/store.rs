@@ -946,7 +946,7 @@ impl Store {
         // the empty chunk above it, if one stayed, goes: at most one empty chunk lingers.
         if pos % FREE_CHUNK == 0 {
             let above = chunk + 1;
-            if let Some(lingering) = self.free_chunks.get_mut(above as usize).filter(|c| c.is_some()) {
+            if let Some(lingering @ Some(_)) = self.free_chunks.get_mut(above as usize) {
                 *lingering = None;
                 d.record(free_chunk_id(above), GONE);
             }
