@@ -2855,13 +2855,8 @@ const ALLOCATIONS_PER_PIPELINED_REQUEST: f64 = 1.5;
 fn a_request_takes_a_bounded_number_of_allocations() {
     const REQUESTS: u64 = 400;
     let c = Cluster::start(3, &["--no-fsync"]);
-    let leader = c.leader();
-    let follower = (1..=3).find(|&id| id != leader).unwrap();
     let value = [b'v'; 400];
-    let mut clients: Vec<Mc> = [leader, follower]
-        .iter()
-        .map(|&id| Mc::connect(c.port(id)).unwrap())
-        .collect();
+    let mut clients = leader_and_follower_clients(&c);
     // Warm-up: tables, buffers and the log reach their working sizes.
     for (n, mc) in clients.iter_mut().enumerate() {
         for i in 0..100 {
@@ -2918,6 +2913,16 @@ fn a_request_takes_a_bounded_number_of_allocations() {
     );
 }
 
+/// A client of the leader and one of a follower, in that order.
+fn leader_and_follower_clients(c: &Cluster) -> Vec<Mc> {
+    let leader = c.leader();
+    let follower = (1..=3).find(|&id| id != leader).unwrap();
+    [leader, follower]
+        .iter()
+        .map(|&id| Mc::connect(c.port(id)).unwrap())
+        .collect()
+}
+
 /// Every replica's count of heap allocations so far (`stats kv`).
 fn allocation_counts(c: &Cluster) -> Vec<u64> {
     let counts: Vec<u64> = (1..=3)
@@ -2971,12 +2976,8 @@ fn a_set_into_a_full_store_takes_a_bounded_number_of_allocations() {
     const BURST: usize = 50;
     let c = Cluster::start(3, &["--no-fsync", "--memory-limit", "1"]);
     let leader = c.leader();
-    let follower = (1..=3).find(|&id| id != leader).unwrap();
     let value = [b'v'; 400];
-    let mut clients: Vec<Mc> = [leader, follower]
-        .iter()
-        .map(|&id| Mc::connect(c.port(id)).unwrap())
-        .collect();
+    let mut clients = leader_and_follower_clients(&c);
     let round = |clients: &mut [Mc], name: &str, r: usize| {
         for (n, mc) in clients.iter_mut().enumerate() {
             mc.send(&set_burst((0..BURST).map(|i| format!("{name}{n}-{r}-{i}")), &value));
